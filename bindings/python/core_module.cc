@@ -1,0 +1,151 @@
+// pybind11 module shoal._core: a thin layer over the C ABI of libshoal.so.
+// Tensors arrive as (address, dtype code, shape); the Python side keeps them alive.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "shoal/c_api.h"
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr size_t kErrLen = 4096;
+py::object g_shoal_error;
+
+[[noreturn]] void Raise(int code, const char* msg) {
+  switch (code) {
+    case SHOAL_INVALID_ARGUMENT:
+    case SHOAL_DUPLICATE_NAME:
+    case SHOAL_UNKNOWN_HANDLE:
+      throw py::value_error(msg);
+    default:
+      PyErr_SetString(g_shoal_error.ptr(), msg);
+      throw py::error_already_set();
+  }
+}
+
+void Check(int code, const char* msg) {
+  if (code != SHOAL_OK) Raise(code, msg);
+}
+
+int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
+                const std::vector<int64_t>& shape, uintptr_t output, int reduce_op, int root,
+                const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
+                double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
+                const std::vector<double>& send_weights) {
+  shoal_op_desc d{};
+  d.op = op;
+  d.name = name.c_str();
+  d.input.data = reinterpret_cast<void*>(input);
+  d.input.dtype = dtype;
+  d.input.ndim = static_cast<int32_t>(shape.size());
+  d.input.shape = shape.data();
+  d.output = d.input;
+  d.output.data = reinterpret_cast<void*>(output);
+  d.reduce_op = reduce_op;
+  d.root_rank = root;
+  d.n_recv = static_cast<int32_t>(recv_ranks.size());
+  d.recv_ranks = recv_ranks.data();
+  d.recv_weights = recv_weights.empty() ? nullptr : recv_weights.data();
+  d.self_weight = self_weight;
+  d.uniform = uniform;
+  d.n_send = static_cast<int32_t>(send_ranks.size());
+  d.send_ranks = send_ranks.data();
+  d.send_weights = send_weights.empty() ? nullptr : send_weights.data();
+  int64_t handle = 0;
+  char err[kErrLen];
+  Check(shoal_enqueue(&d, &handle, err, kErrLen), err);
+  return handle;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "Shoal runtime (C++ core over MPI); use the shoal package, not this module.";
+  g_shoal_error = py::reinterpret_borrow<py::object>(
+      py::exception<std::runtime_error>(m, "ShoalError", PyExc_RuntimeError).ptr());
+  m.attr("ShoalError").attr("__doc__") =
+      "A runtime failure of a Shoal op: ranks disagree (shape, dtype, op, root), a peer "
+      "stalled or died, or Shoal was shut down. Subclass of RuntimeError.";
+
+  m.def("init", [] {
+    char err[kErrLen];
+    int rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = shoal_init(err, kErrLen);
+    }
+    Check(rc, err);
+  });
+  m.def("shutdown", [] {
+    py::gil_scoped_release nogil;
+    shoal_shutdown();
+  });
+  m.def("finalize_mpi", [] {
+    py::gil_scoped_release nogil;
+    shoal_finalize_mpi();
+  });
+  m.def("is_initialized", [] { return shoal_is_initialized() != 0; });
+  m.def("rank", &shoal_rank);
+  m.def("size", &shoal_size);
+  m.def("local_rank", &shoal_local_rank);
+  m.def("local_size", &shoal_local_size);
+  m.def("machine_rank", &shoal_machine_rank);
+  m.def("machine_size", &shoal_machine_size);
+  m.def("is_homogeneous", [] { return shoal_is_homogeneous() == 1; });
+  m.def("mpi_threads_supported", [] { return shoal_mpi_threads_supported() == 1; });
+  m.def("mpi_library_version", [] {
+    char buf[8192];
+    shoal_mpi_library_version(buf, sizeof buf);
+    return std::string(buf);
+  });
+  m.def("enqueue", &Enqueue, py::arg("op"), py::arg("name"), py::arg("input"), py::arg("dtype"),
+        py::arg("shape"), py::arg("output"), py::arg("reduce_op") = 0, py::arg("root") = 0,
+        py::arg("recv_ranks") = std::vector<int32_t>{}, py::arg("recv_weights") = std::vector<double>{},
+        py::arg("self_weight") = 1.0, py::arg("uniform") = true,
+        py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("send_weights") = std::vector<double>{});
+  m.def("poll", [](int64_t h) {
+    int r = shoal_poll(h);
+    if (r < 0) Raise(-r, ("unknown handle " + std::to_string(h)).c_str());
+    return r == 1;
+  });
+  m.def("wait", [](int64_t h) {
+    char err[kErrLen];
+    int rc;
+    {
+      py::gil_scoped_release nogil;  // blocks on a condition variable, no spinning
+      rc = shoal_wait(h, err, kErrLen);
+    }
+    Check(rc, err);
+  });
+  m.def("take_result", [](int64_t h) {
+    void* data = nullptr;
+    size_t nbytes = 0;
+    int32_t ndim = 0;
+    int64_t shape[32];
+    Check(shoal_take_result(h, &data, &nbytes, &ndim, shape), "no result for this handle");
+    py::capsule owner(data, [](void* p) { shoal_free_buffer(p); });
+    py::array_t<uint8_t> bytes({static_cast<py::ssize_t>(nbytes)}, {1}, static_cast<uint8_t*>(data), owner);
+    return py::make_tuple(bytes, std::vector<int64_t>(shape, shape + ndim));
+  });
+  m.def("release", [](int64_t h) { shoal_release(h); });
+  m.def("stats", [] {
+    char buf[kErrLen];
+    Check(shoal_stats(buf, kErrLen), buf);
+    py::dict d;
+    std::string s(buf);
+    size_t at = 0;
+    while (at < s.size()) {
+      size_t eol = s.find('\n', at), eq = s.find('=', at);
+      if (eol == std::string::npos) eol = s.size();
+      d[py::str(s.substr(at, eq - at))] = std::stoll(s.substr(eq + 1, eol - eq - 1));
+      at = eol + 1;
+    }
+    return d;
+  });
+  m.def("reset_stats", &shoal_reset_stats);
+}

@@ -1,0 +1,117 @@
+/* Shoal C ABI: the only interface between libshoal.so and its bindings.
+ * No C++ types cross it; every call that can fail returns a shoal_status and
+ * writes a message into a caller-provided buffer. */
+#ifndef SHOAL_C_API_H_
+#define SHOAL_C_API_H_
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
+
+typedef enum {
+  SHOAL_OK = 0,
+  SHOAL_INVALID_ARGUMENT = 1, /* bad argument at the call: ValueError */
+  SHOAL_MISMATCH = 2,         /* ranks disagree (shape, dtype, op, root...): ShoalError */
+  SHOAL_ABORTED = 3,          /* shut down, stalled or dead peer, MPI failure: ShoalError */
+  SHOAL_NOT_INITIALIZED = 4,  /* called before init() or after shutdown() */
+  SHOAL_UNKNOWN_HANDLE = 5,
+  SHOAL_DUPLICATE_NAME = 6    /* a second in-flight op with the same name: ValueError */
+} shoal_status;
+
+typedef enum {
+  SHOAL_FLOAT16 = 0, SHOAL_BFLOAT16 = 1, SHOAL_FLOAT32 = 2, SHOAL_FLOAT64 = 3,
+  SHOAL_INT8 = 4, SHOAL_UINT8 = 5, SHOAL_INT16 = 6, SHOAL_INT32 = 7, SHOAL_INT64 = 8,
+  SHOAL_BOOL = 9
+} shoal_dtype;
+
+typedef enum { SHOAL_DEVICE_CPU = 0, SHOAL_DEVICE_CUDA = 1 } shoal_device_type;
+
+typedef enum {
+  SHOAL_OP_ALLREDUCE = 0, SHOAL_OP_BROADCAST = 1, SHOAL_OP_ALLGATHER = 2,
+  SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4
+} shoal_op_type;
+
+typedef enum { SHOAL_REDUCE_SUM = 0, SHOAL_REDUCE_AVERAGE = 1 } shoal_reduce_op;
+
+/* A dense, C-contiguous tensor. `stream` and `ready_event` (CUDA) let the core
+ * wait for the producer without a device-wide synchronisation; CPU tensors pass NULL. */
+typedef struct {
+  void* data;
+  int32_t dtype;        /* shoal_dtype */
+  int32_t ndim;
+  const int64_t* shape; /* ndim entries; ndim == 0 is a scalar */
+  int32_t device_type;  /* shoal_device_type */
+  int32_t device_id;
+  void* stream;
+  void* ready_event;
+} shoal_tensor;
+
+typedef struct {
+  int32_t op;          /* shoal_op_type */
+  const char* name;    /* NULL or "" for a deterministic generated name */
+  shoal_tensor input;
+  shoal_tensor output; /* same shape/dtype as input; may alias it. Unused by allgather/barrier */
+  int32_t reduce_op;   /* allreduce */
+  int32_t root_rank;   /* broadcast */
+  /* neighbor_allreduce: receive from recv_ranks, combine
+   *   uniform:  (x + sum_j x_j) / (n_recv + 1)      (sum then divide: exact)
+   *   else:     self_weight * x + sum_j recv_weights[j] * x_j
+   * and send x * send_weights[k] (NULL: 1.0) to send_ranks[k]. */
+  int32_t n_recv;
+  const int32_t* recv_ranks;
+  const double* recv_weights;
+  double self_weight;
+  int32_t uniform;
+  int32_t n_send;
+  const int32_t* send_ranks;
+  const double* send_weights;
+} shoal_op_desc;
+
+int shoal_init(char* err, size_t err_len);
+int shoal_shutdown(void);
+int shoal_is_initialized(void);
+/* MPI_Finalize if Shoal initialised MPI; call once at process exit. */
+void shoal_finalize_mpi(void);
+
+/* -1 when not initialised. */
+int shoal_rank(void);
+int shoal_size(void);
+int shoal_local_rank(void);
+int shoal_local_size(void);
+int shoal_machine_rank(void);
+int shoal_machine_size(void);
+int shoal_is_homogeneous(void);
+int shoal_mpi_threads_supported(void);
+/* Writes e.g. "MPICH 5.0.2" into buf. */
+void shoal_mpi_library_version(char* buf, size_t len);
+
+int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t err_len);
+/* 1 when complete, 0 while pending, -SHOAL_UNKNOWN_HANDLE for an unknown handle. */
+int shoal_poll(int64_t handle);
+/* Blocks (no spinning) until complete; returns the op's status and message. The
+ * handle stays valid until shoal_release. */
+int shoal_wait(int64_t handle, char* err, size_t err_len);
+/* Results the core allocated (allgather): ownership moves to the caller, who frees
+ * the buffer with shoal_free_buffer. shape must hold 32 entries. */
+int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape);
+void shoal_free_buffer(void* data);
+int shoal_release(int64_t handle);
+
+/* Counters as "key=value" lines. */
+int shoal_stats(char* buf, size_t len);
+void shoal_reset_stats(void);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SHOAL_C_API_H_ */

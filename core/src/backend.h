@@ -1,0 +1,52 @@
+// The communication engine the runtime drives. Every call is made from the one
+// background thread; every operation is asynchronous and completes through a
+// callback from Progress(), so the loop never blocks on a slow peer.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "config.h"
+
+namespace shoal {
+
+using Callback = std::function<void(const Status&)>;
+using Bytes = std::shared_ptr<std::vector<char>>;
+
+struct WorldInfo {
+  int rank = 0, size = 1, local_rank = 0, local_size = 1;
+  int machine_rank = 0, machine_size = 1;
+  bool homogeneous = true;
+  bool threads_multiple = true;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const WorldInfo& world() const = 0;
+
+  // Point-to-point messages (control plane and neighbor data).
+  virtual void Send(int dst, int tag, Bytes msg, Callback done) = 0;
+  // Takes one waiting message with `tag` from any rank; false if none.
+  virtual bool Receive(int tag, int* src, std::vector<char>* msg, Status* st) = 0;
+
+  // Collectives; every rank starts them in the same order.
+  virtual void Allreduce(void* buf, int64_t count, int dtype, Callback done) = 0;
+  virtual void Broadcast(void* buf, int64_t count, int dtype, int root, Callback done) = 0;
+  virtual void Allgatherv(const void* send, int64_t count, void* recv,
+                          const std::vector<int64_t>& counts, int dtype, Callback done) = 0;
+  virtual void Barrier(Callback done) = 0;
+
+  // Completes finished operations (running their callbacks); true if any finished.
+  virtual bool Progress() = 0;
+  virtual size_t num_in_flight() const = 0;
+};
+
+// MPI engine: initialises MPI if nobody has, duplicates its communicators.
+std::unique_ptr<Backend> CreateMpiBackend(const Config& cfg, Status* st);
+void FinalizeMpiIfOwned();
+std::string MpiLibraryVersion();
+
+}  // namespace shoal

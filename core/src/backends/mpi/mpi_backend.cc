@@ -1,0 +1,226 @@
+// MPI implementation of Backend: nonblocking collectives and point-to-point on
+// communicators duplicated from MPI_COMM_WORLD (errors return, never abort).
+#include <mpi.h>
+
+#include <climits>
+#include <list>
+
+#include "../../backend.h"
+
+namespace shoal {
+namespace {
+
+bool g_we_initialized_mpi = false;
+
+std::string MpiError(int code, const char* what) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, msg, &len);
+  return std::string(what) + " failed: " + std::string(msg, len);
+}
+
+MPI_Datatype ReduceType(int dtype) {
+  switch (dtype) {
+    case SHOAL_FLOAT32: return MPI_FLOAT;
+    case SHOAL_FLOAT64: return MPI_DOUBLE;
+    case SHOAL_INT8: return MPI_INT8_T;
+    case SHOAL_UINT8: return MPI_UINT8_T;
+    case SHOAL_INT16: return MPI_INT16_T;
+    case SHOAL_INT32: return MPI_INT32_T;
+    case SHOAL_INT64: return MPI_INT64_T;
+  }
+  throw std::invalid_argument(std::string("no MPI sum for ") + DtypeName(dtype));
+}
+
+// Data movement only needs the element width.
+MPI_Datatype MoveType(int dtype) {
+  switch (DtypeSize(dtype)) {
+    case 1: return MPI_UINT8_T;
+    case 2: return MPI_UINT16_T;
+    case 4: return MPI_UINT32_T;
+    default: return MPI_UINT64_T;
+  }
+}
+
+int CheckedCount(int64_t n) {
+  if (n > INT_MAX) throw std::invalid_argument("tensor has more than 2^31-1 elements");
+  return static_cast<int>(n);
+}
+
+class MpiBackend : public Backend {
+ public:
+  MpiBackend(const Config& cfg, Status* st) {
+    int inited = 0, finalized = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&finalized);
+    if (finalized) {
+      *st = Status::Error(SHOAL_ABORTED, "MPI was already finalized; Shoal cannot start again in this process");
+      return;
+    }
+    int provided = 0;
+    if (!inited) {
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      g_we_initialized_mpi = true;
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    info_.threads_multiple = provided == MPI_THREAD_MULTIPLE;
+    MPI_Comm_dup(MPI_COMM_WORLD, &ctrl_);
+    MPI_Comm_dup(MPI_COMM_WORLD, &coll_);
+    for (MPI_Comm c : {ctrl_, coll_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(ctrl_, &info_.rank);
+    MPI_Comm_size(ctrl_, &info_.size);
+    if (cfg.ranks_per_machine > 0)
+      MPI_Comm_split(ctrl_, info_.rank / cfg.ranks_per_machine, info_.rank, &local_);
+    else
+      MPI_Comm_split_type(ctrl_, MPI_COMM_TYPE_SHARED, info_.rank, MPI_INFO_NULL, &local_);
+    MPI_Comm_rank(local_, &info_.local_rank);
+    MPI_Comm_size(local_, &info_.local_size);
+    // Homogeneous: equal local sizes and contiguous placement (rank = m*L + l).
+    int mine[2] = {info_.local_size, info_.rank % info_.local_size == info_.local_rank};
+    std::vector<int> all(2 * info_.size);
+    MPI_Allgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, ctrl_);
+    info_.homogeneous = true;
+    for (int r = 0; r < info_.size; ++r)
+      info_.homogeneous &= all[2 * r] == info_.local_size && all[2 * r + 1];
+    info_.machine_size = info_.size / info_.local_size;
+    info_.machine_rank = info_.rank / info_.local_size;
+  }
+
+  ~MpiBackend() override {
+    // Requests still open here belong to peers that never answered; freeing the
+    // communicators defers to MPI, which completes or discards them.
+    for (MPI_Comm* c : {&ctrl_, &coll_, &local_})
+      if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+  }
+
+  const WorldInfo& world() const override { return info_; }
+
+  void Send(int dst, int tag, Bytes msg, Callback done) override {
+    Op op;
+    op.keep = msg;
+    op.done = std::move(done);
+    op.what = "MPI_Isend to rank " + std::to_string(dst);
+    Start(std::move(op), [&](MPI_Request* r) {
+      return MPI_Isend(msg->data(), CheckedCount(msg->size()), MPI_BYTE, dst, tag, ctrl_, r);
+    });
+  }
+
+  bool Receive(int tag, int* src, std::vector<char>* msg, Status* st) override {
+    int flag = 0;
+    MPI_Message m;
+    MPI_Status s;
+    int rc = MPI_Improbe(MPI_ANY_SOURCE, tag, ctrl_, &flag, &m, &s);
+    if (rc != MPI_SUCCESS) {
+      *st = Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Improbe"));
+      return false;
+    }
+    if (!flag) return false;
+    int count = 0;
+    MPI_Get_count(&s, MPI_BYTE, &count);
+    msg->resize(count);
+    // A matched message: its sender is already sending, so this cannot deadlock.
+    rc = MPI_Mrecv(msg->data(), count, MPI_BYTE, &m, &s);
+    *src = s.MPI_SOURCE;
+    if (rc != MPI_SUCCESS) *st = Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Mrecv"));
+    return true;
+  }
+
+  void Allreduce(void* buf, int64_t count, int dtype, Callback done) override {
+    Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM, coll_, r);
+    });
+  }
+
+  void Broadcast(void* buf, int64_t count, int dtype, int root, Callback done) override {
+    Start(Op{{}, std::move(done), "MPI_Ibcast"}, [&](MPI_Request* r) {
+      return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, coll_, r);
+    });
+  }
+
+  void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts,
+                  int dtype, Callback done) override {
+    auto c = std::make_shared<std::vector<int>>(counts.size());
+    auto d = std::make_shared<std::vector<int>>(counts.size());
+    int64_t off = 0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      (*c)[i] = CheckedCount(counts[i]);
+      (*d)[i] = CheckedCount(off);
+      off += counts[i];
+    }
+    Callback keep_alive = [c, d, done = std::move(done)](const Status& s) { done(s); };
+    Start(Op{{}, std::move(keep_alive), "MPI_Iallgatherv"}, [&](MPI_Request* r) {
+      return MPI_Iallgatherv(send, CheckedCount(count), MoveType(dtype), recv, c->data(),
+                             d->data(), MoveType(dtype), coll_, r);
+    });
+  }
+
+  void Barrier(Callback done) override {
+    Start(Op{{}, std::move(done), "MPI_Ibarrier"},
+          [&](MPI_Request* r) { return MPI_Ibarrier(coll_, r); });
+  }
+
+  bool Progress() override {
+    bool any = false;
+    for (auto it = ops_.begin(); it != ops_.end();) {
+      int flag = 0;
+      int rc = MPI_Test(&it->req, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS || flag) {
+        Op op = std::move(*it);
+        it = ops_.erase(it);
+        op.done(rc == MPI_SUCCESS ? Status::Ok() : Status::Error(SHOAL_ABORTED, MpiError(rc, op.what.c_str())));
+        any = true;
+      } else {
+        ++it;
+      }
+    }
+    return any;
+  }
+
+  size_t num_in_flight() const override { return ops_.size(); }
+
+ private:
+  struct Op {
+    Bytes keep;
+    Callback done;
+    std::string what;
+    MPI_Request req = MPI_REQUEST_NULL;
+  };
+
+  template <typename F> void Start(Op op, F&& start) {
+    int rc = start(&op.req);
+    if (rc != MPI_SUCCESS) {
+      op.done(Status::Error(SHOAL_ABORTED, MpiError(rc, op.what.c_str())));
+      return;
+    }
+    ops_.push_back(std::move(op));
+  }
+
+  WorldInfo info_;
+  MPI_Comm ctrl_ = MPI_COMM_NULL, coll_ = MPI_COMM_NULL, local_ = MPI_COMM_NULL;
+  std::list<Op> ops_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> CreateMpiBackend(const Config& cfg, Status* st) {
+  auto b = std::make_unique<MpiBackend>(cfg, st);
+  if (!st->ok()) return nullptr;
+  return b;
+}
+
+void FinalizeMpiIfOwned() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (g_we_initialized_mpi && !finalized) MPI_Finalize();
+  g_we_initialized_mpi = false;
+}
+
+std::string MpiLibraryVersion() {
+  char v[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  MPI_Get_library_version(v, &len);
+  return std::string(v, len);
+}
+
+}  // namespace shoal

@@ -1,0 +1,144 @@
+// The C ABI over the one Runtime of this process.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "backend.h"
+#include "runtime.h"
+
+using shoal::Runtime;
+using shoal::Status;
+
+namespace {
+
+std::mutex g_mu;                    // guards init/shutdown
+std::shared_ptr<Runtime> g_runtime;  // the one runtime object
+
+std::shared_ptr<Runtime> Current() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_runtime;
+}
+
+int Report(const Status& st, char* err, size_t len) {
+  if (err && len) {
+    size_t n = std::min(len - 1, st.message.size());
+    std::memcpy(err, st.message.data(), n);
+    err[n] = 0;
+  }
+  return st.code;
+}
+
+Status NotInitialized() {
+  return Status::Error(SHOAL_NOT_INITIALIZED, "Shoal is not initialized; call shoal.init() first");
+}
+
+template <typename F> int WorldField(F f) {
+  auto rt = Current();
+  return rt ? f(rt->world()) : -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+int shoal_init(char* err, size_t len) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_runtime) return SHOAL_OK;
+  try {
+    shoal::Config cfg = shoal::Config::FromEnvironment();
+    Status st;
+    auto backend = shoal::CreateMpiBackend(cfg, &st);
+    if (!st.ok()) return Report(st, err, len);
+    shoal::SetLogContext(backend->world().rank, cfg.log_level);
+    shoal::Log(shoal::LOG_DEBUG, "configuration: " + cfg.ToString());
+    if (!backend->world().threads_multiple)
+      shoal::Log(shoal::LOG_WARNING, "MPI was initialised without MPI_THREAD_MULTIPLE; do not call MPI from other threads while Shoal runs");
+    g_runtime = std::make_shared<Runtime>(cfg, std::move(backend));
+  } catch (const std::exception& ex) {
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_shutdown(void) {
+  std::shared_ptr<Runtime> rt;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    rt.swap(g_runtime);
+  }
+  if (rt) rt->Stop();  // wakes waiters with an error; they drop their references
+  return SHOAL_OK;
+}
+
+int shoal_is_initialized(void) { return Current() ? 1 : 0; }
+void shoal_finalize_mpi(void) {
+  shoal_shutdown();
+  shoal::FinalizeMpiIfOwned();
+}
+
+int shoal_rank(void) { return WorldField([](auto& w) { return w.rank; }); }
+int shoal_size(void) { return WorldField([](auto& w) { return w.size; }); }
+int shoal_local_rank(void) { return WorldField([](auto& w) { return w.local_rank; }); }
+int shoal_local_size(void) { return WorldField([](auto& w) { return w.local_size; }); }
+int shoal_machine_rank(void) { return WorldField([](auto& w) { return w.machine_rank; }); }
+int shoal_machine_size(void) { return WorldField([](auto& w) { return w.machine_size; }); }
+int shoal_is_homogeneous(void) { return WorldField([](auto& w) { return w.homogeneous ? 1 : 0; }); }
+int shoal_mpi_threads_supported(void) { return WorldField([](auto& w) { return w.threads_multiple ? 1 : 0; }); }
+
+void shoal_mpi_library_version(char* buf, size_t len) {
+  Report(Status::Error(0, shoal::MpiLibraryVersion()), buf, len);
+}
+
+int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), err, len);
+  try {
+    *handle = rt->Enqueue(*desc);
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_poll(int64_t handle) {
+  auto rt = Current();
+  return rt ? rt->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_wait(int64_t handle, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), err, len);
+  return Report(rt->Wait(handle), err, len);
+}
+
+int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape) {
+  auto rt = Current();
+  auto e = rt ? rt->Find(handle) : nullptr;
+  if (!e || !e->done) return SHOAL_UNKNOWN_HANDLE;
+  *data = e->result;
+  *nbytes = e->result_nbytes;
+  *ndim = static_cast<int32_t>(e->result_shape.size());
+  std::copy(e->result_shape.begin(), e->result_shape.end(), shape);
+  e->result = nullptr;
+  return SHOAL_OK;
+}
+
+void shoal_free_buffer(void* data) { std::free(data); }
+
+int shoal_release(int64_t handle) {
+  auto rt = Current();
+  return rt && rt->Release(handle) ? SHOAL_OK : SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_stats(char* buf, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), buf, len);
+  return Report(Status::Error(0, rt->stats().ToString()), buf, len);
+}
+
+void shoal_reset_stats(void) {
+  if (auto rt = Current()) rt->stats().Reset();
+}
+
+}  // extern "C"

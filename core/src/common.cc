@@ -1,0 +1,51 @@
+#include "common.h"
+
+#include <sstream>
+
+namespace shoal {
+
+size_t DtypeSize(int dtype) {
+  switch (dtype) {
+    case SHOAL_FLOAT16: case SHOAL_BFLOAT16: case SHOAL_INT16: return 2;
+    case SHOAL_FLOAT32: case SHOAL_INT32: return 4;
+    case SHOAL_FLOAT64: case SHOAL_INT64: return 8;
+    case SHOAL_INT8: case SHOAL_UINT8: case SHOAL_BOOL: return 1;
+  }
+  throw ArgumentError(SHOAL_INVALID_ARGUMENT, "unknown dtype code " + std::to_string(dtype));
+}
+
+const char* DtypeName(int dtype) {
+  static const char* names[] = {"float16", "bfloat16", "float32", "float64", "int8",
+                                "uint8",   "int16",    "int32",   "int64",   "bool"};
+  return (dtype >= 0 && dtype <= SHOAL_BOOL) ? names[dtype] : "unknown";
+}
+
+const char* OpName(int op) {
+  static const char* names[] = {"allreduce", "broadcast", "allgather", "barrier",
+                                "neighbor_allreduce"};
+  return (op >= 0 && op <= SHOAL_OP_NEIGHBOR_ALLREDUCE) ? names[op] : "unknown_op";
+}
+
+bool IsFloating(int dtype) { return dtype <= SHOAL_FLOAT64; }
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << "]";
+  return s.str();
+}
+
+int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+std::string Signature::ToString() const {
+  std::string s = std::string(DtypeName(dtype)) + ShapeString(shape);
+  if (device_type == SHOAL_DEVICE_CUDA) s += " on cuda";
+  return s;
+}
+
+}  // namespace shoal

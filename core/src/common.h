@@ -1,0 +1,52 @@
+// Shared small types of the Shoal core: status, dtypes, tensor signatures.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "shoal/c_api.h"
+
+namespace shoal {
+
+struct Status {
+  int code = SHOAL_OK;
+  std::string message;
+  bool ok() const { return code == SHOAL_OK; }
+  static Status Ok() { return {}; }
+  static Status Error(int code, std::string msg) { return {code, std::move(msg)}; }
+};
+
+// Thrown for bad arguments at enqueue; turned into a status at the C ABI.
+struct ArgumentError : std::runtime_error {
+  int code;
+  ArgumentError(int c, const std::string& m) : std::runtime_error(m), code(c) {}
+};
+
+size_t DtypeSize(int dtype);
+const char* DtypeName(int dtype);
+const char* OpName(int op);
+bool IsFloating(int dtype);
+std::string ShapeString(const std::vector<int64_t>& shape);
+int64_t NumElements(const std::vector<int64_t>& shape);
+
+// What ranks must agree on for one named op.
+struct Signature {
+  int32_t op = 0;
+  int32_t dtype = 0;
+  int32_t device_type = SHOAL_DEVICE_CPU;
+  int32_t reduce_op = 0;
+  int32_t root_rank = 0;
+  std::vector<int64_t> shape;
+
+  bool operator==(const Signature& o) const {
+    return op == o.op && dtype == o.dtype && device_type == o.device_type &&
+           reduce_op == o.reduce_op && root_rank == o.root_rank && shape == o.shape;
+  }
+  bool operator!=(const Signature& o) const { return !(*this == o); }
+  size_t nbytes() const { return NumElements(shape) * DtypeSize(dtype); }
+  std::string ToString() const;  // "float32[3, 4] on cpu"
+};
+
+}  // namespace shoal

@@ -1,0 +1,217 @@
+#include "coordinator.h"
+
+#include <algorithm>
+#include <functional>
+#include <sstream>
+#include <tuple>
+
+#include "wire.h"
+
+namespace shoal {
+
+std::vector<char> EncodeRequests(const std::vector<Request>& reqs) {
+  Writer w;
+  w.Put<uint32_t>(static_cast<uint32_t>(reqs.size()));
+  for (auto& r : reqs) {
+    w.PutString(r.name);
+    w.PutSignature(r.sig);
+  }
+  return std::move(w.buffer());
+}
+
+std::vector<Request> DecodeRequests(const char* p, size_t n) {
+  Reader r(p, n);
+  std::vector<Request> out(r.Get<uint32_t>());
+  for (auto& q : out) {
+    q.name = r.GetString();
+    q.sig = r.GetSignature();
+  }
+  return out;
+}
+
+std::vector<char> EncodeResponses(const std::vector<Response>& resps) {
+  Writer w;
+  w.Put<uint32_t>(static_cast<uint32_t>(resps.size()));
+  for (auto& r : resps) {
+    w.Put(r.kind);
+    w.Put(r.op);
+    w.Put<uint32_t>(static_cast<uint32_t>(r.names.size()));
+    for (auto& n : r.names) w.PutString(n);
+    w.PutString(r.error);
+    w.Put<uint32_t>(static_cast<uint32_t>(r.first_dims.size()));
+    for (auto& d : r.first_dims) w.PutShape(d);
+  }
+  return std::move(w.buffer());
+}
+
+std::vector<Response> DecodeResponses(const char* p, size_t n) {
+  Reader r(p, n);
+  std::vector<Response> out(r.Get<uint32_t>());
+  for (auto& q : out) {
+    q.kind = r.Get<int32_t>();
+    q.op = r.Get<int32_t>();
+    q.names.resize(r.Get<uint32_t>());
+    for (auto& s : q.names) s = r.GetString();
+    q.error = r.GetString();
+    q.first_dims.resize(r.Get<uint32_t>());
+    for (auto& d : q.first_dims) d = r.GetShape();
+  }
+  return out;
+}
+
+void Coordinator::Add(int rank, const Request& req, double now) {
+  auto it = pending_.find(req.name);
+  if (it == pending_.end()) {
+    Pending p;
+    p.req.resize(size_);
+    p.have.assign(size_, false);
+    p.first_seen = now;
+    it = pending_.emplace(req.name, std::move(p)).first;
+  }
+  Pending& p = it->second;
+  if (p.have[rank]) return;  // enqueue rejects duplicates; ignore a replay
+  p.have[rank] = true;
+  p.req[rank] = req;
+  if (++p.count == size_) complete_.push_back(req.name);
+}
+
+namespace {
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::ostringstream s;
+  s << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size(); ++i) s << (i ? ", " : "") << ranks[i];
+  return s.str();
+}
+
+// "<value> on rank 0, 2; <value> on rank 1" when `field` differs, else "".
+std::string Differences(const std::vector<Request>& req,
+                        const std::function<std::string(const Request&)>& field) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < static_cast<int>(req.size()); ++r) {
+    std::string v = field(req[r]);
+    auto g = std::find_if(groups.begin(), groups.end(),
+                          [&](const auto& x) { return x.first == v; });
+    if (g == groups.end()) groups.push_back({v, {r}});
+    else g->second.push_back(r);
+  }
+  if (groups.size() == 1) return "";
+  std::string s;
+  for (size_t i = 0; i < groups.size(); ++i)
+    s += (i ? "; " : "") + groups[i].first + " on " + RankList(groups[i].second);
+  return s;
+}
+
+}  // namespace
+
+Response Coordinator::Validate(const std::string& name, const Pending& p) {
+  Response resp;
+  resp.op = p.req[0].sig.op;
+  resp.names = {name};
+  auto fail = [&](const std::string& what, const std::string& diff) {
+    resp.kind = Response::ERROR;
+    resp.error = std::string(OpName(resp.op)) + " '" + name + "': mismatched " + what +
+                 " across ranks: " + diff;
+    return resp;
+  };
+  using F = std::function<std::string(const Request&)>;
+  std::vector<std::pair<const char*, F>> checks = {
+      {"operations", [](const Request& r) { return std::string(OpName(r.sig.op)); }},
+      {"dtypes", [](const Request& r) { return std::string(DtypeName(r.sig.dtype)); }},
+      {"devices",
+       [](const Request& r) { return std::string(r.sig.device_type ? "cuda" : "cpu"); }}};
+  const int op = resp.op;
+  if (op == SHOAL_OP_ALLGATHER) {
+    checks.push_back({"ranks (number of dimensions)",
+                      [](const Request& r) { return std::to_string(r.sig.shape.size()); }});
+    checks.push_back({"trailing dimensions", [](const Request& r) {
+                        std::vector<int64_t> t(r.sig.shape.begin() + (r.sig.shape.empty() ? 0 : 1),
+                                               r.sig.shape.end());
+                        return ShapeString(t);
+                      }});
+  } else if (op != SHOAL_OP_BARRIER) {
+    checks.push_back({"shapes", [](const Request& r) { return ShapeString(r.sig.shape); }});
+  }
+  if (op == SHOAL_OP_ALLREDUCE)
+    checks.push_back({"reduce ops", [](const Request& r) {
+                        return std::string(r.sig.reduce_op == SHOAL_REDUCE_SUM ? "Sum" : "Average");
+                      }});
+  if (op == SHOAL_OP_BROADCAST)
+    checks.push_back({"root ranks", [](const Request& r) {
+                        return "root " + std::to_string(r.sig.root_rank);
+                      }});
+  auto cached = validated_.find(name);
+  bool all_cached = cached != validated_.end();
+  for (auto& r : p.req) all_cached = all_cached && r.sig == cached->second;
+  if (!all_cached) {
+    // Operations first: other fields are meaningless across different ops.
+    for (auto& c : checks) {
+      std::string d = Differences(p.req, c.second);
+      if (!d.empty()) return fail(c.first, d);
+    }
+    ++negotiations_;
+    if (op != SHOAL_OP_ALLGATHER) validated_[name] = p.req[0].sig;
+  }
+  if (op == SHOAL_OP_ALLGATHER) {
+    std::vector<int64_t> dims;
+    for (auto& r : p.req) dims.push_back(r.sig.shape.empty() ? 0 : r.sig.shape[0]);
+    resp.first_dims = {dims};
+  }
+  return resp;
+}
+
+std::vector<Response> Coordinator::TakeResponses() {
+  std::vector<Response> out;
+  // Fuse consecutive-in-spirit allreduces: one open batch per (dtype, reduce op, device).
+  std::map<std::tuple<int, int, int>, std::pair<size_t, int64_t>> open;  // -> (index, bytes)
+  for (auto& name : complete_) {
+    auto it = pending_.find(name);
+    if (it == pending_.end()) continue;  // aborted meanwhile
+    Response r = Validate(name, it->second);
+    const Signature& sig = it->second.req[0].sig;
+    pending_.erase(it);
+    if (r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && fusion_threshold_ > 0) {
+      auto key = std::make_tuple(sig.dtype, sig.reduce_op, sig.device_type);
+      int64_t bytes = static_cast<int64_t>(sig.nbytes());
+      auto o = open.find(key);
+      if (o != open.end() && o->second.second + bytes <= fusion_threshold_) {
+        out[o->second.first].names.push_back(name);
+        o->second.second += bytes;
+        continue;
+      }
+      open[key] = {out.size(), bytes};
+    }
+    out.push_back(std::move(r));
+  }
+  complete_.clear();
+  return out;
+}
+
+std::vector<Stall> Coordinator::Stalled(double now, double older_than) const {
+  std::vector<Stall> out;
+  for (auto& kv : pending_) {
+    const Pending& p = kv.second;
+    if (now - p.first_seen < older_than || p.count == size_) continue;
+    Stall s;
+    s.name = kv.first;
+    s.waited = now - p.first_seen;
+    for (int r = 0; r < size_; ++r) (p.have[r] ? s.ready : s.missing).push_back(r);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+Response Coordinator::Abort(const std::string& name, const std::string& message) {
+  Response r;
+  r.kind = Response::ERROR;
+  r.names = {name};
+  r.error = message;
+  auto it = pending_.find(name);
+  if (it != pending_.end()) {
+    for (auto& q : it->second.req) if (q.name == name) { r.op = q.sig.op; break; }
+    pending_.erase(it);
+  }
+  return r;
+}
+
+}  // namespace shoal

@@ -1,0 +1,74 @@
+// Negotiation state machine (runs on rank 0, owns no communication).
+//
+// Every rank reports the ops it is ready to run; once all ranks have reported a
+// name, the coordinator validates their signatures and emits one Response that all
+// ranks apply in the same order. This fixes one global order for collectives even
+// when ranks submit in different orders, and turns any disagreement into the same
+// error on every rank. Pure logic: unit-tested with fake ranks in one process.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace shoal {
+
+struct Request {
+  std::string name;
+  Signature sig;
+};
+
+struct Response {
+  enum Kind : int32_t { EXECUTE = 0, ERROR = 1 };
+  int32_t kind = EXECUTE;
+  int32_t op = 0;
+  std::vector<std::string> names;  // > 1 only for a fused allreduce batch
+  std::string error;
+  // allgather: first dimension of each rank's tensor, per name
+  std::vector<std::vector<int64_t>> first_dims;
+};
+
+struct Stall {
+  std::string name;
+  std::vector<int> ready, missing;
+  double waited = 0;
+};
+
+std::vector<char> EncodeRequests(const std::vector<Request>& reqs);
+std::vector<Request> DecodeRequests(const char* p, size_t n);
+std::vector<char> EncodeResponses(const std::vector<Response>& resps);
+std::vector<Response> DecodeResponses(const char* p, size_t n);
+
+class Coordinator {
+ public:
+  Coordinator(int size, int64_t fusion_threshold)
+      : size_(size), fusion_threshold_(fusion_threshold) {}
+
+  void Add(int rank, const Request& req, double now);
+  // Responses for names that every rank has reported since the last call.
+  std::vector<Response> TakeResponses();
+  std::vector<Stall> Stalled(double now, double older_than) const;
+  // Drop a pending name and return the error every rank that reported it must see.
+  Response Abort(const std::string& name, const std::string& message);
+  size_t num_pending() const { return pending_.size(); }
+  int64_t negotiations() const { return negotiations_; }
+
+ private:
+  struct Pending {
+    std::vector<Request> req;
+    std::vector<bool> have;
+    int count = 0;
+    double first_seen = 0;
+  };
+  Response Validate(const std::string& name, const Pending& p);
+
+  int size_;
+  int64_t fusion_threshold_;
+  std::map<std::string, Pending> pending_;
+  std::vector<std::string> complete_;  // in order of completion
+  std::map<std::string, Signature> validated_;  // first-sight cache
+  int64_t negotiations_ = 0;
+};
+
+}  // namespace shoal

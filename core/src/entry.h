@@ -1,0 +1,51 @@
+// One submitted op, from enqueue to completion.
+#pragma once
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace shoal {
+
+using Clock = std::chrono::steady_clock;
+
+struct TensorRef {
+  void* data = nullptr;
+  int device_type = SHOAL_DEVICE_CPU;
+  int device_id = 0;
+  void* stream = nullptr;       // CUDA: producer stream (GPU backends)
+  void* ready_event = nullptr;  // CUDA: event recorded after the producer
+};
+
+struct Entry {
+  int64_t handle = 0;
+  std::string name;
+  Signature sig;
+  TensorRef input, output;
+  // neighbor_allreduce
+  std::vector<int> recv_ranks, send_ranks;
+  std::vector<double> recv_weights, send_weights;
+  double self_weight = 1.0;
+  bool uniform = true;
+
+  Clock::time_point enqueued = Clock::now();
+  bool stall_warned = false;
+  // Completion (guarded by the runtime's handle mutex).
+  bool done = false;
+  Status status;
+  void* result = nullptr;  // core-allocated output (allgather), malloc'ed; see shoal_take_result
+  size_t result_nbytes = 0;
+  std::vector<int64_t> result_shape;
+
+  ~Entry() { std::free(result); }
+
+  size_t nbytes() const { return sig.nbytes(); }
+  int64_t count() const { return NumElements(sig.shape); }
+};
+
+using EntryPtr = std::shared_ptr<Entry>;
+
+}  // namespace shoal

@@ -1,0 +1,158 @@
+#include "reduce.h"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "shoal/c_api.h"
+
+namespace shoal {
+
+float HalfToFloat(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400u)) { man <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u, mag = x & 0x7fffffffu;
+  if (mag >= 0x7f800000u) return sign | 0x7c00u | (mag > 0x7f800000u ? 0x200u : 0);  // inf/nan
+  if (mag >= 0x477ff000u) return sign | 0x7c00u;  // rounds past the largest half: inf
+  if (mag < 0x38800000u) {                        // subnormal or zero in half
+    if (mag < 0x33000000u) return sign;           // below half the smallest subnormal
+    uint32_t e = mag >> 23, m = (mag & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e;  // 14 + (113 - e)... aligns to 2^-24 units
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) ++q;
+    return sign | q;
+  }
+  uint32_t r = mag + 0xc8000000u;  // rebias exponent (127 -> 15)
+  uint32_t q = r >> 13, rem = r & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (q & 1))) ++q;
+  return sign | q;
+}
+
+float BFloat16ToFloat(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBFloat16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // nan
+  x += 0x7fffu + ((x >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(x >> 16);
+}
+
+namespace {
+
+// Storage type S, compute type A, and conversions for one floating dtype.
+template <typename S, typename A> struct Plain {
+  using Store = S;
+  using Acc = A;
+  static A Load(S v) { return static_cast<A>(v); }
+  static S Save(A v) { return static_cast<S>(v); }
+};
+struct F16 {
+  using Store = uint16_t;
+  using Acc = float;
+  static float Load(uint16_t v) { return HalfToFloat(v); }
+  static uint16_t Save(float v) { return FloatToHalf(v); }
+};
+struct BF16 {
+  using Store = uint16_t;
+  using Acc = float;
+  static float Load(uint16_t v) { return BFloat16ToFloat(v); }
+  static uint16_t Save(float v) { return FloatToBFloat16(v); }
+};
+
+template <typename Fn> void DispatchFloating(int dtype, Fn&& fn) {
+  switch (dtype) {
+    case SHOAL_FLOAT16: return fn(F16{});
+    case SHOAL_BFLOAT16: return fn(BF16{});
+    case SHOAL_FLOAT32: return fn(Plain<float, float>{});
+    case SHOAL_FLOAT64: return fn(Plain<double, double>{});
+  }
+  throw std::invalid_argument("floating dtype required");
+}
+
+}  // namespace
+
+void WidenToFloat32(const void* src, int dtype, float* dst, size_t n) {
+  auto s = static_cast<const uint16_t*>(src);
+  if (dtype == SHOAL_FLOAT16) for (size_t i = 0; i < n; ++i) dst[i] = HalfToFloat(s[i]);
+  else for (size_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(s[i]);
+}
+
+void NarrowFromFloat32(const float* src, int dtype, void* dst, size_t n) {
+  auto d = static_cast<uint16_t*>(dst);
+  if (dtype == SHOAL_FLOAT16) for (size_t i = 0; i < n; ++i) d[i] = FloatToHalf(src[i]);
+  else for (size_t i = 0; i < n; ++i) d[i] = FloatToBFloat16(src[i]);
+}
+
+void Divide(const void* src, void* dst, int dtype, size_t n, double divisor) {
+  DispatchFloating(dtype, [&](auto t) {
+    using T = decltype(t);
+    using A = typename T::Acc;
+    auto s = static_cast<const typename T::Store*>(src);
+    auto d = static_cast<typename T::Store*>(dst);
+    const A div = static_cast<A>(divisor);
+    for (size_t i = 0; i < n; ++i) d[i] = T::Save(T::Load(s[i]) / div);
+  });
+}
+
+void Scale(const void* src, void* dst, int dtype, size_t n, double w) {
+  DispatchFloating(dtype, [&](auto t) {
+    using T = decltype(t);
+    using A = typename T::Acc;
+    auto s = static_cast<const typename T::Store*>(src);
+    auto d = static_cast<typename T::Store*>(dst);
+    const A a = static_cast<A>(w);
+    for (size_t i = 0; i < n; ++i) d[i] = T::Save(T::Load(s[i]) * a);
+  });
+}
+
+void Combine(const void* self, const std::vector<const void*>& srcs, void* out, int dtype,
+             size_t n, bool uniform, double self_weight, const std::vector<double>& weights) {
+  DispatchFloating(dtype, [&](auto t) {
+    using T = decltype(t);
+    using S = typename T::Store;
+    using A = typename T::Acc;
+    auto x = static_cast<const S*>(self);
+    auto y = static_cast<S*>(out);
+    std::vector<A> acc(n);
+    const A sw = static_cast<A>(uniform ? 1.0 : self_weight);
+    for (size_t i = 0; i < n; ++i) acc[i] = uniform ? T::Load(x[i]) : sw * T::Load(x[i]);
+    for (size_t j = 0; j < srcs.size(); ++j) {
+      auto s = static_cast<const S*>(srcs[j]);
+      if (uniform) {
+        for (size_t i = 0; i < n; ++i) acc[i] += T::Load(s[i]);
+      } else {
+        const A w = static_cast<A>(weights[j]);
+        for (size_t i = 0; i < n; ++i) acc[i] += w * T::Load(s[i]);
+      }
+    }
+    const A div = static_cast<A>(srcs.size() + 1);
+    for (size_t i = 0; i < n; ++i) y[i] = T::Save(uniform ? acc[i] / div : acc[i]);
+  });
+}
+
+}  // namespace shoal

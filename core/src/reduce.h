@@ -1,0 +1,30 @@
+// Element-wise math the core does itself (CPU): one generic dtype dispatch.
+// Half types (float16, bfloat16) are stored as 16-bit words and computed in float32.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace shoal {
+
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+float BFloat16ToFloat(uint16_t h);
+uint16_t FloatToBFloat16(float f);
+
+// Half types <-> float32 (other dtypes are not accepted).
+void WidenToFloat32(const void* src, int dtype, float* dst, size_t n);
+void NarrowFromFloat32(const float* src, int dtype, void* dst, size_t n);
+
+// dst[i] = src[i] / divisor, floating dtypes only (dst may alias src).
+void Divide(const void* src, void* dst, int dtype, size_t n, double divisor);
+// dst[i] = src[i] * w, floating dtypes only (dst may alias src).
+void Scale(const void* src, void* dst, int dtype, size_t n, double w);
+
+// Weighted combine for neighbor averaging, written to `out` (may alias `self`):
+//   uniform: out = (self + sum_j srcs[j]) / (srcs.size() + 1)
+//   else:    out = self_weight * self + sum_j weights[j] * srcs[j]
+void Combine(const void* self, const std::vector<const void*>& srcs, void* out, int dtype,
+             size_t n, bool uniform, double self_weight, const std::vector<double>& weights);
+
+}  // namespace shoal

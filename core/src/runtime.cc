@@ -1,0 +1,441 @@
+#include "runtime.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "reduce.h"
+
+namespace shoal {
+namespace {
+
+constexpr int kRequestTag = 1, kResponseTag = 2;
+
+bool IsHalf(int dtype) { return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16; }
+
+std::string Ranks(const std::vector<int>& r) {
+  std::ostringstream s;
+  for (size_t i = 0; i < r.size(); ++i) s << (i ? ", " : "") << r[i];
+  return s.str();
+}
+
+[[noreturn]] void Bad(const std::string& msg) { throw ArgumentError(SHOAL_INVALID_ARGUMENT, msg); }
+
+std::vector<int> CheckPeers(const char* what, const int32_t* ranks, int n, int self, int size) {
+  if (n < 0 || (n > 0 && !ranks)) Bad(std::string(what) + ": missing rank list");
+  std::vector<int> out(ranks, ranks + n);
+  std::set<int> seen;
+  for (int r : out) {
+    if (r < 0 || r >= size) Bad(std::string(what) + ": rank " + std::to_string(r) + " is outside [0, " + std::to_string(size) + ")");
+    if (r == self) Bad(std::string(what) + ": rank " + std::to_string(r) + " is this rank itself");
+    if (!seen.insert(r).second) Bad(std::string(what) + ": rank " + std::to_string(r) + " appears twice");
+  }
+  return out;
+}
+
+}  // namespace
+
+Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
+    : cfg_(cfg), backend_(std::move(backend)),
+      neighbors_(backend_.get(), cfg.fusion_threshold, &stats_) {
+  if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold);
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Runtime::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  FailAll("Shoal was shut down before the op completed");
+}
+
+double Runtime::Now() const {
+  return std::chrono::duration<double>(Clock::now() - start_).count();
+}
+
+int64_t Runtime::Enqueue(const shoal_op_desc& d) {
+  const WorldInfo& w = world();
+  auto e = std::make_shared<Entry>();
+  if (d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_NEIGHBOR_ALLREDUCE) Bad("unknown op code " + std::to_string(d.op));
+  const char* op = OpName(d.op);
+  e->sig.op = d.op;
+  if (d.op != SHOAL_OP_BARRIER) {
+    DtypeSize(d.input.dtype);  // throws for an unknown dtype
+    if (d.input.ndim < 0 || d.input.ndim > 32 || (d.input.ndim > 0 && !d.input.shape)) Bad(std::string(op) + ": bad shape");
+    e->sig.dtype = d.input.dtype;
+    e->sig.shape.assign(d.input.shape, d.input.shape + d.input.ndim);
+    for (auto s : e->sig.shape) if (s < 0) Bad(std::string(op) + ": negative dimension in " + ShapeString(e->sig.shape));
+    e->sig.device_type = d.input.device_type;
+    if (d.input.device_type != SHOAL_DEVICE_CPU)
+      Bad(std::string(op) + ": CUDA tensors need a GPU backend, which this build does not have");
+    if (!d.input.data && e->nbytes() > 0) Bad(std::string(op) + ": null data pointer");
+    e->input = {d.input.data, d.input.device_type, d.input.device_id, d.input.stream, d.input.ready_event};
+    e->output = e->input;
+    if (d.output.data) e->output.data = d.output.data;
+  }
+  const std::string dt = DtypeName(e->sig.dtype);
+  switch (d.op) {
+    case SHOAL_OP_ALLREDUCE:
+      if (d.input.dtype == SHOAL_BOOL) Bad("allreduce: bool tensors cannot be summed");
+      if (d.reduce_op != SHOAL_REDUCE_SUM && d.reduce_op != SHOAL_REDUCE_AVERAGE) Bad("allreduce: unknown reduce op");
+      if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype))
+        Bad("allreduce: average of " + dt + " is not representable; use op=Sum or a floating dtype");
+      e->sig.reduce_op = d.reduce_op;
+      break;
+    case SHOAL_OP_BROADCAST:
+      if (d.root_rank < 0 || d.root_rank >= w.size)
+        Bad("broadcast: root rank " + std::to_string(d.root_rank) + " is outside [0, " + std::to_string(w.size) + ")");
+      e->sig.root_rank = d.root_rank;
+      break;
+    case SHOAL_OP_ALLGATHER:
+      if (e->sig.shape.empty()) Bad("allgather: a 0-d tensor has no first dimension to concatenate along");
+      break;
+    case SHOAL_OP_NEIGHBOR_ALLREDUCE:
+      if (!IsFloating(d.input.dtype)) Bad("neighbor_allreduce: weighted averaging needs a floating dtype, got " + dt);
+      e->recv_ranks = CheckPeers("neighbor_allreduce receive ranks", d.recv_ranks, d.n_recv, w.rank, w.size);
+      e->send_ranks = CheckPeers("neighbor_allreduce send ranks", d.send_ranks, d.n_send, w.rank, w.size);
+      e->uniform = d.uniform != 0;
+      e->self_weight = d.self_weight;
+      if (!e->uniform) {
+        if (d.n_recv > 0 && !d.recv_weights) Bad("neighbor_allreduce: weights missing");
+        e->recv_weights.assign(d.recv_weights, d.recv_weights + d.n_recv);
+      }
+      if (d.send_weights) e->send_weights.assign(d.send_weights, d.send_weights + d.n_send);
+      break;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
+  e->name = (d.name && *d.name) ? d.name : std::string(op) + ".noname." + std::to_string(noname_counter_[d.op]++);
+  if (in_flight_names_.count(e->name))
+    throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
+                                                  "' is already in flight on this rank; wait for it or use another name");
+  in_flight_names_.insert(e->name);
+  e->handle = next_handle_++;
+  handles_[e->handle] = e;
+  queue_.push_back(e);
+  work_cv_.notify_one();
+  return e->handle;
+}
+
+EntryPtr Runtime::Find(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  return it == handles_.end() ? nullptr : it->second;
+}
+
+int Runtime::Poll(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return -SHOAL_UNKNOWN_HANDLE;
+  return it->second->done ? 1 : 0;
+}
+
+Status Runtime::Wait(int64_t handle) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return Status::Error(SHOAL_UNKNOWN_HANDLE, "unknown handle " + std::to_string(handle));
+  EntryPtr e = it->second;
+  done_cv_.wait(lock, [&] { return e->done; });
+  return e->status;
+}
+
+bool Runtime::Release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return handles_.erase(handle) > 0;
+}
+
+void Runtime::Finish(const EntryPtr& e, const Status& st) {
+  if (st.ok()) {
+    switch (e->sig.op) {
+      case SHOAL_OP_ALLREDUCE: ++stats_.allreduce; break;
+      case SHOAL_OP_BROADCAST: ++stats_.broadcast; break;
+      case SHOAL_OP_ALLGATHER: ++stats_.allgather; break;
+      case SHOAL_OP_BARRIER: ++stats_.barrier; break;
+      case SHOAL_OP_NEIGHBOR_ALLREDUCE: ++stats_.neighbor_allreduce; break;
+    }
+  } else {
+    ++stats_.errors;
+    Log(LOG_DEBUG, "op failed: " + st.message);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (e->done) return;
+    e->done = true;
+    e->status = st;
+    in_flight_names_.erase(e->name);
+  }
+  done_cv_.notify_all();
+}
+
+void Runtime::FailAll(const std::string& why) {
+  std::vector<EntryPtr> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : handles_) if (!kv.second->done) pending.push_back(kv.second);
+    for (auto& e : queue_) if (!e->done) pending.push_back(e);
+    queue_.clear();
+  }
+  for (auto& e : pending)
+    Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " + why));
+}
+
+void Runtime::Loop() {
+  SetLogContext(world().rank, cfg_.log_level);
+  auto idle = std::chrono::microseconds(0);
+  const auto longest = std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
+  while (true) {
+    bool progressed;
+    try {
+      progressed = Cycle();
+    } catch (const std::exception& ex) {
+      Log(LOG_ERROR, std::string("background loop failed: ") + ex.what());
+      FailAll(ex.what());
+      progressed = false;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stop_) break;
+    if (progressed) {
+      idle = std::chrono::microseconds(0);
+      continue;
+    }
+    // Back off while nothing happens, but wake at once for new work.
+    idle = std::min(longest, std::max(std::chrono::microseconds(20), idle * 2));
+    work_cv_.wait_for(lock, idle, [&] { return stop_ || !queue_.empty(); });
+  }
+}
+
+bool Runtime::Cycle() {
+  const WorldInfo& w = world();
+  bool progressed = false;
+  std::vector<EntryPtr> fresh;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fresh.swap(queue_);
+  }
+  std::vector<Request> to_coordinator;
+  for (auto& e : fresh) Route(e, &to_coordinator);
+  progressed |= !fresh.empty();
+
+  if (!to_coordinator.empty()) {
+    ++stats_.coordinator_rounds;
+    if (coordinator_) {
+      for (auto& r : to_coordinator) coordinator_->Add(0, r, Now());
+    } else {
+      auto msg = std::make_shared<std::vector<char>>(EncodeRequests(to_coordinator));
+      backend_->Send(0, kRequestTag, msg, [this](const Status& st) {
+        if (!st.ok()) FailAll("cannot reach the coordinator (rank 0): " + st.message);
+      });
+    }
+  }
+  Status st;
+  std::vector<char> buf;
+  int src = -1;
+  if (coordinator_) {
+    while (backend_->Receive(kRequestTag, &src, &buf, &st) && st.ok()) {
+      for (auto& r : DecodeRequests(buf.data(), buf.size())) coordinator_->Add(src, r, Now());
+      progressed = true;
+    }
+    std::vector<Response> resps = coordinator_->TakeResponses();
+    if (!resps.empty()) {
+      auto msg = std::make_shared<std::vector<char>>(EncodeResponses(resps));
+      for (int r = 1; r < w.size; ++r) backend_->Send(r, kResponseTag, msg, [](const Status&) {});
+      for (auto& r : resps) Apply(r);
+      progressed = true;
+    }
+    stats_.negotiations = coordinator_->negotiations();
+  } else {
+    while (backend_->Receive(kResponseTag, &src, &buf, &st) && st.ok()) {
+      for (auto& r : DecodeResponses(buf.data(), buf.size())) Apply(r);
+      progressed = true;
+    }
+  }
+  if (!st.ok()) throw std::runtime_error(st.message);
+
+  if (!neighbor_ready_.empty()) {
+    neighbors_.Start(neighbor_ready_);
+    neighbor_ready_.clear();
+    progressed = true;
+  }
+  progressed |= neighbors_.Receive(&st);
+  if (!st.ok()) throw std::runtime_error(st.message);
+  for (auto& done : neighbors_.Complete()) {
+    Finish(done.first, done.second);
+    progressed = true;
+  }
+  progressed |= backend_->Progress();
+  CheckStalls();
+  return progressed;
+}
+
+void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
+  if (e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE && negotiated_neighbor_names_.count(e->name)) {
+    ++stats_.cache_hits;
+    neighbor_ready_.push_back(e);
+    return;
+  }
+  awaiting_response_[e->name] = e;
+  to_coordinator->push_back({e->name, e->sig});
+}
+
+void Runtime::Apply(const Response& r) {
+  std::vector<EntryPtr> batch;
+  for (auto& name : r.names) {
+    auto it = awaiting_response_.find(name);
+    if (it == awaiting_response_.end()) continue;  // e.g. an abort for an op this rank never sent
+    batch.push_back(it->second);
+    awaiting_response_.erase(it);
+  }
+  if (r.kind == Response::ERROR) {
+    for (auto& e : batch) Finish(e, Status::Error(SHOAL_MISMATCH, r.error));
+    return;
+  }
+  if (batch.size() != r.names.size()) {
+    Log(LOG_ERROR, "coordinator scheduled an op this rank does not have: " + r.names[0]);
+    for (auto& e : batch) Finish(e, Status::Error(SHOAL_ABORTED, "internal error: inconsistent schedule"));
+    return;
+  }
+  if (r.op == SHOAL_OP_NEIGHBOR_ALLREDUCE) {
+    for (auto& e : batch) {
+      negotiated_neighbor_names_.insert(e->name);
+      neighbor_ready_.push_back(e);
+    }
+    return;
+  }
+  RunCollective(r, std::move(batch));
+}
+
+void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
+  const WorldInfo& w = world();
+  ++stats_.global_collectives;
+  if (r.op == SHOAL_OP_BARRIER) {
+    backend_->Barrier([this, e = batch[0]](const Status& st) { Finish(e, st); });
+    return;
+  }
+  if (r.op == SHOAL_OP_BROADCAST) {
+    EntryPtr e = batch[0];
+    if (w.rank == e->sig.root_rank && e->output.data != e->input.data)
+      std::memcpy(e->output.data, e->input.data, e->nbytes());
+    if (e->count() == 0) return Finish(e, Status::Ok());
+    backend_->Broadcast(e->output.data, e->count(), e->sig.dtype, e->sig.root_rank,
+                        [this, e](const Status& st) { Finish(e, st); });
+    return;
+  }
+  if (r.op == SHOAL_OP_ALLGATHER) {
+    EntryPtr e = batch[0];
+    int64_t row = 1;
+    for (size_t i = 1; i < e->sig.shape.size(); ++i) row *= e->sig.shape[i];
+    std::vector<int64_t> counts;
+    int64_t rows = 0;
+    for (int64_t d : r.first_dims[0]) {
+      counts.push_back(d * row);
+      rows += d;
+    }
+    e->result_shape = e->sig.shape;
+    e->result_shape[0] = rows;
+    e->result_nbytes = rows * row * DtypeSize(e->sig.dtype);
+    e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
+    if (e->result_nbytes == 0) return Finish(e, Status::Ok());
+    backend_->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype,
+                         [this, e](const Status& st) { Finish(e, st); });
+    return;
+  }
+  // Allreduce: a batch (fused when > 1 or half precision) reduced in one call.
+  const int dtype = batch[0]->sig.dtype;
+  const bool average = batch[0]->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
+  int64_t total = 0;
+  for (auto& e : batch) total += e->count();
+  if (total == 0) {
+    for (auto& e : batch) Finish(e, Status::Ok());
+    return;
+  }
+  if (batch.size() == 1 && !IsHalf(dtype)) {
+    EntryPtr e = batch[0];
+    if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
+    backend_->Allreduce(e->output.data, e->count(), dtype, [this, e, average, n = w.size](const Status& st) {
+      if (st.ok() && average) Divide(e->output.data, e->output.data, e->sig.dtype, e->count(), n);
+      Finish(e, st);
+    });
+    return;
+  }
+  // Half types are widened: the sum accumulates in float32 and is rounded once.
+  const int wire = IsHalf(dtype) ? SHOAL_FLOAT32 : dtype;
+  const size_t wsize = DtypeSize(wire);
+  auto fused = std::make_shared<std::vector<char>>(total * wsize);
+  size_t off = 0;
+  for (auto& e : batch) {
+    if (IsHalf(dtype)) WidenToFloat32(e->input.data, dtype, reinterpret_cast<float*>(fused->data() + off), e->count());
+    else std::memcpy(fused->data() + off, e->input.data, e->nbytes());
+    off += e->count() * wsize;
+  }
+  if (batch.size() > 1) ++stats_.fused_batches;
+  backend_->Allreduce(fused->data(), total, wire, [this, fused, batch, dtype, wire, wsize, average, n = w.size](const Status& st) {
+    size_t at = 0;
+    for (auto& e : batch) {
+      if (st.ok()) {
+        char* p = fused->data() + at;
+        if (average) Divide(p, p, wire, e->count(), n);
+        if (wire != dtype) NarrowFromFloat32(reinterpret_cast<float*>(p), dtype, e->output.data, e->count());
+        else std::memcpy(e->output.data, p, e->nbytes());
+      }
+      at += e->count() * wsize;
+      Finish(e, st);
+    }
+  });
+}
+
+void Runtime::CheckStalls() {
+  if (cfg_.stall_check_time <= 0) return;
+  auto now_tp = Clock::now();
+  if (now_tp - last_stall_check_ < std::chrono::milliseconds(200)) return;
+  last_stall_check_ = now_tp;
+  const double warn = cfg_.stall_check_time, kill = cfg_.stall_shutdown_time;
+  if (coordinator_) {
+    for (auto& s : coordinator_->Stalled(Now(), std::min(warn, kill > 0 ? kill : warn))) {
+      std::string what = "'" + s.name + "' waited " + std::to_string(static_cast<int>(s.waited)) +
+                         " s: submitted by ranks " + Ranks(s.ready) + "; missing ranks " + Ranks(s.missing);
+      if (kill > 0 && s.waited >= kill) {
+        ++stats_.stalls;
+        Response r = coordinator_->Abort(
+            s.name, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME=" + std::to_string(kill) + " s)");
+        auto msg = std::make_shared<std::vector<char>>(EncodeResponses({r}));
+        for (int q = 1; q < world().size; ++q) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
+        Apply(r);
+      } else if (s.waited >= warn && stall_warned_.insert(s.name).second) {
+        ++stats_.stalls;
+        Log(LOG_WARNING, "stall: " + what);
+      }
+    }
+  }
+  for (auto& wt : neighbors_.Waiting()) {
+    const EntryPtr& e = wt.first;
+    double waited = std::chrono::duration<double>(now_tp - e->enqueued).count();
+    std::string what = "neighbor_allreduce '" + e->name + "' waited " + std::to_string(static_cast<int>(waited)) +
+                       " s for ranks " + Ranks(wt.second);
+    if (kill > 0 && waited >= kill) {
+      ++stats_.stalls;
+      neighbors_.Drop(e);
+      Finish(e, Status::Error(SHOAL_ABORTED, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME)"));
+    } else if (waited >= warn && !e->stall_warned) {
+      e->stall_warned = true;
+      ++stats_.stalls;
+      Log(LOG_WARNING, "stall: " + what);
+    }
+  }
+  // Non-coordinators: a coordinator that never answers (dead rank 0) must not hang us.
+  if (!coordinator_ && kill > 0) {
+    std::vector<EntryPtr> late;
+    for (auto& kv : awaiting_response_)
+      if (std::chrono::duration<double>(now_tp - kv.second->enqueued).count() > kill + 5) late.push_back(kv.second);
+    for (auto& e : late) {
+      awaiting_response_.erase(e->name);
+      Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name +
+                                                 "': no answer from the coordinator (rank 0) within SHOAL_STALL_SHUTDOWN_TIME + 5 s"));
+    }
+  }
+}
+
+}  // namespace shoal

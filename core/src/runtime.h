@@ -1,0 +1,82 @@
+// The one runtime object of a process: queue, handles, background thread.
+//
+// User threads enqueue ops and wait on handles; one background thread owns all
+// communication. Each cycle it (1) reports newly submitted ops that need agreement
+// to the coordinator (rank 0) and applies the coordinator's ordered responses:
+// collectives always, neighbor ops the first time a name is seen; (2) sends and
+// receives neighbor data directly between neighbours (no global step);
+// (3) progresses in-flight MPI requests; (4) checks for stalls.
+#pragma once
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "backend.h"
+#include "coordinator.h"
+#include "entry.h"
+#include "neighbor.h"
+#include "stats.h"
+
+namespace shoal {
+
+class Runtime {
+ public:
+  Runtime(const Config& cfg, std::unique_ptr<Backend> backend);
+  ~Runtime() { Stop(); }
+  // Stops the loop; pending ops fail with SHOAL_ABORTED. Idempotent.
+  void Stop();
+
+  const WorldInfo& world() const { return backend_->world(); }
+  const Config& config() const { return cfg_; }
+  Stats& stats() { return stats_; }
+
+  // Validates and queues; throws ArgumentError for bad arguments.
+  int64_t Enqueue(const shoal_op_desc& desc);
+  int Poll(int64_t handle);
+  Status Wait(int64_t handle);
+  EntryPtr Find(int64_t handle);
+  bool Release(int64_t handle);
+
+ private:
+  void Loop();
+  bool Cycle();
+  void Route(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  void Apply(const Response& r);
+  void RunCollective(const Response& r, std::vector<EntryPtr> batch);
+  void Finish(const EntryPtr& e, const Status& st);
+  void CheckStalls();
+  void FailAll(const std::string& why);
+  double Now() const;
+
+  Config cfg_;
+  std::unique_ptr<Backend> backend_;
+  Stats stats_;
+  std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
+  NeighborExchange neighbors_;
+
+  // Shared with user threads.
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::vector<EntryPtr> queue_;
+  std::unordered_map<int64_t, EntryPtr> handles_;
+  std::set<std::string> in_flight_names_;
+  std::map<int, int64_t> noname_counter_;
+  int64_t next_handle_ = 1;
+  bool stop_ = false;
+
+  // Background thread only.
+  std::map<std::string, EntryPtr> awaiting_response_;
+  std::set<std::string> negotiated_neighbor_names_;
+  std::vector<EntryPtr> neighbor_ready_;
+  std::set<std::string> stall_warned_;  // coordinator: names already reported
+  Clock::time_point start_ = Clock::now(), last_stall_check_ = Clock::now();
+  std::thread thread_;
+};
+
+}  // namespace shoal

@@ -1,0 +1,88 @@
+// Byte-level encoding of control and data-message headers (host byte order: all
+// ranks of one job share an architecture).
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace shoal {
+
+class Writer {
+ public:
+  template <typename T> void Put(const T& v) {
+    const char* p = reinterpret_cast<const char*>(&v);
+    buf_.insert(buf_.end(), p, p + sizeof(T));
+  }
+  void PutString(const std::string& s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    buf_.insert(buf_.end(), s.begin(), s.end());
+  }
+  void PutShape(const std::vector<int64_t>& v) {
+    Put<uint32_t>(static_cast<uint32_t>(v.size()));
+    for (auto x : v) Put<int64_t>(x);
+  }
+  void PutSignature(const Signature& s) {
+    Put(s.op); Put(s.dtype); Put(s.device_type); Put(s.reduce_op); Put(s.root_rank);
+    PutShape(s.shape);
+  }
+  void PutBytes(const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    buf_.insert(buf_.end(), c, c + n);
+  }
+  std::vector<char>& buffer() { return buf_; }
+  size_t size() const { return buf_.size(); }
+
+ private:
+  std::vector<char> buf_;
+};
+
+class Reader {
+ public:
+  Reader(const char* p, size_t n) : p_(p), end_(p + n) {}
+  template <typename T> T Get() {
+    Need(sizeof(T));
+    T v;
+    std::memcpy(&v, p_, sizeof(T));
+    p_ += sizeof(T);
+    return v;
+  }
+  std::string GetString() {
+    uint32_t n = Get<uint32_t>();
+    Need(n);
+    std::string s(p_, n);
+    p_ += n;
+    return s;
+  }
+  std::vector<int64_t> GetShape() {
+    uint32_t n = Get<uint32_t>();
+    std::vector<int64_t> v(n);
+    for (auto& x : v) x = Get<int64_t>();
+    return v;
+  }
+  Signature GetSignature() {
+    Signature s;
+    s.op = Get<int32_t>(); s.dtype = Get<int32_t>(); s.device_type = Get<int32_t>();
+    s.reduce_op = Get<int32_t>(); s.root_rank = Get<int32_t>();
+    s.shape = GetShape();
+    return s;
+  }
+  const char* Skip(size_t n) {
+    Need(n);
+    const char* at = p_;
+    p_ += n;
+    return at;
+  }
+  bool done() const { return p_ >= end_; }
+
+ private:
+  void Need(size_t n) {
+    if (static_cast<size_t>(end_ - p_) < n) throw std::runtime_error("truncated Shoal message");
+  }
+  const char* p_;
+  const char* end_;
+};
+
+}  // namespace shoal

@@ -1,0 +1,134 @@
+"""Build: setuptools drives the top-level CMakeLists.txt (libshoal.so + shoal._core).
+
+MPI selection, at build time:
+  default      the `mpich` wheel from PyPI (also a run-time dependency);
+  MPI_HOME=DIR a system MPI installed under DIR (include/, lib/, bin/mpiexec);
+  MPICXX=PATH  a system MPI compiler wrapper, asked for its flags (-show / --showme).
+"""
+import importlib.metadata
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _pypi_mpich():
+    dist = importlib.metadata.distribution("mpich")
+    # RECORD paths are relative to site-packages (e.g. ../../../include/mpi.h)
+    by_name = {Path(str(f)).name: f for f in dist.files or []}
+    header, lib = by_name["mpi.h"], by_name["libmpi.so"]
+    return {
+        "flavor": "mpich-pypi",
+        "include_dirs": [str(Path(dist.locate_file(header)).parent)],
+        "libraries": [str(dist.locate_file(lib))],
+        # site-packages/shoal -> <prefix>/lib, where the mpich wheel puts libmpi
+        "rpath": ["$ORIGIN/../../.."],
+        "mpiexec": None,
+    }
+
+
+def _system_mpi_from_home(home):
+    home = Path(home)
+    libdir = next((d for d in (home / "lib", home / "lib64") if (d / "libmpi.so").exists()), None)
+    if libdir is None:
+        sys.exit(f"MPI_HOME={home}: no lib/libmpi.so or lib64/libmpi.so")
+    return {"flavor": "system", "include_dirs": [str(home / "include")],
+            "libraries": [str(libdir / "libmpi.so")], "rpath": [str(libdir)],
+            "mpiexec": str(home / "bin" / "mpiexec")}
+
+
+def _system_mpi_from_wrapper(wrapper):
+    out = ""
+    for flag in ("-show", "--showme"):
+        try:
+            out = subprocess.run([wrapper, flag], capture_output=True, text=True, check=True).stdout
+            break
+        except (OSError, subprocess.CalledProcessError):
+            continue
+    if not out:
+        sys.exit(f"MPICXX={wrapper}: cannot read its flags with -show or --showme")
+    inc, libdirs, libs, rpath = [], [], [], []
+    for tok in shlex.split(out)[1:]:
+        if tok.startswith("-I"):
+            inc.append(tok[2:])
+        elif tok.startswith("-L"):
+            libdirs.append(tok[2:])
+        elif tok.startswith("-l"):
+            libs.append(tok[2:])
+        elif tok.startswith("-Wl,-rpath,"):
+            rpath.append(tok.split(",", 2)[2])
+    paths = []
+    for lib in libs:
+        found = next((Path(d) / f"lib{lib}.so" for d in libdirs if (Path(d) / f"lib{lib}.so").exists()), None)
+        if found:
+            paths.append(str(found))
+    bindir = Path(shutil.which(wrapper) or wrapper).resolve().parent
+    return {"flavor": "system", "include_dirs": inc, "libraries": paths,
+            "rpath": rpath or libdirs, "mpiexec": str(bindir / "mpiexec")}
+
+
+def find_mpi():
+    if os.environ.get("MPI_HOME"):
+        return _system_mpi_from_home(os.environ["MPI_HOME"])
+    if os.environ.get("MPICXX"):
+        return _system_mpi_from_wrapper(os.environ["MPICXX"])
+    return _pypi_mpich()
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import pybind11
+
+        mpi = find_mpi()
+        ext_path = Path(self.get_ext_fullpath(ext.name)).resolve()
+        out_dir = ext_path.parent
+        if getattr(self, "editable_mode", False) or self.inplace:
+            out_dir = ROOT / "shoal"  # libshoal.so and _build_info.py live beside the sources
+        build_dir = Path(self.build_temp).resolve() / "cmake"
+        args = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DPYTHON_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DCMAKE_BUILD_TYPE={os.environ.get('SHOAL_BUILD_TYPE', 'Release')}",
+            "-DSHOAL_MPI_INCLUDE_DIRS=" + ";".join(mpi["include_dirs"]),
+            "-DSHOAL_MPI_LIBRARIES=" + ";".join(mpi["libraries"]),
+            "-DSHOAL_RPATH=" + ";".join(mpi["rpath"]),
+        ]
+        subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args])
+        jobs = str(os.cpu_count() or 2)
+        subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs])
+        info = {k: mpi[k] for k in ("flavor", "mpiexec")}
+        (out_dir / "_build_info.py").write_text(
+            "# Written by setup.py at build time.\n"
+            f"MPI_FLAVOR = {info['flavor']!r}\nMPIEXEC = {info['mpiexec']!r}\n"
+            f"MPI_LIBRARIES = {mpi['libraries']!r}\n")
+        built = out_dir / ext_path.name
+        if built != ext_path:  # setuptools expects the extension at its own path too
+            ext_path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(built, ext_path)
+
+
+def dependencies():
+    deps = ["numpy", "networkx>=3"]
+    if not (os.environ.get("MPI_HOME") or os.environ.get("MPICXX")):
+        deps.append("mpich")
+    return deps
+
+
+setup(
+    packages=["shoal", "shoal.torch", "shoal.launcher"],
+    package_dir={"shoal": "shoal", "shoal.torch": "bindings/torch", "shoal.launcher": "launcher"},
+    ext_modules=[Extension("shoal._core", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
+    install_requires=dependencies(),
+    zip_safe=False,
+)

@@ -1,0 +1,18 @@
+"""Shoal: decentralized deep learning and optimization.
+
+Each process keeps its own model and averages it with its neighbors in a communication
+graph (`shoal.topology`) instead of a global allreduce. This module is the
+framework-neutral API over numpy arrays (and any buffer-protocol object); `shoal.torch`
+offers the same names for torch tensors. Names and semantics follow BlueFog.
+"""
+from . import topology
+from ._api import build_api
+from ._numpy import ADAPTER as _ADAPTER
+from ._ops import Average, Sum, ReduceOp
+from .basics import *  # noqa: F401,F403
+from .basics import __all__ as _basics_all
+
+globals().update(build_api(_ADAPTER))
+
+__version__ = "0.1.0"
+__all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + ["Sum", "Average", "ReduceOp", "topology"]

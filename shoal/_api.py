@@ -1,0 +1,108 @@
+"""The public op functions, built once per binding from its tensor adapter.
+
+`shoal` (numpy / buffer protocol) and `shoal.torch` expose the same names with the same
+semantics (BlueFog's, reference/bluefog-semantics.md §1.4–1.5, plus Horovod's `op=`).
+"""
+from . import _ops
+
+
+def build_api(adapter):
+    """Return {name: function} of the collective API over `adapter`'s tensor type."""
+
+    def allreduce_nonblocking(tensor, average=None, name=None, op=None):
+        """Start an allreduce; returns a handle for `synchronize`/`poll`/`wait`.
+
+        Args:
+            tensor: any shape (0-d and empty included); dtypes float16, bfloat16,
+                float32, float64, int8, uint8, int16, int32, int64. Not modified.
+            average: BlueFog's flag (default True); `op=shoal.Sum`/`shoal.Average` is
+                Horovod's spelling of the same choice.
+            name: negotiation key; all ranks use the same name for the same op.
+                Omitted: "allreduce.noname.<k>" (ranks must then issue ops in one order).
+        Result: sum over ranks, or sum then divide by size() (exact when representable;
+            half types accumulate in float32 and round once). Same shape and dtype.
+        Raises:
+            ValueError: average of an integer tensor, unsupported dtype, a second in-flight
+                op with the same name. ShoalError (at synchronize): ranks disagree on
+                shape, dtype or op.
+        """
+        return _ops.allreduce_nonblocking(adapter, tensor, average, name, op)
+
+    def allreduce_nonblocking_(tensor, average=None, name=None, op=None):
+        """In-place `allreduce_nonblocking`: the result overwrites `tensor` (contiguous)."""
+        return _ops.allreduce_nonblocking(adapter, tensor, average, name, op, inplace=True)
+
+    def allreduce(tensor, average=None, name=None, op=None):
+        """Blocking allreduce: `synchronize(allreduce_nonblocking(...))`; see there."""
+        return _ops.synchronize(allreduce_nonblocking(tensor, average, name, op))
+
+    def allreduce_(tensor, average=None, name=None, op=None):
+        """Blocking in-place allreduce; returns `tensor`."""
+        return _ops.synchronize(allreduce_nonblocking_(tensor, average, name, op))
+
+    def broadcast_nonblocking(tensor, root_rank, name=None):
+        """Start a broadcast of `root_rank`'s tensor (any dtype incl. bool, any shape);
+        every rank gets a copy of the same shape and dtype.
+
+        Raises ValueError for a root outside [0, size()); ShoalError (at synchronize) when
+        ranks disagree on shape, dtype or root.
+        """
+        return _ops.broadcast_nonblocking(adapter, tensor, root_rank, name)
+
+    def broadcast_nonblocking_(tensor, root_rank, name=None):
+        """In-place `broadcast_nonblocking`: `tensor` is overwritten on non-root ranks."""
+        return _ops.broadcast_nonblocking(adapter, tensor, root_rank, name, inplace=True)
+
+    def broadcast(tensor, root_rank, name=None):
+        """Blocking broadcast; see `broadcast_nonblocking`."""
+        return _ops.synchronize(broadcast_nonblocking(tensor, root_rank, name))
+
+    def broadcast_(tensor, root_rank, name=None):
+        """Blocking in-place broadcast; returns `tensor`."""
+        return _ops.synchronize(broadcast_nonblocking_(tensor, root_rank, name))
+
+    def allgather_nonblocking(tensor, name=None):
+        """Start an allgather: concatenation of every rank's tensor along dim 0, in rank
+        order. Shapes [n_r, *rest]: n_r may differ per rank, `rest` and dtype must match
+        (ShoalError otherwise). 0-d tensors raise ValueError. Any dtype incl. bool."""
+        return _ops.allgather_nonblocking(adapter, tensor, name)
+
+    def allgather(tensor, name=None):
+        """Blocking allgather; see `allgather_nonblocking`."""
+        return _ops.synchronize(allgather_nonblocking(tensor, name))
+
+    def neighbor_allreduce_nonblocking(tensor, self_weight=None, src_weights=None,
+                                       dst_weights=None, enable_topo_check=True, name=None):
+        """Start one neighbor-averaging (gossip) step; returns a handle.
+
+        Static mode (dst_weights None), over the topology of `set_topology`:
+            y_i = w_ii x_i + sum_{j in in-neighbors} w_ji x_j
+            with the topology's weights if it was set with is_weighted=True, else uniform
+            weights computed as (x_i + sum_j x_j) / (in_degree + 1) (sum then divide:
+            exact). `self_weight` (float) with `src_weights` ({rank: weight}, ranks ⊆
+            in-neighbors; missing in-neighbors weigh 0) overrides the weights.
+        Dynamic mode (dst_weights {rank: weight} or [ranks]): send x_i·dst_weights[k] to
+            each k, receive from the keys of src_weights; self_weight and src_weights are
+            required.
+        Tensor: floating dtype (float16, bfloat16, float32, float64), same shape and dtype
+            on every rank; the result has that shape and dtype.
+        Semantics: BlueFog `neighbor_allreduce` (reference/bluefog-semantics.md §1.5).
+        Raises ValueError for bad weights/ranks; ShoalError (at synchronize) when ranks
+        disagree on shape, dtype or op.
+        """
+        return _ops.neighbor_allreduce_nonblocking(adapter, tensor, self_weight, src_weights,
+                                                   dst_weights, enable_topo_check, name)
+
+    def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
+                           enable_topo_check=True, name=None):
+        """Blocking neighbor_allreduce; see `neighbor_allreduce_nonblocking`."""
+        return _ops.synchronize(neighbor_allreduce_nonblocking(
+            tensor, self_weight, src_weights, dst_weights, enable_topo_check, name))
+
+    api = {f.__name__: f for f in (
+        allreduce, allreduce_, allreduce_nonblocking, allreduce_nonblocking_,
+        broadcast, broadcast_, broadcast_nonblocking, broadcast_nonblocking_,
+        allgather, allgather_nonblocking, neighbor_allreduce, neighbor_allreduce_nonblocking)}
+    api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
+               barrier=_ops.barrier)
+    return api

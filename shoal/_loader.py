@@ -1,0 +1,46 @@
+"""Loads the compiled core, first making its MPI library findable.
+
+The `mpich` wheel puts libmpi in <prefix>/lib. libshoal.so's runpath points there for
+a normal install; an editable install (or an unusual prefix) relies on loading it here
+first with RTLD_GLOBAL, so no LD_LIBRARY_PATH is ever needed.
+"""
+import ctypes
+import importlib.metadata
+import os
+
+try:
+    from . import _build_info
+except ImportError as exc:  # source tree without a build
+    raise ImportError(
+        "Shoal's compiled core is missing: install with `pip install .` "
+        "(or `pip install -e .` for development)") from exc
+
+
+def _pypi_libmpi():
+    try:
+        dist = importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    # RECORD paths are relative to site-packages (e.g. ../../libmpi.so.12)
+    names = {os.path.basename(str(f)): f for f in dist.files or []}
+    f = names.get("libmpi.so.12") or names.get("libmpi.so")
+    return str(dist.locate_file(f)) if f else None
+
+
+def _preload_mpi():
+    if _build_info.MPI_FLAVOR == "mpich-pypi":
+        candidates = [_pypi_libmpi()]
+    else:
+        candidates = list(_build_info.MPI_LIBRARIES)
+    for path in candidates:
+        if path and os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+    return None
+
+
+MPI_LIBRARY = _preload_mpi()
+
+from . import _core  # noqa: E402  (needs libmpi loaded first)
+
+__all__ = ["_core", "MPI_LIBRARY"]

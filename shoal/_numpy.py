@@ -1,0 +1,34 @@
+"""Adapter for numpy arrays and any buffer-protocol object (CPU memory)."""
+import numpy as np
+
+from ._ops import DTYPE_CODES
+
+
+class NumpyAdapter:
+    name = "numpy"
+
+    @staticmethod
+    def _code(a):
+        code = DTYPE_CODES.get(a.dtype.name)
+        if code is None:
+            raise ValueError(f"dtype {a.dtype} is not supported; use one of {sorted(DTYPE_CODES)}")
+        return code
+
+    def describe(self, a):
+        return a.__array_interface__["data"][0], self._code(a), a.shape
+
+    def prepare(self, tensor, inplace, op, need_output=True):
+        a = tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
+        self._code(a)
+        if inplace:
+            if not isinstance(tensor, np.ndarray) or not a.flags.c_contiguous or not a.flags.writeable:
+                raise ValueError(f"{op}: in-place ops need a writeable C-contiguous numpy array")
+            return a, a
+        src = a if a.flags.c_contiguous else a.copy(order="C")
+        return src, (np.empty_like(src) if need_output else None)
+
+    def from_bytes(self, data, shape, like):
+        return data.view(like.dtype).reshape(shape)
+
+
+ADAPTER = NumpyAdapter()

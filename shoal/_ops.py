@@ -1,0 +1,162 @@
+"""Framework-neutral op machinery shared by every binding.
+
+A binding supplies an adapter that turns its tensors into (address, dtype code,
+shape) and back; this module validates arguments, enqueues into the core, keeps the
+tensors alive until completion, and finishes the result in `synchronize`.
+Semantics follow BlueFog's ops (reference/bluefog-semantics.md §1.4–1.5).
+"""
+import threading
+
+from . import basics
+from ._loader import _core
+
+# Op and dtype codes of the C ABI (core/include/shoal/c_api.h).
+ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE = range(5)
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4,
+               "uint8": 5, "int16": 6, "int32": 7, "int64": 8, "bool": 9}
+
+
+class ReduceOp:
+    """Horovod-style reduction selector: `op=shoal.Sum` or `op=shoal.Average`."""
+
+    def __init__(self, name, code):
+        self.name, self.code = name, code
+
+    def __repr__(self):
+        return f"shoal.{self.name}"
+
+
+Sum = ReduceOp("Sum", 0)
+Average = ReduceOp("Average", 1)
+
+_lock = threading.Lock()
+_pending = {}  # handle -> (objects kept alive, finish() -> result)
+
+
+def reduce_op(average, op):
+    """Resolve BlueFog's `average=` and Horovod's `op=` (op wins; default Average)."""
+    if op is not None:
+        if op not in (Sum, Average):
+            raise ValueError(f"op must be shoal.Sum or shoal.Average, got {op!r}")
+        if average is not None and (op is Average) != bool(average):
+            raise ValueError("average= and op= disagree")
+        return op
+    return Average if average is None or average else Sum
+
+
+def _submit(op, name, adapter, tensor, output, keep, finish, **kw):
+    ptr, dtype, shape = adapter.describe(tensor)
+    out_ptr = adapter.describe(output)[0] if output is not None else ptr
+    handle = _core.enqueue(op, name or "", ptr, dtype, list(shape), out_ptr, **kw)
+    with _lock:
+        _pending[handle] = (keep, finish)
+    return handle
+
+
+def allreduce_nonblocking(adapter, tensor, average=None, name=None, op=None, inplace=False):
+    rop = reduce_op(average, op)
+    src, out = adapter.prepare(tensor, inplace, "allreduce")
+    return _submit(ALLREDUCE, name, adapter, src, out, (tensor, src, out), lambda: out,
+                   reduce_op=rop.code)
+
+
+def broadcast_nonblocking(adapter, tensor, root_rank, name=None, inplace=False):
+    if not isinstance(root_rank, int) or isinstance(root_rank, bool):
+        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
+    if not 0 <= root_rank < basics.size():
+        raise ValueError(f"broadcast: root rank {root_rank} is outside [0, {basics.size()})")
+    src, out = adapter.prepare(tensor, inplace, "broadcast")
+    return _submit(BROADCAST, name, adapter, src, out, (tensor, src, out), lambda: out,
+                   root=root_rank)
+
+
+def allgather_nonblocking(adapter, tensor, name=None):
+    src, _ = adapter.prepare(tensor, False, "allgather", need_output=False)
+    holder = {}
+
+    def finish():
+        data, shape = _core.take_result(holder["h"])
+        return adapter.from_bytes(data, shape, src)
+
+    h = _submit(ALLGATHER, name, adapter, src, None, (tensor, src), finish)
+    holder["h"] = h
+    return h
+
+
+def _weights_dict(arg, what):
+    if isinstance(arg, dict):
+        return {int(k): float(v) for k, v in arg.items()}
+    if isinstance(arg, (list, tuple)):
+        if len(set(arg)) != len(arg):
+            raise ValueError(f"{what} has duplicate ranks: {list(arg)}")
+        return {int(k): 1.0 for k in arg}
+    raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks")
+
+
+def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weights=None,
+                                   dst_weights=None, enable_topo_check=True, name=None):
+    """See `shoal.neighbor_allreduce` for the semantics."""
+    plan, weighted = basics._static_plan()
+    kw = {}
+    if dst_weights is None:
+        # Static: receive from every in-neighbor, send to every out-neighbor.
+        recv, send = plan["recv"], plan["send"]
+        if (self_weight is None) != (src_weights is None):
+            raise ValueError("neighbor_allreduce: give both self_weight and src_weights, or neither")
+        if self_weight is None:
+            if weighted:
+                kw.update(uniform=False, self_weight=plan["self_weight"], recv_weights=plan["recv_weights"])
+        else:
+            src = _weights_dict(src_weights, "src_weights")
+            extra = sorted(set(src) - set(recv))
+            if extra:
+                raise ValueError(f"neighbor_allreduce: src_weights ranks {extra} are not in-neighbors {recv}")
+            kw.update(uniform=False, self_weight=float(self_weight),
+                      recv_weights=[src.get(r, 0.0) for r in recv])
+    else:
+        # Dynamic: this call's own send and receive lists.
+        if self_weight is None or src_weights is None:
+            raise ValueError("neighbor_allreduce with dst_weights needs self_weight and src_weights")
+        src = _weights_dict(src_weights, "src_weights")
+        dst = _weights_dict(dst_weights, "dst_weights")
+        recv, send = sorted(src), sorted(dst)
+        kw.update(uniform=False, self_weight=float(self_weight), recv_weights=[src[r] for r in recv])
+        if any(dst[r] != 1.0 for r in send):
+            kw["send_weights"] = [dst[r] for r in send]
+    src_t, out = adapter.prepare(tensor, False, "neighbor_allreduce")
+    return _submit(NEIGHBOR_ALLREDUCE, name, adapter, src_t, out, (tensor, src_t, out),
+                   lambda: out, recv_ranks=list(recv), send_ranks=list(send), **kw)
+
+
+def poll(handle):
+    """True when the op behind `handle` has completed (the handle stays valid)."""
+    return _core.poll(handle)
+
+
+def synchronize(handle):
+    """Wait (GIL released, no spinning) for `handle` and return the op's output.
+
+    Raises ShoalError if the op failed on this rank (mismatch, stall, dead peer,
+    shutdown) and ValueError for an unknown handle.
+    """
+    with _lock:
+        if handle not in _pending:
+            raise ValueError(f"unknown handle {handle}")
+    try:
+        _core.wait(handle)
+        with _lock:
+            _, finish = _pending[handle]
+        return finish()
+    finally:
+        with _lock:
+            _pending.pop(handle, None)
+        _core.release(handle)
+
+
+def barrier():
+    """Block until every rank has called barrier()."""
+    h = _core.enqueue(BARRIER, "", 0, 0, [], 0)
+    try:
+        _core.wait(h)
+    finally:
+        _core.release(h)
