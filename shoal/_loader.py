@@ -24,7 +24,7 @@ def _pypi_libmpi():
     # RECORD paths are relative to site-packages (e.g. ../../libmpi.so.12)
     names = {os.path.basename(str(f)): f for f in dist.files or []}
     f = names.get("libmpi.so.12") or names.get("libmpi.so")
-    return str(dist.locate_file(f)) if f else None
+    return os.path.realpath(dist.locate_file(f)) if f else None
 
 
 def _preload_mpi():

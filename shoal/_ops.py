@@ -93,11 +93,11 @@ def _weights_dict(arg, what):
     raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks")
 
 
-def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weights=None,
-                                   dst_weights=None, enable_topo_check=True, name=None):
-    """See `shoal.neighbor_allreduce` for the semantics."""
+def neighbor_args(self_weight=None, src_weights=None, dst_weights=None):
+    """Resolve BlueFog's neighbor_allreduce weights into explicit per-call lists:
+    {recv_ranks, recv_weights, self_weight, uniform, send_ranks, send_weights}."""
     plan, weighted = basics._static_plan()
-    kw = {}
+    args = dict(uniform=True, self_weight=1.0, recv_weights=[], send_weights=[])
     if dst_weights is None:
         # Static: receive from every in-neighbor, send to every out-neighbor.
         recv, send = plan["recv"], plan["send"]
@@ -105,14 +105,15 @@ def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weight
             raise ValueError("neighbor_allreduce: give both self_weight and src_weights, or neither")
         if self_weight is None:
             if weighted:
-                kw.update(uniform=False, self_weight=plan["self_weight"], recv_weights=plan["recv_weights"])
+                args.update(uniform=False, self_weight=plan["self_weight"],
+                            recv_weights=plan["recv_weights"])
         else:
             src = _weights_dict(src_weights, "src_weights")
             extra = sorted(set(src) - set(recv))
             if extra:
                 raise ValueError(f"neighbor_allreduce: src_weights ranks {extra} are not in-neighbors {recv}")
-            kw.update(uniform=False, self_weight=float(self_weight),
-                      recv_weights=[src.get(r, 0.0) for r in recv])
+            args.update(uniform=False, self_weight=float(self_weight),
+                        recv_weights=[src.get(r, 0.0) for r in recv])
     else:
         # Dynamic: this call's own send and receive lists.
         if self_weight is None or src_weights is None:
@@ -120,12 +121,25 @@ def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weight
         src = _weights_dict(src_weights, "src_weights")
         dst = _weights_dict(dst_weights, "dst_weights")
         recv, send = sorted(src), sorted(dst)
-        kw.update(uniform=False, self_weight=float(self_weight), recv_weights=[src[r] for r in recv])
+        args.update(uniform=False, self_weight=float(self_weight), recv_weights=[src[r] for r in recv])
         if any(dst[r] != 1.0 for r in send):
-            kw["send_weights"] = [dst[r] for r in send]
+            args["send_weights"] = [dst[r] for r in send]
+    args.update(recv_ranks=list(recv), send_ranks=list(send))
+    return args
+
+
+def neighbor_allreduce_submit(adapter, tensor, name, **args):
+    """Enqueue a neighbor_allreduce with explicit lists (see `neighbor_args`)."""
     src_t, out = adapter.prepare(tensor, False, "neighbor_allreduce")
     return _submit(NEIGHBOR_ALLREDUCE, name, adapter, src_t, out, (tensor, src_t, out),
-                   lambda: out, recv_ranks=list(recv), send_ranks=list(send), **kw)
+                   lambda: out, **args)
+
+
+def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weights=None,
+                                   dst_weights=None, enable_topo_check=True, name=None):
+    """See `shoal.neighbor_allreduce` for the semantics."""
+    return neighbor_allreduce_submit(adapter, tensor, name,
+                                     **neighbor_args(self_weight, src_weights, dst_weights))
 
 
 def poll(handle):

@@ -157,7 +157,9 @@ def out_neighbor_ranks():
 
 
 def _static_plan():
-    _require_init()
+    # Pure Python (no call into the core) so torch.compile can trace through it.
+    if _state["plan"] is None:
+        raise ValueError("Shoal is not initialized; call shoal.init() first")
     return _state["plan"], _state["weighted"]
 
 

@@ -1,0 +1,25 @@
+"""shoal.torch: Shoal's ops for torch tensors (CPU in this build), BlueFog-compatible.
+
+`import shoal.torch as bf` runs BlueFog scripts: same names, same semantics
+(reference/bluefog-semantics.md §1). The blocking ops are registered with
+`torch.library` (namespace `shoal`), so they work eagerly and under `torch.compile`.
+Nothing here is compiled against torch: tensors reach the core as raw pointers.
+"""
+import torch
+
+from shoal import topology  # noqa: F401
+from shoal._api import build_api
+from shoal._ops import Average, ReduceOp, Sum  # noqa: F401
+from shoal.basics import *  # noqa: F401,F403
+from shoal.basics import __all__ as _basics_all
+
+from . import _ops as _torch_ops
+from ._adapter import ADAPTER
+
+_api = build_api(ADAPTER)
+globals().update(_api)
+# Blocking forms go through the registered torch.library ops.
+from ._ops import allgather, allreduce, broadcast, neighbor_allreduce  # noqa: E402,F401,F811
+
+__all__ = list(_basics_all) + sorted(_api) + ["Sum", "Average", "ReduceOp", "topology"]
+del _torch_ops

@@ -1,0 +1,39 @@
+"""Adapter from torch tensors to the core's (address, dtype code, shape)."""
+import torch
+
+from shoal._ops import DTYPE_CODES
+
+_CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
+
+
+class TorchAdapter:
+    name = "torch"
+
+    @staticmethod
+    def _check(t, op):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _CODES:
+            raise ValueError(f"{op}: dtype {t.dtype} is not supported; use one of {sorted(DTYPE_CODES)}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{op}: {t.device} tensors are not supported by this build (CPU only)")
+
+    def describe(self, t):
+        return t.data_ptr(), _CODES[t.dtype], tuple(t.shape)
+
+    def prepare(self, tensor, inplace, op, need_output=True):
+        self._check(tensor, op)
+        if inplace:
+            if not tensor.is_contiguous():
+                raise ValueError(f"{op}: in-place ops need a contiguous tensor; call .contiguous() first")
+            return tensor, tensor
+        src = tensor.detach().contiguous()
+        return src, (torch.empty_like(src) if need_output else None)
+
+    def from_bytes(self, data, shape, like):
+        if data.size == 0:
+            return torch.empty(shape, dtype=like.dtype)
+        return torch.from_numpy(data).view(like.dtype).reshape(shape)
+
+
+ADAPTER = TorchAdapter()

@@ -1,0 +1,84 @@
+"""Blocking ops registered with torch.library, so `torch.compile` can trace them.
+
+Each op is an opaque call with a fake (meta) implementation giving its output shape;
+the real implementation enqueues into the core and waits.
+"""
+import torch
+
+from shoal import _ops
+
+from ._adapter import ADAPTER
+
+_register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
+
+
+def _define(schema, impl, fake):
+    name = "shoal::" + schema.split("(", 1)[0]
+    torch.library.define(name, "(" + schema.split("(", 1)[1])
+    torch.library.impl(name, "CompositeExplicitAutograd")(impl)
+    _register_fake(name)(fake)
+
+
+def _allreduce_impl(tensor, average, name):
+    h = _ops.allreduce_nonblocking(ADAPTER, tensor, average, name or None)
+    return _ops.synchronize(h)
+
+
+def _broadcast_impl(tensor, root_rank, name):
+    return _ops.synchronize(_ops.broadcast_nonblocking(ADAPTER, tensor, root_rank, name or None))
+
+
+def _allgather_impl(tensor, name):
+    return _ops.synchronize(_ops.allgather_nonblocking(ADAPTER, tensor, name or None))
+
+
+def _allgather_fake(tensor, name):
+    from shoal.basics import size
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return tensor.new_empty((rows,) + tuple(tensor.shape[1:])) if size() > 1 else tensor.new_empty(tensor.shape)
+
+
+def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, send_weights,
+                   uniform, name):
+    h = _ops.neighbor_allreduce_submit(
+        ADAPTER, tensor, name or None, self_weight=self_weight, recv_ranks=list(recv_ranks),
+        recv_weights=list(recv_weights), send_ranks=list(send_ranks),
+        send_weights=list(send_weights), uniform=uniform)
+    return _ops.synchronize(h)
+
+
+_define("allreduce(Tensor tensor, bool average, str name) -> Tensor", _allreduce_impl,
+        lambda tensor, average, name: torch.empty_like(tensor))
+_define("broadcast(Tensor tensor, int root_rank, str name) -> Tensor", _broadcast_impl,
+        lambda tensor, root_rank, name: torch.empty_like(tensor))
+_define("allgather(Tensor tensor, str name) -> Tensor", _allgather_impl, _allgather_fake)
+_define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, "
+        "float[] recv_weights, int[] send_ranks, float[] send_weights, bool uniform, str name) "
+        "-> Tensor", _neighbor_impl, lambda tensor, *args: torch.empty_like(tensor))
+
+
+def allreduce(tensor, average=None, name=None, op=None):
+    """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
+    (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
+    rop = _ops.reduce_op(average, op)
+    return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, name or "")
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast`."""
+    return torch.ops.shoal.broadcast(tensor, root_rank, name or "")
+
+
+def allgather(tensor, name=None):
+    """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather`."""
+    return torch.ops.shoal.allgather(tensor, name or "")
+
+
+def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
+                       enable_topo_check=True, name=None):
+    """Blocking neighbor averaging step; semantics as `shoal.neighbor_allreduce`
+    (BlueFog's static and dynamic modes)."""
+    a = _ops.neighbor_args(self_weight, src_weights, dst_weights)
+    return torch.ops.shoal.neighbor_allreduce(
+        tensor, a["self_weight"], a["recv_ranks"], a["recv_weights"], a["send_ranks"],
+        a["send_weights"], a["uniform"], name or "")
