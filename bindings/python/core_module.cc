@@ -21,6 +21,7 @@ py::object g_shoal_error;
     case SHOAL_INVALID_ARGUMENT:
     case SHOAL_DUPLICATE_NAME:
     case SHOAL_UNKNOWN_HANDLE:
+    case SHOAL_NOT_INITIALIZED:
       throw py::value_error(msg);
     default:
       PyErr_SetString(g_shoal_error.ptr(), msg);

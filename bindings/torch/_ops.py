@@ -60,17 +60,20 @@ _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, 
 def allreduce(tensor, average=None, name=None, op=None):
     """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
     (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
+    ADAPTER._check(tensor, "allreduce")
     rop = _ops.reduce_op(average, op)
     return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, name or "")
 
 
 def broadcast(tensor, root_rank, name=None):
     """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast`."""
+    ADAPTER._check(tensor, "broadcast")
     return torch.ops.shoal.broadcast(tensor, root_rank, name or "")
 
 
 def allgather(tensor, name=None):
     """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather`."""
+    ADAPTER._check(tensor, "allgather")
     return torch.ops.shoal.allgather(tensor, name or "")
 
 
@@ -78,6 +81,7 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
                        enable_topo_check=True, name=None):
     """Blocking neighbor averaging step; semantics as `shoal.neighbor_allreduce`
     (BlueFog's static and dynamic modes)."""
+    ADAPTER._check(tensor, "neighbor_allreduce")
     a = _ops.neighbor_args(self_weight, src_weights, dst_weights)
     return torch.ops.shoal.neighbor_allreduce(
         tensor, a["self_weight"], a["recv_ranks"], a["recv_weights"], a["send_ranks"],

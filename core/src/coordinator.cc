@@ -168,7 +168,7 @@ std::vector<Response> Coordinator::TakeResponses() {
     auto it = pending_.find(name);
     if (it == pending_.end()) continue;  // aborted meanwhile
     Response r = Validate(name, it->second);
-    const Signature& sig = it->second.req[0].sig;
+    const Signature sig = it->second.req[0].sig;  // copied: the entry is erased next
     pending_.erase(it);
     if (r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && fusion_threshold_ > 0) {
       auto key = std::make_tuple(sig.dtype, sig.reduce_op, sig.device_type);

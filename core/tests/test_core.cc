@@ -1,0 +1,172 @@
+// Unit tests of the core's pure logic: the negotiation state machine driven by N
+// fake ranks (threads) submitting in different orders, the wire format, and the
+// half-precision conversions. Exit status 0 = all passed.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "coordinator.h"
+#include "reduce.h"
+
+using namespace shoal;
+
+static int g_failed = 0, g_passed = 0;
+#define CHECK(cond)                                                      \
+  do {                                                                   \
+    if (cond) { ++g_passed; }                                            \
+    else { ++g_failed; std::printf("FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond); } \
+  } while (0)
+
+static Request Req(const std::string& name, int op, int dtype, std::vector<int64_t> shape,
+                   int root = 0, int reduce = 0) {
+  Request r;
+  r.name = name;
+  r.sig.op = op;
+  r.sig.dtype = dtype;
+  r.sig.shape = std::move(shape);
+  r.sig.root_rank = root;
+  r.sig.reduce_op = reduce;
+  return r;
+}
+
+// N threads (fake ranks) submit the same named ops, each in its own random order.
+static void TestOutOfOrderThreads() {
+  const int n = 6, ops = 40;
+  Coordinator c(n, 1 << 20);
+  std::mutex mu;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.emplace_back([&, r] {
+      std::vector<int> order(ops);
+      for (int i = 0; i < ops; ++i) order[i] = i;
+      std::shuffle(order.begin(), order.end(), std::mt19937(r));
+      for (int i : order) {
+        std::lock_guard<std::mutex> lock(mu);
+        c.Add(r, Req("t" + std::to_string(i), SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {4}), 0);
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  auto resps = c.TakeResponses();
+  std::vector<std::string> names;
+  for (auto& r : resps) {
+    CHECK(r.kind == Response::EXECUTE);
+    names.insert(names.end(), r.names.begin(), r.names.end());
+  }
+  std::sort(names.begin(), names.end());
+  CHECK(names.size() == static_cast<size_t>(ops));
+  CHECK(std::unique(names.begin(), names.end()) == names.end());
+  CHECK(resps.size() == 1);  // 40 x 16 bytes fuse into one batch
+  CHECK(c.num_pending() == 0);
+  // Encoded and decoded, every rank sees the same schedule.
+  auto enc = EncodeResponses(resps);
+  auto dec = DecodeResponses(enc.data(), enc.size());
+  CHECK(dec.size() == resps.size() && dec[0].names == resps[0].names);
+}
+
+static void TestMismatches() {
+  const int n = 3;
+  struct Case { std::vector<Request> reqs; std::string expect; };
+  std::vector<Case> cases = {
+      {{Req("a", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3}), Req("a", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {4}),
+        Req("a", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3})},
+       "allreduce 'a': mismatched shapes across ranks: [3] on ranks 0, 2; [4] on rank 1"},
+      {{Req("b", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3}), Req("b", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, {3}),
+        Req("b", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, {3})},
+       "mismatched dtypes across ranks: float32 on rank 0; float64 on ranks 1, 2"},
+      {{Req("c", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3}), Req("c", SHOAL_OP_ALLGATHER, SHOAL_FLOAT32, {3}),
+        Req("c", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3})},
+       "mismatched operations"},
+      {{Req("d", SHOAL_OP_BROADCAST, SHOAL_INT32, {2}, 0), Req("d", SHOAL_OP_BROADCAST, SHOAL_INT32, {2}, 1),
+        Req("d", SHOAL_OP_BROADCAST, SHOAL_INT32, {2}, 0)},
+       "mismatched root ranks across ranks: root 0 on ranks 0, 2; root 1 on rank 1"},
+      {{Req("e", SHOAL_OP_ALLGATHER, SHOAL_INT32, {2, 3}), Req("e", SHOAL_OP_ALLGATHER, SHOAL_INT32, {5, 4}),
+        Req("e", SHOAL_OP_ALLGATHER, SHOAL_INT32, {1, 3})},
+       "mismatched trailing dimensions"},
+      {{Req("f", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3}, 0, 0), Req("f", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3}, 0, 1),
+        Req("f", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3}, 0, 0)},
+       "mismatched reduce ops"},
+  };
+  for (auto& cs : cases) {
+    Coordinator c(n, 0);
+    for (int r = n - 1; r >= 0; --r) c.Add(r, cs.reqs[r], 0);
+    auto resps = c.TakeResponses();
+    CHECK(resps.size() == 1 && resps[0].kind == Response::ERROR);
+    bool found = !resps.empty() && resps[0].error.find(cs.expect) != std::string::npos;
+    if (!found) std::printf("  got: %s\n", resps.empty() ? "(none)" : resps[0].error.c_str());
+    CHECK(found);
+    // The name is free again: a correct op under it now succeeds.
+    for (int r = 0; r < n; ++r) c.Add(r, cs.reqs[0], 0);
+    auto again = c.TakeResponses();
+    CHECK(again.size() == 1 && again[0].kind == Response::EXECUTE);
+  }
+}
+
+static void TestAllgatherDimsAndStalls() {
+  Coordinator c(3, 0);
+  c.Add(0, Req("g", SHOAL_OP_ALLGATHER, SHOAL_FLOAT32, {1, 2}), 0);
+  c.Add(2, Req("g", SHOAL_OP_ALLGATHER, SHOAL_FLOAT32, {0, 2}), 0);
+  CHECK(c.TakeResponses().empty());
+  auto stalls = c.Stalled(70, 60);
+  CHECK(stalls.size() == 1 && stalls[0].missing == std::vector<int>{1} &&
+        stalls[0].ready == (std::vector<int>{0, 2}));
+  c.Add(1, Req("g", SHOAL_OP_ALLGATHER, SHOAL_FLOAT32, {5, 2}), 0);
+  auto r = c.TakeResponses();
+  CHECK(r.size() == 1 && r[0].first_dims.size() == 1 &&
+        r[0].first_dims[0] == (std::vector<int64_t>{1, 5, 0}));
+  // Abort of a pending name yields one error, and the name is gone.
+  c.Add(0, Req("h", SHOAL_OP_BARRIER, 0, {}), 0);
+  auto ab = c.Abort("h", "stalled");
+  CHECK(ab.kind == Response::ERROR && ab.names[0] == "h" && c.num_pending() == 0);
+}
+
+static void TestFusionThreshold() {
+  Coordinator c(2, 64);  // bytes
+  for (int r = 0; r < 2; ++r) {
+    c.Add(r, Req("x1", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {8}), 0);   // 32 B
+    c.Add(r, Req("x2", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {8}), 0);   // 32 B: fits exactly
+    c.Add(r, Req("x3", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {1}), 0);   // 4 B: over
+    c.Add(r, Req("x4", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, {1}), 0);   // other dtype
+    c.Add(r, Req("x5", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {100}), 0); // larger than the buffer
+  }
+  auto resps = c.TakeResponses();
+  CHECK(resps.size() == 4);
+  CHECK(resps[0].names == (std::vector<std::string>{"x1", "x2"}));
+  CHECK(resps[1].names == (std::vector<std::string>{"x3"}));
+  CHECK(resps[2].names == (std::vector<std::string>{"x4"}));
+  CHECK(resps[3].names == (std::vector<std::string>{"x5"}));
+}
+
+static void TestHalfConversions() {
+  // Every float16 bit pattern survives float16 -> float32 -> float16.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    float f = HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    if (FloatToHalf(f) != h) { CHECK(false); std::printf("  half 0x%04x\n", h); break; }
+  }
+  CHECK(FloatToHalf(1.0f) == 0x3c00 && FloatToHalf(65504.0f) == 0x7bff);
+  CHECK(FloatToHalf(65520.0f) == 0x7c00);                  // rounds to infinity
+  CHECK(FloatToHalf(1.0f + 1.0f / 2048) == 0x3c00);        // tie -> even
+  CHECK(FloatToHalf(std::ldexp(1.0f, -24)) == 0x0001);     // smallest subnormal
+  CHECK(BFloat16ToFloat(FloatToBFloat16(3.0f)) == 3.0f);
+  CHECK(FloatToBFloat16(1.0f + 1.0f / 256) == 0x3f80);     // tie -> even
+  // Uniform combine is sum-then-divide.
+  std::vector<double> self = {1, 2}, a = {2, 4}, b = {3, 6}, out(2);
+  Combine(self.data(), {a.data(), b.data()}, out.data(), SHOAL_FLOAT64, 2, true, 0, {});
+  CHECK(out[0] == 2.0 && out[1] == 4.0);
+}
+
+int main() {
+  TestOutOfOrderThreads();
+  TestMismatches();
+  TestAllgatherDimsAndStalls();
+  TestFusionThreshold();
+  TestHalfConversions();
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed ? 1 : 0;
+}

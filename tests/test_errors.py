@@ -1,0 +1,62 @@
+"""Mismatches become the same ShoalError on every rank; a dead rank ends the job."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import shoal
+from conftest import run_ok, run_ranks
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_mismatches_raise_on_every_rank(ranks):
+    out = run_ok(ranks, "mismatch.py")
+    assert out.count("checks passed, 0 failed") == ranks, out
+
+
+def test_dead_rank_ends_job_quickly():
+    rc, out, secs = run_ranks(4, "die.py", timeout=60)
+    assert rc != 0, out
+    assert secs < 30, f"job took {secs:.1f} s to end after a rank died"
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", "workers/die.py"], capture_output=True, text=True).stdout
+    assert not left.strip(), f"ranks left running: {left}"
+
+
+def test_ops_before_init_and_after_shutdown_raise():
+    code = (
+        "import numpy as np, shoal\n"
+        "for phase in ('before', 'after'):\n"
+        "    try:\n"
+        "        shoal.allreduce(np.ones(2))\n"
+        "    except ValueError as e:\n"
+        "        assert 'not initialized' in str(e), e\n"
+        "    else:\n"
+        "        raise SystemExit('no error ' + phase)\n"
+        "    shoal.init(); shoal.shutdown()\n"
+        "for _ in range(20):\n"
+        "    shoal.init(); assert shoal.allreduce(np.ones(2)).tolist() == [1, 1]; shoal.shutdown()\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_single_process_without_launcher():
+    shoal.init()
+    try:
+        assert shoal.size() == 1 and shoal.rank() == 0
+        assert shoal.allreduce(np.arange(3.0), average=False).tolist() == [0, 1, 2]
+        assert shoal.neighbor_allreduce(np.arange(3.0)).tolist() == [0, 1, 2]
+        assert shoal.in_neighbor_ranks() == [] and shoal.out_neighbor_ranks() == []
+    finally:
+        shoal.shutdown()
+
+
+def test_bad_configuration_is_a_clear_error():
+    code = "import shoal\ntry:\n    shoal.init()\nexcept ValueError as e:\n    print(e)\n"
+    env = dict(os.environ, SHOAL_LOG_LEVEL="loud")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert "SHOAL_LOG_LEVEL='loud'" in out.stdout, out

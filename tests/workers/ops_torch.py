@@ -1,0 +1,101 @@
+"""shoal.torch: every op and dtype on torch tensors (bfloat16 included), torch.compile,
+and a BlueFog-style script run through `import shoal.torch as bf`."""
+import sys
+
+import torch
+
+import shoal.torch as bf
+from checks import check, run_all
+
+bf.init()
+R, N = bf.rank(), bf.size()
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+          torch.int32, torch.int64]
+
+
+def base(dtype):
+    return (torch.arange(6) % 3).reshape(2, 3).to(dtype)
+
+
+@check
+def allreduce_every_dtype():
+    for dt in DTYPES:
+        got = bf.allreduce(base(dt) * (R + 1), average=False, name=f"t.sum.{dt}")
+        assert got.dtype == dt and torch.equal(got, (base(torch.int64) * (N * (N + 1) // 2)).to(dt)), (dt, got)
+        if dt.is_floating_point:
+            acc = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+            want = (base(acc) * (N * (N + 1) // 2) / N).to(dt)
+            got = bf.allreduce(base(dt) * (R + 1), name=f"t.avg.{dt}")
+            assert torch.equal(got, want), (dt, got, want)
+
+
+@check
+def inplace_and_nonblocking():
+    x = torch.full((3,), float(R))
+    h = bf.allreduce_nonblocking_(x, average=False, name="t.inplace")
+    assert bf.synchronize(h) is x and torch.equal(x, torch.full((3,), N * (N - 1) / 2))
+    h = bf.allreduce_nonblocking(torch.ones(2), name="t.nb")
+    assert torch.equal(bf.wait(h), torch.ones(2))
+
+
+@check
+def broadcast_and_allgather_every_dtype():
+    for dt in DTYPES + [torch.bool]:
+        x = torch.full((2,), R % 2 == 1) if dt == torch.bool else base(dt) + R
+        root = N - 1
+        want = torch.full((2,), root % 2 == 1) if dt == torch.bool else base(dt) + root
+        assert torch.equal(bf.broadcast(x, root, name=f"t.bc.{dt}"), want), dt
+        y = torch.full((R % 3, 2), R).to(dt)
+        got = bf.allgather(y, name=f"t.ag.{dt}")
+        want = torch.cat([torch.full((r % 3, 2), r).to(dt) for r in range(N)])
+        assert got.dtype == dt and torch.equal(got, want), (dt, got)
+
+
+@check
+def neighbor_allreduce_float_dtypes():
+    ins = bf.in_neighbor_ranks()
+    for dt in [torch.float16, torch.bfloat16, torch.float32, torch.float64]:
+        acc = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        total = sum((base(acc) * (j + 1) for j in ins), base(acc) * (R + 1))
+        want = (total / (len(ins) + 1)).to(dt)
+        got = bf.neighbor_allreduce(base(dt) * (R + 1), name=f"t.nbr.{dt}")
+        assert got.dtype == dt and torch.equal(got, want), (dt, got, want)
+
+
+@check
+def compiled_fullgraph():
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(x):
+        y = bf.allreduce(x * 2, average=False, name="t.compiled.ar")
+        return bf.neighbor_allreduce(y + 1, name="t.compiled.nbr")
+
+    out = step(torch.full((4,), float(R)))
+    assert torch.equal(out, torch.full((4,), float(N * (N - 1) + 1))), out
+
+
+@check
+def bluefog_script():
+    # The body of a BlueFog average-consensus script, unchanged but for the import.
+    bf.set_topology(bf.topology.ExponentialTwoGraph(bf.size()))
+    x = torch.full((3,), float(bf.rank()))
+    for _ in range(10):
+        x = bf.neighbor_allreduce(x)
+    mean = bf.allreduce(torch.full((3,), float(bf.rank())))
+    assert torch.allclose(x, mean, atol=1e-2), (x, mean)
+
+
+@check
+def rejects_bad_input():
+    for bad, exc in [(lambda: bf.allreduce([1.0, 2.0]), TypeError),
+                     (lambda: bf.neighbor_allreduce(torch.ones(2, dtype=torch.int32)), ValueError),
+                     (lambda: bf.allreduce_(torch.ones(4, 4).t()), ValueError),
+                     (lambda: bf.broadcast(torch.ones(2), N), ValueError),
+                     (lambda: bf.neighbor_allreduce(torch.ones(2), self_weight=0.5), ValueError)]:
+        try:
+            bad()
+        except exc:
+            continue
+        raise AssertionError(f"{bad} did not raise {exc}")
+
+
+sys.exit(1 if run_all(R) else 0)
