@@ -11,6 +11,13 @@ import pytest
 WORKERS = Path(__file__).parent / "workers"
 
 
+@pytest.fixture(autouse=True)
+def _outside_source_tree(tmp_path, monkeypatch):
+    """Run every test (and the processes it starts) outside the checkout, so `import
+    shoal` finds the installed package, not the unbuilt sources."""
+    monkeypatch.chdir(tmp_path)
+
+
 def shoalrun_cmd(np_, *command):
     return [sys.executable, "-m", "shoal.launcher.run", "-np", str(np_), *command]
 
