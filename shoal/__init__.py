@@ -6,6 +6,7 @@ framework-neutral API over numpy arrays (and any buffer-protocol object); `shoal
 offers the same names for torch tensors. Names and semantics follow BlueFog.
 """
 from . import topology
+from ._infer import InferDestinationFromSourceRanks, InferSourceFromDestinationRanks
 from ._api import build_api
 from ._numpy import ADAPTER as _ADAPTER
 from ._ops import Average, Sum, ReduceOp
@@ -15,4 +16,6 @@ from .basics import __all__ as _basics_all
 globals().update(build_api(_ADAPTER))
 
 __version__ = "0.1.0"
-__all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + ["Sum", "Average", "ReduceOp", "topology"]
+__all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + ["Sum", "Average", "ReduceOp", "topology",
+                                                         "InferSourceFromDestinationRanks",
+                                                         "InferDestinationFromSourceRanks"]

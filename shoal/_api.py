@@ -3,13 +3,17 @@
 `shoal` (numpy / buffer protocol) and `shoal.torch` expose the same names with the same
 semantics (BlueFog's, reference/bluefog-semantics.md §1.4–1.5, plus Horovod's `op=`).
 """
-from . import _ops
+from . import _hierarchical, _ops
+
+
+def _scope(is_hierarchical_local):
+    return _ops.MACHINE if is_hierarchical_local else _ops.WORLD
 
 
 def build_api(adapter):
     """Return {name: function} of the collective API over `adapter`'s tensor type."""
 
-    def allreduce_nonblocking(tensor, average=None, name=None, op=None):
+    def allreduce_nonblocking(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
         """Start an allreduce; returns a handle for `synchronize`/`poll`/`wait`.
 
         Args:
@@ -17,6 +21,8 @@ def build_api(adapter):
                 float32, float64, int8, uint8, int16, int32, int64. Not modified.
             average: BlueFog's flag (default True); `op=shoal.Sum`/`shoal.Average` is
                 Horovod's spelling of the same choice.
+            is_hierarchical_local: reduce over the ranks of this machine only (divide by
+                local_size() when averaging).
             name: negotiation key; all ranks use the same name for the same op.
                 Omitted: "allreduce.noname.<k>" (ranks must then issue ops in one order).
         Result: sum over ranks, or sum then divide by size() (exact when representable;
@@ -26,19 +32,21 @@ def build_api(adapter):
                 op with the same name. ShoalError (at synchronize): ranks disagree on
                 shape, dtype or op.
         """
-        return _ops.allreduce_nonblocking(adapter, tensor, average, name, op)
+        return _ops.allreduce_nonblocking(adapter, tensor, average, name, op,
+                                          scope=_scope(is_hierarchical_local))
 
-    def allreduce_nonblocking_(tensor, average=None, name=None, op=None):
+    def allreduce_nonblocking_(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
         """In-place `allreduce_nonblocking`: the result overwrites `tensor` (contiguous)."""
-        return _ops.allreduce_nonblocking(adapter, tensor, average, name, op, inplace=True)
+        return _ops.allreduce_nonblocking(adapter, tensor, average, name, op, inplace=True,
+                                          scope=_scope(is_hierarchical_local))
 
-    def allreduce(tensor, average=None, name=None, op=None):
+    def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
         """Blocking allreduce: `synchronize(allreduce_nonblocking(...))`; see there."""
-        return _ops.synchronize(allreduce_nonblocking(tensor, average, name, op))
+        return _ops.synchronize(allreduce_nonblocking(tensor, average, is_hierarchical_local, name, op))
 
-    def allreduce_(tensor, average=None, name=None, op=None):
+    def allreduce_(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
         """Blocking in-place allreduce; returns `tensor`."""
-        return _ops.synchronize(allreduce_nonblocking_(tensor, average, name, op))
+        return _ops.synchronize(allreduce_nonblocking_(tensor, average, is_hierarchical_local, name, op))
 
     def broadcast_nonblocking(tensor, root_rank, name=None):
         """Start a broadcast of `root_rank`'s tensor (any dtype incl. bool, any shape);
@@ -99,10 +107,70 @@ def build_api(adapter):
         return _ops.synchronize(neighbor_allreduce_nonblocking(
             tensor, self_weight, src_weights, dst_weights, enable_topo_check, name))
 
+    def neighbor_allgather_nonblocking(tensor, src_ranks=None, dst_ranks=None,
+                                       enable_topo_check=True, name=None):
+        """Start a neighbor allgather; returns a handle.
+
+        Result: the tensors of this rank's sources concatenated along dim 0 (self
+        excluded). Static mode (both lists None): sources = `in_neighbor_ranks()` in
+        ascending order, destinations = `out_neighbor_ranks()`. Dynamic mode: both lists
+        given; the result follows `src_ranks` in the order given. First dimensions may
+        differ per rank; trailing dims and dtype must match (ShoalError otherwise).
+        `enable_topo_check` (dynamic mode) has the coordinator check that sends and
+        receives pair up, naming the edge otherwise. Any dtype incl. bool.
+        Semantics: BlueFog `neighbor_allgather` (reference/bluefog-semantics.md §1.4).
+        """
+        return _ops.neighbor_allgather_nonblocking(adapter, tensor, src_ranks, dst_ranks,
+                                                   enable_topo_check, name)
+
+    def neighbor_allgather(tensor, src_ranks=None, dst_ranks=None, enable_topo_check=True, name=None):
+        """Blocking neighbor_allgather; see `neighbor_allgather_nonblocking`."""
+        return _ops.synchronize(neighbor_allgather_nonblocking(tensor, src_ranks, dst_ranks,
+                                                               enable_topo_check, name))
+
+    def hierarchical_neighbor_allreduce_nonblocking(tensor, self_weight=None, src_machine_weights=None,
+                                                    dst_machine_weights=None, enable_topo_check=False,
+                                                    name=None):
+        """Start a hierarchical neighbor allreduce; returns a handle.
+
+        Sum within each machine, one neighbor-averaging step between machines over the
+        machine topology (`set_machine_topology`, static mode) or the given machine
+        weights (dynamic mode: all three weight arguments), then share the result within
+        the machine: y = (self_weight·S_self + Σ_m w_m·S_m) / local_size(), S = machine sums.
+        Floating dtypes. Needs a homogeneous job (ValueError otherwise); RuntimeError in
+        static mode without a machine topology. The later stages run in `synchronize`.
+        Semantics: BlueFog `hierarchical_neighbor_allreduce` (§1.6).
+        """
+        return _hierarchical.hierarchical_neighbor_allreduce_nonblocking(
+            adapter, tensor, self_weight, src_machine_weights, dst_machine_weights,
+            enable_topo_check, name)
+
+    def hierarchical_neighbor_allreduce(tensor, self_weight=None, src_machine_weights=None,
+                                        dst_machine_weights=None, enable_topo_check=False, name=None):
+        """Blocking hierarchical_neighbor_allreduce; see the nonblocking form."""
+        return _ops.synchronize(hierarchical_neighbor_allreduce_nonblocking(
+            tensor, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, name))
+
+    def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
+        """Start an exchange with one peer; both sides must name each other.
+
+        Result: (x + x_peer) / 2 (sum then divide), or self_weight·x + pair_weight·x_peer.
+        Floating dtypes. Semantics: BlueFog `pair_gossip`.
+        """
+        return _ops.pair_gossip_nonblocking(adapter, tensor, target_rank, self_weight, pair_weight, name)
+
+    def pair_gossip(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
+        """Blocking pair_gossip; see `pair_gossip_nonblocking`."""
+        return _ops.synchronize(pair_gossip_nonblocking(tensor, target_rank, self_weight, pair_weight, name))
+
     api = {f.__name__: f for f in (
+        neighbor_allgather, neighbor_allgather_nonblocking, hierarchical_neighbor_allreduce,
+        hierarchical_neighbor_allreduce_nonblocking, pair_gossip, pair_gossip_nonblocking,
         allreduce, allreduce_, allreduce_nonblocking, allreduce_nonblocking_,
         broadcast, broadcast_, broadcast_nonblocking, broadcast_nonblocking_,
         allgather, allgather_nonblocking, neighbor_allreduce, neighbor_allreduce_nonblocking)}
+    for f in api.values():  # error messages name the public function, not this factory
+        f.__qualname__ = f.__name__
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
                barrier=_ops.barrier)
     return api

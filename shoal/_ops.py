@@ -11,7 +11,8 @@ from . import basics
 from ._loader import _core
 
 # Op and dtype codes of the C ABI (core/include/shoal/c_api.h).
-ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE = range(5)
+ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER = range(6)
+WORLD, MACHINE = 0, 1  # scope of allreduce/broadcast
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4,
                "uint8": 5, "int16": 6, "int32": 7, "int64": 8, "bool": 9}
 
@@ -28,9 +29,12 @@ class ReduceOp:
 
 Sum = ReduceOp("Sum", 0)
 Average = ReduceOp("Average", 1)
+OP_NAMES = ["allreduce", "broadcast", "allgather", "barrier", "neighbor_allreduce",
+            "neighbor_allgather"]
 
 _lock = threading.Lock()
 _pending = {}  # handle -> (objects kept alive, finish() -> result)
+_composite = {"next": -1}  # handles of multi-stage ops are negative
 
 
 def reduce_op(average, op):
@@ -53,53 +57,86 @@ def _submit(op, name, adapter, tensor, output, keep, finish, **kw):
     return handle
 
 
-def allreduce_nonblocking(adapter, tensor, average=None, name=None, op=None, inplace=False):
-    rop = reduce_op(average, op)
-    src, out = adapter.prepare(tensor, inplace, "allreduce")
-    return _submit(ALLREDUCE, name, adapter, src, out, (tensor, src, out), lambda: out,
-                   reduce_op=rop.code)
-
-
-def broadcast_nonblocking(adapter, tensor, root_rank, name=None, inplace=False):
-    if not isinstance(root_rank, int) or isinstance(root_rank, bool):
-        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
-    if not 0 <= root_rank < basics.size():
-        raise ValueError(f"broadcast: root rank {root_rank} is outside [0, {basics.size()})")
-    src, out = adapter.prepare(tensor, inplace, "broadcast")
-    return _submit(BROADCAST, name, adapter, src, out, (tensor, src, out), lambda: out,
-                   root=root_rank)
-
-
-def allgather_nonblocking(adapter, tensor, name=None):
-    src, _ = adapter.prepare(tensor, False, "allgather", need_output=False)
+def _submit_gather(op, name, adapter, tensor, **kw):
+    """Enqueue an op whose output the core allocates (allgather family)."""
+    src, _ = adapter.prepare(tensor, False, OP_NAMES[op], need_output=False)
     holder = {}
 
     def finish():
         data, shape = _core.take_result(holder["h"])
         return adapter.from_bytes(data, shape, src)
 
-    h = _submit(ALLGATHER, name, adapter, src, None, (tensor, src), finish)
-    holder["h"] = h
+    holder["h"] = _submit(op, name, adapter, src, None, (tensor, src), finish, **kw)
+    return holder["h"]
+
+
+def composite(first, finish):
+    """A handle for a multi-stage op: `first` is the handle of its first stage and
+    `finish()` runs the remaining stages (at synchronize) and returns the result."""
+    with _lock:
+        h = _composite["next"]
+        _composite["next"] -= 1
+        _pending[h] = ((first,), finish)
     return h
+
+
+def allreduce_nonblocking(adapter, tensor, average=None, name=None, op=None, inplace=False,
+                          scope=WORLD):
+    rop = reduce_op(average, op)
+    src, out = adapter.prepare(tensor, inplace, "allreduce")
+    return _submit(ALLREDUCE, name, adapter, src, out, (tensor, src, out), lambda: out,
+                   reduce_op=rop.code, scope=scope)
+
+
+def broadcast_nonblocking(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD):
+    if not isinstance(root_rank, int) or isinstance(root_rank, bool):
+        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
+    n = basics.local_size() if scope == MACHINE else basics.size()
+    if not 0 <= root_rank < n:
+        raise ValueError(f"broadcast: root rank {root_rank} is outside [0, {n})")
+    src, out = adapter.prepare(tensor, inplace, "broadcast")
+    return _submit(BROADCAST, name, adapter, src, out, (tensor, src, out), lambda: out,
+                   root=root_rank, scope=scope)
+
+
+def allgather_nonblocking(adapter, tensor, name=None):
+    return _submit_gather(ALLGATHER, name, adapter, tensor)
+
+
+def _rank_list(ranks, what):
+    try:
+        out = [int(r) for r in ranks]
+    except TypeError:
+        raise TypeError(f"{what} must be a list of ranks") from None
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what} has duplicate ranks: {out}")
+    return out
 
 
 def _weights_dict(arg, what):
     if isinstance(arg, dict):
         return {int(k): float(v) for k, v in arg.items()}
     if isinstance(arg, (list, tuple)):
-        if len(set(arg)) != len(arg):
-            raise ValueError(f"{what} has duplicate ranks: {list(arg)}")
-        return {int(k): 1.0 for k in arg}
+        return {r: 1.0 for r in _rank_list(arg, what)}
     raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks")
 
 
-def neighbor_args(self_weight=None, src_weights=None, dst_weights=None):
+def neighbor_args(self_weight=None, src_weights=None, dst_weights=None, enable_topo_check=True,
+                  plan=None, weighted=None):
     """Resolve BlueFog's neighbor_allreduce weights into explicit per-call lists:
-    {recv_ranks, recv_weights, self_weight, uniform, send_ranks, send_weights}."""
-    plan, weighted = basics._static_plan()
-    args = dict(uniform=True, self_weight=1.0, recv_weights=[], send_weights=[])
+    {recv_ranks, recv_weights, self_weight, uniform, send_ranks, send_weights, topo_check}.
+
+    `plan`/`weighted` default to the static topology (`set_topology`); the hierarchical
+    op passes the machine topology's plan instead.
+    """
+    if plan is None:
+        plan, weighted = basics._static_plan()
+    args = dict(uniform=True, self_weight=1.0, recv_weights=[], send_weights=[], topo_check=False)
+    if self_weight is not None and not isinstance(self_weight, (int, float)):
+        raise TypeError(f"self_weight must be a number, got {type(self_weight).__name__}")
     if dst_weights is None:
-        # Static: receive from every in-neighbor, send to every out-neighbor.
+        # Static: receive from every in-neighbor, send to every out-neighbor. The graph
+        # was checked across ranks by set_topology, so no per-call check is needed.
         recv, send = plan["recv"], plan["send"]
         if (self_weight is None) != (src_weights is None):
             raise ValueError("neighbor_allreduce: give both self_weight and src_weights, or neither")
@@ -121,7 +158,8 @@ def neighbor_args(self_weight=None, src_weights=None, dst_weights=None):
         src = _weights_dict(src_weights, "src_weights")
         dst = _weights_dict(dst_weights, "dst_weights")
         recv, send = sorted(src), sorted(dst)
-        args.update(uniform=False, self_weight=float(self_weight), recv_weights=[src[r] for r in recv])
+        args.update(uniform=False, self_weight=float(self_weight), recv_weights=[src[r] for r in recv],
+                    topo_check=bool(enable_topo_check))
         if any(dst[r] != 1.0 for r in send):
             args["send_weights"] = [dst[r] for r in send]
     args.update(recv_ranks=list(recv), send_ranks=list(send))
@@ -138,12 +176,45 @@ def neighbor_allreduce_submit(adapter, tensor, name, **args):
 def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weights=None,
                                    dst_weights=None, enable_topo_check=True, name=None):
     """See `shoal.neighbor_allreduce` for the semantics."""
-    return neighbor_allreduce_submit(adapter, tensor, name,
-                                     **neighbor_args(self_weight, src_weights, dst_weights))
+    return neighbor_allreduce_submit(
+        adapter, tensor, name, **neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check))
+
+
+def neighbor_allgather_nonblocking(adapter, tensor, src_ranks=None, dst_ranks=None,
+                                   enable_topo_check=True, name=None):
+    """See `shoal.neighbor_allgather` for the semantics."""
+    if (src_ranks is None) != (dst_ranks is None):
+        raise ValueError("neighbor_allgather: give both src_ranks and dst_ranks, or neither")
+    if src_ranks is None:
+        plan, _ = basics._static_plan()
+        recv, send, check = plan["recv"], plan["send"], False
+    else:
+        recv, send = _rank_list(src_ranks, "src_ranks"), _rank_list(dst_ranks, "dst_ranks")
+        check = bool(enable_topo_check)
+    return _submit_gather(NEIGHBOR_ALLGATHER, name, adapter, tensor, recv_ranks=recv,
+                          send_ranks=send, topo_check=check)
+
+
+def pair_gossip_nonblocking(adapter, tensor, target_rank, self_weight=None, pair_weight=None,
+                            name=None):
+    """See `shoal.pair_gossip` for the semantics."""
+    if (self_weight is None) != (pair_weight is None):
+        raise ValueError("pair_gossip: give both self_weight and pair_weight, or neither")
+    if target_rank == basics.rank():
+        raise ValueError("pair_gossip: target_rank is this rank")
+    sw, pw = (0.5, 0.5) if self_weight is None else (float(self_weight), float(pair_weight))
+    return neighbor_allreduce_submit(
+        adapter, tensor, name, uniform=self_weight is None, self_weight=sw, recv_ranks=[target_rank],
+        recv_weights=[pw], send_ranks=[target_rank], send_weights=[], topo_check=False)
 
 
 def poll(handle):
-    """True when the op behind `handle` has completed (the handle stays valid)."""
+    """True when the op behind `handle` has completed (the handle stays valid).
+    For a multi-stage op (hierarchical), True once its first stage has completed."""
+    with _lock:
+        entry = _pending.get(handle)
+    if handle < 0 and entry is not None:
+        return _core.poll(entry[0][0])
     return _core.poll(handle)
 
 
@@ -157,14 +228,16 @@ def synchronize(handle):
         if handle not in _pending:
             raise ValueError(f"unknown handle {handle}")
     try:
-        _core.wait(handle)
+        if handle >= 0:
+            _core.wait(handle)
         with _lock:
             _, finish = _pending[handle]
         return finish()
     finally:
         with _lock:
             _pending.pop(handle, None)
-        _core.release(handle)
+        if handle >= 0:
+            _core.release(handle)
 
 
 def barrier():

@@ -6,9 +6,10 @@ exponential-2 graph; the topology is a weighted `networkx.DiGraph` where edge i‚
 weight w means rank j weights rank i's value by w.
 """
 import atexit
+import hashlib
+import sys
 import threading
 
-import networkx as nx
 import numpy as np
 
 from . import topology as _topo
@@ -17,7 +18,9 @@ from ._loader import _core
 ShoalError = _core.ShoalError
 
 _lock = threading.Lock()
-_state = {"topology": None, "weighted": False, "plan": None, "atexit": False}
+_state = {"topology": None, "weighted": False, "plan": None, "atexit": False,
+          "machine_topology": None, "machine_weighted": False, "machine_plan": None,
+          "topology_version": 0}
 
 
 def _require_init():
@@ -40,16 +43,35 @@ def init(topology_fn=None, is_weighted=False):
         _core.init()
         if not _state["atexit"]:
             atexit.register(_core.finalize_mpi)
+            _install_excepthook()
             _state["atexit"] = True
     topo = topology_fn(size()) if topology_fn is not None else _topo.exponential_two_graph(size())
     set_topology(topo, is_weighted)
+
+
+def _install_excepthook():
+    """An uncaught exception on one rank must end the job: its peers may be blocked
+    waiting for it, and MPI_Finalize at exit would wait for them in turn. Print the
+    traceback, then abort the whole job (the launcher reports a non-zero exit)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        if _core.is_initialized() and _core.size() > 1 and not issubclass(kind, SystemExit):
+            sys.stderr.write(f"[shoal] rank {_core.rank()}: uncaught {kind.__name__}; aborting the job\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            _core.abort(1)
+
+    sys.excepthook = hook
 
 
 def shutdown():
     """Stop the runtime; pending ops fail with ShoalError. `init()` may be called again."""
     with _lock:
         _core.shutdown()
-        _state.update(topology=None, weighted=False, plan=None)
+        _state.update(topology=None, weighted=False, plan=None, machine_topology=None,
+                      machine_weighted=False, machine_plan=None)
 
 
 def is_initialized():
@@ -104,8 +126,35 @@ def mpi_threads_supported():
     return _core.mpi_threads_supported()
 
 
+def _plan(graph, me):
+    """This rank's view of a graph: neighbor lists and receive weights."""
+    self_w, src = _topo.recv_weights(graph, me)
+    recv = _topo.in_neighbors(graph, me)
+    return {"recv": recv, "send": _topo.out_neighbors(graph, me), "self_weight": float(self_w),
+            "recv_weights": [float(src[r]) for r in recv]}
+
+
+def _check_same_everywhere(graph, is_weighted, what):
+    """Collective: every rank must pass the same graph (else each rank's neighbor lists
+    would disagree with its neighbors'). Compares a digest with one allgather."""
+    from . import _ops
+    from ._numpy import ADAPTER
+    w = np.ascontiguousarray(_topo.mixing_matrix(graph), dtype=np.float64)
+    digest = np.frombuffer(hashlib.sha256(w.tobytes() + bytes([bool(is_weighted)])).digest(), np.uint8)
+    _state["topology_version"] += 1
+    name = f"shoal.{what}.{_state['topology_version']}"
+    every = _ops.synchronize(_ops.allgather_nonblocking(ADAPTER, digest[None, :], name=name))
+    differ = [r for r in range(every.shape[0]) if not np.array_equal(every[r], every[0])]
+    if differ:
+        raise ValueError(f"{what}: ranks {differ} passed a different graph (or is_weighted) than rank 0; "
+                         "every rank must pass the same topology")
+
+
 def set_topology(topology=None, is_weighted=False):
     """Set the static topology used by neighbor ops (BlueFog's `set_topology`).
+
+    Collective: every rank calls it with the same graph (checked with one allgather of a
+    digest, so neighbor lists agree across ranks and per-op checks are unnecessary).
 
     Args:
         topology: `networkx.DiGraph` over ranks 0..size()-1 or a size√ósize mixing matrix
@@ -114,25 +163,64 @@ def set_topology(topology=None, is_weighted=False):
     Returns:
         True (False is reserved for refusals, e.g. while windows exist).
     Raises:
-        TypeError: not a graph or matrix. ValueError: wrong number of nodes.
+        TypeError: not a graph or matrix. ValueError: wrong number of nodes, or ranks
+        passed different graphs.
     """
     _require_init()
     graph = _topo.exponential_two_graph(size()) if topology is None else _topo.as_graph(topology)
     if graph.number_of_nodes() != size():
         raise ValueError(f"topology has {graph.number_of_nodes()} nodes but there are {size()} ranks")
+    _check_same_everywhere(graph, is_weighted, "set_topology")  # always: it is collective
     with _lock:
-        if _topo.is_topology_equivalent(graph, _state["topology"]) and is_weighted == _state["weighted"]:
-            return True
-        me = rank()
-        self_w, src = _topo.recv_weights(graph, me)
-        plan = {
-            "recv": _topo.in_neighbors(graph, me),
-            "send": _topo.out_neighbors(graph, me),
-            "self_weight": float(self_w),
-            "recv_weights": [float(src[r]) for r in _topo.in_neighbors(graph, me)],
-        }
-        _state.update(topology=graph, weighted=bool(is_weighted), plan=plan)
+        _state.update(topology=graph, weighted=bool(is_weighted), plan=_plan(graph, rank()))
     return True
+
+
+def set_machine_topology(topology, is_weighted=False):
+    """Set the graph over machines used by `hierarchical_neighbor_allreduce`.
+
+    Args: a `networkx.DiGraph` over 0..machine_size()-1 or a mixing matrix; is_weighted as
+    in `set_topology`. Collective (checked like `set_topology`). Returns True.
+    Raises: ValueError for None or a wrong node count; TypeError for other types.
+    """
+    _require_init()
+    if topology is None:
+        raise ValueError("set_machine_topology needs a graph over machines")
+    graph = _topo.as_graph(topology)
+    if graph.number_of_nodes() != machine_size():
+        raise ValueError(f"machine topology has {graph.number_of_nodes()} nodes but there are "
+                         f"{machine_size()} machines")
+    _check_same_everywhere(graph, is_weighted, "set_machine_topology")
+    with _lock:
+        _state.update(machine_topology=graph, machine_weighted=bool(is_weighted),
+                      machine_plan=_plan(graph, machine_rank()))
+    return True
+
+
+def load_machine_topology():
+    """The machine topology (`networkx.DiGraph`), or None if unset."""
+    return _state["machine_topology"]
+
+
+def is_machine_topo_weighted():
+    return _state["machine_weighted"]
+
+
+def in_neighbor_machine_ranks():
+    """Machines this machine receives from in the machine topology ([] if unset)."""
+    return list(_state["machine_plan"]["recv"]) if _state["machine_plan"] else []
+
+
+def out_neighbor_machine_ranks():
+    """Machines this machine sends to in the machine topology ([] if unset)."""
+    return list(_state["machine_plan"]["send"]) if _state["machine_plan"] else []
+
+
+def _machine_plan():
+    if _state["machine_plan"] is None:
+        raise RuntimeError("hierarchical_neighbor_allreduce in static mode needs "
+                           "set_machine_topology(...) first")
+    return _state["machine_plan"], _state["machine_weighted"]
 
 
 def load_topology():
@@ -172,6 +260,7 @@ def stats():
 
 
 def reset_stats():
+    """Set every counter of `stats()` to zero."""
     _core.reset_stats()
 
 
@@ -182,5 +271,7 @@ def mpi_library_version():
 __all__ = ["ShoalError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "machine_rank", "machine_size", "is_homogeneous",
            "mpi_threads_supported", "set_topology", "load_topology", "is_topo_weighted",
-           "in_neighbor_ranks", "out_neighbor_ranks", "stats", "reset_stats",
+           "in_neighbor_ranks", "out_neighbor_ranks", "set_machine_topology",
+           "load_machine_topology", "is_machine_topo_weighted", "in_neighbor_machine_ranks",
+           "out_neighbor_machine_ranks", "stats", "reset_stats",
            "mpi_library_version"]

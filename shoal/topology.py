@@ -288,7 +288,13 @@ def dynamic_one_peer_send_recv_ranks(topology: Topology, rank: int) -> Iterator[
 def one_peer_exponential_schedule(size: int, rank: int) -> Iterator[SendRecv]:
     """One-peer exp-2: step t sends to rank + 2**(t mod #powers of 2 below n); =
     ``dynamic_one_peer_send_recv_ranks(exponential_two_graph(size), rank)``."""
-    return dynamic_one_peer_send_recv_ranks(exponential_two_graph(size), rank)
+    n = _check_int(size, "size")
+    r = _check_rank(rank, n, "rank")
+    if n == 1:
+        return iter(lambda: ([], []), None)  # nothing to exchange, forever
+    tau = (n - 1).bit_length()  # offsets 1, 2, 4, ... < n, in clockwise order
+    # Closed form of the generic one-peer schedule on the exp-2 graph: O(1) per step.
+    return (([(r + 2 ** (t % tau)) % n], [(r - 2 ** (t % tau)) % n]) for t in itertools.count())
 
 
 def _check_machines(world_size, local_size, self_rank) -> Tuple[int, int, int]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shoal
-from conftest import run_ok, run_ranks
+from conftest import run_ok, run_ranks, shoalrun_cmd
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -24,6 +24,22 @@ def test_dead_rank_ends_job_quickly():
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", "workers/die.py"], capture_output=True, text=True).stdout
     assert not left.strip(), f"ranks left running: {left}"
+
+
+def test_uncaught_exception_ends_the_job():
+    # Rank 1 raises while the others wait for it in a collective.
+    rc, out, secs = run_ranks(3, "raise_error.py", timeout=60)
+    assert rc != 0 and secs < 30, (rc, secs, out)
+    assert "RuntimeError: rank 1 fails" in out and "aborting the job" in out, out
+
+
+def test_works_after_mpi4py_initialised_mpi():
+    pytest.importorskip("mpi4py")
+    code = ("from mpi4py import MPI\nimport numpy as np, shoal\nshoal.init()\n"
+            "x = shoal.allreduce(np.ones(2) * MPI.COMM_WORLD.Get_rank(), average=False)\n"
+            "assert x.tolist() == [1.0, 1.0], x\nshoal.shutdown()\nprint('ok', MPI.COMM_WORLD.Get_rank())\n")
+    out = subprocess.run(shoalrun_cmd(2, sys.executable, "-c", code), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.count("ok") == 2, out.stdout + out.stderr
 
 
 def test_ops_before_init_and_after_shutdown_raise():

@@ -426,3 +426,20 @@ def test_bluefog_aliases():
     assert topo.GetSendWeights(topo.RingGraph(3), 0)[0] == 1 / 3
     gen = topo.GetInnerOuterExpo2DynamicSendRecvRanks(12, 4, 0)
     assert next(gen) == ([4], [8])
+
+
+def test_acceptance_ranges():
+    """Issue acceptance ranges: exp-2 gap 2/(2+floor(log2(n-1))) for even n and ring
+    rho = 1/3 + (2/3)cos(2 pi/n) up to n = 256; one-peer exp-2 products equal J up to 1024."""
+    for n in range(4, 257, 2):
+        expected = 2 / (2 + (n - 1).bit_length() - 1)
+        assert topo.spectral_gap(topo.exponential_two_graph(n)) == pytest.approx(expected, abs=1e-12)
+    for n in range(3, 257):
+        rho = 1 / 3 + 2 / 3 * math.cos(2 * math.pi / n)
+        assert 1 - topo.spectral_gap(topo.ring_graph(n)) == pytest.approx(rho, abs=1e-12)
+    for m in range(1, 11):
+        n = 2 ** m
+        gens = [topo.one_peer_exponential_schedule(n, r) for r in range(n)]
+        mats = [topo.schedule_mixing_matrix([next(g)[:2] for g in gens], n) for _ in range(m)]
+        prod = np.linalg.multi_dot(mats + [np.eye(n)]) if m > 1 else mats[0]
+        assert np.array_equal(prod, np.full((n, n), 1 / n)), n

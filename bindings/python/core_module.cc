@@ -37,7 +37,7 @@ int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
                 const std::vector<int64_t>& shape, uintptr_t output, int reduce_op, int root,
                 const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
                 double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
-                const std::vector<double>& send_weights) {
+                const std::vector<double>& send_weights, int scope, bool topo_check) {
   shoal_op_desc d{};
   d.op = op;
   d.name = name.c_str();
@@ -57,6 +57,8 @@ int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
   d.n_send = static_cast<int32_t>(send_ranks.size());
   d.send_ranks = send_ranks.data();
   d.send_weights = send_weights.empty() ? nullptr : send_weights.data();
+  d.scope = scope;
+  d.topo_check = topo_check;
   int64_t handle = 0;
   char err[kErrLen];
   Check(shoal_enqueue(&d, &handle, err, kErrLen), err);
@@ -90,6 +92,10 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     shoal_finalize_mpi();
   });
+  m.def("abort", [](int code) {
+    py::gil_scoped_release nogil;
+    shoal_abort(code);
+  });
   m.def("is_initialized", [] { return shoal_is_initialized() != 0; });
   m.def("rank", &shoal_rank);
   m.def("size", &shoal_size);
@@ -108,7 +114,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("shape"), py::arg("output"), py::arg("reduce_op") = 0, py::arg("root") = 0,
         py::arg("recv_ranks") = std::vector<int32_t>{}, py::arg("recv_weights") = std::vector<double>{},
         py::arg("self_weight") = 1.0, py::arg("uniform") = true,
-        py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("send_weights") = std::vector<double>{});
+        py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("send_weights") = std::vector<double>{},
+        py::arg("scope") = 0, py::arg("topo_check") = false);
   m.def("poll", [](int64_t h) {
     int r = shoal_poll(h);
     if (r < 0) Raise(-r, ("unknown handle " + std::to_string(h)).c_str());

@@ -8,6 +8,7 @@ Nothing here is compiled against torch: tensors reach the core as raw pointers.
 import torch
 
 from shoal import topology  # noqa: F401
+from shoal._infer import InferDestinationFromSourceRanks, InferSourceFromDestinationRanks  # noqa: F401
 from shoal._api import build_api
 from shoal._ops import Average, ReduceOp, Sum  # noqa: F401
 from shoal.basics import *  # noqa: F401,F403
@@ -21,5 +22,7 @@ globals().update(_api)
 # Blocking forms go through the registered torch.library ops.
 from ._ops import allgather, allreduce, broadcast, neighbor_allreduce  # noqa: E402,F401,F811
 
-__all__ = list(_basics_all) + sorted(_api) + ["Sum", "Average", "ReduceOp", "topology"]
+__all__ = list(_basics_all) + sorted(_api) + ["Sum", "Average", "ReduceOp", "topology",
+                                                         "InferSourceFromDestinationRanks",
+                                                         "InferDestinationFromSourceRanks"]
 del _torch_ops

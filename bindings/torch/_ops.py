@@ -19,8 +19,9 @@ def _define(schema, impl, fake):
     _register_fake(name)(fake)
 
 
-def _allreduce_impl(tensor, average, name):
-    h = _ops.allreduce_nonblocking(ADAPTER, tensor, average, name or None)
+def _allreduce_impl(tensor, average, local, name):
+    h = _ops.allreduce_nonblocking(ADAPTER, tensor, average, name or None,
+                                   scope=_ops.MACHINE if local else _ops.WORLD)
     return _ops.synchronize(h)
 
 
@@ -39,30 +40,31 @@ def _allgather_fake(tensor, name):
 
 
 def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, send_weights,
-                   uniform, name):
+                   uniform, topo_check, name):
     h = _ops.neighbor_allreduce_submit(
         ADAPTER, tensor, name or None, self_weight=self_weight, recv_ranks=list(recv_ranks),
         recv_weights=list(recv_weights), send_ranks=list(send_ranks),
-        send_weights=list(send_weights), uniform=uniform)
+        send_weights=list(send_weights), uniform=uniform, topo_check=topo_check)
     return _ops.synchronize(h)
 
 
-_define("allreduce(Tensor tensor, bool average, str name) -> Tensor", _allreduce_impl,
-        lambda tensor, average, name: torch.empty_like(tensor))
+_define("allreduce(Tensor tensor, bool average, bool local, str name) -> Tensor", _allreduce_impl,
+        lambda tensor, average, local, name: torch.empty_like(tensor))
 _define("broadcast(Tensor tensor, int root_rank, str name) -> Tensor", _broadcast_impl,
         lambda tensor, root_rank, name: torch.empty_like(tensor))
 _define("allgather(Tensor tensor, str name) -> Tensor", _allgather_impl, _allgather_fake)
 _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, "
-        "float[] recv_weights, int[] send_ranks, float[] send_weights, bool uniform, str name) "
+        "float[] recv_weights, int[] send_ranks, float[] send_weights, bool uniform, bool topo_check, "
+        "str name) "
         "-> Tensor", _neighbor_impl, lambda tensor, *args: torch.empty_like(tensor))
 
 
-def allreduce(tensor, average=None, name=None, op=None):
+def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
     """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
     (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
     ADAPTER._check(tensor, "allreduce")
     rop = _ops.reduce_op(average, op)
-    return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, name or "")
+    return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, bool(is_hierarchical_local), name or "")
 
 
 def broadcast(tensor, root_rank, name=None):
@@ -82,7 +84,7 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
     """Blocking neighbor averaging step; semantics as `shoal.neighbor_allreduce`
     (BlueFog's static and dynamic modes)."""
     ADAPTER._check(tensor, "neighbor_allreduce")
-    a = _ops.neighbor_args(self_weight, src_weights, dst_weights)
+    a = _ops.neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check)
     return torch.ops.shoal.neighbor_allreduce(
         tensor, a["self_weight"], a["recv_ranks"], a["recv_weights"], a["send_ranks"],
-        a["send_weights"], a["uniform"], name or "")
+        a["send_weights"], a["uniform"], a["topo_check"], name or "")

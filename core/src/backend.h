@@ -33,8 +33,9 @@ class Backend {
   virtual bool Receive(int tag, int* src, std::vector<char>* msg, Status* st) = 0;
 
   // Collectives; every rank starts them in the same order.
-  virtual void Allreduce(void* buf, int64_t count, int dtype, Callback done) = 0;
-  virtual void Broadcast(void* buf, int64_t count, int dtype, int root, Callback done) = 0;
+  // scope: SHOAL_SCOPE_WORLD or SHOAL_SCOPE_MACHINE (root is then a local rank).
+  virtual void Allreduce(void* buf, int64_t count, int dtype, int scope, Callback done) = 0;
+  virtual void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) = 0;
   virtual void Allgatherv(const void* send, int64_t count, void* recv,
                           const std::vector<int64_t>& counts, int dtype, Callback done) = 0;
   virtual void Barrier(Callback done) = 0;
@@ -47,6 +48,7 @@ class Backend {
 // MPI engine: initialises MPI if nobody has, duplicates its communicators.
 std::unique_ptr<Backend> CreateMpiBackend(const Config& cfg, Status* st);
 void FinalizeMpiIfOwned();
+void AbortJob(int exit_code);
 std::string MpiLibraryVersion();
 
 }  // namespace shoal

@@ -77,6 +77,8 @@ void shoal_finalize_mpi(void) {
   shoal::FinalizeMpiIfOwned();
 }
 
+void shoal_abort(int exit_code) { shoal::AbortJob(exit_code); }
+
 int shoal_rank(void) { return WorldField([](auto& w) { return w.rank; }); }
 int shoal_size(void) { return WorldField([](auto& w) { return w.size; }); }
 int shoal_local_rank(void) { return WorldField([](auto& w) { return w.local_rank; }); }

@@ -1,5 +1,6 @@
 #include "common.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace shoal {
@@ -22,8 +23,8 @@ const char* DtypeName(int dtype) {
 
 const char* OpName(int op) {
   static const char* names[] = {"allreduce", "broadcast", "allgather", "barrier",
-                                "neighbor_allreduce"};
-  return (op >= 0 && op <= SHOAL_OP_NEIGHBOR_ALLREDUCE) ? names[op] : "unknown_op";
+                                "neighbor_allreduce", "neighbor_allgather"};
+  return (op >= 0 && op <= SHOAL_OP_NEIGHBOR_ALLGATHER) ? names[op] : "unknown_op";
 }
 
 bool IsFloating(int dtype) { return dtype <= SHOAL_FLOAT64; }
@@ -40,6 +41,13 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (auto d : shape) n *= d;
   return n;
+}
+
+bool Signature::CompatibleForNeighbors(const Signature& o) const {
+  if (op != o.op || dtype != o.dtype || device_type != o.device_type) return false;
+  if (op != SHOAL_OP_NEIGHBOR_ALLGATHER) return shape == o.shape;
+  return shape.size() == o.shape.size() && !shape.empty() &&
+         std::equal(shape.begin() + 1, shape.end(), o.shape.begin() + 1);
 }
 
 std::string Signature::ToString() const {

@@ -38,12 +38,16 @@ struct Signature {
   int32_t device_type = SHOAL_DEVICE_CPU;
   int32_t reduce_op = 0;
   int32_t root_rank = 0;
+  int32_t scope = SHOAL_SCOPE_WORLD;
   std::vector<int64_t> shape;
 
   bool operator==(const Signature& o) const {
     return op == o.op && dtype == o.dtype && device_type == o.device_type &&
-           reduce_op == o.reduce_op && root_rank == o.root_rank && shape == o.shape;
+           reduce_op == o.reduce_op && root_rank == o.root_rank && scope == o.scope &&
+           shape == o.shape;
   }
+  // What two ends of a neighbor edge must agree on (gathers: all but the first dim).
+  bool CompatibleForNeighbors(const Signature& o) const;
   bool operator!=(const Signature& o) const { return !(*this == o); }
   size_t nbytes() const { return NumElements(shape) * DtypeSize(dtype); }
   std::string ToString() const;  // "float32[3, 4] on cpu"

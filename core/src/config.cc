@@ -26,9 +26,10 @@ double EnvDouble(const char* name, double def) {
   return d;
 }
 
+const char* const kLevelNames[] = {"trace", "debug", "info", "warning", "error"};
+
 int ParseLogLevel(const char* v) {
-  static const char* names[] = {"trace", "debug", "info", "warning", "error"};
-  for (int i = 0; i < 5; ++i) if (!strcasecmp(v, names[i])) return i;
+  for (int i = 0; i < 5; ++i) if (!strcasecmp(v, kLevelNames[i])) return i;
   if (!strcasecmp(v, "warn")) return LOG_WARNING;
   throw std::invalid_argument(std::string("SHOAL_LOG_LEVEL='") + v +
                               "' is not one of trace, debug, info, warning, error");
@@ -56,7 +57,8 @@ std::string Config::ToString() const {
   s << "SHOAL_FUSION_THRESHOLD=" << fusion_threshold << " SHOAL_CYCLE_TIME=" << cycle_time_ms
     << " SHOAL_STALL_CHECK_TIME=" << stall_check_time
     << " SHOAL_STALL_SHUTDOWN_TIME=" << stall_shutdown_time
-    << " SHOAL_RANKS_PER_MACHINE=" << ranks_per_machine << " SHOAL_LOG_LEVEL=" << log_level;
+    << " SHOAL_RANKS_PER_MACHINE=" << ranks_per_machine
+    << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level];
   return s.str();
 }
 

@@ -15,6 +15,11 @@ std::vector<char> EncodeRequests(const std::vector<Request>& reqs) {
   for (auto& r : reqs) {
     w.PutString(r.name);
     w.PutSignature(r.sig);
+    w.Put<int32_t>(r.topo_check);
+    if (r.topo_check) {
+      w.PutRanks(r.send);
+      w.PutRanks(r.recv);
+    }
   }
   return std::move(w.buffer());
 }
@@ -25,6 +30,11 @@ std::vector<Request> DecodeRequests(const char* p, size_t n) {
   for (auto& q : out) {
     q.name = r.GetString();
     q.sig = r.GetSignature();
+    q.topo_check = r.Get<int32_t>() != 0;
+    if (q.topo_check) {
+      q.send = r.GetRanks();
+      q.recv = r.GetRanks();
+    }
   }
   return out;
 }
@@ -121,7 +131,7 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
       {"devices",
        [](const Request& r) { return std::string(r.sig.device_type ? "cuda" : "cpu"); }}};
   const int op = resp.op;
-  if (op == SHOAL_OP_ALLGATHER) {
+  if (op == SHOAL_OP_ALLGATHER || op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
     checks.push_back({"ranks (number of dimensions)",
                       [](const Request& r) { return std::to_string(r.sig.shape.size()); }});
     checks.push_back({"trailing dimensions", [](const Request& r) {
@@ -135,6 +145,10 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
   if (op == SHOAL_OP_ALLREDUCE)
     checks.push_back({"reduce ops", [](const Request& r) {
                         return std::string(r.sig.reduce_op == SHOAL_REDUCE_SUM ? "Sum" : "Average");
+                      }});
+  if (op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_BROADCAST)
+    checks.push_back({"scopes", [](const Request& r) {
+                        return std::string(r.sig.scope == SHOAL_SCOPE_MACHINE ? "machine" : "world");
                       }});
   if (op == SHOAL_OP_BROADCAST)
     checks.push_back({"root ranks", [](const Request& r) {
@@ -150,7 +164,13 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
       if (!d.empty()) return fail(c.first, d);
     }
     ++negotiations_;
-    if (op != SHOAL_OP_ALLGATHER) validated_[name] = p.req[0].sig;
+    if (op != SHOAL_OP_ALLGATHER && op != SHOAL_OP_NEIGHBOR_ALLGATHER) validated_[name] = p.req[0].sig;
+  }
+  std::string edges = CheckEdges(p);
+  if (!edges.empty()) {
+    resp.kind = Response::ERROR;
+    resp.error = std::string(OpName(op)) + " '" + name + "': send and receive ranks disagree: " + edges;
+    return resp;
   }
   if (op == SHOAL_OP_ALLGATHER) {
     std::vector<int64_t> dims;
@@ -160,10 +180,32 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
   return resp;
 }
 
+std::string Coordinator::CheckEdges(const Pending& p) const {
+  bool any = false;
+  for (auto& r : p.req) any = any || r.topo_check;
+  if (!any) return "";
+  std::vector<std::string> bad;
+  auto has = [](const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); };
+  for (int i = 0; i < size_; ++i) {
+    for (int j : p.req[i].send)
+      if (j >= 0 && j < size_ && !has(p.req[j].recv, i))
+        bad.push_back("rank " + std::to_string(i) + " sends to rank " + std::to_string(j) +
+                      ", which does not receive from it");
+    for (int j : p.req[i].recv)
+      if (j >= 0 && j < size_ && !has(p.req[j].send, i))
+        bad.push_back("rank " + std::to_string(i) + " receives from rank " + std::to_string(j) +
+                      ", which does not send to it");
+  }
+  std::string s;
+  for (size_t k = 0; k < bad.size() && k < 8; ++k) s += (k ? "; " : "") + bad[k];
+  if (bad.size() > 8) s += "; and " + std::to_string(bad.size() - 8) + " more";
+  return s;
+}
+
 std::vector<Response> Coordinator::TakeResponses() {
   std::vector<Response> out;
   // Fuse consecutive-in-spirit allreduces: one open batch per (dtype, reduce op, device).
-  std::map<std::tuple<int, int, int>, std::pair<size_t, int64_t>> open;  // -> (index, bytes)
+  std::map<std::tuple<int, int, int, int>, std::pair<size_t, int64_t>> open;  // -> (index, bytes)
   for (auto& name : complete_) {
     auto it = pending_.find(name);
     if (it == pending_.end()) continue;  // aborted meanwhile
@@ -171,7 +213,7 @@ std::vector<Response> Coordinator::TakeResponses() {
     const Signature sig = it->second.req[0].sig;  // copied: the entry is erased next
     pending_.erase(it);
     if (r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && fusion_threshold_ > 0) {
-      auto key = std::make_tuple(sig.dtype, sig.reduce_op, sig.device_type);
+      auto key = std::make_tuple(sig.dtype, sig.reduce_op, sig.device_type, sig.scope);
       int64_t bytes = static_cast<int64_t>(sig.nbytes());
       auto o = open.find(key);
       if (o != open.end() && o->second.second + bytes <= fusion_threshold_) {

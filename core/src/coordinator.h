@@ -17,6 +17,9 @@ namespace shoal {
 struct Request {
   std::string name;
   Signature sig;
+  // Neighbor ops with a topology check: this rank's send and receive ranks.
+  bool topo_check = false;
+  std::vector<int> send, recv;
 };
 
 struct Response {
@@ -62,6 +65,7 @@ class Coordinator {
     double first_seen = 0;
   };
   Response Validate(const std::string& name, const Pending& p);
+  std::string CheckEdges(const Pending& p) const;
 
   int size_;
   int64_t fusion_threshold_;

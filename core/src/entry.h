@@ -30,6 +30,8 @@ struct Entry {
   std::vector<double> recv_weights, send_weights;
   double self_weight = 1.0;
   bool uniform = true;
+  bool topo_check = false;
+  int64_t step = 0;  // how many ops of this name this rank ran before (neighbor message matching)
 
   Clock::time_point enqueued = Clock::now();
   bool stall_warned = false;

@@ -1,6 +1,8 @@
 #include "neighbor.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "reduce.h"
 #include "wire.h"
@@ -36,6 +38,7 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
     for (size_t k = i; k < j; ++k) {
       w.PutString(items[k].first->name);
       w.PutSignature(items[k].first->sig);
+      w.Put<int64_t>(items[k].first->step);
       w.Put<uint64_t>(items[k].first->nbytes());
     }
     auto msg = std::make_shared<std::vector<char>>(std::move(w.buffer()));
@@ -44,7 +47,7 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
     for (size_t k = i; k < j; ++k) {
       const Entry& e = *items[k].first;
       char* dstp = msg->data() + at;
-      if (items[k].second == 1.0) std::memcpy(dstp, e.input.data, e.nbytes());
+      if (items[k].second == 1.0 || e.sig.op != SHOAL_OP_NEIGHBOR_ALLREDUCE) std::memcpy(dstp, e.input.data, e.nbytes());
       else Scale(e.input.data, dstp, e.sig.dtype, e.count(), items[k].second);
       at += e.nbytes();
     }
@@ -71,11 +74,13 @@ bool NeighborExchange::Receive(Status* st) {
     for (uint32_t k = 0; k < n; ++k) {
       pieces[k].first = r.GetString();
       pieces[k].second.sig = r.GetSignature();
+      pieces[k].second.step = r.Get<int64_t>();
       sizes[k] = r.Get<uint64_t>();
     }
     for (uint32_t k = 0; k < n; ++k) {
       pieces[k].second.msg = msg;
       pieces[k].second.offset = r.Skip(sizes[k]) - msg->data();
+      pieces[k].second.nbytes = sizes[k];
       stash_[{src, pieces[k].first}].push_back(std::move(pieces[k].second));
     }
   }
@@ -97,24 +102,45 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
       s->second.pop_front();
       if (s->second.empty()) stash_.erase(s);
     }
-    Status st;
-    std::vector<const void*> srcs;
-    for (size_t k = 0; k < got.size() && st.ok(); ++k) {
-      if (got[k].sig != e.sig)
-        st = Status::Error(SHOAL_MISMATCH,
-                           std::string(OpName(e.sig.op)) + " '" + e.name + "': rank " +
-                               std::to_string(e.recv_ranks[k]) + " sent " +
-                               OpName(got[k].sig.op) + " " + got[k].sig.ToString() +
-                               " but this rank has " + OpName(e.sig.op) + " " + e.sig.ToString());
-      srcs.push_back(got[k].msg->data() + got[k].offset);
-    }
-    if (st.ok())
-      Combine(e.input.data, srcs, e.output.data, e.sig.dtype, e.count(), e.uniform,
-              e.self_weight, e.recv_weights);
+    Status st = Finish(e, got);
     done.push_back({*it, st});
     it = waiting_.erase(it);
   }
   return done;
+}
+
+Status NeighborExchange::Finish(Entry& e, std::vector<Piece>& got) {
+  const std::string op = std::string(OpName(e.sig.op)) + " '" + e.name + "': ";
+  for (size_t k = 0; k < got.size(); ++k) {
+    const int src = e.recv_ranks[k];
+    if (got[k].step != e.step)
+      return Status::Error(SHOAL_MISMATCH, op + "send and receive ranks disagree: rank " + std::to_string(src) +
+          " sent to this rank at its step " + std::to_string(got[k].step) + " but this rank receives from rank " +
+          std::to_string(src) + " at step " + std::to_string(e.step));
+    if (!got[k].sig.CompatibleForNeighbors(e.sig))
+      return Status::Error(SHOAL_MISMATCH, op + "rank " + std::to_string(src) + " sent " + OpName(got[k].sig.op) +
+          " " + got[k].sig.ToString() + " but this rank has " + OpName(e.sig.op) + " " + e.sig.ToString());
+  }
+  auto data = [&](size_t k) { return got[k].msg->data() + got[k].offset; };
+  if (e.sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE) {
+    std::vector<const void*> srcs;
+    for (size_t k = 0; k < got.size(); ++k) srcs.push_back(data(k));
+    Combine(e.input.data, srcs, e.output.data, e.sig.dtype, e.count(), e.uniform, e.self_weight,
+            e.recv_weights);
+    return Status::Ok();
+  }
+  // neighbor_allgather: concatenate along dim 0 in receive order.
+  e.result_shape = e.sig.shape;
+  e.result_shape[0] = 0;
+  for (auto& p : got) e.result_shape[0] += p.sig.shape[0];
+  for (auto& p : got) e.result_nbytes += p.nbytes;
+  e.result = std::malloc(std::max<size_t>(e.result_nbytes, 1));
+  size_t at = 0;
+  for (size_t k = 0; k < got.size(); ++k) {
+    std::memcpy(static_cast<char*>(e.result) + at, data(k), got[k].nbytes);
+    at += got[k].nbytes;
+  }
+  return Status::Ok();
 }
 
 std::vector<std::pair<EntryPtr, std::vector<int>>> NeighborExchange::Waiting() const {

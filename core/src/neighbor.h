@@ -6,7 +6,9 @@
 // so ranks may submit in any order and no global synchronisation is needed; an entry
 // completes once a piece from each of its sources is there. The header's signature
 // is checked against the receiver's own, so a shape or dtype change on one rank is an
-// error on its neighbours, never silent mixing.
+// error on its neighbours, never silent mixing. Each piece also carries the sender's
+// step (how many ops of that name it ran before), so a send that the receiver did not
+// expect at that step is an error naming the edge, not data mixed into a later step.
 #pragma once
 #include <deque>
 #include <map>
@@ -43,8 +45,11 @@ class NeighborExchange {
   struct Piece {
     Bytes msg;
     size_t offset = 0;
+    size_t nbytes = 0;
+    int64_t step = 0;
     Signature sig;
   };
+  Status Finish(Entry& e, std::vector<Piece>& got);
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);
 
   Backend* backend_;

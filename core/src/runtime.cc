@@ -60,7 +60,7 @@ double Runtime::Now() const {
 int64_t Runtime::Enqueue(const shoal_op_desc& d) {
   const WorldInfo& w = world();
   auto e = std::make_shared<Entry>();
-  if (d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_NEIGHBOR_ALLREDUCE) Bad("unknown op code " + std::to_string(d.op));
+  if (d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_NEIGHBOR_ALLGATHER) Bad("unknown op code " + std::to_string(d.op));
   const char* op = OpName(d.op);
   e->sig.op = d.op;
   if (d.op != SHOAL_OP_BARRIER) {
@@ -78,6 +78,11 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d) {
     if (d.output.data) e->output.data = d.output.data;
   }
   const std::string dt = DtypeName(e->sig.dtype);
+  if (d.op == SHOAL_OP_ALLREDUCE || d.op == SHOAL_OP_BROADCAST) {
+    if (d.scope != SHOAL_SCOPE_WORLD && d.scope != SHOAL_SCOPE_MACHINE) Bad(std::string(op) + ": unknown scope");
+    e->sig.scope = d.scope;
+  }
+  const int scope_size = e->sig.scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
   switch (d.op) {
     case SHOAL_OP_ALLREDUCE:
       if (d.input.dtype == SHOAL_BOOL) Bad("allreduce: bool tensors cannot be summed");
@@ -87,17 +92,22 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d) {
       e->sig.reduce_op = d.reduce_op;
       break;
     case SHOAL_OP_BROADCAST:
-      if (d.root_rank < 0 || d.root_rank >= w.size)
-        Bad("broadcast: root rank " + std::to_string(d.root_rank) + " is outside [0, " + std::to_string(w.size) + ")");
+      if (d.root_rank < 0 || d.root_rank >= scope_size)
+        Bad("broadcast: root rank " + std::to_string(d.root_rank) + " is outside [0, " + std::to_string(scope_size) + ")");
       e->sig.root_rank = d.root_rank;
       break;
     case SHOAL_OP_ALLGATHER:
       if (e->sig.shape.empty()) Bad("allgather: a 0-d tensor has no first dimension to concatenate along");
       break;
+    case SHOAL_OP_NEIGHBOR_ALLGATHER:
     case SHOAL_OP_NEIGHBOR_ALLREDUCE:
-      if (!IsFloating(d.input.dtype)) Bad("neighbor_allreduce: weighted averaging needs a floating dtype, got " + dt);
-      e->recv_ranks = CheckPeers("neighbor_allreduce receive ranks", d.recv_ranks, d.n_recv, w.rank, w.size);
-      e->send_ranks = CheckPeers("neighbor_allreduce send ranks", d.send_ranks, d.n_send, w.rank, w.size);
+      if (d.op == SHOAL_OP_NEIGHBOR_ALLREDUCE && !IsFloating(d.input.dtype))
+        Bad("neighbor_allreduce: weighted averaging needs a floating dtype, got " + dt);
+      if (d.op == SHOAL_OP_NEIGHBOR_ALLGATHER && e->sig.shape.empty())
+        Bad("neighbor_allgather: a 0-d tensor has no first dimension to concatenate along");
+      e->recv_ranks = CheckPeers((std::string(op) + " receive ranks").c_str(), d.recv_ranks, d.n_recv, w.rank, w.size);
+      e->send_ranks = CheckPeers((std::string(op) + " send ranks").c_str(), d.send_ranks, d.n_send, w.rank, w.size);
+      e->topo_check = d.topo_check != 0;
       e->uniform = d.uniform != 0;
       e->self_weight = d.self_weight;
       if (!e->uniform) {
@@ -114,6 +124,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d) {
     throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
                                                   "' is already in flight on this rank; wait for it or use another name");
   in_flight_names_.insert(e->name);
+  e->step = calls_[e->name]++;
   e->handle = next_handle_++;
   handles_[e->handle] = e;
   queue_.push_back(e);
@@ -156,6 +167,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st) {
       case SHOAL_OP_ALLGATHER: ++stats_.allgather; break;
       case SHOAL_OP_BARRIER: ++stats_.barrier; break;
       case SHOAL_OP_NEIGHBOR_ALLREDUCE: ++stats_.neighbor_allreduce; break;
+      case SHOAL_OP_NEIGHBOR_ALLGATHER: ++stats_.neighbor_allgather; break;
     }
   } else {
     ++stats_.errors;
@@ -272,13 +284,19 @@ bool Runtime::Cycle() {
 }
 
 void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
-  if (e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE && negotiated_neighbor_names_.count(e->name)) {
+  const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  if (neighbor && !e->topo_check && negotiated_neighbor_names_.count(e->name)) {
     ++stats_.cache_hits;
     neighbor_ready_.push_back(e);
     return;
   }
   awaiting_response_[e->name] = e;
-  to_coordinator->push_back({e->name, e->sig});
+  Request req{e->name, e->sig, e->topo_check, {}, {}};
+  if (e->topo_check) {
+    req.send = e->send_ranks;
+    req.recv = e->recv_ranks;
+  }
+  to_coordinator->push_back(std::move(req));
 }
 
 void Runtime::Apply(const Response& r) {
@@ -298,7 +316,7 @@ void Runtime::Apply(const Response& r) {
     for (auto& e : batch) Finish(e, Status::Error(SHOAL_ABORTED, "internal error: inconsistent schedule"));
     return;
   }
-  if (r.op == SHOAL_OP_NEIGHBOR_ALLREDUCE) {
+  if (r.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || r.op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
     for (auto& e : batch) {
       negotiated_neighbor_names_.insert(e->name);
       neighbor_ready_.push_back(e);
@@ -320,7 +338,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     if (w.rank == e->sig.root_rank && e->output.data != e->input.data)
       std::memcpy(e->output.data, e->input.data, e->nbytes());
     if (e->count() == 0) return Finish(e, Status::Ok());
-    backend_->Broadcast(e->output.data, e->count(), e->sig.dtype, e->sig.root_rank,
+    backend_->Broadcast(e->output.data, e->count(), e->sig.dtype, e->sig.root_rank, e->sig.scope,
                         [this, e](const Status& st) { Finish(e, st); });
     return;
   }
@@ -346,6 +364,8 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   // Allreduce: a batch (fused when > 1 or half precision) reduced in one call.
   const int dtype = batch[0]->sig.dtype;
   const bool average = batch[0]->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
+  const int scope = batch[0]->sig.scope;
+  const int n = scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
   int64_t total = 0;
   for (auto& e : batch) total += e->count();
   if (total == 0) {
@@ -355,7 +375,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   if (batch.size() == 1 && !IsHalf(dtype)) {
     EntryPtr e = batch[0];
     if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
-    backend_->Allreduce(e->output.data, e->count(), dtype, [this, e, average, n = w.size](const Status& st) {
+    backend_->Allreduce(e->output.data, e->count(), dtype, scope, [this, e, average, n](const Status& st) {
       if (st.ok() && average) Divide(e->output.data, e->output.data, e->sig.dtype, e->count(), n);
       Finish(e, st);
     });
@@ -372,7 +392,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     off += e->count() * wsize;
   }
   if (batch.size() > 1) ++stats_.fused_batches;
-  backend_->Allreduce(fused->data(), total, wire, [this, fused, batch, dtype, wire, wsize, average, n = w.size](const Status& st) {
+  backend_->Allreduce(fused->data(), total, wire, scope, [this, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
     size_t at = 0;
     for (auto& e : batch) {
       if (st.ok()) {
@@ -413,7 +433,7 @@ void Runtime::CheckStalls() {
   for (auto& wt : neighbors_.Waiting()) {
     const EntryPtr& e = wt.first;
     double waited = std::chrono::duration<double>(now_tp - e->enqueued).count();
-    std::string what = "neighbor_allreduce '" + e->name + "' waited " + std::to_string(static_cast<int>(waited)) +
+    std::string what = std::string(OpName(e->sig.op)) + " '" + e->name + "' waited " + std::to_string(static_cast<int>(waited)) +
                        " s for ranks " + Ranks(wt.second);
     if (kill > 0 && waited >= kill) {
       ++stats_.stalls;

@@ -67,6 +67,7 @@ class Runtime {
   std::unordered_map<int64_t, EntryPtr> handles_;
   std::set<std::string> in_flight_names_;
   std::map<int, int64_t> noname_counter_;
+  std::map<std::string, int64_t> calls_;  // per name: ops submitted so far
   int64_t next_handle_ = 1;
   bool stop_ = false;
 

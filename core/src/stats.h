@@ -9,7 +9,7 @@ namespace shoal {
 
 struct Stats {
 #define SHOAL_COUNTERS(X)                                                                   \
-  X(allreduce) X(broadcast) X(allgather) X(barrier) X(neighbor_allreduce) X(bytes_sent)    \
+  X(allreduce) X(broadcast) X(allgather) X(barrier) X(neighbor_allreduce) X(neighbor_allgather) X(bytes_sent)    \
   X(bytes_received) X(fused_batches) X(negotiations) X(coordinator_rounds) X(cache_hits) \
   X(global_collectives) X(stalls) X(errors)
 #define SHOAL_DECLARE(n) std::atomic<int64_t> n{0};

@@ -20,12 +20,16 @@ class Writer {
     Put<uint32_t>(static_cast<uint32_t>(s.size()));
     buf_.insert(buf_.end(), s.begin(), s.end());
   }
+  void PutRanks(const std::vector<int>& v) {
+    Put<uint32_t>(static_cast<uint32_t>(v.size()));
+    for (auto x : v) Put<int32_t>(x);
+  }
   void PutShape(const std::vector<int64_t>& v) {
     Put<uint32_t>(static_cast<uint32_t>(v.size()));
     for (auto x : v) Put<int64_t>(x);
   }
   void PutSignature(const Signature& s) {
-    Put(s.op); Put(s.dtype); Put(s.device_type); Put(s.reduce_op); Put(s.root_rank);
+    Put(s.op); Put(s.dtype); Put(s.device_type); Put(s.reduce_op); Put(s.root_rank); Put(s.scope);
     PutShape(s.shape);
   }
   void PutBytes(const void* p, size_t n) {
@@ -56,6 +60,11 @@ class Reader {
     p_ += n;
     return s;
   }
+  std::vector<int> GetRanks() {
+    std::vector<int> v(Get<uint32_t>());
+    for (auto& x : v) x = Get<int32_t>();
+    return v;
+  }
   std::vector<int64_t> GetShape() {
     uint32_t n = Get<uint32_t>();
     std::vector<int64_t> v(n);
@@ -65,7 +74,7 @@ class Reader {
   Signature GetSignature() {
     Signature s;
     s.op = Get<int32_t>(); s.dtype = Get<int32_t>(); s.device_type = Get<int32_t>();
-    s.reduce_op = Get<int32_t>(); s.root_rank = Get<int32_t>();
+    s.reduce_op = Get<int32_t>(); s.root_rank = Get<int32_t>(); s.scope = Get<int32_t>();
     s.shape = GetShape();
     return s;
   }

@@ -34,8 +34,10 @@ typedef enum { SHOAL_DEVICE_CPU = 0, SHOAL_DEVICE_CUDA = 1 } shoal_device_type;
 
 typedef enum {
   SHOAL_OP_ALLREDUCE = 0, SHOAL_OP_BROADCAST = 1, SHOAL_OP_ALLGATHER = 2,
-  SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4
+  SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4, SHOAL_OP_NEIGHBOR_ALLGATHER = 5
 } shoal_op_type;
+
+typedef enum { SHOAL_SCOPE_WORLD = 0, SHOAL_SCOPE_MACHINE = 1 } shoal_scope;
 
 typedef enum { SHOAL_REDUCE_SUM = 0, SHOAL_REDUCE_AVERAGE = 1 } shoal_reduce_op;
 
@@ -58,11 +60,14 @@ typedef struct {
   shoal_tensor input;
   shoal_tensor output; /* same shape/dtype as input; may alias it. Unused by allgather/barrier */
   int32_t reduce_op;   /* allreduce */
-  int32_t root_rank;   /* broadcast */
+  int32_t root_rank;   /* broadcast: rank in the scope's communicator */
+  int32_t scope;       /* allreduce, broadcast: shoal_scope (machine = the ranks of this machine) */
   /* neighbor_allreduce: receive from recv_ranks, combine
    *   uniform:  (x + sum_j x_j) / (n_recv + 1)      (sum then divide: exact)
    *   else:     self_weight * x + sum_j recv_weights[j] * x_j
-   * and send x * send_weights[k] (NULL: 1.0) to send_ranks[k]. */
+   * and send x * send_weights[k] (NULL: 1.0) to send_ranks[k].
+   * neighbor_allgather: receive from recv_ranks, send to send_ranks; the core-allocated
+   * result is the received tensors concatenated along dim 0 in recv_ranks order. */
   int32_t n_recv;
   const int32_t* recv_ranks;
   const double* recv_weights;
@@ -71,6 +76,9 @@ typedef struct {
   int32_t n_send;
   const int32_t* send_ranks;
   const double* send_weights;
+  /* neighbor ops: have the coordinator check, for this call, that every send has a
+   * matching receive (a global round trip; static topologies are checked once instead). */
+  int32_t topo_check;
 } shoal_op_desc;
 
 int shoal_init(char* err, size_t err_len);
@@ -78,6 +86,9 @@ int shoal_shutdown(void);
 int shoal_is_initialized(void);
 /* MPI_Finalize if Shoal initialised MPI; call once at process exit. */
 void shoal_finalize_mpi(void);
+/* End the whole job now (MPI_Abort): for a rank that fails while its peers may be
+ * blocked waiting for it. */
+void shoal_abort(int exit_code);
 
 /* -1 when not initialised. */
 int shoal_rank(void);

@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <climits>
+#include <cstdlib>
 #include <list>
 
 #include "../../backend.h"
@@ -74,6 +75,7 @@ class MpiBackend : public Backend {
       MPI_Comm_split(ctrl_, info_.rank / cfg.ranks_per_machine, info_.rank, &local_);
     else
       MPI_Comm_split_type(ctrl_, MPI_COMM_TYPE_SHARED, info_.rank, MPI_INFO_NULL, &local_);
+    MPI_Comm_set_errhandler(local_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(local_, &info_.local_rank);
     MPI_Comm_size(local_, &info_.local_size);
     // Homogeneous: equal local sizes and contiguous placement (rank = m*L + l).
@@ -126,15 +128,16 @@ class MpiBackend : public Backend {
     return true;
   }
 
-  void Allreduce(void* buf, int64_t count, int dtype, Callback done) override {
+  void Allreduce(void* buf, int64_t count, int dtype, int scope, Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM, coll_, r);
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM,
+                            Comm(scope), r);
     });
   }
 
-  void Broadcast(void* buf, int64_t count, int dtype, int root, Callback done) override {
+  void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Ibcast"}, [&](MPI_Request* r) {
-      return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, coll_, r);
+      return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, Comm(scope), r);
     });
   }
 
@@ -187,6 +190,10 @@ class MpiBackend : public Backend {
     MPI_Request req = MPI_REQUEST_NULL;
   };
 
+  // Machine-scope collectives run on the local communicator; the coordinator's one
+  // global order keeps every machine's order consistent too.
+  MPI_Comm Comm(int scope) const { return scope == SHOAL_SCOPE_MACHINE ? local_ : coll_; }
+
   template <typename F> void Start(Op op, F&& start) {
     int rc = start(&op.req);
     if (rc != MPI_SUCCESS) {
@@ -214,6 +221,14 @@ void FinalizeMpiIfOwned() {
   MPI_Finalized(&finalized);
   if (g_we_initialized_mpi && !finalized) MPI_Finalize();
   g_we_initialized_mpi = false;
+}
+
+void AbortJob(int exit_code) {
+  int inited = 0, finalized = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (inited && !finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
 }
 
 std::string MpiLibraryVersion() {

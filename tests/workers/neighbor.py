@@ -1,0 +1,220 @@
+"""Neighbor communication against numpy: every generator, random weighted graphs,
+one-peer schedules, dst_weights, neighbor_allgather, hierarchical, pair_gossip, topology
+checks, and the no-global-collective steady state."""
+import sys
+import time
+
+import networkx as nx
+import numpy as np
+
+import shoal
+from shoal import topology as T
+from checks import check, run_all
+
+shoal.init()
+R, N = shoal.rank(), shoal.size()
+
+
+def data(r, dtype="float64"):
+    return ((np.arange(6) + 3 * r) % 7 - 2).astype(dtype)  # small integers: exact sums
+
+
+def all_data(dtype="float64"):
+    return np.stack([data(r, dtype) for r in range(N)])
+
+
+def generators():
+    gens = {"exp2": T.exponential_two_graph(N), "exp3": T.exponential_graph(N, base=3),
+            "sym_exp": T.symmetric_exponential_graph(N), "mesh": T.mesh_grid_2d_graph(N),
+            "star": T.star_graph(N), "full": T.fully_connected_graph(N)}
+    for style in (0, 1, 2):
+        gens[f"ring{style}"] = T.ring_graph(N, connect_style=style)
+    rng = np.random.default_rng(42)  # same on every rank
+    und = nx.gnp_random_graph(N, 0.5, seed=7)
+    gens["random_mh"] = T.metropolis_hastings_weights(und)
+    w = rng.random((N, N)) * (rng.random((N, N)) < 0.6) + np.eye(N)
+    gens["random_directed"] = T.from_mixing_matrix(w / w.sum(axis=0, keepdims=True))
+    return gens
+
+
+@check
+def every_generator_matches_w_times_x():
+    for name, g in generators().items():
+        for weighted in (False, True):
+            shoal.set_topology(g, is_weighted=weighted)
+            for dt in ("float32", "float64"):
+                got = shoal.neighbor_allreduce(data(R, dt), name=f"gen.{name}.{dt}")
+                if weighted:
+                    want = (T.mixing_matrix(g).T @ all_data())[R]
+                    assert np.allclose(got, want, rtol=1e-6, atol=1e-6), (name, got, want)
+                else:  # uniform: exact sum then divide
+                    ins = shoal.in_neighbor_ranks()
+                    want = (data(R, dt) + sum(data(j, dt) for j in ins)) / np.asarray(len(ins) + 1, dt)
+                    assert np.array_equal(got, want), (name, dt, got, want)
+    shoal.set_topology(T.exponential_two_graph(N))
+
+
+@check
+def one_peer_schedule_matches_and_averages_exactly():
+    scheds = [T.one_peer_exponential_schedule(N, r) for r in range(N)]
+    x_all = all_data()
+    x = data(R)
+    steps = max(1, (N - 1).bit_length())
+    for t in range(steps):
+        plans = [next(s) for s in scheds]
+        send, recv = plans[R][0], plans[R][1]
+        w = 1.0 / (len(recv) + 1)
+        x = shoal.neighbor_allreduce(x, self_weight=w, src_weights={j: w for j in recv},
+                                     dst_weights=list(send), enable_topo_check=(t == 0), name="onepeer")
+        W = T.schedule_mixing_matrix([p[:2] for p in plans], N)
+        x_all = W.T @ x_all
+        assert np.allclose(x, x_all[R], rtol=0, atol=1e-12), (t, x, x_all[R])
+    if N & (N - 1) == 0:  # power of two: exact average after log2(N) steps
+        assert np.array_equal(x, all_data().mean(axis=0)), (x, all_data().mean(axis=0))
+
+
+@check
+def dst_weights_scale_on_the_sender():
+    if N == 1:
+        return
+    rng = np.random.default_rng(3)
+    dw = rng.random(N)  # rank j scales what it sends by dw[j]
+    sw, pw = 0.3, 0.7
+    got = shoal.neighbor_allreduce(data(R), self_weight=sw, src_weights={(R - 1) % N: pw},
+                                   dst_weights={(R + 1) % N: dw[R]}, name="dstw")
+    j = (R - 1) % N
+    assert np.allclose(got, sw * data(R) + pw * dw[j] * data(j), rtol=1e-14, atol=1e-14), got
+
+
+@check
+def neighbor_allgather_static_and_dynamic():
+    x = np.full((R % 3 + 1, 2), R, dtype="int32")
+    got = shoal.neighbor_allgather(x, name="nag.static")
+    ins = shoal.in_neighbor_ranks()
+    want = np.concatenate([np.full((j % 3 + 1, 2), j, "int32") for j in ins]) if ins else np.zeros((0, 2), "int32")
+    assert np.array_equal(got, want), (got, want)
+    if N > 1:
+        src = [(R + 1) % N, (R - 1) % N] if N > 2 else [(R + 1) % N]
+        dst = [(R - 1) % N, (R + 1) % N] if N > 2 else [(R + 1) % N]
+        got = shoal.neighbor_allgather(x, src_ranks=src, dst_ranks=dst, name="nag.dyn")
+        want = np.concatenate([np.full((j % 3 + 1, 2), j, "int32") for j in src])
+        assert np.array_equal(got, want), (got, want)
+
+
+@check
+def hierarchical_over_machine_ring():
+    L, M = shoal.local_size(), shoal.machine_size()
+    if L < 2 or M < 2:
+        return
+    shoal.set_machine_topology(T.ring_graph(M))
+    got = shoal.hierarchical_neighbor_allreduce(data(R), name="hier")
+    S = [sum(data(m * L + l) for l in range(L)) for m in range(M)]
+    m = shoal.machine_rank()
+    ins = shoal.in_neighbor_machine_ranks()
+    want = (S[m] + sum(S[k] for k in ins)) / (len(ins) + 1) / L
+    assert np.allclose(got, want, rtol=1e-14), (got, want)
+    got = shoal.hierarchical_neighbor_allreduce(data(R), self_weight=0.5,
+                                                src_machine_weights={k: 0.5 / len(ins) for k in ins},
+                                                dst_machine_weights=shoal.out_neighbor_machine_ranks(),
+                                                name="hier.dyn")
+    want = (0.5 * S[m] + sum(0.5 / len(ins) * S[k] for k in ins)) / L
+    assert np.allclose(got, want, rtol=1e-14), (got, want)
+
+
+@check
+def pair_gossip_pairs_up():
+    if N % 2:
+        return
+    peer = R ^ 1
+    got = shoal.pair_gossip(data(R), peer, name="pair")
+    assert np.array_equal(got, (data(R) + data(peer)) / 2), got
+
+
+@check
+def infer_neighbors():
+    dst = [(R + 1) % N] if N > 1 else []
+    src = shoal.InferSourceFromDestinationRanks(dst)
+    assert src == ([(R - 1) % N] if N > 1 else []), src
+    back, W = shoal.InferDestinationFromSourceRanks(src, construct_adjacency_matrix=True)
+    assert back == dst and np.allclose(W.sum(axis=0), 1.0), (back, W)
+
+
+@check
+def steady_state_has_no_global_collective():
+    shoal.set_topology(T.exponential_two_graph(N))
+    x = data(R)
+    sched = T.one_peer_exponential_schedule(N, R)
+    for warm in range(2):  # first sight of each name: negotiated once
+        x = shoal.neighbor_allreduce(x, name="steady.static")
+        send, recv = next(sched)[:2]
+        x = shoal.neighbor_allreduce(x, self_weight=0.5, src_weights={j: 0.5 for j in recv},
+                                     dst_weights=list(send), enable_topo_check=False, name="steady.dyn")
+    shoal.barrier()
+    shoal.reset_stats()
+    for _ in range(100):
+        x = shoal.neighbor_allreduce(x, name="steady.static")
+        send, recv = next(sched)[:2]
+        w = 1.0 / (len(recv) + 1)
+        x = shoal.neighbor_allreduce(x, self_weight=w, src_weights={j: w for j in recv},
+                                     dst_weights=list(send), enable_topo_check=False, name="steady.dyn")
+    st = shoal.stats()
+    assert st["neighbor_allreduce"] == 200, st
+    assert st["global_collectives"] == 0 and st["coordinator_rounds"] == 0, st
+    if R == 0:
+        print(f"steady state over 200 neighbor ops: {st}", flush=True)
+
+
+def expect_error(fn, *needles):
+    start = time.monotonic()
+    try:
+        fn()
+    except shoal.ShoalError as e:
+        assert time.monotonic() - start < 10
+        for n in needles:
+            assert n in str(e), (n, str(e))
+        return
+    raise AssertionError("no ShoalError")
+
+
+@check
+def mismatched_dynamic_topology_names_the_edge():
+    if N < 2:
+        return
+    # Rank 0 sends to rank 1, which does not list rank 0 as a source.
+    dst = [1] if R == 0 else []
+    expect_error(lambda: shoal.neighbor_allreduce(data(R), self_weight=1.0, src_weights={}, dst_weights=dst,
+                                                  name="badtopo"),
+                 "rank 0 sends to rank 1, which does not receive from it")
+
+
+@check
+def unchecked_mismatch_is_an_error_not_mixing():
+    if N < 2:
+        return
+    kw = dict(self_weight=0.5, enable_topo_check=False, name="unchecked")
+    # Step 0: rank 0 sends to 1, but rank 1 does not receive. Step 1: both agree.
+    shoal.neighbor_allreduce(data(R), src_weights={}, dst_weights=[1] if R == 0 else [], **kw)
+    if R == 1:
+        expect_error(lambda: shoal.neighbor_allreduce(data(R), src_weights={0: 0.5}, dst_weights=[], **kw),
+                     "rank 0 sent to this rank at its step 0", "at step 1")
+    else:
+        shoal.neighbor_allreduce(data(R), src_weights={}, dst_weights=[1] if R == 0 else [], **kw)
+    shoal.barrier()
+
+
+@check
+def different_topologies_across_ranks_rejected():
+    if N < 2:
+        return
+    g = T.ring_graph(N) if R == 0 else T.exponential_two_graph(N)
+    try:
+        shoal.set_topology(g)
+    except ValueError as e:
+        assert "different graph" in str(e), e
+    else:
+        if not T.is_topology_equivalent(T.ring_graph(N), T.exponential_two_graph(N)):
+            raise AssertionError("mismatched set_topology accepted")
+    shoal.set_topology(T.exponential_two_graph(N))
+
+
+sys.exit(1 if run_all(R) else 0)
