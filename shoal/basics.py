@@ -9,6 +9,7 @@ import atexit
 import hashlib
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -61,6 +62,7 @@ def _install_excepthook():
             sys.stderr.write(f"[shoal] rank {_core.rank()}: uncaught {kind.__name__}; aborting the job\n")
             sys.stderr.flush()
             sys.stdout.flush()
+            time.sleep(0.5)  # let the launcher forward the traceback before the job ends
             _core.abort(1)
 
     sys.excepthook = hook

@@ -13,7 +13,7 @@
 namespace shoal {
 
 using Callback = std::function<void(const Status&)>;
-using Bytes = std::shared_ptr<std::vector<char>>;
+using Bytes = std::shared_ptr<ByteVec>;
 
 struct WorldInfo {
   int rank = 0, size = 1, local_rank = 0, local_size = 1;
@@ -30,7 +30,7 @@ class Backend {
   // Point-to-point messages (control plane and neighbor data).
   virtual void Send(int dst, int tag, Bytes msg, Callback done) = 0;
   // Takes one waiting message with `tag` from any rank; false if none.
-  virtual bool Receive(int tag, int* src, std::vector<char>* msg, Status* st) = 0;
+  virtual bool Receive(int tag, int* src, ByteVec* msg, Status* st) = 0;
 
   // Collectives; every rank starts them in the same order.
   // scope: SHOAL_SCOPE_WORLD or SHOAL_SCOPE_MACHINE (root is then a local rank).

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -9,6 +10,19 @@
 #include "shoal/c_api.h"
 
 namespace shoal {
+
+// Byte buffers that resize without zero-filling: message and fusion buffers are
+// written in full before they are read, and zeroing 16 MiB costs as much as moving it.
+template <typename T> struct NoInitAllocator : std::allocator<T> {
+  template <typename U> struct rebind { using other = NoInitAllocator<U>; };
+  NoInitAllocator() = default;
+  template <typename U> NoInitAllocator(const NoInitAllocator<U>&) {}
+  template <typename U> void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
+  template <typename U, typename... A> void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+using ByteVec = std::vector<char, NoInitAllocator<char>>;
 
 struct Status {
   int code = SHOAL_OK;

@@ -9,7 +9,7 @@
 
 namespace shoal {
 
-std::vector<char> EncodeRequests(const std::vector<Request>& reqs) {
+ByteVec EncodeRequests(const std::vector<Request>& reqs) {
   Writer w;
   w.Put<uint32_t>(static_cast<uint32_t>(reqs.size()));
   for (auto& r : reqs) {
@@ -39,7 +39,7 @@ std::vector<Request> DecodeRequests(const char* p, size_t n) {
   return out;
 }
 
-std::vector<char> EncodeResponses(const std::vector<Response>& resps) {
+ByteVec EncodeResponses(const std::vector<Response>& resps) {
   Writer w;
   w.Put<uint32_t>(static_cast<uint32_t>(resps.size()));
   for (auto& r : resps) {

@@ -38,9 +38,9 @@ struct Stall {
   double waited = 0;
 };
 
-std::vector<char> EncodeRequests(const std::vector<Request>& reqs);
+ByteVec EncodeRequests(const std::vector<Request>& reqs);
 std::vector<Request> DecodeRequests(const char* p, size_t n);
-std::vector<char> EncodeResponses(const std::vector<Response>& resps);
+ByteVec EncodeResponses(const std::vector<Response>& resps);
 std::vector<Response> DecodeResponses(const char* p, size_t n);
 
 class Coordinator {

@@ -41,7 +41,7 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
       w.Put<int64_t>(items[k].first->step);
       w.Put<uint64_t>(items[k].first->nbytes());
     }
-    auto msg = std::make_shared<std::vector<char>>(std::move(w.buffer()));
+    auto msg = std::make_shared<ByteVec>(std::move(w.buffer()));
     size_t at = msg->size();
     msg->resize(at + payload);
     for (size_t k = i; k < j; ++k) {
@@ -61,7 +61,7 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
 bool NeighborExchange::Receive(Status* st) {
   bool any = false;
   while (true) {
-    auto msg = std::make_shared<std::vector<char>>();
+    auto msg = std::make_shared<ByteVec>();
     int src = -1;
     if (!backend_->Receive(kTag, &src, msg.get(), st) || !st->ok()) return any;
     any = true;

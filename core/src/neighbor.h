@@ -40,6 +40,7 @@ class NeighborExchange {
   // Forget a waiting entry (failed elsewhere: stall, shutdown).
   void Drop(const EntryPtr& e);
   std::vector<EntryPtr> TakeAll();
+  bool Idle() const { return waiting_.empty(); }
 
  private:
   struct Piece {

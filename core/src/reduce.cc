@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 #include "shoal/c_api.h"
 
@@ -138,6 +139,23 @@ void Combine(const void* self, const std::vector<const void*>& srcs, void* out, 
     using A = typename T::Acc;
     auto x = static_cast<const S*>(self);
     auto y = static_cast<S*>(out);
+    if (std::is_same<S, A>::value && out != self) {
+      // Accumulate straight into the output: one pass per source, no scratch buffer.
+      A* o = reinterpret_cast<A*>(y);
+      const A sw = static_cast<A>(self_weight);
+      for (size_t i = 0; i < n; ++i) o[i] = uniform ? static_cast<A>(x[i]) : sw * static_cast<A>(x[i]);
+      for (size_t j = 0; j < srcs.size(); ++j) {
+        auto s = static_cast<const S*>(srcs[j]);
+        const A w = static_cast<A>(uniform ? 1.0 : weights[j]);
+        if (uniform) for (size_t i = 0; i < n; ++i) o[i] += static_cast<A>(s[i]);
+        else for (size_t i = 0; i < n; ++i) o[i] += w * static_cast<A>(s[i]);
+      }
+      if (uniform) {
+        const A div = static_cast<A>(srcs.size() + 1);
+        for (size_t i = 0; i < n; ++i) o[i] /= div;
+      }
+      return;
+    }
     std::vector<A> acc(n);
     const A sw = static_cast<A>(uniform ? 1.0 : self_weight);
     for (size_t i = 0; i < n; ++i) acc[i] = uniform ? T::Load(x[i]) : sw * T::Load(x[i]);

@@ -128,6 +128,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d) {
   e->handle = next_handle_++;
   handles_[e->handle] = e;
   queue_.push_back(e);
+  queued_ = queue_.size();
   work_cv_.notify_one();
   return e->handle;
 }
@@ -190,6 +191,7 @@ void Runtime::FailAll(const std::string& why) {
     for (auto& kv : handles_) if (!kv.second->done) pending.push_back(kv.second);
     for (auto& e : queue_) if (!e->done) pending.push_back(e);
     queue_.clear();
+    queued_ = 0;
   }
   for (auto& e : pending)
     Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " + why));
@@ -199,7 +201,11 @@ void Runtime::Loop() {
   SetLogContext(world().rank, cfg_.log_level);
   auto idle = std::chrono::microseconds(0);
   const auto longest = std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
-  while (true) {
+  // While ops are in flight, keep polling (yielding the core) for a short window after
+  // the last progress: peers usually answer within microseconds. Then back off.
+  const auto spin_window = std::chrono::microseconds(1000);
+  auto last_progress = Clock::now();
+  while (!stop_) {
     bool progressed;
     try {
       progressed = Cycle();
@@ -208,14 +214,19 @@ void Runtime::Loop() {
       FailAll(ex.what());
       progressed = false;
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stop_) break;
     if (progressed) {
       idle = std::chrono::microseconds(0);
+      last_progress = Clock::now();
+      continue;
+    }
+    const bool busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0;
+    if (busy && Clock::now() - last_progress < spin_window) {
+      std::this_thread::yield();
       continue;
     }
     // Back off while nothing happens, but wake at once for new work.
     idle = std::min(longest, std::max(std::chrono::microseconds(20), idle * 2));
+    std::unique_lock<std::mutex> lock(mu_);
     work_cv_.wait_for(lock, idle, [&] { return stop_ || !queue_.empty(); });
   }
 }
@@ -224,9 +235,10 @@ bool Runtime::Cycle() {
   const WorldInfo& w = world();
   bool progressed = false;
   std::vector<EntryPtr> fresh;
-  {
+  if (queued_ > 0) {
     std::lock_guard<std::mutex> lock(mu_);
     fresh.swap(queue_);
+    queued_ = 0;
   }
   std::vector<Request> to_coordinator;
   for (auto& e : fresh) Route(e, &to_coordinator);
@@ -237,14 +249,14 @@ bool Runtime::Cycle() {
     if (coordinator_) {
       for (auto& r : to_coordinator) coordinator_->Add(0, r, Now());
     } else {
-      auto msg = std::make_shared<std::vector<char>>(EncodeRequests(to_coordinator));
+      auto msg = std::make_shared<ByteVec>(EncodeRequests(to_coordinator));
       backend_->Send(0, kRequestTag, msg, [this](const Status& st) {
         if (!st.ok()) FailAll("cannot reach the coordinator (rank 0): " + st.message);
       });
     }
   }
   Status st;
-  std::vector<char> buf;
+  ByteVec buf;
   int src = -1;
   if (coordinator_) {
     while (backend_->Receive(kRequestTag, &src, &buf, &st) && st.ok()) {
@@ -253,7 +265,7 @@ bool Runtime::Cycle() {
     }
     std::vector<Response> resps = coordinator_->TakeResponses();
     if (!resps.empty()) {
-      auto msg = std::make_shared<std::vector<char>>(EncodeResponses(resps));
+      auto msg = std::make_shared<ByteVec>(EncodeResponses(resps));
       for (int r = 1; r < w.size; ++r) backend_->Send(r, kResponseTag, msg, [](const Status&) {});
       for (auto& r : resps) Apply(r);
       progressed = true;
@@ -384,7 +396,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   // Half types are widened: the sum accumulates in float32 and is rounded once.
   const int wire = IsHalf(dtype) ? SHOAL_FLOAT32 : dtype;
   const size_t wsize = DtypeSize(wire);
-  auto fused = std::make_shared<std::vector<char>>(total * wsize);
+  auto fused = std::make_shared<ByteVec>(total * wsize);
   size_t off = 0;
   for (auto& e : batch) {
     if (IsHalf(dtype)) WidenToFloat32(e->input.data, dtype, reinterpret_cast<float*>(fused->data() + off), e->count());
@@ -421,7 +433,7 @@ void Runtime::CheckStalls() {
         ++stats_.stalls;
         Response r = coordinator_->Abort(
             s.name, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME=" + std::to_string(kill) + " s)");
-        auto msg = std::make_shared<std::vector<char>>(EncodeResponses({r}));
+        auto msg = std::make_shared<ByteVec>(EncodeResponses({r}));
         for (int q = 1; q < world().size; ++q) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
         Apply(r);
       } else if (s.waited >= warn && stall_warned_.insert(s.name).second) {

@@ -7,6 +7,7 @@
 // receives neighbor data directly between neighbours (no global step);
 // (3) progresses in-flight MPI requests; (4) checks for stalls.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -69,7 +70,9 @@ class Runtime {
   std::map<int, int64_t> noname_counter_;
   std::map<std::string, int64_t> calls_;  // per name: ops submitted so far
   int64_t next_handle_ = 1;
-  bool stop_ = false;
+  // Read without the mutex by the loop, so polling never contends with enqueue.
+  std::atomic<bool> stop_{false};
+  std::atomic<size_t> queued_{0};
 
   // Background thread only.
   std::map<std::string, EntryPtr> awaiting_response_;

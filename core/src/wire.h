@@ -36,11 +36,11 @@ class Writer {
     const char* c = static_cast<const char*>(p);
     buf_.insert(buf_.end(), c, c + n);
   }
-  std::vector<char>& buffer() { return buf_; }
+  ByteVec& buffer() { return buf_; }
   size_t size() const { return buf_.size(); }
 
  private:
-  std::vector<char> buf_;
+  ByteVec buf_;
 };
 
 class Reader {

@@ -108,7 +108,7 @@ class MpiBackend : public Backend {
     });
   }
 
-  bool Receive(int tag, int* src, std::vector<char>* msg, Status* st) override {
+  bool Receive(int tag, int* src, ByteVec* msg, Status* st) override {
     int flag = 0;
     MPI_Message m;
     MPI_Status s;
