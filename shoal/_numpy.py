@@ -23,7 +23,11 @@ class NumpyAdapter:
         if inplace:
             if not isinstance(tensor, np.ndarray) or not a.flags.c_contiguous or not a.flags.writeable:
                 raise ValueError(f"{op}: in-place ops need a writeable C-contiguous numpy array")
+            if not a.dtype.isnative:
+                raise ValueError(f"{op}: in-place ops need native byte order, got {a.dtype.str}")
             return a, a
+        if not a.dtype.isnative:  # the core computes in native byte order
+            a = a.astype(a.dtype.newbyteorder("="))
         src = a if a.flags.c_contiguous else a.copy(order="C")
         return src, (np.empty_like(src) if need_output else None)
 

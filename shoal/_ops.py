@@ -5,6 +5,7 @@ shape) and back; this module validates arguments, enqueues into the core, keeps 
 tensors alive until completion, and finishes the result in `synchronize`.
 Semantics follow BlueFog's ops (reference/bluefog-semantics.md §1.4–1.5).
 """
+import operator
 import threading
 
 from . import basics
@@ -49,6 +50,10 @@ def reduce_op(average, op):
 
 
 def _submit(op, name, adapter, tensor, output, keep, finish, **kw):
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if name and "\0" in name:
+        raise ValueError("op names cannot contain NUL characters")
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = adapter.describe(output)[0] if output is not None else ptr
     handle = _core.enqueue(op, name or "", ptr, dtype, list(shape), out_ptr, **kw)
@@ -89,8 +94,12 @@ def allreduce_nonblocking(adapter, tensor, average=None, name=None, op=None, inp
 
 
 def broadcast_nonblocking(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD):
-    if not isinstance(root_rank, int) or isinstance(root_rank, bool):
-        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
+    if isinstance(root_rank, bool):
+        raise TypeError("root_rank must be an int, got bool")
+    try:
+        root_rank = operator.index(root_rank)  # int, numpy integers, 0-d int tensors
+    except TypeError:
+        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}") from None
     n = basics.local_size() if scope == MACHINE else basics.size()
     if not 0 <= root_rank < n:
         raise ValueError(f"broadcast: root rank {root_rank} is outside [0, {n})")
@@ -231,8 +240,10 @@ def synchronize(handle):
         if handle >= 0:
             _core.wait(handle)
         with _lock:
-            _, finish = _pending[handle]
-        return finish()
+            entry = _pending.get(handle)
+        if entry is None:  # another thread synchronized it meanwhile
+            raise ValueError(f"handle {handle} was already synchronized")
+        return entry[1]()
     finally:
         with _lock:
             _pending.pop(handle, None)

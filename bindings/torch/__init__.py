@@ -22,7 +22,19 @@ globals().update(_api)
 # Blocking forms go through the registered torch.library ops.
 from ._ops import allgather, allreduce, broadcast, neighbor_allreduce  # noqa: E402,F401,F811
 
-__all__ = list(_basics_all) + sorted(_api) + ["Sum", "Average", "ReduceOp", "topology",
+from .consensus import ConsensusControl, consensus_distance  # noqa: E402
+from .optimizers import (CommunicationType, DistributedAdaptThenCombineOptimizer,  # noqa: E402
+                         DistributedAdaptWithCombineOptimizer, DistributedGradientAllreduceOptimizer,
+                         DistributedOptimizer)
+from .utility import (allgather_object, allreduce_parameters, broadcast_object,  # noqa: E402
+                      broadcast_optimizer_state, broadcast_parameters)
+
+__all__ = list(_basics_all) + sorted(_api) + [
+    "ConsensusControl", "consensus_distance", "CommunicationType",
+    "DistributedAdaptThenCombineOptimizer", "DistributedAdaptWithCombineOptimizer",
+    "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "allgather_object",
+    "allreduce_parameters", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters"] + ["Sum", "Average", "ReduceOp", "topology",
                                                          "InferSourceFromDestinationRanks",
                                                          "InferDestinationFromSourceRanks"]
 del _torch_ops

@@ -15,6 +15,8 @@ class TorchAdapter:
             raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _CODES:
             raise ValueError(f"{op}: dtype {t.dtype} is not supported; use one of {sorted(DTYPE_CODES)}")
+        if t.layout != torch.strided:
+            raise ValueError(f"{op}: {t.layout} tensors are not supported; use a dense tensor")
         if t.device.type != "cpu":
             raise ValueError(f"{op}: {t.device} tensors are not supported by this build (CPU only)")
 
@@ -24,6 +26,9 @@ class TorchAdapter:
     def prepare(self, tensor, inplace, op, need_output=True):
         self._check(tensor, op)
         if inplace:
+            if tensor.requires_grad and torch.is_grad_enabled():
+                raise ValueError(f"{op}: in-place ops cannot be recorded by autograd; use the "
+                                 "out-of-place op or torch.no_grad()")
             if not tensor.is_contiguous():
                 raise ValueError(f"{op}: in-place ops need a contiguous tensor; call .contiguous() first")
             return tensor, tensor

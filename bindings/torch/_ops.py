@@ -88,3 +88,66 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
     return torch.ops.shoal.neighbor_allreduce(
         tensor, a["self_weight"], a["recv_ranks"], a["recv_weights"], a["send_ranks"],
         a["send_weights"], a["uniform"], a["topo_check"], name or "")
+
+
+# ---- Autograd (the blocking ops are differentiable; the nonblocking forms are not) ----
+def _grad_name(name):
+    return name + ".grad" if name else ""
+
+
+def _allreduce_setup(ctx, inputs, output):
+    ctx.average, ctx.local, ctx.name = inputs[1], inputs[2], inputs[3]
+
+
+def _allreduce_backward(ctx, grad):
+    # d(sum_j x_j)/dx_i = 1 on every rank: the gradient is the same allreduce of the grads.
+    return torch.ops.shoal.allreduce(grad.contiguous(), ctx.average, ctx.local, _grad_name(ctx.name)), None, None, None
+
+
+def _broadcast_setup(ctx, inputs, output):
+    ctx.root, ctx.name = inputs[1], inputs[2]
+
+
+def _broadcast_backward(ctx, grad):
+    from shoal.basics import rank
+    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, _grad_name(ctx.name))
+    return (total if rank() == ctx.root else torch.zeros_like(total)), None, None
+
+
+def _allgather_setup(ctx, inputs, output):
+    ctx.rows, ctx.name = inputs[0].shape[0], inputs[1]
+
+
+def _allgather_backward(ctx, grad):
+    from shoal.basics import rank
+    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, _grad_name(ctx.name))
+    rows = torch.ops.shoal.allgather(torch.tensor([ctx.rows], dtype=torch.int64),
+                                     _grad_name(ctx.name) + ".rows" if ctx.name else "")
+    start = int(rows[:rank()].sum())
+    return total[start:start + ctx.rows], None
+
+
+def _neighbor_setup(ctx, inputs, output):
+    (_, ctx.self_weight, ctx.recv, ctx.recv_w, ctx.send, ctx.send_w, ctx.uniform, _, ctx.name) = inputs
+
+
+def _neighbor_backward(ctx, grad):
+    # y_k = sw_k x_k + sum_{j in recv_k} rw_kj d_jk x_j, so
+    # dL/dx_i = sw_i g_i + sum_{k: i in recv_k} rw_ki d_ik g_k: the transposed mixing step.
+    # Rank i receives g_k from its forward destinations, weighting by its own d_ik, and
+    # sends g_i to its forward sources, scaled by the weight each gave it.
+    n = len(ctx.recv)
+    sw = 1.0 / (n + 1) if ctx.uniform else ctx.self_weight
+    rw = [1.0 / (n + 1)] * n if ctx.uniform else list(ctx.recv_w)
+    dw = list(ctx.send_w) if len(ctx.send_w) else [1.0] * len(ctx.send)
+    g = torch.ops.shoal.neighbor_allreduce(grad.contiguous(), sw, list(ctx.send), dw, list(ctx.recv), rw,
+                                           False, False, _grad_name(ctx.name))
+    return (g,) + (None,) * 8
+
+
+if hasattr(torch.library, "register_autograd"):  # torch >= 2.4
+    torch.library.register_autograd("shoal::allreduce", _allreduce_backward, setup_context=_allreduce_setup)
+    torch.library.register_autograd("shoal::broadcast", _broadcast_backward, setup_context=_broadcast_setup)
+    torch.library.register_autograd("shoal::allgather", _allgather_backward, setup_context=_allgather_setup)
+    torch.library.register_autograd("shoal::neighbor_allreduce", _neighbor_backward,
+                                    setup_context=_neighbor_setup)

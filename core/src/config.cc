@@ -22,7 +22,7 @@ double EnvDouble(const char* name, double def) {
   if (!v) return def;
   char* end;
   double d = std::strtod(v, &end);
-  if (*end || d < 0) throw std::invalid_argument(std::string(name) + "='" + v + "' is not a non-negative number");
+  if (*end || !(d >= 0) || d > 1e9) throw std::invalid_argument(std::string(name) + "='" + v + "' is not a number in [0, 1e9]");
   return d;
 }
 

@@ -1,6 +1,8 @@
 #include "runtime.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -11,6 +13,9 @@ namespace shoal {
 namespace {
 
 constexpr int kRequestTag = 1, kResponseTag = 2;
+constexpr int64_t kUnnamed = 1024;
+// Handles are unique for the whole process, across init/shutdown cycles.
+std::atomic<int64_t> g_next_handle{1};
 
 bool IsHalf(int dtype) { return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16; }
 
@@ -73,6 +78,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d) {
     if (d.input.device_type != SHOAL_DEVICE_CPU)
       Bad(std::string(op) + ": CUDA tensors need a GPU backend, which this build does not have");
     if (!d.input.data && e->nbytes() > 0) Bad(std::string(op) + ": null data pointer");
+    if (e->count() > INT32_MAX) Bad(std::string(op) + ": tensors of more than 2^31-1 elements are not supported");
     e->input = {d.input.data, d.input.device_type, d.input.device_id, d.input.stream, d.input.ready_event};
     e->output = e->input;
     if (d.output.data) e->output.data = d.output.data;
@@ -119,13 +125,16 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
-  e->name = (d.name && *d.name) ? d.name : std::string(op) + ".noname." + std::to_string(noname_counter_[d.op]++);
+  // Unnamed ops cycle through kUnnamed names per op, so caches stay bounded and repeated
+  // unnamed neighbor ops hit the negotiated-name cache.
+  e->name = (d.name && *d.name) ? d.name
+                                : std::string(op) + ".noname." + std::to_string(noname_counter_[d.op]++ % kUnnamed);
   if (in_flight_names_.count(e->name))
     throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
                                                   "' is already in flight on this rank; wait for it or use another name");
   in_flight_names_.insert(e->name);
   e->step = calls_[e->name]++;
-  e->handle = next_handle_++;
+  e->handle = g_next_handle++;
   handles_[e->handle] = e;
   queue_.push_back(e);
   queued_ = queue_.size();
@@ -210,9 +219,15 @@ void Runtime::Loop() {
     try {
       progressed = Cycle();
     } catch (const std::exception& ex) {
+      // Unrecoverable (MPI failure, corrupt message): fail everything and stop
+      // touching any op's memory; later enqueues are refused.
       Log(LOG_ERROR, std::string("background loop failed: ") + ex.what());
-      FailAll(ex.what());
-      progressed = false;
+      awaiting_response_.clear();
+      neighbor_ready_.clear();
+      neighbors_.TakeAll();
+      stop_ = true;
+      FailAll(std::string("Shoal's runtime failed: ") + ex.what());
+      break;
     }
     if (progressed) {
       idle = std::chrono::microseconds(0);
@@ -314,6 +329,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
 void Runtime::Apply(const Response& r) {
   std::vector<EntryPtr> batch;
   for (auto& name : r.names) {
+    stall_warned_.erase(name);
     auto it = awaiting_response_.find(name);
     if (it == awaiting_response_.end()) continue;  // e.g. an abort for an op this rank never sent
     batch.push_back(it->second);
@@ -420,11 +436,12 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
 }
 
 void Runtime::CheckStalls() {
-  if (cfg_.stall_check_time <= 0) return;
+  if (cfg_.stall_check_time <= 0 && cfg_.stall_shutdown_time <= 0) return;
   auto now_tp = Clock::now();
   if (now_tp - last_stall_check_ < std::chrono::milliseconds(200)) return;
   last_stall_check_ = now_tp;
-  const double warn = cfg_.stall_check_time, kill = cfg_.stall_shutdown_time;
+  const double kill = cfg_.stall_shutdown_time;
+  const double warn = cfg_.stall_check_time > 0 ? cfg_.stall_check_time : kill;
   if (coordinator_) {
     for (auto& s : coordinator_->Stalled(Now(), std::min(warn, kill > 0 ? kill : warn))) {
       std::string what = "'" + s.name + "' waited " + std::to_string(static_cast<int>(s.waited)) +

@@ -69,7 +69,6 @@ class Runtime {
   std::set<std::string> in_flight_names_;
   std::map<int, int64_t> noname_counter_;
   std::map<std::string, int64_t> calls_;  // per name: ops submitted so far
-  int64_t next_handle_ = 1;
   // Read without the mutex by the loop, so polling never contends with enqueue.
   std::atomic<bool> stop_{false};
   std::atomic<size_t> queued_{0};

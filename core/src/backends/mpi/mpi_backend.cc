@@ -145,14 +145,14 @@ class MpiBackend : public Backend {
                   int dtype, Callback done) override {
     auto c = std::make_shared<std::vector<int>>(counts.size());
     auto d = std::make_shared<std::vector<int>>(counts.size());
-    int64_t off = 0;
-    for (size_t i = 0; i < counts.size(); ++i) {
-      (*c)[i] = CheckedCount(counts[i]);
-      (*d)[i] = CheckedCount(off);
-      off += counts[i];
-    }
     Callback keep_alive = [c, d, done = std::move(done)](const Status& s) { done(s); };
     Start(Op{{}, std::move(keep_alive), "MPI_Iallgatherv"}, [&](MPI_Request* r) {
+      int64_t off = 0;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        (*c)[i] = CheckedCount(counts[i]);
+        (*d)[i] = CheckedCount(off);
+        off += counts[i];
+      }
       return MPI_Iallgatherv(send, CheckedCount(count), MoveType(dtype), recv, c->data(),
                              d->data(), MoveType(dtype), coll_, r);
     });
@@ -194,8 +194,15 @@ class MpiBackend : public Backend {
   // global order keeps every machine's order consistent too.
   MPI_Comm Comm(int scope) const { return scope == SHOAL_SCOPE_MACHINE ? local_ : coll_; }
 
+  // Never throws: a failure to start is reported through the op's callback.
   template <typename F> void Start(Op op, F&& start) {
-    int rc = start(&op.req);
+    int rc;
+    try {
+      rc = start(&op.req);
+    } catch (const std::exception& ex) {
+      op.done(Status::Error(SHOAL_INVALID_ARGUMENT, op.what + ": " + ex.what()));
+      return;
+    }
     if (rc != MPI_SUCCESS) {
       op.done(Status::Error(SHOAL_ABORTED, MpiError(rc, op.what.c_str())));
       return;

@@ -1,0 +1,185 @@
+"""shoal.torch optimizers: every wrapper x wrapped optimizer x communication type trains
+linear regression to the noise floor; state broadcast, step counting, misuse errors,
+consensus distance and control."""
+import os
+import sys
+
+import numpy as np
+import torch
+
+import shoal.torch as bf
+from checks import check, run_all
+
+bf.init()
+R, N = bf.rank(), bf.size()
+torch.manual_seed(0)
+W_TRUE = torch.randn(5, 1)
+NOISE = 0.01
+torch.manual_seed(100 + R)
+X = torch.randn(256, 5)
+Y = X @ W_TRUE + NOISE * torch.randn(256, 1)
+CT = bf.CommunicationType
+if bf.machine_size() > 1 and bf.local_size() > 1:
+    bf.set_machine_topology(bf.topology.ring_graph(bf.machine_size()))
+
+
+def train(wrapper, make_opt, ctype, steps=400, **kw):
+    torch.manual_seed(R)  # different starting points: communication must pull them together
+    model = torch.nn.Linear(5, 1, bias=False)
+    inner = make_opt(model.parameters())
+    if ctype is None:  # data parallelism needs identical starting points
+        bf.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = wrapper(inner, model, **kw) if ctype is None else wrapper(inner, model, communication_type=ctype, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=steps // 4, gamma=0.3)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(X), Y)
+        loss.backward()
+        opt.step()
+        sched.step()
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(X), Y).item(), model.weight.detach().clone(), opt
+
+
+OPTS = {"sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.05),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=1e-4)}
+
+
+@check
+def every_optimizer_and_communication_type_reaches_noise_floor():
+    types = [CT.neighbor_allreduce, CT.allreduce, CT.empty]
+    if bf.machine_size() > 1 and bf.local_size() > 1:
+        types.append(CT.hierarchical_neighbor_allreduce)
+    for oname, make in OPTS.items():
+        for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer):
+            for ct in types:
+                loss, w, _ = train(wrapper, make, ct)
+                assert loss < 1.5 * NOISE ** 2, (oname, wrapper.__name__, ct, loss)
+                assert torch.allclose(w.t(), W_TRUE, atol=0.01), (oname, ct, w)
+        loss, w, _ = train(bf.DistributedGradientAllreduceOptimizer, make, None)
+        assert loss < 1.5 * NOISE ** 2, (oname, "gradient allreduce", loss)
+        every = bf.allgather(w.reshape(1, -1), name=f"same.{oname}")
+        assert torch.equal(every, every[:1].expand_as(every)), "gradient allreduce: ranks diverged"
+
+
+@check
+def communicates_exactly_every_k_steps():
+    for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer):
+        bf.reset_stats()
+        _, _, opt = train(wrapper, OPTS["sgd-momentum"], CT.neighbor_allreduce, steps=30,
+                          num_steps_per_communication=3)
+        assert opt.communications == 10, (wrapper.__name__, opt.communications)
+        assert bf.stats()["neighbor_allreduce"] == 10, bf.stats()  # one parameter tensor
+    bf.reset_stats()
+    torch.manual_seed(R)
+    model = torch.nn.Linear(5, 1, bias=False)
+    opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model,
+                                                   num_steps_per_communication=2)
+    for _ in range(4):
+        for _ in range(2):
+            torch.nn.functional.mse_loss(model(X), Y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert bf.stats()["allreduce"] == 4 and opt.communications == 4, bf.stats()
+    torch.nn.functional.mse_loss(model(X), Y).backward()
+    torch.nn.functional.mse_loss(model(X), Y).backward()
+    try:
+        torch.nn.functional.mse_loss(model(X), Y).backward()
+    except RuntimeError as e:
+        assert "backward passes" in str(e)
+    else:
+        raise AssertionError("a third backward pass was accepted")
+    opt.synchronize()
+
+
+@check
+def zero_grad_with_communication_in_flight_raises():
+    model = torch.nn.Linear(5, 1)
+    opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model(X).sum().backward()
+    try:
+        opt.zero_grad()
+    except RuntimeError as e:
+        assert "step()" in str(e)
+    else:
+        raise AssertionError("zero_grad accepted with communication in flight")
+    opt.step()
+    opt.zero_grad()
+
+
+@check
+def broadcast_optimizer_state_is_bit_identical():
+    for oname, make in OPTS.items():
+        torch.manual_seed(R)
+        model = torch.nn.Linear(5, 3)
+        opt = make(model.parameters())
+        for _ in range(R + 1):  # different state on every rank
+            opt.zero_grad()
+            model(X).pow(2).mean().backward()
+            opt.step()
+        opt.param_groups[0]["lr"] = 0.1 * (R + 1)
+        bf.broadcast_parameters(model.state_dict(), root_rank=0)
+        bf.broadcast_optimizer_state(opt, root_rank=0)
+        blob = bf.allgather_object((opt.state_dict(), {k: v for k, v in model.state_dict().items()}))
+        for other in blob[1:]:
+            sd0, sd = blob[0][0], other[0]
+            assert sd0["param_groups"] == sd["param_groups"], oname
+            for k in sd0["state"]:
+                for key, v in sd0["state"][k].items():
+                    assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd["state"][k][key])), (oname, key)
+            for k, v in blob[0][1].items():
+                assert torch.equal(v, other[1][k])
+    # an empty state (never stepped) is broadcast too
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (R + 1))
+    bf.broadcast_optimizer_state(opt, 0)
+    assert opt.param_groups[0]["lr"] == 0.01
+
+
+@check
+def state_dict_round_trip_and_scheduler():
+    model = torch.nn.Linear(5, 1)
+    opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    model(X).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert len(sd["state"]) == 2 and sd["state"][0]["step"] == 1
+    opt.load_state_dict(sd)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    sched.step()
+    assert opt._opt.param_groups[0]["lr"] == 0.005
+
+
+@check
+def consensus_distance_matches_numpy():
+    torch.manual_seed(7 + R)
+    ts = [torch.randn(4, 3, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    xi = bf.consensus_distance(ts)
+    flat = np.concatenate([t.numpy().ravel() for t in ts])
+    every = bf.allgather(torch.from_numpy(flat).reshape(1, -1), name="xi.ref").numpy()
+    ref = np.sqrt(np.mean(np.sum((every - every.mean(axis=0)) ** 2, axis=1)))
+    assert abs(xi - ref) <= 1e-10 * max(ref, 1e-300), (xi, ref)
+
+
+@check
+def consensus_control_keeps_distance_below_target():
+    if N == 1:
+        return
+    torch.manual_seed(R)
+    model = torch.nn.Linear(5, 1, bias=False)
+    with torch.no_grad():
+        model.weight.mul_(10 * (R + 1))  # start far apart
+    cc = bf.ConsensusControl(target=0.05, check_every=1, max_extra_rounds=20)
+    opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model,
+                                                  consensus_control=cc)
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(X), Y).backward()
+        opt.step()
+        assert opt.last_consensus_distance <= 0.05, opt.last_consensus_distance
+    assert opt.extra_rounds > 0
+    assert bf.consensus_distance(model) <= 0.05 + 1e-12
+
+
+sys.exit(1 if run_all(R) else 0)
