@@ -63,6 +63,21 @@ def neighbor_allreduce_float_dtypes():
 
 
 @check
+def neighbor_allreduce_weighted_graph_bfloat16():
+    import numpy as np
+    rng = np.random.default_rng(5)  # same graph on every rank
+    w = rng.random((N, N)) * (rng.random((N, N)) < 0.6) + np.eye(N)
+    w /= w.sum(axis=0, keepdims=True)
+    bf.set_topology(bf.topology.from_mixing_matrix(w), is_weighted=True)
+    x_all = torch.stack([base(torch.float32).flatten() * (j + 1) for j in range(N)])
+    want = torch.from_numpy(w.T @ x_all.double().numpy())[R].float()
+    for dt, tol in [(torch.float32, 1e-6), (torch.float64, 1e-6), (torch.bfloat16, 2e-2)]:
+        got = bf.neighbor_allreduce(x_all[R].to(dt), name=f"t.nbr.w.{dt}")
+        assert got.dtype == dt and torch.allclose(got.float(), want, rtol=tol, atol=tol), (dt, got, want)
+    bf.set_topology(bf.topology.exponential_two_graph(N))
+
+
+@check
 def compiled_fullgraph():
     @torch.compile(fullgraph=True, backend="aot_eager")
     def step(x):
