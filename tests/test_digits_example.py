@@ -24,7 +24,7 @@ def test_digits_trains(tmp_path, args):
                        "--out-dir", str(tmp_path), *args)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    acc = [float(a) for a in re.findall(r"test accuracy ([\d.]+)%", out.stdout)]
+    acc = [float(a) for a in re.findall(r"epoch +\d+ .*test accuracy ([\d.]+)%", out.stdout)]
     assert len(acc) == 4 and acc[-1] > 60, out.stdout
     hist = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert len(hist["consensus_distance"]) == 4
