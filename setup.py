@@ -111,6 +111,10 @@ class CMakeBuild(build_ext):
             "# Written by setup.py at build time.\n"
             f"MPI_FLAVOR = {info['flavor']!r}\nMPIEXEC = {info['mpiexec']!r}\n"
             f"MPI_LIBRARIES = {mpi['libraries']!r}\n")
+        # The C header ships with the package: shoal.tensorflow compiles against it.
+        header = out_dir / "include" / "shoal" / "c_api.h"
+        header.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / "core" / "include" / "shoal" / "c_api.h", header)
         built = out_dir / ext_path.name
         if built != ext_path:  # setuptools expects the extension at its own path too
             ext_path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,8 +129,11 @@ def dependencies():
 
 
 setup(
-    packages=["shoal", "shoal.torch", "shoal.launcher"],
-    package_dir={"shoal": "shoal", "shoal.torch": "bindings/torch", "shoal.launcher": "launcher"},
+    packages=["shoal", "shoal.torch", "shoal.tensorflow", "shoal.keras", "shoal.launcher"],
+    package_dir={"shoal": "shoal", "shoal.torch": "bindings/torch",
+                 "shoal.tensorflow": "bindings/tensorflow", "shoal.keras": "bindings/tensorflow/keras",
+                 "shoal.launcher": "launcher"},
+    package_data={"shoal.tensorflow": ["*.cc"]},
     ext_modules=[Extension("shoal._core", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=dependencies(),

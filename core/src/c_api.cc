@@ -103,6 +103,18 @@ int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t 
   return SHOAL_OK;
 }
 
+int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callback, void* arg,
+                                int64_t* handle, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), err, len);
+  try {
+    *handle = rt->Enqueue(*desc, callback, arg);
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
 int shoal_poll(int64_t handle) {
   auto rt = Current();
   return rt ? rt->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;

@@ -38,6 +38,8 @@ struct Entry {
   // Completion (guarded by the runtime's handle mutex).
   bool done = false;
   Status status;
+  shoal_callback callback = nullptr;  // optional completion callback (C ABI)
+  void* callback_arg = nullptr;
   void* result = nullptr;  // core-allocated output (allgather), malloc'ed; see shoal_take_result
   size_t result_nbytes = 0;
   std::vector<int64_t> result_shape;

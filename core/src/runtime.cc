@@ -62,7 +62,7 @@ double Runtime::Now() const {
   return std::chrono::duration<double>(Clock::now() - start_).count();
 }
 
-int64_t Runtime::Enqueue(const shoal_op_desc& d) {
+int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
   const WorldInfo& w = world();
   auto e = std::make_shared<Entry>();
   if (d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_NEIGHBOR_ALLGATHER) Bad("unknown op code " + std::to_string(d.op));
@@ -132,6 +132,8 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d) {
   if (in_flight_names_.count(e->name))
     throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
                                                   "' is already in flight on this rank; wait for it or use another name");
+  e->callback = cb;
+  e->callback_arg = cb_arg;
   in_flight_names_.insert(e->name);
   e->step = calls_[e->name]++;
   e->handle = g_next_handle++;
@@ -191,6 +193,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st) {
     in_flight_names_.erase(e->name);
   }
   done_cv_.notify_all();
+  if (e->callback) e->callback(e->handle, st.code, st.message.c_str(), e->callback_arg);
 }
 
 void Runtime::FailAll(const std::string& why) {

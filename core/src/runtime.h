@@ -38,7 +38,7 @@ class Runtime {
   Stats& stats() { return stats_; }
 
   // Validates and queues; throws ArgumentError for bad arguments.
-  int64_t Enqueue(const shoal_op_desc& desc);
+  int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
   int Poll(int64_t handle);
   Status Wait(int64_t handle);
   EntryPtr Find(int64_t handle);

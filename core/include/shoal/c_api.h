@@ -103,6 +103,12 @@ int shoal_mpi_threads_supported(void);
 void shoal_mpi_library_version(char* buf, size_t len);
 
 int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t err_len);
+/* Completion callback, called once from the background thread when the op finishes
+ * (status SHOAL_OK or an error and its message). It may call shoal_take_result and
+ * shoal_release for its handle; it must not block. Used by the TensorFlow kernels. */
+typedef void (*shoal_callback)(int64_t handle, int status, const char* message, void* arg);
+int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callback, void* arg,
+                                int64_t* handle, char* err, size_t err_len);
 /* 1 when complete, 0 while pending, -SHOAL_UNKNOWN_HANDLE for an unknown handle. */
 int shoal_poll(int64_t handle);
 /* Blocks (no spinning) until complete; returns the op's status and message. The

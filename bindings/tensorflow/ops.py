@@ -1,0 +1,226 @@
+"""TensorFlow wrappers of the Shoal kernels, their gradients, and training helpers."""
+import itertools
+
+import numpy as np
+import tensorflow as tf
+
+import shoal
+from shoal import _ops, basics
+
+from . import _build
+
+_lib = _build.load()
+_unnamed = itertools.count()
+
+
+def _name(op, name):
+    # Unnamed ops get names when the Python code runs (eagerly: every call; in tf.function:
+    # once, when traced), in the same order on every rank.
+    if name:
+        if "\0" in name:
+            raise ValueError("op names cannot contain NUL characters")
+        return name
+    return f"tf.{op}.{next(_unnamed)}"
+
+
+def _no_xla(op):
+    try:
+        from tensorflow.python.ops import control_flow_util
+        in_xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    except Exception:  # noqa: BLE001 - internal API; if it moves, let TF's own error speak
+        in_xla = False
+    if in_xla:
+        raise ValueError(f"shoal.tensorflow.{op} cannot run inside an XLA-compiled function "
+                         "(jit_compile=True): XLA has no Shoal kernels. Call it outside the "
+                         "compiled function, or compile with jit_compile=False.")
+
+
+def _run(op, fn):
+    """Run a kernel; eagerly, turn the runtime's Aborted error into ShoalError."""
+    _no_xla(op)
+    try:
+        return fn()
+    except tf.errors.AbortedError as e:
+        if tf.executing_eagerly() and "ShoalError" in e.message:
+            raise shoal.ShoalError(e.message.split("ShoalError: ", 1)[-1]) from None
+        raise
+    except tf.errors.InvalidArgumentError as e:
+        if tf.executing_eagerly():
+            raise ValueError(e.message) from None
+        raise
+
+
+def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
+    """Sum or average of `tensor` over all ranks (or this machine's ranks); semantics of
+    `shoal.allreduce` (sum then divide; half types accumulate in float32)."""
+    rop = _ops.reduce_op(average, op)
+    tensor = tf.convert_to_tensor(tensor)
+    if rop is Average and not tensor.dtype.is_floating:
+        raise ValueError(f"allreduce: average of {tensor.dtype.name} is not representable; use op=Sum")
+    return _run("allreduce", lambda: _lib.shoal_allreduce(
+        tensor, op_name=_name("allreduce", name), reduce_op=rop.code, scope=int(bool(is_hierarchical_local))))
+
+
+def broadcast(tensor, root_rank, name=None, is_hierarchical_local=False):
+    """`root_rank`'s tensor on every rank; semantics of `shoal.broadcast`."""
+    return _run("broadcast", lambda: _lib.shoal_broadcast(
+        tf.convert_to_tensor(tensor), op_name=_name("broadcast", name), root_rank=int(root_rank),
+        scope=int(bool(is_hierarchical_local))))
+
+
+def allgather(tensor, name=None):
+    """Concatenation along dim 0 of every rank's tensor (first dims may differ)."""
+    return _run("allgather", lambda: _lib.shoal_allgather(tf.convert_to_tensor(tensor),
+                                                          op_name=_name("allgather", name)))
+
+
+def _neighbor(tensor, a, name):
+    return _lib.shoal_neighbor_allreduce(
+        tensor, tf.constant(a["self_weight"], tf.float64), tf.constant(a["recv_ranks"], tf.int32),
+        tf.constant(a["recv_weights"], tf.float64), tf.constant(a["send_ranks"], tf.int32),
+        tf.constant(a["send_weights"], tf.float64), op_name=name, uniform=a["uniform"],
+        topo_check=a["topo_check"])
+
+
+def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
+                       enable_topo_check=True, name=None):
+    """One neighbor-averaging step; semantics of `shoal.neighbor_allreduce` (static mode
+    over `set_topology`'s graph, dynamic mode with dst_weights). Floating dtypes."""
+    a = _ops.neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check)
+    tensor = tf.convert_to_tensor(tensor)
+    return _run("neighbor_allreduce", lambda: _neighbor(tensor, a, _name("neighbor_allreduce", name)))
+
+
+def neighbor_allgather(tensor, src_ranks=None, dst_ranks=None, enable_topo_check=True, name=None):
+    """In-neighbors' tensors concatenated along dim 0; semantics of `shoal.neighbor_allgather`."""
+    if (src_ranks is None) != (dst_ranks is None):
+        raise ValueError("neighbor_allgather: give both src_ranks and dst_ranks, or neither")
+    if src_ranks is None:
+        plan, _ = basics._static_plan()
+        recv, send, check = plan["recv"], plan["send"], False
+    else:
+        recv, send, check = list(src_ranks), list(dst_ranks), bool(enable_topo_check)
+    return _run("neighbor_allgather", lambda: _lib.shoal_neighbor_allgather(
+        tf.convert_to_tensor(tensor), tf.constant(recv, tf.int32), tf.constant(send, tf.int32),
+        op_name=_name("neighbor_allgather", name), topo_check=check))
+
+
+def hierarchical_neighbor_allreduce(tensor, self_weight=None, src_machine_weights=None,
+                                    dst_machine_weights=None, enable_topo_check=False, name=None):
+    """Sum within each machine, gossip between machine leaders, share within the machine,
+    divide by local_size(); semantics of `shoal.hierarchical_neighbor_allreduce`."""
+    from shoal._hierarchical import _machine_args
+    if not basics.is_homogeneous():
+        raise ValueError("hierarchical_neighbor_allreduce needs a homogeneous job")
+    a = _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check)
+    if basics.local_rank() != 0:
+        a = dict(a, recv_ranks=[], send_ranks=[], recv_weights=[], send_weights=[], uniform=True, self_weight=1.0)
+    name = _name("hierarchical_neighbor_allreduce", name)
+    total = allreduce(tensor, op=Sum, is_hierarchical_local=True, name=name + ".machine_sum")
+    mixed = _run("hierarchical_neighbor_allreduce", lambda: _neighbor(total, a, name + ".exchange"))
+    shared = broadcast(mixed, 0, name=name + ".share", is_hierarchical_local=True)
+    return shared / tf.cast(basics.local_size(), shared.dtype)
+
+
+Sum, Average = _ops.Sum, _ops.Average
+
+
+# ---- gradients: the same formulas as shoal.torch (see bindings/torch/_ops.py) ----
+def _grad_name(op):
+    name = op.get_attr("op_name")
+    return (name.decode() if isinstance(name, bytes) else name) + ".grad"
+
+
+@tf.RegisterGradient("ShoalAllreduce")
+def _allreduce_grad(op, grad):
+    return _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=op.get_attr("reduce_op"),
+                                scope=op.get_attr("scope"))
+
+
+@tf.RegisterGradient("ShoalBroadcast")
+def _broadcast_grad(op, grad):
+    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=op.get_attr("scope"))
+    me = basics.local_rank() if op.get_attr("scope") else basics.rank()
+    return total if me == op.get_attr("root_rank") else tf.zeros_like(total)
+
+
+@tf.RegisterGradient("ShoalAllgather")
+def _allgather_grad(op, grad):
+    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=0)
+    rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
+    every = _lib.shoal_allgather(rows, op_name=_grad_name(op) + ".rows")
+    start = tf.reduce_sum(every[:basics.rank()])
+    return total[start:start + rows[0]]
+
+
+@tf.RegisterGradient("ShoalNeighborAllreduce")
+def _neighbor_grad(op, grad):
+    # Transposed mixing: receive from the forward destinations, send to the forward sources.
+    _, self_w, recv, recv_w, send, send_w = op.inputs
+    n = tf.size(recv)
+    uniform = op.get_attr("uniform")
+    k = tf.cast(n + 1, tf.float64)
+    sw = 1.0 / k if uniform else self_w
+    rw = tf.fill([n], 1.0 / k) if uniform else recv_w
+    dw = tf.cond(tf.size(send_w) > 0, lambda: send_w, lambda: tf.ones(tf.shape(send), tf.float64))
+    g = _lib.shoal_neighbor_allreduce(grad, sw, send, dw, recv, rw, op_name=_grad_name(op),
+                                      uniform=False, topo_check=False)
+    return [g, None, None, None, None, None]
+
+
+# ---- training helpers ----
+def broadcast_variables(variables, root_rank):
+    """Assign `root_rank`'s values to every variable (sorted by name), on every rank."""
+    for i, v in enumerate(sorted(variables, key=lambda v: v.name)):
+        v.assign(broadcast(v, root_rank, name=f"broadcast_variables.{i}.{v.name}"))
+
+
+def consensus_distance(variables, name="consensus_distance"):
+    """Ξ = sqrt((1/n) Σ_i ‖x_i − x̄‖²) over the given variables, in float64, as a float
+    (eager; collective). See `shoal.torch.consensus_distance`."""
+    x = np.concatenate([np.asarray(v.numpy(), dtype=np.float64).ravel() for v in variables])
+    mean = shoal.allreduce(x, name=name + ".mean")
+    return float(np.sqrt(shoal.allreduce(np.array(np.sum((x - mean) ** 2)), name=name + ".sq")))
+
+
+class DistributedGradientTape:
+    """Wraps a `tf.GradientTape`: `gradient()` returns gradients averaged over all ranks
+    (Horovod's DistributedGradientTape), or, with `communication="neighbor"`, averaged
+    with the in-neighbors of the current topology (decentralized gradient averaging).
+
+    Works eagerly and inside tf.function. `None` gradients stay None.
+    """
+
+    def __init__(self, tape, communication="allreduce", name="grad"):
+        if communication not in ("allreduce", "neighbor"):
+            raise ValueError("communication must be 'allreduce' or 'neighbor'")
+        self._tape, self._communication, self._name = tape, communication, name
+
+    def __getattr__(self, attr):
+        return getattr(self._tape, attr)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+    def gradient(self, target, sources, output_gradients=None):
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients)
+        flat = tf.nest.flatten(grads)
+        out = []
+        for i, g in enumerate(flat):
+            if g is None:
+                out.append(None)
+            elif isinstance(g, tf.IndexedSlices):
+                out.append(self._reduce(tf.convert_to_tensor(g), i))
+            else:
+                out.append(self._reduce(g, i))
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def _reduce(self, g, i):
+        name = f"{self._name}.{i}"
+        if self._communication == "allreduce":
+            return allreduce(g, name=name)
+        return neighbor_allreduce(g, name=name)

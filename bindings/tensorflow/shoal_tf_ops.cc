@@ -1,0 +1,191 @@
+// TensorFlow kernels for Shoal's ops: AsyncOpKernels over the C ABI of libshoal.so.
+// Compiled against the installed TensorFlow on first import (see _build.py), so a
+// TensorFlow upgrade gets a matching library instead of a crash.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "shoal/c_api.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace shoal_tf {
+using namespace tensorflow;
+
+int DtypeCode(DataType t) {
+  switch (t) {
+    case DT_HALF: return SHOAL_FLOAT16;
+    case DT_BFLOAT16: return SHOAL_BFLOAT16;
+    case DT_FLOAT: return SHOAL_FLOAT32;
+    case DT_DOUBLE: return SHOAL_FLOAT64;
+    case DT_INT8: return SHOAL_INT8;
+    case DT_UINT8: return SHOAL_UINT8;
+    case DT_INT16: return SHOAL_INT16;
+    case DT_INT32: return SHOAL_INT32;
+    case DT_INT64: return SHOAL_INT64;
+    case DT_BOOL: return SHOAL_BOOL;
+    default: return -1;
+  }
+}
+
+// Lives from enqueue until the core's completion callback.
+struct Pending {
+  OpKernelContext* ctx;
+  AsyncOpKernel::DoneCallback done;
+  Tensor input;  // keeps the input buffer alive
+  bool gather;
+  DataType dtype;
+};
+
+void OnComplete(int64_t handle, int status, const char* message, void* arg) {
+  Pending* p = static_cast<Pending*>(arg);
+  if (status == SHOAL_INVALID_ARGUMENT || status == SHOAL_DUPLICATE_NAME) {
+    p->ctx->SetStatus(errors::InvalidArgument(message));
+  } else if (status != SHOAL_OK) {
+    p->ctx->SetStatus(errors::Aborted("ShoalError: ", message));
+  } else if (p->gather) {
+    void* data = nullptr;
+    size_t nbytes = 0;
+    int32_t ndim = 0;
+    int64_t dims[32];
+    if (shoal_take_result(handle, &data, &nbytes, &ndim, dims) != SHOAL_OK) {
+      p->ctx->SetStatus(errors::Internal("Shoal: result of a gather is missing"));
+    } else {
+      TensorShape shape;
+      for (int i = 0; i < ndim; ++i) shape.AddDim(dims[i]);
+      Tensor* out = nullptr;
+      Status st = p->ctx->allocate_output(0, shape, &out);
+      if (st.ok() && nbytes) std::memcpy(out->data(), data, nbytes);
+      else if (!st.ok()) p->ctx->SetStatus(st);
+      shoal_free_buffer(data);
+    }
+  }
+  shoal_release(handle);
+  AsyncOpKernel::DoneCallback done = std::move(p->done);
+  delete p;
+  done();
+}
+
+std::vector<int32_t> Ranks(const Tensor& t) {
+  auto v = t.flat<int32>();
+  return std::vector<int32_t>(v.data(), v.data() + v.size());
+}
+
+std::vector<double> Weights(const Tensor& t) {
+  auto v = t.flat<double>();
+  return std::vector<double>(v.data(), v.data() + v.size());
+}
+
+class ShoalKernel : public AsyncOpKernel {
+ public:
+  explicit ShoalKernel(OpKernelConstruction* c, int op) : AsyncOpKernel(c), op_(op) {
+    OP_REQUIRES_OK(c, c->GetAttr("op_name", &name_));
+    if (c->HasAttr("reduce_op")) OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+    if (c->HasAttr("scope")) OP_REQUIRES_OK(c, c->GetAttr("scope", &scope_));
+    if (c->HasAttr("root_rank")) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
+    if (c->HasAttr("uniform")) OP_REQUIRES_OK(c, c->GetAttr("uniform", &uniform_));
+    if (c->HasAttr("topo_check")) OP_REQUIRES_OK(c, c->GetAttr("topo_check", &topo_check_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& in = ctx->input(0);
+    const int code = DtypeCode(in.dtype());
+    OP_REQUIRES_ASYNC(ctx, code >= 0, errors::InvalidArgument("Shoal: unsupported dtype ", DataTypeString(in.dtype())), done);
+    const bool gather = op_ == SHOAL_OP_ALLGATHER || op_ == SHOAL_OP_NEIGHBOR_ALLGATHER;
+    Tensor* out = nullptr;
+    if (!gather) OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
+    std::vector<int64_t> shape(in.dims());
+    for (int i = 0; i < in.dims(); ++i) shape[i] = in.dim_size(i);
+    std::vector<int32_t> recv, send;
+    std::vector<double> recv_w, send_w;
+    shoal_op_desc d{};
+    d.op = op_;
+    d.name = name_.c_str();
+    d.input.data = const_cast<void*>(static_cast<const void*>(in.tensor_data().data()));
+    d.input.dtype = code;
+    d.input.ndim = in.dims();
+    d.input.shape = shape.data();
+    d.output = d.input;
+    d.output.data = out ? const_cast<char*>(out->tensor_data().data()) : nullptr;
+    d.reduce_op = reduce_op_;
+    d.root_rank = root_;
+    d.scope = scope_;
+    d.uniform = uniform_;
+    d.topo_check = topo_check_;
+    if (op_ == SHOAL_OP_NEIGHBOR_ALLREDUCE) {
+      d.self_weight = ctx->input(1).scalar<double>()();
+      recv = Ranks(ctx->input(2));
+      recv_w = Weights(ctx->input(3));
+      send = Ranks(ctx->input(4));
+      send_w = Weights(ctx->input(5));
+    } else if (op_ == SHOAL_OP_NEIGHBOR_ALLGATHER) {
+      recv = Ranks(ctx->input(1));
+      send = Ranks(ctx->input(2));
+    }
+    d.n_recv = static_cast<int32_t>(recv.size());
+    d.recv_ranks = recv.data();
+    d.recv_weights = recv_w.empty() ? nullptr : recv_w.data();
+    d.n_send = static_cast<int32_t>(send.size());
+    d.send_ranks = send.data();
+    d.send_weights = send_w.empty() ? nullptr : send_w.data();
+    auto* p = new Pending{ctx, done, in, gather, in.dtype()};
+    char err[2048];
+    int64_t handle = 0;
+    int rc = shoal_enqueue_with_callback(&d, OnComplete, p, &handle, err, sizeof err);
+    if (rc != SHOAL_OK) {  // the callback will not run
+      delete p;
+      ctx->SetStatus(errors::InvalidArgument(err));
+      done();
+    }
+  }
+
+ private:
+  int op_;
+  std::string name_;
+  int reduce_op_ = 0, scope_ = 0, root_ = 0;
+  bool uniform_ = true, topo_check_ = false;
+};
+
+#define SHOAL_KERNEL(Kind, code)                                                      \
+  class Kind##Op : public ShoalKernel {                                               \
+   public:                                                                            \
+    explicit Kind##Op(OpKernelConstruction* c) : ShoalKernel(c, code) {}              \
+  };                                                                                  \
+  REGISTER_KERNEL_BUILDER(Name("Shoal" #Kind).Device(DEVICE_CPU), Kind##Op);
+
+SHOAL_KERNEL(Allreduce, SHOAL_OP_ALLREDUCE)
+SHOAL_KERNEL(Broadcast, SHOAL_OP_BROADCAST)
+SHOAL_KERNEL(Allgather, SHOAL_OP_ALLGATHER)
+SHOAL_KERNEL(NeighborAllreduce, SHOAL_OP_NEIGHBOR_ALLREDUCE)
+SHOAL_KERNEL(NeighborAllgather, SHOAL_OP_NEIGHBOR_ALLGATHER)
+
+#define SHOAL_TYPES "T: {half, bfloat16, float, double, int8, uint8, int16, int32, int64, bool}"
+
+Status SameShape(shape_inference::InferenceContext* c) {
+  c->set_output(0, c->input(0));
+  return OkStatus();
+}
+
+Status GatherShape(shape_inference::InferenceContext* c) {
+  shape_inference::ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), 0, c->UnknownDim(), &out));
+  c->set_output(0, out);
+  return OkStatus();
+}
+
+REGISTER_OP("ShoalAllreduce").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
+    .Attr("scope: int = 0").Input("tensor: T").Output("sum: T").SetShapeFn(SameShape);
+REGISTER_OP("ShoalBroadcast").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("root_rank: int")
+    .Attr("scope: int = 0").Input("tensor: T").Output("output: T").SetShapeFn(SameShape);
+REGISTER_OP("ShoalAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Input("tensor: T")
+    .Output("output: T").SetShapeFn(GatherShape);
+REGISTER_OP("ShoalNeighborAllreduce").Attr(SHOAL_TYPES).Attr("op_name: string")
+    .Attr("uniform: bool").Attr("topo_check: bool").Input("tensor: T").Input("self_weight: double")
+    .Input("recv_ranks: int32").Input("recv_weights: double").Input("send_ranks: int32")
+    .Input("send_weights: double").Output("output: T").SetShapeFn(SameShape);
+REGISTER_OP("ShoalNeighborAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("topo_check: bool")
+    .Input("tensor: T").Input("recv_ranks: int32").Input("send_ranks: int32").Output("output: T")
+    .SetShapeFn(GatherShape);
+
+}  // namespace shoal_tf
