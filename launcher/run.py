@@ -4,17 +4,27 @@
     shoalrun -np 8 -H a:4,b:4 -x NCCL_DEBUG --log-level debug python train.py
     shoalrun --check-build
 
-Flags map onto the MPI launcher (MPICH's Hydra or Open MPI's mpirun), environment
-variables SHOAL_* are forwarded, OMP_NUM_THREADS is set to cores // ranks when ranks
-outnumber cores and the user set none. If any rank fails, the launcher stops the
-others and shoalrun exits non-zero.
+Flags map onto the MPI launcher (MPICH's Hydra or Open MPI's mpirun). Hosts come from
+-H, --hostfile, or a Slurm allocation (SLURM_JOB_NODELIST); remote hosts are checked for
+ssh reachability first. The ranks get this environment except the deny-list below
+(SHOAL_* settings from flags included); OMP_NUM_THREADS is set to cores // ranks when
+ranks outnumber cores and the user set none. If any rank fails, the MPI launcher stops
+the others and shoalrun exits non-zero, naming the rank that failed first and how.
 """
 import argparse
+import fnmatch
 import importlib.metadata
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+
+# Never forwarded to the ranks: per-shell state, the terminal's session, GPU binding
+# (decided per rank), and anything that looks like a secret.
+DENY = ["HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "PS1", "BASH_FUNC_*", "SSH_*", "DISPLAY",
+        "XAUTHORITY", "CUDA_VISIBLE_DEVICES", "*SECRET*", "*TOKEN*", "*PASSWORD*", "*_KEY"]
 
 
 def _build_info():
@@ -60,6 +70,7 @@ def parse_args(argv):
     p.add_argument("--check-build", action="store_true",
                    help="print the MPI, bindings and GPU support of this build, then exit")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
+    p.add_argument("--verbose", action="store_true", help="print the exact mpiexec command before running")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if not args.check_build:
@@ -70,9 +81,16 @@ def parse_args(argv):
     return args
 
 
+def denied(key):
+    return any(fnmatch.fnmatchcase(key, pat) for pat in DENY)
+
+
 def worker_env(args, base=None):
-    """Environment of the ranks: base plus SHOAL_* settings from flags, -x VAR=value."""
-    env = dict(os.environ if base is None else base)
+    """Environment of the ranks: base minus DENY, plus SHOAL_* settings from flags and
+    -x VAR[=value] (an explicit -x VAR overrides the deny-list)."""
+    base = dict(os.environ if base is None else base)
+    explicit = {item.partition("=")[0] for item in args.env}
+    env = {k: v for k, v in base.items() if not denied(k) or k in explicit}
     if args.log_level:
         env["SHOAL_LOG_LEVEL"] = args.log_level
     if args.timeline_filename:
@@ -88,6 +106,60 @@ def worker_env(args, base=None):
         forwarded.append(key)
     forwarded += [k for k in env if k.startswith("SHOAL_") or k == "OMP_NUM_THREADS"]
     return env, sorted(set(forwarded))
+
+
+def slurm_hosts(env=os.environ):
+    """'host:slots,...' of a Slurm allocation, or None outside one."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               check=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        if "[" in nodelist:
+            sys.exit(f"shoalrun: cannot expand SLURM_JOB_NODELIST={nodelist} without scontrol; pass -H")
+        hosts = nodelist.split(",")
+    per = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    if not per.isdigit():
+        per = str(max(1, int(env.get("SLURM_NTASKS", len(hosts))) // len(hosts)))
+    return ",".join(f"{h}:{per}" for h in hosts)
+
+
+def host_names(args):
+    names = []
+    if args.hosts:
+        names += [h.split(":")[0] for h in args.hosts.split(",") if h]
+    if args.hostfile:
+        with open(args.hostfile) as f:
+            names += [line.split()[0].split(":")[0] for line in f if line.strip() and not line.startswith("#")]
+    return names
+
+
+def check_ssh(hosts):
+    """Exit with a clear message if a remote host cannot be reached with ssh."""
+    local = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+    for host in dict.fromkeys(hosts):
+        if host in local:
+            continue
+        res = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(f"shoalrun: cannot reach host {host} with ssh (non-interactive): "
+                     f"{res.stderr.strip() or 'exit status %d' % res.returncode}")
+
+
+def first_failure(status_dir):
+    """'rank R exited with status S' (or killed by a signal) of the earliest failed rank."""
+    rows = []
+    for name in os.listdir(status_dir):
+        with open(os.path.join(status_dir, name)) as f:
+            t, rank, _status, what = f.read().strip().split(" ", 3)
+            rows.append((float(t), int(rank), what))
+    if not rows:
+        return None
+    _, rank, what = min(rows)
+    return f"rank {rank} {what}"
 
 
 def build_command(args, mpiexec, flavor, env, forwarded):
@@ -116,6 +188,10 @@ def build_command(args, mpiexec, flavor, env, forwarded):
     return cmd + args.command
 
 
+def wrap(command, status_dir):
+    return [sys.executable, "-m", "shoal.launcher.rank", status_dir, *command]
+
+
 def check_build():
     from shoal._loader import MPI_LIBRARY, _core
     info = _build_info()
@@ -141,22 +217,34 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.check_build:
         return check_build()
+    if not args.hosts and not args.hostfile:
+        args.hosts = slurm_hosts()
+    check_ssh(host_names(args))
     mpiexec = find_mpiexec()
     env, forwarded = worker_env(args)
-    cmd = build_command(args, mpiexec, mpi_flavor(mpiexec), env, forwarded)
-    if args.dry_run:
-        print(" ".join(cmd))
-        return 0
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
+    with tempfile.TemporaryDirectory(prefix="shoalrun-") as status_dir:
+        args.command = wrap(args.command, status_dir)
+        cmd = build_command(args, mpiexec, mpi_flavor(mpiexec), env, forwarded)
+        if args.dry_run or args.verbose:
+            print(" ".join(cmd), flush=True)
+            if args.dry_run:
+                return 0
+        proc = subprocess.Popen(cmd, env=env)
         try:
-            return proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return 130
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            try:
+                rc = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = 130
+        failed = first_failure(status_dir)
+        if rc != 0:
+            print(f"shoalrun: job failed (exit status {rc})" + (f"; first failure: {failed}" if failed else ""),
+                  file=sys.stderr, flush=True)
+            return rc
+        return 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ exponential-2 graph; the topology is a weighted `networkx.DiGraph` where edge iâ
 weight w means rank j weights rank i's value by w.
 """
 import atexit
+import contextlib
 import hashlib
 import sys
 import threading
@@ -266,6 +267,27 @@ def reset_stats():
     _core.reset_stats()
 
 
+def timeline_start_activity(tensor_name, activity_name):
+    """Start a user activity span named `activity_name` on the timeline track of
+    `tensor_name` (SHOAL_TIMELINE). Returns False (and does nothing) when the timeline is off."""
+    return _core.timeline_start_activity(str(tensor_name), str(activity_name))
+
+
+def timeline_end_activity(tensor_name):
+    """End the innermost activity on `tensor_name`'s track. False when the timeline is off."""
+    return _core.timeline_end_activity(str(tensor_name))
+
+
+@contextlib.contextmanager
+def timeline_context(tensor_name, activity_name):
+    """`with timeline_context("model", "FORWARD"): ...` records the block as an activity."""
+    timeline_start_activity(tensor_name, activity_name)
+    try:
+        yield
+    finally:
+        timeline_end_activity(tensor_name)
+
+
 def mpi_library_version():
     return _core.mpi_library_version()
 
@@ -275,5 +297,6 @@ __all__ = ["ShoalError", "init", "shutdown", "is_initialized", "rank", "size", "
            "mpi_threads_supported", "set_topology", "load_topology", "is_topo_weighted",
            "in_neighbor_ranks", "out_neighbor_ranks", "set_machine_topology",
            "load_machine_topology", "is_machine_topo_weighted", "in_neighbor_machine_ranks",
-           "out_neighbor_machine_ranks", "stats", "reset_stats",
+           "out_neighbor_machine_ranks", "stats", "reset_stats", "timeline_start_activity",
+           "timeline_end_activity", "timeline_context",
            "mpi_library_version"]

@@ -156,4 +156,8 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("reset_stats", &shoal_reset_stats);
+  m.def("timeline_start_activity", [](const std::string& t, const std::string& a) {
+    return shoal_timeline_start_activity(t.c_str(), a.c_str()) == 1;
+  });
+  m.def("timeline_end_activity", [](const std::string& t) { return shoal_timeline_end_activity(t.c_str()) == 1; });
 }

@@ -18,10 +18,11 @@ communication, so a dynamic schedule just sets them before `step()`/forward.
 import contextlib
 import enum
 import itertools
+import os
 
 import torch
 
-from shoal import _hierarchical, _ops
+from shoal import _hierarchical, _ops, basics
 
 from ._adapter import ADAPTER
 from .consensus import ConsensusControl, consensus_distance
@@ -68,6 +69,15 @@ class _Distributed(torch.optim.Optimizer):
         self._prefix = f"opt{next(_instances)}"
         self._handles = {}
         self._hooks = []
+        if os.environ.get("SHOAL_TIMELINE"):  # framework events on the "model" track
+            def begin(*_):
+                basics.timeline_start_activity("model", "FORWARD")
+
+            def end(*_):
+                basics.timeline_end_activity("model")
+            for m in self._modules:
+                self._hooks.append(m.register_forward_pre_hook(begin))
+                self._hooks.append(m.register_forward_hook(end))
 
     # Delegated (not copied), also after the wrapped optimizer's load_state_dict replaces them.
     def _delegated(field):

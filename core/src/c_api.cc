@@ -145,6 +145,20 @@ int shoal_release(int64_t handle) {
   return rt && rt->Release(handle) ? SHOAL_OK : SHOAL_UNKNOWN_HANDLE;
 }
 
+int shoal_timeline_start_activity(const char* tensor_name, const char* activity) {
+  auto rt = Current();
+  if (!rt || !rt->timeline().enabled()) return 0;
+  rt->timeline().Begin(tensor_name, activity);
+  return 1;
+}
+
+int shoal_timeline_end_activity(const char* tensor_name) {
+  auto rt = Current();
+  if (!rt || !rt->timeline().enabled()) return 0;
+  rt->timeline().End(tensor_name);
+  return 1;
+}
+
 int shoal_stats(char* buf, size_t len) {
   auto rt = Current();
   if (!rt) return Report(NotInitialized(), buf, len);

@@ -49,6 +49,7 @@ Config Config::FromEnvironment() {
   c.stall_shutdown_time = EnvDouble("SHOAL_STALL_SHUTDOWN_TIME", c.stall_shutdown_time);
   c.ranks_per_machine = static_cast<int>(EnvDouble("SHOAL_RANKS_PER_MACHINE", 0));
   if (const char* v = Env("SHOAL_LOG_LEVEL")) c.log_level = ParseLogLevel(v);
+  if (const char* v = Env("SHOAL_TIMELINE")) c.timeline = v;
   return c;
 }
 
@@ -58,7 +59,7 @@ std::string Config::ToString() const {
     << " SHOAL_STALL_CHECK_TIME=" << stall_check_time
     << " SHOAL_STALL_SHUTDOWN_TIME=" << stall_shutdown_time
     << " SHOAL_RANKS_PER_MACHINE=" << ranks_per_machine
-    << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level];
+    << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level] << " SHOAL_TIMELINE=" << timeline;
   return s.str();
 }
 

@@ -14,6 +14,7 @@ struct Config {
   double stall_shutdown_time = 0;      // SHOAL_STALL_SHUTDOWN_TIME, seconds; 0 = warn only
   int ranks_per_machine = 0;           // SHOAL_RANKS_PER_MACHINE; 0 = one machine per host
   int log_level = LOG_WARNING;         // SHOAL_LOG_LEVEL
+  std::string timeline;                // SHOAL_TIMELINE: per-rank trace prefix; "" = off
 
   static Config FromEnvironment();  // throws std::invalid_argument on a malformed value
   std::string ToString() const;

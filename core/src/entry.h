@@ -34,6 +34,9 @@ struct Entry {
   int64_t step = 0;  // how many ops of this name this rank ran before (neighbor message matching)
 
   Clock::time_point enqueued = Clock::now();
+  // Phase boundaries for the timeline (unset: time_point{}).
+  Clock::time_point t_negotiated, t_copy_start, t_copy_end, t_comm_start, t_comm_end, t_peers_ready,
+      t_reduce_start, t_reduce_end;
   bool stall_warned = false;
   // Completion (guarded by the runtime's handle mutex).
   bool done = false;

@@ -14,7 +14,9 @@ constexpr uint32_t kMagic = 0x5348414cu;  // "SHAL"
 
 void NeighborExchange::Start(const std::vector<EntryPtr>& ready) {
   std::map<int, std::vector<std::pair<EntryPtr, double>>> out;
+  const auto now = Clock::now();
   for (auto& e : ready) {
+    e->t_comm_start = now;
     for (size_t k = 0; k < e->send_ranks.size(); ++k)
       out[e->send_ranks[k]].push_back({e, e->send_weights.empty() ? 1.0 : e->send_weights[k]});
     waiting_.push_back(e);
@@ -45,11 +47,13 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
     size_t at = msg->size();
     msg->resize(at + payload);
     for (size_t k = i; k < j; ++k) {
-      const Entry& e = *items[k].first;
+      Entry& e = *items[k].first;
+      if (e.t_copy_start == Clock::time_point{}) e.t_copy_start = Clock::now();
       char* dstp = msg->data() + at;
       if (items[k].second == 1.0 || e.sig.op != SHOAL_OP_NEIGHBOR_ALLREDUCE) std::memcpy(dstp, e.input.data, e.nbytes());
       else Scale(e.input.data, dstp, e.sig.dtype, e.count(), items[k].second);
       at += e.nbytes();
+      e.t_copy_end = Clock::now();
     }
     if (j - i > 1) ++stats_->fused_batches;
     stats_->bytes_sent += msg->size();
@@ -95,6 +99,7 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
       return s != stash_.end() && !s->second.empty();
     });
     if (!all) { ++it; continue; }
+    e.t_peers_ready = Clock::now();
     std::vector<Piece> got;
     for (int src : e.recv_ranks) {
       auto s = stash_.find({src, e.name});
@@ -125,8 +130,10 @@ Status NeighborExchange::Finish(Entry& e, std::vector<Piece>& got) {
   if (e.sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE) {
     std::vector<const void*> srcs;
     for (size_t k = 0; k < got.size(); ++k) srcs.push_back(data(k));
+    e.t_reduce_start = Clock::now();
     Combine(e.input.data, srcs, e.output.data, e.sig.dtype, e.count(), e.uniform, e.self_weight,
             e.recv_weights);
+    e.t_reduce_end = Clock::now();
     return Status::Ok();
   }
   // neighbor_allgather: concatenate along dim 0 in receive order.

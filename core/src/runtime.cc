@@ -45,6 +45,10 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
     : cfg_(cfg), backend_(std::move(backend)),
       neighbors_(backend_.get(), cfg.fusion_threshold, &stats_) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold);
+  if (!cfg_.timeline.empty()) {
+    std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
+    if (!timeline_.Open(path, world().rank)) Log(LOG_ERROR, "cannot write the timeline " + path);
+  }
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -56,6 +60,7 @@ void Runtime::Stop() {
   work_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   FailAll("Shoal was shut down before the op completed");
+  timeline_.Close();
 }
 
 double Runtime::Now() const {
@@ -192,8 +197,26 @@ void Runtime::Finish(const EntryPtr& e, const Status& st) {
     e->status = st;
     in_flight_names_.erase(e->name);
   }
+  auto t_callback = Clock::now();
   done_cv_.notify_all();
   if (e->callback) e->callback(e->handle, st.code, st.message.c_str(), e->callback_arg);
+  if (timeline_.enabled()) Trace(*e, st, t_callback);
+}
+
+void Runtime::Trace(const Entry& e, const Status& st, Clock::time_point t_callback) {
+  const Clock::time_point unset{}, now = Clock::now();
+  std::string args = "\"bytes\": " + std::to_string(e.nbytes());
+  if (!st.ok()) args += ", \"error\": \"" + JsonEscape(st.message) + "\"";
+  timeline_.Span(e.name, OpName(e.sig.op), e.enqueued, now, args);
+  auto span = [&](const char* phase, Clock::time_point a, Clock::time_point b) {
+    if (a != unset && b != unset) timeline_.Span(e.name, phase, a, b);
+  };
+  span("NEGOTIATE", e.t_negotiated != unset ? e.enqueued : unset, e.t_negotiated);
+  span("FUSION_COPY", e.t_copy_start, e.t_copy_end);
+  const bool neighbor = e.sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e.sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  span(neighbor ? "WAIT_FOR_PEERS" : "COMMUNICATE", e.t_comm_start, neighbor ? e.t_peers_ready : e.t_comm_end);
+  span("REDUCE", e.t_reduce_start, e.t_reduce_end);
+  span("CALLBACK", t_callback, now);
 }
 
 void Runtime::FailAll(const std::string& why) {
@@ -310,6 +333,10 @@ bool Runtime::Cycle() {
   }
   progressed |= backend_->Progress();
   CheckStalls();
+  if (timeline_.enabled() && Clock::now() - last_flush_ > std::chrono::milliseconds(100)) {
+    timeline_.Flush();  // keep the file readable while the job runs
+    last_flush_ = Clock::now();
+  }
   return progressed;
 }
 
@@ -331,10 +358,12 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
 
 void Runtime::Apply(const Response& r) {
   std::vector<EntryPtr> batch;
+  const auto now = Clock::now();
   for (auto& name : r.names) {
     stall_warned_.erase(name);
     auto it = awaiting_response_.find(name);
     if (it == awaiting_response_.end()) continue;  // e.g. an abort for an op this rank never sent
+    it->second->t_negotiated = now;
     batch.push_back(it->second);
     awaiting_response_.erase(it);
   }
@@ -360,8 +389,12 @@ void Runtime::Apply(const Response& r) {
 void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   const WorldInfo& w = world();
   ++stats_.global_collectives;
+  const auto t0 = Clock::now();
+  for (auto& e : batch) e->t_comm_start = t0;
+  // Completion of the communication itself (the timeline's COMMUNICATE phase).
+  auto communicated = [](const EntryPtr& e) { e->t_comm_end = Clock::now(); };
   if (r.op == SHOAL_OP_BARRIER) {
-    backend_->Barrier([this, e = batch[0]](const Status& st) { Finish(e, st); });
+    backend_->Barrier([this, communicated, e = batch[0]](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
   if (r.op == SHOAL_OP_BROADCAST) {
@@ -370,7 +403,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
       std::memcpy(e->output.data, e->input.data, e->nbytes());
     if (e->count() == 0) return Finish(e, Status::Ok());
     backend_->Broadcast(e->output.data, e->count(), e->sig.dtype, e->sig.root_rank, e->sig.scope,
-                        [this, e](const Status& st) { Finish(e, st); });
+                        [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
   if (r.op == SHOAL_OP_ALLGATHER) {
@@ -389,7 +422,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
     if (e->result_nbytes == 0) return Finish(e, Status::Ok());
     backend_->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype,
-                         [this, e](const Status& st) { Finish(e, st); });
+                         [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
   // Allreduce: a batch (fused when > 1 or half precision) reduced in one call.
@@ -406,8 +439,11 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   if (batch.size() == 1 && !IsHalf(dtype)) {
     EntryPtr e = batch[0];
     if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
-    backend_->Allreduce(e->output.data, e->count(), dtype, scope, [this, e, average, n](const Status& st) {
+    backend_->Allreduce(e->output.data, e->count(), dtype, scope, [this, communicated, e, average, n](const Status& st) {
+      communicated(e);
+      e->t_reduce_start = Clock::now();
       if (st.ok() && average) Divide(e->output.data, e->output.data, e->sig.dtype, e->count(), n);
+      e->t_reduce_end = Clock::now();
       Finish(e, st);
     });
     return;
@@ -418,14 +454,18 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   auto fused = std::make_shared<ByteVec>(total * wsize);
   size_t off = 0;
   for (auto& e : batch) {
+    e->t_copy_start = Clock::now();
     if (IsHalf(dtype)) WidenToFloat32(e->input.data, dtype, reinterpret_cast<float*>(fused->data() + off), e->count());
     else std::memcpy(fused->data() + off, e->input.data, e->nbytes());
     off += e->count() * wsize;
+    e->t_copy_end = Clock::now();
   }
   if (batch.size() > 1) ++stats_.fused_batches;
-  backend_->Allreduce(fused->data(), total, wire, scope, [this, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
+  backend_->Allreduce(fused->data(), total, wire, scope, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
     size_t at = 0;
     for (auto& e : batch) {
+      communicated(e);
+      e->t_reduce_start = Clock::now();
       if (st.ok()) {
         char* p = fused->data() + at;
         if (average) Divide(p, p, wire, e->count(), n);
@@ -433,6 +473,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
         else std::memcpy(e->output.data, p, e->nbytes());
       }
       at += e->count() * wsize;
+      e->t_reduce_end = Clock::now();
       Finish(e, st);
     }
   });

@@ -23,6 +23,7 @@
 #include "entry.h"
 #include "neighbor.h"
 #include "stats.h"
+#include "timeline.h"
 
 namespace shoal {
 
@@ -36,6 +37,7 @@ class Runtime {
   const WorldInfo& world() const { return backend_->world(); }
   const Config& config() const { return cfg_; }
   Stats& stats() { return stats_; }
+  Timeline& timeline() { return timeline_; }
 
   // Validates and queues; throws ArgumentError for bad arguments.
   int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
@@ -51,6 +53,7 @@ class Runtime {
   void Apply(const Response& r);
   void RunCollective(const Response& r, std::vector<EntryPtr> batch);
   void Finish(const EntryPtr& e, const Status& st);
+  void Trace(const Entry& e, const Status& st, Clock::time_point t_callback);
   void CheckStalls();
   void FailAll(const std::string& why);
   double Now() const;
@@ -58,6 +61,8 @@ class Runtime {
   Config cfg_;
   std::unique_ptr<Backend> backend_;
   Stats stats_;
+  Timeline timeline_;
+  Clock::time_point last_flush_ = Clock::now();
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
   NeighborExchange neighbors_;
 

@@ -120,6 +120,11 @@ int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim
 void shoal_free_buffer(void* data);
 int shoal_release(int64_t handle);
 
+/* User activities on the timeline (SHOAL_TIMELINE): a span named `activity` on the
+ * track of `tensor_name`. Return 1 when the timeline is on, 0 otherwise. */
+int shoal_timeline_start_activity(const char* tensor_name, const char* activity);
+int shoal_timeline_end_activity(const char* tensor_name);
+
 /* Counters as "key=value" lines. */
 int shoal_stats(char* buf, size_t len);
 void shoal_reset_stats(void);
