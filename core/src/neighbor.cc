@@ -163,6 +163,22 @@ std::vector<std::pair<EntryPtr, std::vector<int>>> NeighborExchange::Waiting() c
   return out;
 }
 
+std::vector<std::pair<int, std::string>> NeighborExchange::Unmatched(Clock::time_point now, double age) {
+  std::vector<std::pair<int, std::string>> out;
+  for (auto& kv : stash_) {
+    Piece& head = kv.second.front();
+    if (head.reported || std::chrono::duration<double>(now - head.arrived).count() < age) continue;
+    bool wanted = std::any_of(waiting_.begin(), waiting_.end(), [&](const EntryPtr& e) {
+      return e->name == kv.first.second &&
+             std::find(e->recv_ranks.begin(), e->recv_ranks.end(), kv.first.first) != e->recv_ranks.end();
+    });
+    if (wanted) continue;
+    head.reported = true;
+    out.push_back(kv.first);
+  }
+  return out;
+}
+
 void NeighborExchange::Drop(const EntryPtr& e) {
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), e), waiting_.end());
 }

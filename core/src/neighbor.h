@@ -41,6 +41,9 @@ class NeighborExchange {
   void Drop(const EntryPtr& e);
   std::vector<EntryPtr> TakeAll();
   bool Idle() const { return waiting_.empty(); }
+  // (source, name) of stashed pieces older than `age` s that no waiting entry wants,
+  // each reported once.
+  std::vector<std::pair<int, std::string>> Unmatched(Clock::time_point now, double age);
 
  private:
   struct Piece {
@@ -49,6 +52,8 @@ class NeighborExchange {
     size_t nbytes = 0;
     int64_t step = 0;
     Signature sig;
+    Clock::time_point arrived = Clock::now();
+    bool reported = false;
   };
   Status Finish(Entry& e, std::vector<Piece>& got);
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);

@@ -518,17 +518,14 @@ void Runtime::CheckStalls() {
       Log(LOG_WARNING, "stall: " + what);
     }
   }
-  // Non-coordinators: a coordinator that never answers (dead rank 0) must not hang us.
-  if (!coordinator_ && kill > 0) {
-    std::vector<EntryPtr> late;
-    for (auto& kv : awaiting_response_)
-      if (std::chrono::duration<double>(now_tp - kv.second->enqueued).count() > kill + 5) late.push_back(kv.second);
-    for (auto& e : late) {
-      awaiting_response_.erase(e->name);
-      Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name +
-                                                 "': no answer from the coordinator (rank 0) within SHOAL_STALL_SHUTDOWN_TIME + 5 s"));
-    }
-  }
+  // Ops waiting for the coordinator are not given up locally: a coordinator that never
+  // answers is a dead (or stopped) rank 0, which the launcher handles; giving up here
+  // would make this rank skip a collective that the others then run.
+  // Neighbor data that nobody here wants: the senders' lists disagree with ours.
+  for (auto& w : neighbors_.Unmatched(now_tp, warn))
+    Log(LOG_WARNING, "rank " + std::to_string(w.first) + " sent '" + w.second +
+                         "' to this rank, which has not used it for " + std::to_string(static_cast<int>(warn)) +
+                         " s (send and receive lists disagree?)");
 }
 
 }  // namespace shoal
