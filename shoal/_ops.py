@@ -189,17 +189,21 @@ def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weight
         adapter, tensor, name, **neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check))
 
 
-def neighbor_allgather_nonblocking(adapter, tensor, src_ranks=None, dst_ranks=None,
-                                   enable_topo_check=True, name=None):
-    """See `shoal.neighbor_allgather` for the semantics."""
+def neighbor_allgather_args(src_ranks=None, dst_ranks=None, enable_topo_check=True):
+    """(recv_ranks, send_ranks, topo_check) of a neighbor_allgather: the static topology's
+    neighbors, or the given lists (dynamic mode, checked if asked)."""
     if (src_ranks is None) != (dst_ranks is None):
         raise ValueError("neighbor_allgather: give both src_ranks and dst_ranks, or neither")
     if src_ranks is None:
         plan, _ = basics._static_plan()
-        recv, send, check = plan["recv"], plan["send"], False
-    else:
-        recv, send = _rank_list(src_ranks, "src_ranks"), _rank_list(dst_ranks, "dst_ranks")
-        check = bool(enable_topo_check)
+        return plan["recv"], plan["send"], False
+    return _rank_list(src_ranks, "src_ranks"), _rank_list(dst_ranks, "dst_ranks"), bool(enable_topo_check)
+
+
+def neighbor_allgather_nonblocking(adapter, tensor, src_ranks=None, dst_ranks=None,
+                                   enable_topo_check=True, name=None):
+    """See `shoal.neighbor_allgather` for the semantics."""
+    recv, send, check = neighbor_allgather_args(src_ranks, dst_ranks, enable_topo_check)
     return _submit_gather(NEIGHBOR_ALLGATHER, name, adapter, tensor, recv_ranks=recv,
                           send_ranks=send, topo_check=check)
 

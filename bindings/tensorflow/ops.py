@@ -93,13 +93,7 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
 
 def neighbor_allgather(tensor, src_ranks=None, dst_ranks=None, enable_topo_check=True, name=None):
     """In-neighbors' tensors concatenated along dim 0; semantics of `shoal.neighbor_allgather`."""
-    if (src_ranks is None) != (dst_ranks is None):
-        raise ValueError("neighbor_allgather: give both src_ranks and dst_ranks, or neither")
-    if src_ranks is None:
-        plan, _ = basics._static_plan()
-        recv, send, check = plan["recv"], plan["send"], False
-    else:
-        recv, send, check = list(src_ranks), list(dst_ranks), bool(enable_topo_check)
+    recv, send, check = _ops.neighbor_allgather_args(src_ranks, dst_ranks, enable_topo_check)
     return _run("neighbor_allgather", lambda: _lib.shoal_neighbor_allgather(
         tf.convert_to_tensor(tensor), tf.constant(recv, tf.int32), tf.constant(send, tf.int32),
         op_name=_name("neighbor_allgather", name), topo_check=check))

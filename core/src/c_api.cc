@@ -92,17 +92,6 @@ void shoal_mpi_library_version(char* buf, size_t len) {
   Report(Status::Error(0, shoal::MpiLibraryVersion()), buf, len);
 }
 
-int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t len) {
-  auto rt = Current();
-  if (!rt) return Report(NotInitialized(), err, len);
-  try {
-    *handle = rt->Enqueue(*desc);
-  } catch (const shoal::ArgumentError& ex) {
-    return Report(Status::Error(ex.code, ex.what()), err, len);
-  }
-  return SHOAL_OK;
-}
-
 int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callback, void* arg,
                                 int64_t* handle, char* err, size_t len) {
   auto rt = Current();
@@ -113,6 +102,10 @@ int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callba
     return Report(Status::Error(ex.code, ex.what()), err, len);
   }
   return SHOAL_OK;
+}
+
+int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t len) {
+  return shoal_enqueue_with_callback(desc, nullptr, nullptr, handle, err, len);
 }
 
 int shoal_poll(int64_t handle) {
