@@ -189,7 +189,10 @@ def build_command(args, mpiexec, flavor, env, forwarded):
 
 
 def wrap(command, status_dir):
-    return [sys.executable, "-m", "shoal.launcher.rank", status_dir, *command]
+    # By path, not "-m": "-m" would put the working directory (maybe a checkout) first on
+    # the import path of the wrapper. rank.py needs only the standard library.
+    return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py"),
+            status_dir, *command]
 
 
 def check_build():
@@ -208,7 +211,12 @@ def check_build():
     except ImportError as exc:
         print(f"torch binding: not usable ({exc})")
         cuda = False
-    print("tensorflow binding: not built in this version")
+    try:
+        import tensorflow as tf
+        import shoal.tensorflow  # noqa: F401  (builds its kernels on first use)
+        print(f"tensorflow binding: usable (tensorflow {tf.__version__})")
+    except ImportError as exc:
+        print(f"tensorflow binding: not usable ({str(exc).splitlines()[0]})")
     print(f"CUDA: {'available' if cuda else 'not available'}; NCCL backend: not built")
     return 0
 

@@ -5,17 +5,24 @@ graph (`shoal.topology`) instead of a global allreduce. This module is the
 framework-neutral API over numpy arrays (and any buffer-protocol object); `shoal.torch`
 offers the same names for torch tensors. Names and semantics follow BlueFog.
 """
-from . import topology
-from ._infer import InferDestinationFromSourceRanks, InferSourceFromDestinationRanks
-from ._api import build_api
-from ._numpy import ADAPTER as _ADAPTER
-from ._ops import Average, Sum, ReduceOp
-from .basics import *  # noqa: F401,F403
-from .basics import __all__ as _basics_all
+import os as _os
 
-globals().update(build_api(_ADAPTER))
+from . import _checkout
 
-__version__ = "0.1.0"
-__all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + ["Sum", "Average", "ReduceOp", "topology",
-                                                         "InferSourceFromDestinationRanks",
-                                                         "InferDestinationFromSourceRanks"]
+if _checkout.unbuilt(_os.path.dirname(__file__)) and _checkout.load_installed(__name__, _os.path.dirname(__file__)):
+    pass  # unbuilt sources of a checkout: the installed package has replaced this module
+else:
+    from . import topology
+    from ._infer import InferDestinationFromSourceRanks, InferSourceFromDestinationRanks
+    from ._api import build_api
+    from ._numpy import ADAPTER as _ADAPTER
+    from ._ops import Average, Sum, ReduceOp
+    from .basics import *  # noqa: F401,F403
+    from .basics import __all__ as _basics_all
+
+    globals().update(build_api(_ADAPTER))
+
+    __version__ = "0.1.0"
+    __all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + [
+        "Sum", "Average", "ReduceOp", "topology", "InferSourceFromDestinationRanks",
+        "InferDestinationFromSourceRanks"]

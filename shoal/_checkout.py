@@ -1,0 +1,28 @@
+"""Running Python from a source checkout puts its unbuilt `shoal/` folder ahead of the
+installed package on the import path (`python -c ...`, `python -m ...` in the checkout
+root). This finds the installed copy so `shoal/__init__.py` can hand over to it."""
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+
+def unbuilt(package_dir):
+    return not os.path.exists(os.path.join(package_dir, "_build_info.py"))
+
+
+def load_installed(name, package_dir):
+    """The installed package module (executed and registered in sys.modules), or None."""
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    installed = os.path.realpath(str(dist.locate_file(name)))
+    if installed == os.path.realpath(package_dir) or unbuilt(installed):
+        return None
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(installed, "__init__.py"), submodule_search_locations=[installed])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before executing: its submodules import "shoal.*"
+    spec.loader.exec_module(module)
+    return module
