@@ -115,8 +115,10 @@ def evaluate(model, x, y):
 
 
 def run_name(args, n):
-    parts = [f"{n}ranks", args.optimizer, args.topology + (str(args.base_k) if args.topology == "base-k" else ""),
-             args.partition + (f"{args.alpha:g}" if args.partition == "dirichlet" else "")]
+    parts = [f"{n}ranks", args.optimizer]
+    if args.optimizer != "gradient-allreduce":  # the topology plays no part there
+        parts.append(args.topology + (str(args.base_k) if args.topology == "base-k" else ""))
+    parts += [args.partition + (f"{args.alpha:g}" if args.partition == "dirichlet" else ""), f"{args.epochs}ep"]
     if args.consensus_target is not None:
         parts.append(f"target{args.consensus_target:g}")
     return "-".join(parts) + f"-seed{args.seed}"

@@ -13,12 +13,12 @@ def unbuilt(package_dir):
 
 def load_installed(name, package_dir):
     """The installed package module (executed and registered in sys.modules), or None."""
-    try:
-        dist = importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    installed = os.path.realpath(str(dist.locate_file(name)))
-    if installed == os.path.realpath(package_dir) or unbuilt(installed):
+    here = os.path.realpath(package_dir)
+    # Every distribution of that name on the path (a checkout's own egg-info included).
+    candidates = (os.path.realpath(str(d.locate_file(name)))
+                  for d in importlib.metadata.Distribution.discover(name=name))
+    installed = next((c for c in candidates if c != here and not unbuilt(c)), None)
+    if installed is None:
         return None
     spec = importlib.util.spec_from_file_location(
         name, os.path.join(installed, "__init__.py"), submodule_search_locations=[installed])

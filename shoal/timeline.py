@@ -50,17 +50,28 @@ def merge(prefix, out_path=None):
     return events
 
 
-def summary(events):
-    """Rows (op or phase, count, total s, mean s, bytes, slowest rank) of "X" events."""
-    rows = defaultdict(lambda: {"count": 0, "total": 0.0, "bytes": 0, "by_rank": defaultdict(float)})
+def _spans(events):
+    """(name, pid, seconds, bytes) of every op/phase ("X") and user activity ("B"/"E")."""
+    open_ = defaultdict(list)
     for e in events:
-        if e.get("ph") != "X":
-            continue
-        r = rows[e["name"]]
+        if e.get("ph") == "X":
+            yield e["name"], e["pid"], e["dur"] / 1e6, e.get("args", {}).get("bytes", 0)
+        elif e.get("ph") == "B":
+            open_[(e["pid"], e["tid"])].append(e)
+        elif e.get("ph") == "E" and open_[(e["pid"], e["tid"])]:
+            b = open_[(e["pid"], e["tid"])].pop()
+            yield b["name"], e["pid"], (e["ts"] - b["ts"]) / 1e6, 0
+
+
+def summary(events):
+    """Rows (op, phase or activity, count, total s, mean s, bytes, slowest rank)."""
+    rows = defaultdict(lambda: {"count": 0, "total": 0.0, "bytes": 0, "by_rank": defaultdict(float)})
+    for name, pid, secs, nbytes in _spans(events):
+        r = rows[name]
         r["count"] += 1
-        r["total"] += e["dur"] / 1e6
-        r["bytes"] += e.get("args", {}).get("bytes", 0)
-        r["by_rank"][e["pid"]] += e["dur"] / 1e6
+        r["total"] += secs
+        r["bytes"] += nbytes
+        r["by_rank"][pid] += secs
     return [(name, r["count"], r["total"], r["total"] / r["count"], r["bytes"],
              max(r["by_rank"], key=r["by_rank"].get)) for name, r in sorted(rows.items())]
 

@@ -1,6 +1,7 @@
 """shoalrun: the README's commands, plain mpiexec, flags, --check-build."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,17 @@ def test_shoalrun_allreduce_prints_sum_on_every_rank():
     out = _run(shoalrun_cmd(4, sys.executable, "-c", ALLREDUCE))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("tensor([6., 6., 6.])") == 4, out.stdout
+
+
+def test_commands_work_from_the_checkout_root():
+    # There, the checkout's (unbuilt, for a non-editable install) shoal/ comes first on
+    # the import path of `python -c` and `python -m`.
+    pytest.importorskip("torch")
+    root = Path(__file__).resolve().parent.parent
+    out = _run(shoalrun_cmd(2, sys.executable, "-c", ALLREDUCE), cwd=root)
+    assert out.returncode == 0 and out.stdout.count("tensor([1., 1., 1.])") == 2, out.stdout + out.stderr
+    out = _run([sys.executable, "-m", "shoal.timeline", "/nonexistent/prefix"], cwd=root)
+    assert "no timeline files" in out.stderr, out.stderr
 
 
 def test_plain_mpiexec_works_too():

@@ -19,6 +19,12 @@ std::atomic<int64_t> g_next_handle{1};
 
 bool IsHalf(int dtype) { return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16; }
 
+std::string Seconds(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
 std::string Ranks(const std::vector<int>& r) {
   std::ostringstream s;
   for (size_t i = 0; i < r.size(); ++i) s << (i ? ", " : "") << r[i];
@@ -493,7 +499,7 @@ void Runtime::CheckStalls() {
       if (kill > 0 && s.waited >= kill) {
         ++stats_.stalls;
         Response r = coordinator_->Abort(
-            s.name, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME=" + std::to_string(kill) + " s)");
+            s.name, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME=" + Seconds(kill) + " s)");
         auto msg = std::make_shared<ByteVec>(EncodeResponses({r}));
         for (int q = 1; q < world().size; ++q) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
         Apply(r);
