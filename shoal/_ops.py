@@ -175,18 +175,20 @@ def neighbor_args(self_weight=None, src_weights=None, dst_weights=None, enable_t
     return args
 
 
-def neighbor_allreduce_submit(adapter, tensor, name, **args):
-    """Enqueue a neighbor_allreduce with explicit lists (see `neighbor_args`)."""
-    src_t, out = adapter.prepare(tensor, False, "neighbor_allreduce")
+def neighbor_allreduce_submit(adapter, tensor, name, out=None, **args):
+    """Enqueue a neighbor_allreduce with explicit lists (see `neighbor_args`); the result
+    goes to `out` (a contiguous tensor like `tensor`, e.g. reused across steps) if given."""
+    src_t, fresh = adapter.prepare(tensor, False, "neighbor_allreduce", need_output=out is None)
+    out = fresh if out is None else out
     return _submit(NEIGHBOR_ALLREDUCE, name, adapter, src_t, out, (tensor, src_t, out),
                    lambda: out, **args)
 
 
 def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weights=None,
-                                   dst_weights=None, enable_topo_check=True, name=None):
+                                   dst_weights=None, enable_topo_check=True, name=None, out=None):
     """See `shoal.neighbor_allreduce` for the semantics."""
     return neighbor_allreduce_submit(
-        adapter, tensor, name, **neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check))
+        adapter, tensor, name, out, **neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check))
 
 
 def neighbor_allgather_args(src_ranks=None, dst_ranks=None, enable_topo_check=True):

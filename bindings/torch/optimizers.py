@@ -148,14 +148,20 @@ class _ParameterMixing(_Distributed):
         self.extra_rounds = 0     # consensus control: added gossip rounds
         self.exact_averages = 0   # consensus control: allreduce fallbacks
         self.last_consensus_distance = None
+        self._spare = {}  # parameter -> output buffer of its next neighbor_allreduce
 
     def _launch(self, p, suffix=""):
         name = f"{self._prefix}.{self._names[p]}{suffix}"
         t = p.data
         kind = self.communication_type
         if kind is CommunicationType.neighbor_allreduce:
+            # The result lands in a buffer kept per parameter, swapped in at step(): no
+            # allocation (page faults) and no copy per step.
+            out = self._spare.get(p)
+            if out is None or out.shape != t.shape or out.dtype != t.dtype:
+                out = self._spare[p] = torch.empty_like(t)
             return _ops.neighbor_allreduce_nonblocking(ADAPTER, t, self.self_weight, self.src_weights,
-                                                       self.dst_weights, self.enable_topo_check, name)
+                                                       self.dst_weights, self.enable_topo_check, name, out=out)
         if kind is CommunicationType.hierarchical_neighbor_allreduce:
             return _hierarchical.hierarchical_neighbor_allreduce_nonblocking(
                 ADAPTER, t, self.self_weight, self.src_machine_weights, self.dst_machine_weights,
@@ -177,7 +183,11 @@ class _ParameterMixing(_Distributed):
         handles, self._handles = self._handles, {}
         with torch.no_grad():
             for p, h in handles.items():
-                p.copy_(_ops.synchronize(h))
+                result = _ops.synchronize(h)
+                if result is self._spare.get(p):  # swap storage: the old values become the spare
+                    self._spare[p], p.data = p.data, result
+                else:
+                    p.copy_(result)
         if handles:
             self.communications += 1
 

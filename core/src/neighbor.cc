@@ -43,9 +43,9 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
       w.Put<int64_t>(items[k].first->step);
       w.Put<uint64_t>(items[k].first->nbytes());
     }
-    auto msg = std::make_shared<ByteVec>(std::move(w.buffer()));
-    size_t at = msg->size();
-    msg->resize(at + payload);
+    auto msg = pool_->Get(w.size() + payload);
+    std::memcpy(msg->data(), w.buffer().data(), w.size());
+    size_t at = w.size();
     for (size_t k = i; k < j; ++k) {
       Entry& e = *items[k].first;
       if (e.t_copy_start == Clock::time_point{}) e.t_copy_start = Clock::now();
@@ -65,7 +65,7 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
 bool NeighborExchange::Receive(Status* st) {
   bool any = false;
   while (true) {
-    auto msg = std::make_shared<ByteVec>();
+    auto msg = pool_->Get(0);  // sized by Receive
     int src = -1;
     if (!backend_->Receive(kTag, &src, msg.get(), st) || !st->ok()) return any;
     any = true;

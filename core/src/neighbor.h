@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "buffer_pool.h"
 #include "entry.h"
 #include "stats.h"
 
@@ -59,6 +60,7 @@ class NeighborExchange {
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);
 
   Backend* backend_;
+  std::shared_ptr<BufferPool> pool_ = BufferPool::Create();
   int64_t threshold_;
   Stats* stats_;
   std::vector<EntryPtr> waiting_;

@@ -139,20 +139,29 @@ void Combine(const void* self, const std::vector<const void*>& srcs, void* out, 
     using A = typename T::Acc;
     auto x = static_cast<const S*>(self);
     auto y = static_cast<S*>(out);
-    if (std::is_same<S, A>::value && out != self) {
-      // Accumulate straight into the output: one pass per source, no scratch buffer.
+    if (std::is_same<S, A>::value) {
+      // Accumulate straight into the output (it may alias the input: each element is
+      // read before it is written): one pass per source, the division fused into the
+      // last one, no scratch buffer.
       A* o = reinterpret_cast<A*>(y);
       const A sw = static_cast<A>(self_weight);
-      for (size_t i = 0; i < n; ++i) o[i] = uniform ? static_cast<A>(x[i]) : sw * static_cast<A>(x[i]);
+      const A div = static_cast<A>(srcs.size() + 1);
+      if (srcs.empty()) {
+        for (size_t i = 0; i < n; ++i) o[i] = uniform ? static_cast<A>(x[i]) : sw * static_cast<A>(x[i]);
+        return;
+      }
       for (size_t j = 0; j < srcs.size(); ++j) {
         auto s = static_cast<const S*>(srcs[j]);
-        const A w = static_cast<A>(uniform ? 1.0 : weights[j]);
-        if (uniform) for (size_t i = 0; i < n; ++i) o[i] += static_cast<A>(s[i]);
-        else for (size_t i = 0; i < n; ++i) o[i] += w * static_cast<A>(s[i]);
-      }
-      if (uniform) {
-        const A div = static_cast<A>(srcs.size() + 1);
-        for (size_t i = 0; i < n; ++i) o[i] /= div;
+        const A* prev = j == 0 ? reinterpret_cast<const A*>(x) : o;
+        const A first = j == 0 && !uniform ? sw : A(1);
+        const bool last = j + 1 == srcs.size();
+        if (uniform) {
+          if (last) for (size_t i = 0; i < n; ++i) o[i] = (prev[i] + static_cast<A>(s[i])) / div;
+          else for (size_t i = 0; i < n; ++i) o[i] = prev[i] + static_cast<A>(s[i]);
+        } else {
+          const A w = static_cast<A>(weights[j]);
+          for (size_t i = 0; i < n; ++i) o[i] = first * prev[i] + w * static_cast<A>(s[i]);
+        }
       }
       return;
     }

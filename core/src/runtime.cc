@@ -457,7 +457,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   // Half types are widened: the sum accumulates in float32 and is rounded once.
   const int wire = IsHalf(dtype) ? SHOAL_FLOAT32 : dtype;
   const size_t wsize = DtypeSize(wire);
-  auto fused = std::make_shared<ByteVec>(total * wsize);
+  auto fused = fusion_pool_->Get(total * wsize);
   size_t off = 0;
   for (auto& e : batch) {
     e->t_copy_start = Clock::now();

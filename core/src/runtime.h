@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "buffer_pool.h"
 #include "coordinator.h"
 #include "entry.h"
 #include "neighbor.h"
@@ -62,6 +63,7 @@ class Runtime {
   std::unique_ptr<Backend> backend_;
   Stats stats_;
   Timeline timeline_;
+  std::shared_ptr<BufferPool> fusion_pool_ = BufferPool::Create(4);
   Clock::time_point last_flush_ = Clock::now();
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
   NeighborExchange neighbors_;
