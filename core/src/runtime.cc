@@ -244,7 +244,7 @@ void Runtime::Loop() {
   const auto longest = std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
   // While ops are in flight, keep polling (yielding the core) for a short window after
   // the last progress: peers usually answer within microseconds. Then back off.
-  const auto spin_window = std::chrono::microseconds(1000);
+  const auto spin_window = std::chrono::microseconds(100);
   auto last_progress = Clock::now();
   while (!stop_) {
     bool progressed;
