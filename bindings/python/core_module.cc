@@ -124,10 +124,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("wait", [](int64_t h) {
     char err[kErrLen];
     int rc;
-    {
-      py::gil_scoped_release nogil;  // blocks on a condition variable, no spinning
-      rc = shoal_wait(h, err, kErrLen);
-    }
+    do {
+      {
+        py::gil_scoped_release nogil;  // blocks on a condition variable, no spinning
+        rc = shoal_wait_for(h, 200, err, kErrLen);
+      }
+      // Between waits, let Ctrl-C (or another signal handler) interrupt the wait.
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    } while (rc == SHOAL_TIMEOUT);
     Check(rc, err);
   });
   m.def("take_result", [](int64_t h) {

@@ -113,6 +113,12 @@ int shoal_poll(int64_t handle) {
   return rt ? rt->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
 }
 
+int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), err, len);
+  return Report(rt->Wait(handle, timeout_ms), err, len);
+}
+
 int shoal_wait(int64_t handle, char* err, size_t len) {
   auto rt = Current();
   if (!rt) return Report(NotInitialized(), err, len);

@@ -168,12 +168,16 @@ int Runtime::Poll(int64_t handle) {
   return it->second->done ? 1 : 0;
 }
 
-Status Runtime::Wait(int64_t handle) {
+Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = handles_.find(handle);
   if (it == handles_.end()) return Status::Error(SHOAL_UNKNOWN_HANDLE, "unknown handle " + std::to_string(handle));
   EntryPtr e = it->second;
-  done_cv_.wait(lock, [&] { return e->done; });
+  if (timeout_ms < 0) {
+    done_cv_.wait(lock, [&] { return e->done; });
+  } else if (!done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return e->done; })) {
+    return Status::Error(SHOAL_TIMEOUT, "still running");
+  }
   return e->status;
 }
 

@@ -21,7 +21,8 @@ typedef enum {
   SHOAL_ABORTED = 3,          /* shut down, stalled or dead peer, MPI failure: ShoalError */
   SHOAL_NOT_INITIALIZED = 4,  /* called before init() or after shutdown() */
   SHOAL_UNKNOWN_HANDLE = 5,
-  SHOAL_DUPLICATE_NAME = 6    /* a second in-flight op with the same name: ValueError */
+  SHOAL_DUPLICATE_NAME = 6,   /* a second in-flight op with the same name: ValueError */
+  SHOAL_TIMEOUT = 7           /* shoal_wait_for: not complete yet */
 } shoal_status;
 
 typedef enum {
@@ -114,6 +115,9 @@ int shoal_poll(int64_t handle);
 /* Blocks (no spinning) until complete; returns the op's status and message. The
  * handle stays valid until shoal_release. */
 int shoal_wait(int64_t handle, char* err, size_t err_len);
+/* As shoal_wait, but returns SHOAL_TIMEOUT after `timeout_ms` if the op is still
+ * running (so a binding can check for Ctrl-C between waits). */
+int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t err_len);
 /* Results the core allocated (allgather): ownership moves to the caller, who frees
  * the buffer with shoal_free_buffer. shape must hold 32 entries. */
 int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape);
