@@ -18,24 +18,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import shoal  # noqa: E402
 import shoal.keras as sk  # noqa: E402
+from digits_data import split  # noqa: E402
 from shoal import topology  # noqa: E402
-
-
-def shard(y, rank, size, partition, alpha, seed):
-    rng = np.random.default_rng(seed)
-    if partition == "iid":
-        return np.array_split(rng.permutation(len(y)), size)[rank]
-    mine = []
-    for c in range(10):
-        idx = rng.permutation(np.flatnonzero(y == c))
-        cuts = (np.cumsum(rng.dirichlet([alpha] * size)) * len(idx)).astype(int)[:-1]
-        mine.append(np.split(idx, cuts)[rank])
-    return np.concatenate(mine)
 
 
 class PrintEpoch(keras.callbacks.Callback):
@@ -68,11 +55,8 @@ def main():
     if args.topology in graphs:
         shoal.set_topology(graphs[args.topology](n))
     keras.utils.set_random_seed(args.seed + r)  # different init: the broadcast makes it common
-    digits = load_digits()
-    x = (digits.images / 16.0).astype("float32")[..., None]
-    train_idx, test_idx = train_test_split(np.arange(len(x)), test_size=0.2, random_state=0,
-                                           stratify=digits.target)
-    mine = train_idx[shard(digits.target[train_idx], r, n, args.partition, args.alpha, args.seed)]
+    images, labels, mine, test_idx = split(r, n, args.partition, args.alpha, args.seed)
+    x = images[..., None]
     # Equal batches per epoch on every rank, so every rank averages the same number of times.
     steps = max(1, int(shoal.allreduce(np.array([len(mine) // args.batch_size], np.float64), name="steps")[0]))
     take = np.random.default_rng(args.seed + r).choice(mine, steps * args.batch_size, replace=len(mine) < steps * args.batch_size)
@@ -93,8 +77,8 @@ def main():
                  sk.NeighborAveragingCallback(every_k_batches=args.every_k, schedule=schedule),
                  sk.ConsensusDistanceCallback(), sk.MetricAverageCallback(), PrintEpoch()]
     start = time.perf_counter()
-    model.fit(x[take], digits.target[take], batch_size=args.batch_size, epochs=args.epochs, shuffle=True,
-              validation_data=(x[test_idx], digits.target[test_idx]), callbacks=callbacks, verbose=0)
+    model.fit(x[take], labels[take], batch_size=args.batch_size, epochs=args.epochs, shuffle=True,
+              validation_data=(x[test_idx], labels[test_idx]), callbacks=callbacks, verbose=0)
     if r == 0:
         print(f"done in {time.perf_counter() - start:.1f} s on {n} ranks")
     shoal.shutdown()

@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import shoal.torch as bf
+from digits_data import split
 from shoal import topology
 
 
@@ -59,19 +58,6 @@ class Net(torch.nn.Module):
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def shard(y, rank, size, partition, alpha, seed):
-    """Indices of this rank's training samples: iid, or class proportions ~ Dirichlet(alpha)."""
-    rng = np.random.default_rng(seed)  # same on every rank: the shards are disjoint
-    if partition == "iid":
-        return np.array_split(rng.permutation(len(y)), size)[rank]
-    mine = []
-    for c in range(10):
-        idx = rng.permutation(np.flatnonzero(y == c))
-        cuts = (np.cumsum(rng.dirichlet([alpha] * size)) * len(idx)).astype(int)[:-1]
-        mine.append(np.split(idx, cuts)[rank])
-    return np.concatenate(mine)
 
 
 class Schedule:
@@ -155,11 +141,8 @@ def main():
     torch.set_num_threads(1)
     if args.topology == "ring":
         bf.set_topology(topology.ring_graph(n))
-    digits = load_digits()
-    x = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
-    y = torch.tensor(digits.target)
-    train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=0.2, random_state=0, stratify=digits.target)
-    mine = train_idx[shard(digits.target[train_idx], r, n, args.partition, args.alpha, args.seed)]
+    images, labels, mine, test_idx = split(r, n, args.partition, args.alpha, args.seed)
+    x, y = torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels)
     x_train, y_train, x_test, y_test = x[mine], y[mine], x[test_idx], y[test_idx]
 
     model = Net()
