@@ -1,5 +1,7 @@
 """TensorFlow wrappers of the Shoal kernels, their gradients, and training helpers."""
 import itertools
+import re
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -13,14 +15,24 @@ _lib = _build.load()
 _unnamed = itertools.count()
 
 
+_graph_ops = weakref.WeakKeyDictionary()  # traced graph -> ops named in it so far
+
+
 def _name(op, name):
-    # Unnamed ops get names when the Python code runs (eagerly: every call; in tf.function:
-    # once, when traced), in the same order on every rank.
+    # Unnamed ops: eagerly, a process-wide count (ranks run eager ops in one order); in a
+    # traced function, the function's name and a count that restarts for every trace, so a
+    # retrace on one rank only (e.g. an uneven last batch) yields the same names.
     if name:
         if "\0" in name:
             raise ValueError("op names cannot contain NUL characters")
         return name
-    return f"tf.{op}.{next(_unnamed)}"
+    if tf.executing_eagerly():
+        return f"tf.{op}.{next(_unnamed) % 1024}"  # bounded, like the core's unnamed ops
+    graph = tf.compat.v1.get_default_graph()
+    k = _graph_ops.get(graph, 0)
+    _graph_ops[graph] = k + 1
+    fn = re.sub(r"^__inference_|_\d+$", "", getattr(graph, "name", "graph"))
+    return f"tf.{fn}.{op}.{k}"
 
 
 def _no_xla(op):
@@ -182,10 +194,11 @@ class DistributedGradientTape:
     (Horovod's DistributedGradientTape), or, with `communication="neighbor"`, averaged
     with the in-neighbors of the current topology (decentralized gradient averaging).
 
-    Works eagerly and inside tf.function. `None` gradients stay None.
+    Works eagerly and inside tf.function. A gradient that is None on a rank is reduced
+    as zeros (every rank must take part in every reduction), so the result is never None.
     """
 
-    def __init__(self, tape, communication="allreduce", name="grad"):
+    def __init__(self, tape, communication="allreduce", name=None):
         if communication not in ("allreduce", "neighbor"):
             raise ValueError("communication must be 'allreduce' or 'neighbor'")
         self._tape, self._communication, self._name = tape, communication, name
@@ -202,19 +215,19 @@ class DistributedGradientTape:
 
     def gradient(self, target, sources, output_gradients=None):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients)
-        flat = tf.nest.flatten(grads)
+        # Every rank must take part in every reduction: a gradient that is None here (the
+        # variable did not affect this rank's loss) is reduced as zeros, as in Horovod.
+        prefix = self._name or _name("grad", None)
         out = []
-        for i, g in enumerate(flat):
+        for i, (g, v) in enumerate(zip(tf.nest.flatten(grads), tf.nest.flatten(sources))):
             if g is None:
-                out.append(None)
+                g = tf.zeros_like(v)
             elif isinstance(g, tf.IndexedSlices):
-                out.append(self._reduce(tf.convert_to_tensor(g), i))
-            else:
-                out.append(self._reduce(g, i))
+                g = tf.convert_to_tensor(g)
+            out.append(self._reduce(g, f"{prefix}.{i}"))
         return tf.nest.pack_sequence_as(grads, out)
 
-    def _reduce(self, g, i):
-        name = f"{self._name}.{i}"
+    def _reduce(self, g, name):
         if self._communication == "allreduce":
             return allreduce(g, name=name)
         return neighbor_allreduce(g, name=name)

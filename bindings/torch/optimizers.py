@@ -155,8 +155,8 @@ class _ParameterMixing(_Distributed):
         t = p.data
         kind = self.communication_type
         if kind is CommunicationType.neighbor_allreduce:
-            # The result lands in a buffer kept per parameter, swapped in at step(): no
-            # allocation (page faults) and no copy per step.
+            # The result lands in a buffer kept per parameter: no allocation (page
+            # faults) per step.
             out = self._spare.get(p)
             if out is None or out.shape != t.shape or out.dtype != t.dtype:
                 out = self._spare[p] = torch.empty_like(t)
@@ -170,8 +170,8 @@ class _ParameterMixing(_Distributed):
             return _ops.allreduce_nonblocking(ADAPTER, t, True, name)
         return None
 
-    def _launch_all(self):
-        for p in self._params():
+    def _launch_all(self, params=None):
+        for p in self._params() if params is None else params:
             if p in self._handles:
                 raise RuntimeError("a second communication was started before step(); each forward "
                                    "(AWC) or step (ATC) communicates once")
@@ -183,11 +183,9 @@ class _ParameterMixing(_Distributed):
         handles, self._handles = self._handles, {}
         with torch.no_grad():
             for p, h in handles.items():
-                result = _ops.synchronize(h)
-                if result is self._spare.get(p):  # swap storage: the old values become the spare
-                    self._spare[p], p.data = p.data, result
-                else:
-                    p.copy_(result)
+                # Copied, not swapped in: views of the parameter (state_dict, p.detach())
+                # must keep seeing it.
+                p.copy_(_ops.synchronize(h))
         if handles:
             self.communications += 1
 
@@ -243,16 +241,23 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
                  num_steps_per_communication=1, consensus_control=None):
         super().__init__(optimizer, model, communication_type, num_steps_per_communication,
                          consensus_control)
-        self._forwards = 0
+        # Each module's forward sends the parameters it owns (a parameter shared by several
+        # modules belongs to the first), counted per module.
+        mine, owned = set(self._params()), set()
+        self._forwards = {}
         for m in self._modules:
-            self._hooks.append(m.register_forward_hook(self._on_forward))
+            params = [p for p in m.parameters() if p in mine and p not in owned]
+            owned.update(params)
+            self._forwards[m] = 0
+            self._hooks.append(m.register_forward_hook(
+                lambda module, inputs, output, params=params: self._on_forward(module, params)))
 
-    def _on_forward(self, module, inputs, output):
+    def _on_forward(self, module, params):
         if not (module.training and torch.is_grad_enabled()):
             return
-        self._forwards += 1
-        if self._forwards % self.num_steps_per_communication == 0:
-            self._launch_all()
+        self._forwards[module] += 1
+        if self._forwards[module] % self.num_steps_per_communication == 0:
+            self._launch_all(params)
 
     def step(self, closure=None):
         self._finish_all()

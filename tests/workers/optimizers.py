@@ -94,6 +94,26 @@ def communicates_exactly_every_k_steps():
 
 
 @check
+def list_of_modules_and_parameter_views():
+    enc, dec = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    params = list(enc.parameters()) + list(dec.parameters())
+    opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(params, lr=0.1), [enc, dec])
+    for _ in range(2):
+        opt.zero_grad()
+        dec(enc(torch.ones(1, 2))).sum().backward()
+        opt.step()
+    assert opt.communications == 2
+    m = torch.nn.Linear(2, 1)
+    opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    sd = m.state_dict()  # views of the live parameters must stay valid
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    assert torch.equal(sd["weight"], m.weight.detach())
+
+
+@check
 def zero_grad_with_communication_in_flight_raises():
     model = torch.nn.Linear(5, 1)
     opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)

@@ -101,6 +101,31 @@ def gradient_tape_and_broadcast_variables():
 
 
 @check
+def retraces_none_gradients_and_two_tapes():
+    @tf.function
+    def f(x):
+        return st.allreduce(tf.reduce_mean(x, keepdims=True))
+    for n in ([4, 4, 3] if R == 1 else [4, 4, 4]):  # rank 1 alone retraces (uneven last batch)
+        f(tf.ones([n]))
+    a, b = tf.Variable([1.0]), tf.Variable([2.0])
+    with st.DistributedGradientTape(tf.GradientTape()) as tape:
+        loss = a * 3.0 + (b * 5.0 if R == 0 else 0.0)  # b's gradient is None except on rank 0
+    ga, gb = tape.gradient(loss, [a, b])
+    assert ga.numpy().tolist() == [3.0] and gb.numpy().tolist() == [5.0 / N], (ga, gb)
+    v1, v2 = tf.Variable(tf.ones([1000])), tf.Variable(tf.ones([1000]))
+
+    @tf.function
+    def two_tapes():
+        with st.DistributedGradientTape(tf.GradientTape()) as t1:
+            l1 = tf.reduce_sum(v1 * 2.0)
+        with st.DistributedGradientTape(tf.GradientTape()) as t2:
+            l2 = tf.reduce_sum(v2 * 3.0)
+        return t1.gradient(l1, [v1])[0], t2.gradient(l2, [v2])[0]
+    g1, g2 = two_tapes()
+    assert float(g1[0]) == 2.0 and float(g2[0]) == 3.0
+
+
+@check
 def errors_are_clear():
     if N > 1:
         try:
