@@ -7,6 +7,8 @@ In eager mode a runtime failure raises `shoal.ShoalError`; inside a graph Tensor
 raises `tf.errors.AbortedError` whose message starts with "ShoalError:". The kernels are
 compiled against the installed TensorFlow on first import (see `_build.py`). XLA
 (`jit_compile=True`) has no Shoal kernels: calling an op there raises ValueError.
+Inside a `tf.while_loop`/`tf.range` loop, iterations may run concurrently and would submit
+one op name twice; use `parallel_iterations=1` for loops that contain Shoal ops.
 """
 from shoal import topology  # noqa: F401
 from shoal._ops import Average, ReduceOp, Sum  # noqa: F401
