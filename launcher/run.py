@@ -162,29 +162,27 @@ def first_failure(status_dir):
     return f"rank {rank} {what}"
 
 
+# Per launcher: (rank-count flag, hosts flag, hostfile flag, how to pass one variable).
+LAUNCHER_FLAGS = {
+    "openmpi": ("-np", "-H", "--hostfile", lambda k, v: ["-x", f"{k}={v}"]),
+    "mpich": ("-n", "-hosts", "-f", lambda k, v: ["-genv", k, v]),
+}
+
+
 def build_command(args, mpiexec, flavor, env, forwarded):
-    cmd = [mpiexec]
+    np_flag, hosts_flag, hostfile_flag, pass_var = LAUNCHER_FLAGS[flavor]
+    cmd = [mpiexec, np_flag, str(args.np)]
     if flavor == "openmpi":
-        cmd += ["-np", str(args.np)]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd.append("--oversubscribe")
-        if args.hosts:
-            cmd += ["-H", args.hosts]
-        if args.hostfile:
-            cmd += ["--hostfile", args.hostfile]
-        for k in forwarded:
-            if k in env:
-                cmd += ["-x", f"{k}={env[k]}"]
-    else:  # MPICH Hydra
-        cmd += ["-n", str(args.np)]
-        if args.hosts:
-            cmd += ["-hosts", args.hosts]
-        if args.hostfile:
-            cmd += ["-f", args.hostfile]
-        for k in forwarded:
-            if k in env:
-                cmd += ["-genv", k, env[k]]
+    if args.hosts:
+        cmd += [hosts_flag, args.hosts]
+    if args.hostfile:
+        cmd += [hostfile_flag, args.hostfile]
+    for k in forwarded:
+        if k in env:
+            cmd += pass_var(k, env[k])
     return cmd + args.command
 
 
