@@ -4,6 +4,11 @@ MPI selection, at build time:
   default      the `mpich` wheel from PyPI (also a run-time dependency);
   MPI_HOME=DIR a system MPI installed under DIR (include/, lib/, bin/mpiexec);
   MPICXX=PATH  a system MPI compiler wrapper, asked for its flags (-show / --showme).
+
+GPU support (optional, built into libshoal_cuda.so, loaded at run time): when a CUDA
+compiler is found (CUDACXX, nvcc on PATH, CUDA_HOME or /usr/local/cuda); the NCCL backend
+when nccl.h is found too (NCCL_INCLUDE_DIR, NCCL_HOME, or an installed nvidia-nccl-cu13 /
+-cu12 wheel). SHOAL_WITHOUT_CUDA=1 skips it.
 """
 import importlib.metadata
 import os
@@ -83,6 +88,41 @@ def find_mpi():
     return _pypi_mpich()
 
 
+def find_nvcc():
+    if os.environ.get("SHOAL_WITHOUT_CUDA") == "1":
+        return None
+    for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
+                 os.environ.get("CUDA_HOME") and os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def find_nccl_include():
+    if os.environ.get("NCCL_INCLUDE_DIR"):
+        return os.environ["NCCL_INCLUDE_DIR"]
+    if os.environ.get("NCCL_HOME"):
+        return os.path.join(os.environ["NCCL_HOME"], "include")
+    for dist_name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        header = next((f for f in dist.files or [] if Path(str(f)).name == "nccl.h"), None)
+        if header:
+            return str(Path(dist.locate_file(header)).parent)
+    return None
+
+
+def cuda_cmake_args():
+    nvcc = find_nvcc()
+    if not nvcc:
+        return ["-DSHOAL_BUILD_CUDA=OFF"]
+    return ["-DSHOAL_BUILD_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}",
+            f"-DSHOAL_NCCL_INCLUDE_DIR={find_nccl_include() or ''}"]
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         import pybind11
@@ -102,6 +142,7 @@ class CMakeBuild(build_ext):
             "-DSHOAL_MPI_INCLUDE_DIRS=" + ";".join(mpi["include_dirs"]),
             "-DSHOAL_MPI_LIBRARIES=" + ";".join(mpi["libraries"]),
             "-DSHOAL_RPATH=" + ";".join(mpi["rpath"]),
+            *cuda_cmake_args(),
         ]
         subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args])
         jobs = str(os.cpu_count() or 2)

@@ -21,10 +21,11 @@ import subprocess
 import sys
 import tempfile
 
-# Never forwarded to the ranks: per-shell state, the terminal's session, GPU binding
-# (decided per rank), and anything that looks like a secret.
+# Never forwarded to the ranks: per-shell state, the terminal's session, and anything
+# that looks like a secret. CUDA_VISIBLE_DEVICES is forwarded when the user set it;
+# otherwise each rank's wrapper (rank.py) binds it to local_rank % device_count.
 DENY = ["HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "PS1", "BASH_FUNC_*", "SSH_*", "DISPLAY",
-        "XAUTHORITY", "CUDA_VISIBLE_DEVICES", "*SECRET*", "*TOKEN*", "*PASSWORD*", "*_KEY"]
+        "XAUTHORITY", "*SECRET*", "*TOKEN*", "*PASSWORD*", "*_KEY"]
 
 
 def _build_info():
@@ -104,7 +105,7 @@ def worker_env(args, base=None):
         if sep:
             env[key] = value
         forwarded.append(key)
-    forwarded += [k for k in env if k.startswith("SHOAL_") or k == "OMP_NUM_THREADS"]
+    forwarded += [k for k in env if k.startswith("SHOAL_") or k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")]
     return env, sorted(set(forwarded))
 
 
@@ -215,7 +216,11 @@ def check_build():
         print(f"tensorflow binding: usable (tensorflow {tf.__version__})")
     except ImportError as exc:
         print(f"tensorflow binding: not usable ({str(exc).splitlines()[0]})")
-    print(f"CUDA: {'available' if cuda else 'not available'}; NCCL backend: not built")
+    built, what = _core.gpu_support()
+    # "CUDA kernels: built (...)" is what CI looks for; the plugin loads without a GPU.
+    print(f"CUDA kernels: {'built' if built else 'not built'} ({what})")
+    print(f"NCCL backend: {'built' if built and 'NCCL backend' in what else 'not built'}")
+    print(f"CUDA devices: {'available to torch' if cuda else 'none visible to torch'}")
     return 0
 
 

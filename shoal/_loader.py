@@ -39,7 +39,23 @@ def _preload_mpi():
     return None
 
 
+def _point_at_nccl():
+    """Tell the CUDA plugin where the nvidia-nccl wheel's libnccl is (it loads NCCL only
+    when an NCCL op runs); an explicit SHOAL_NCCL_LIBRARY wins."""
+    if os.environ.get("SHOAL_NCCL_LIBRARY"):
+        return
+    for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
+        try:
+            path = importlib.metadata.distribution(name).locate_file("nvidia/nccl/lib/libnccl.so.2")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if os.path.exists(path):
+            os.environ["SHOAL_NCCL_LIBRARY"] = str(path)
+            return
+
+
 MPI_LIBRARY = _preload_mpi()
+_point_at_nccl()
 
 from . import _core  # noqa: E402  (needs libmpi loaded first)
 

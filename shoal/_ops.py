@@ -56,6 +56,9 @@ def _submit(op, name, adapter, tensor, output, keep, finish, **kw):
         raise ValueError("op names cannot contain NUL characters")
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = adapter.describe(output)[0] if output is not None else ptr
+    device = getattr(adapter, "device", None)  # GPU-capable adapters: device, id, stream
+    if device is not None:
+        kw.update(device(tensor))
     handle = _core.enqueue(op, name or "", ptr, dtype, list(shape), out_ptr, **kw)
     with _lock:
         _pending[handle] = (keep, finish)

@@ -37,7 +37,8 @@ int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
                 const std::vector<int64_t>& shape, uintptr_t output, int reduce_op, int root,
                 const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
                 double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
-                const std::vector<double>& send_weights, int scope, bool topo_check) {
+                const std::vector<double>& send_weights, int scope, bool topo_check, int device_type,
+                int device_id, uintptr_t stream) {
   shoal_op_desc d{};
   d.op = op;
   d.name = name.c_str();
@@ -45,6 +46,9 @@ int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
   d.input.dtype = dtype;
   d.input.ndim = static_cast<int32_t>(shape.size());
   d.input.shape = shape.data();
+  d.input.device_type = device_type;
+  d.input.device_id = device_id;
+  d.input.stream = reinterpret_cast<void*>(stream);
   d.output = d.input;
   d.output.data = reinterpret_cast<void*>(output);
   d.reduce_op = reduce_op;
@@ -115,7 +119,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("recv_ranks") = std::vector<int32_t>{}, py::arg("recv_weights") = std::vector<double>{},
         py::arg("self_weight") = 1.0, py::arg("uniform") = true,
         py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("send_weights") = std::vector<double>{},
-        py::arg("scope") = 0, py::arg("topo_check") = false);
+        py::arg("scope") = 0, py::arg("topo_check") = false, py::arg("device_type") = 0,
+        py::arg("device_id") = 0, py::arg("stream") = 0);
   m.def("poll", [](int64_t h) {
     int r = shoal_poll(h);
     if (r < 0) Raise(-r, ("unknown handle " + std::to_string(h)).c_str());
@@ -160,6 +165,11 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("reset_stats", &shoal_reset_stats);
+  m.def("gpu_support", [] {
+    char buf[kErrLen];
+    int ok = shoal_gpu_support(buf, kErrLen);
+    return py::make_tuple(ok == 1, std::string(buf));
+  });
   m.def("timeline_start_activity", [](const std::string& t, const std::string& a) {
     return shoal_timeline_start_activity(t.c_str(), a.c_str()) == 1;
   });

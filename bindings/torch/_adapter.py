@@ -1,4 +1,9 @@
-"""Adapter from torch tensors to the core's (address, dtype code, shape)."""
+"""Adapter from torch tensors to the core's (address, dtype code, shape, device, stream).
+
+CUDA tensors go with the caller's current stream: the core records an event there at
+enqueue (so a producer kernel still running is waited for) and, at completion, makes that
+stream wait for the result (so later work on it is ordered after the op). Work on other
+streams must be ordered with the current stream as usual in torch."""
 import torch
 
 from shoal._ops import DTYPE_CODES
@@ -17,11 +22,18 @@ class TorchAdapter:
             raise ValueError(f"{op}: dtype {t.dtype} is not supported; use one of {sorted(DTYPE_CODES)}")
         if t.layout != torch.strided:
             raise ValueError(f"{op}: {t.layout} tensors are not supported; use a dense tensor")
-        if t.device.type != "cpu":
-            raise ValueError(f"{op}: {t.device} tensors are not supported by this build (CPU only)")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{op}: {t.device} tensors are not supported; use a CPU or CUDA tensor")
 
     def describe(self, t):
         return t.data_ptr(), _CODES[t.dtype], tuple(t.shape)
+
+    def device(self, t):
+        """Extra enqueue arguments for a CUDA tensor: device ordinal and current stream."""
+        if t.device.type != "cuda":
+            return {}
+        return {"device_type": 1, "device_id": t.device.index,
+                "stream": torch.cuda.current_stream(t.device).cuda_stream}
 
     def prepare(self, tensor, inplace, op, need_output=True):
         self._check(tensor, op)
@@ -37,8 +49,10 @@ class TorchAdapter:
 
     def from_bytes(self, data, shape, like):
         if data.size == 0:
-            return torch.empty(shape, dtype=like.dtype)
-        return torch.from_numpy(data).view(like.dtype).reshape(shape)
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        # Core-allocated results (gathers) are in host memory; a CUDA input gets them back
+        # on its device, copied on the current stream.
+        return torch.from_numpy(data).view(like.dtype).reshape(shape).to(like.device)
 
 
 ADAPTER = TorchAdapter()

@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "backend.h"
+#include "gpu.h"
 #include "runtime.h"
 
 using shoal::Runtime;
@@ -162,6 +163,13 @@ int shoal_stats(char* buf, size_t len) {
   auto rt = Current();
   if (!rt) return Report(NotInitialized(), buf, len);
   return Report(Status::Error(0, rt->stats().ToString()), buf, len);
+}
+
+int shoal_gpu_support(char* buf, size_t len) {
+  std::string why;
+  const shoal_cuda_api* api = shoal::CudaPlugin(&why);
+  Report(Status::Error(0, api ? api->build : why), buf, len);
+  return api ? 1 : 0;
 }
 
 void shoal_reset_stats(void) {

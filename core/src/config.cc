@@ -50,6 +50,9 @@ Config Config::FromEnvironment() {
   c.ranks_per_machine = static_cast<int>(EnvDouble("SHOAL_RANKS_PER_MACHINE", 0));
   if (const char* v = Env("SHOAL_LOG_LEVEL")) c.log_level = ParseLogLevel(v);
   if (const char* v = Env("SHOAL_TIMELINE")) c.timeline = v;
+  if (const char* v = Env("SHOAL_GPU_BACKEND")) c.gpu_backend = v;
+  if (c.gpu_backend != "nccl" && c.gpu_backend != "mpi")
+    throw std::invalid_argument("SHOAL_GPU_BACKEND must be nccl or mpi, got '" + c.gpu_backend + "'");
   return c;
 }
 
@@ -59,7 +62,7 @@ std::string Config::ToString() const {
     << " SHOAL_STALL_CHECK_TIME=" << stall_check_time
     << " SHOAL_STALL_SHUTDOWN_TIME=" << stall_shutdown_time
     << " SHOAL_RANKS_PER_MACHINE=" << ranks_per_machine
-    << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level] << " SHOAL_TIMELINE=" << timeline;
+    << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level] << " SHOAL_TIMELINE=" << timeline << " SHOAL_GPU_BACKEND=" << gpu_backend;
   return s.str();
 }
 

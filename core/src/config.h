@@ -15,6 +15,7 @@ struct Config {
   int ranks_per_machine = 0;           // SHOAL_RANKS_PER_MACHINE; 0 = one machine per host
   int log_level = LOG_WARNING;         // SHOAL_LOG_LEVEL
   std::string timeline;                // SHOAL_TIMELINE: per-rank trace prefix; "" = off
+  std::string gpu_backend = "mpi";     // SHOAL_GPU_BACKEND: nccl (collectives of CUDA tensors) or mpi
 
   static Config FromEnvironment();  // throws std::invalid_argument on a malformed value
   std::string ToString() const;

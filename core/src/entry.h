@@ -10,6 +10,8 @@
 
 namespace shoal {
 
+struct GpuOp;  // gpu.h
+
 using Clock = std::chrono::steady_clock;
 
 struct TensorRef {
@@ -32,6 +34,7 @@ struct Entry {
   bool uniform = true;
   bool topo_check = false;
   int64_t step = 0;  // how many ops of this name this rank ran before (neighbor message matching)
+  std::shared_ptr<GpuOp> gpu;  // CUDA tensors: device pointers and staging state
 
   Clock::time_point enqueued = Clock::now();
   // Phase boundaries for the timeline (unset: time_point{}).

@@ -86,8 +86,8 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     e->sig.shape.assign(d.input.shape, d.input.shape + d.input.ndim);
     for (auto s : e->sig.shape) if (s < 0) Bad(std::string(op) + ": negative dimension in " + ShapeString(e->sig.shape));
     e->sig.device_type = d.input.device_type;
-    if (d.input.device_type != SHOAL_DEVICE_CPU)
-      Bad(std::string(op) + ": CUDA tensors need a GPU backend, which this build does not have");
+    if (d.input.device_type != SHOAL_DEVICE_CPU && d.input.device_type != SHOAL_DEVICE_CUDA)
+      Bad(std::string(op) + ": unknown device type " + std::to_string(d.input.device_type));
     if (!d.input.data && e->nbytes() > 0) Bad(std::string(op) + ": null data pointer");
     if (e->count() > INT32_MAX) Bad(std::string(op) + ": tensors of more than 2^31-1 elements are not supported");
     e->input = {d.input.data, d.input.device_type, d.input.device_id, d.input.stream, d.input.ready_event};
@@ -134,6 +134,8 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
       if (d.send_weights) e->send_weights.assign(d.send_weights, d.send_weights + d.n_send);
       break;
   }
+  // Last, after validation: marks the point the producer reached on the caller's stream.
+  if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
   // Unnamed ops cycle through kUnnamed names per op, so caches stay bounded and repeated
@@ -186,7 +188,8 @@ bool Runtime::Release(int64_t handle) {
   return handles_.erase(handle) > 0;
 }
 
-void Runtime::Finish(const EntryPtr& e, const Status& st) {
+void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
+  const Status st = e->gpu ? CompleteGpu(*e, st_in) : st_in;
   if (st.ok()) {
     switch (e->sig.op) {
       case SHOAL_OP_ALLREDUCE: ++stats_.allreduce; break;
@@ -270,7 +273,8 @@ void Runtime::Loop() {
       last_progress = Clock::now();
       continue;
     }
-    const bool busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0;
+    const bool busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
+                      (gpu_ && !gpu_->Idle());
     if (busy && Clock::now() - last_progress < spin_window) {
       std::this_thread::yield();
       continue;
@@ -292,8 +296,12 @@ bool Runtime::Cycle() {
     queued_ = 0;
   }
   std::vector<Request> to_coordinator;
-  for (auto& e : fresh) Route(e, &to_coordinator);
+  for (auto& e : fresh) {
+    if (e->gpu) StageGpu(e);
+    else Route(e, &to_coordinator);
+  }
   progressed |= !fresh.empty();
+  progressed |= PollGpu(&to_coordinator);
 
   if (!to_coordinator.empty()) {
     ++stats_.coordinator_rounds;
@@ -401,6 +409,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   ++stats_.global_collectives;
   const auto t0 = Clock::now();
   for (auto& e : batch) e->t_comm_start = t0;
+  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return RunNccl(r, batch);
   // Completion of the communication itself (the timeline's COMMUNICATE phase).
   auto communicated = [](const EntryPtr& e) { e->t_comm_end = Clock::now(); };
   if (r.op == SHOAL_OP_BARRIER) {

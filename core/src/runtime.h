@@ -22,6 +22,7 @@
 #include "buffer_pool.h"
 #include "coordinator.h"
 #include "entry.h"
+#include "gpu.h"
 #include "neighbor.h"
 #include "stats.h"
 #include "timeline.h"
@@ -59,6 +60,14 @@ class Runtime {
   void CheckStalls();
   void FailAll(const std::string& why);
   double Now() const;
+  // CUDA tensors (gpu.cc): stage to host, route once staged, copy back at completion.
+  void StageGpu(const EntryPtr& e);
+  bool PollGpu(std::vector<Request>* to_coordinator);
+  Status CompleteGpu(Entry& e, const Status& st);
+  // NCCL collectives of CUDA tensors (gpu_nccl.cc).
+  void RunNccl(const Response& r, const std::vector<EntryPtr>& batch);
+  bool PollNccl();
+  void* NcclComm(int scope, int device, std::string* err);
 
   Config cfg_;
   std::unique_ptr<Backend> backend_;
@@ -85,6 +94,15 @@ class Runtime {
   std::map<std::string, EntryPtr> awaiting_response_;
   std::set<std::string> negotiated_neighbor_names_;
   std::vector<EntryPtr> neighbor_ready_;
+  std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
+  struct NcclBatch {
+    void* event;
+    void* comm;
+    std::vector<EntryPtr> batch;
+    std::vector<void*> device_buffers;
+  };
+  std::map<std::pair<int, int>, void*> nccl_comms_;  // (scope, device) -> ncclComm_t
+  std::vector<NcclBatch> nccl_in_flight_;
   std::set<std::string> stall_warned_;  // coordinator: names already reported
   Clock::time_point start_ = Clock::now(), last_stall_check_ = Clock::now();
   std::thread thread_;

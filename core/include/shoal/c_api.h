@@ -133,6 +133,14 @@ int shoal_timeline_end_activity(const char* tensor_name);
 int shoal_stats(char* buf, size_t len);
 void shoal_reset_stats(void);
 
+/* GPU support of this build, without touching a GPU: returns 1 and writes what the
+ * CUDA plugin (libshoal_cuda.so) holds, e.g. "CUDA 13.0 runtime (static); kernels sm_80
+ * sm_90; NCCL backend ...", or returns 0 and writes why there is none. CUDA tensors
+ * (device_type SHOAL_DEVICE_CUDA) are accepted only when it returns 1; their `stream` is
+ * the producer's stream (NULL: the legacy default stream) and `ready_event`, if not NULL,
+ * an event the caller recorded after the producer and keeps alive until completion. */
+int shoal_gpu_support(char* buf, size_t len);
+
 #if defined(__GNUC__)
 #pragma GCC visibility pop
 #endif

@@ -1,0 +1,209 @@
+// NCCL calls of the CUDA plugin. libnccl.so.2 is dlopen'ed on first use (from
+// $SHOAL_NCCL_LIBRARY, which the Python package points at the nvidia-nccl wheel, or the
+// loader's search path), so the plugin loads on machines without NCCL and the NCCL
+// version is the one installed at run time. The prototypes come from the build's nccl.h.
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "plugin_util.h"
+#include "shoal/c_api.h"
+
+#ifdef SHOAL_WITH_NCCL
+#include <nccl.h>
+
+namespace shoal_cuda {
+namespace {
+
+struct Nccl {
+  decltype(&ncclGetUniqueId) GetUniqueId = nullptr;
+  decltype(&ncclCommInitRank) CommInitRank = nullptr;
+  decltype(&ncclCommDestroy) CommDestroy = nullptr;
+  decltype(&ncclCommGetAsyncError) CommGetAsyncError = nullptr;
+  decltype(&ncclGetErrorString) GetErrorString = nullptr;
+  decltype(&ncclGetLastError) GetLastError = nullptr;
+  decltype(&ncclAllReduce) AllReduce = nullptr;
+  decltype(&ncclBroadcast) Broadcast = nullptr;
+  decltype(&ncclSend) Send = nullptr;
+  decltype(&ncclRecv) Recv = nullptr;
+  decltype(&ncclGroupStart) GroupStart = nullptr;
+  decltype(&ncclGroupEnd) GroupEnd = nullptr;
+  std::string error;  // why loading failed
+};
+
+const Nccl& Lib() {
+  static Nccl lib;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* env = std::getenv("SHOAL_NCCL_LIBRARY");
+    std::vector<std::string> names;
+    if (env && *env) names.push_back(env);
+    names.push_back("libnccl.so.2");
+    void* h = nullptr;
+    std::string tried;
+    for (auto& n : names) {
+      h = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (h) break;
+      tried += std::string(tried.empty() ? "" : "; ") + dlerror();
+    }
+    if (!h) {
+      lib.error = "cannot load NCCL (pip install nvidia-nccl-cu13, or set SHOAL_NCCL_LIBRARY): " + tried;
+      return;
+    }
+    bool ok = true;
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+      if (!fn) {
+        ok = false;
+        lib.error += std::string(lib.error.empty() ? "NCCL library lacks " : ", ") + name;
+      }
+    };
+    sym(lib.GetUniqueId, "ncclGetUniqueId");
+    sym(lib.CommInitRank, "ncclCommInitRank");
+    sym(lib.CommDestroy, "ncclCommDestroy");
+    sym(lib.CommGetAsyncError, "ncclCommGetAsyncError");
+    sym(lib.GetErrorString, "ncclGetErrorString");
+    sym(lib.GetLastError, "ncclGetLastError");
+    sym(lib.AllReduce, "ncclAllReduce");
+    sym(lib.Broadcast, "ncclBroadcast");
+    sym(lib.Send, "ncclSend");
+    sym(lib.Recv, "ncclRecv");
+    sym(lib.GroupStart, "ncclGroupStart");
+    sym(lib.GroupEnd, "ncclGroupEnd");
+    if (!ok) lib.GetUniqueId = nullptr;  // marks the library unusable
+  });
+  return lib;
+}
+
+#define SHOAL_NCCL_LOADED()                                  \
+  const Nccl& L = Lib();                                     \
+  if (!L.GetUniqueId) return Fail(L.error)
+
+shoal_cuda_error NcclCheck(const Nccl& L, ncclResult_t rc, const char* what, ncclComm_t comm = nullptr) {
+  if (rc == ncclSuccess) return nullptr;
+  std::string msg = std::string(what) + ": " + L.GetErrorString(rc);
+  const char* detail = L.GetLastError(comm);
+  if (detail && *detail) msg += std::string(" (") + detail + ")";
+  return Fail(msg);
+}
+
+ncclComm_t C(void* c) { return static_cast<ncclComm_t>(c); }
+cudaStream_t S(void* s) { return static_cast<cudaStream_t>(s); }
+
+bool ReduceType(int dtype, ncclDataType_t* t) {
+  switch (dtype) {
+    case SHOAL_FLOAT16: *t = ncclFloat16; return true;
+    case SHOAL_BFLOAT16: *t = ncclBfloat16; return true;
+    case SHOAL_FLOAT32: *t = ncclFloat32; return true;
+    case SHOAL_FLOAT64: *t = ncclFloat64; return true;
+    case SHOAL_INT8: *t = ncclInt8; return true;
+    case SHOAL_UINT8: *t = ncclUint8; return true;
+    case SHOAL_INT32: *t = ncclInt32; return true;
+    case SHOAL_INT64: *t = ncclInt64; return true;
+    default: return false;  // int16, bool: no NCCL reduction type
+  }
+}
+
+shoal_cuda_error UniqueId(void* id) {
+  SHOAL_NCCL_LOADED();
+  static_assert(sizeof(ncclUniqueId) == 128, "NCCL unique id size");
+  return NcclCheck(L, L.GetUniqueId(static_cast<ncclUniqueId*>(id)), "ncclGetUniqueId");
+}
+
+shoal_cuda_error CommInit(int device, int nranks, const void* id, int rank, void** comm) {
+  SHOAL_NCCL_LOADED();
+  SHOAL_CUDA_TRY(Check(cudaSetDevice(device), "cudaSetDevice"));
+  ncclUniqueId uid;
+  std::memcpy(&uid, id, sizeof uid);
+  ncclComm_t c = nullptr;
+  SHOAL_CUDA_TRY(NcclCheck(L, L.CommInitRank(&c, nranks, uid, rank), "ncclCommInitRank"));
+  *comm = c;
+  return nullptr;
+}
+
+shoal_cuda_error CommDestroy(void* comm) {
+  SHOAL_NCCL_LOADED();
+  return NcclCheck(L, L.CommDestroy(C(comm)), "ncclCommDestroy");
+}
+
+shoal_cuda_error CheckComm(void* comm) {
+  SHOAL_NCCL_LOADED();
+  ncclResult_t async = ncclSuccess;
+  SHOAL_CUDA_TRY(NcclCheck(L, L.CommGetAsyncError(C(comm), &async), "ncclCommGetAsyncError", C(comm)));
+  return NcclCheck(L, async, "NCCL operation failed", C(comm));
+}
+
+shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, void* comm, void* stream) {
+  SHOAL_NCCL_LOADED();
+  ncclDataType_t t;
+  if (!ReduceType(dtype, &t)) return Fail(std::string("NCCL cannot sum ") + (dtype == SHOAL_INT16 ? "int16" : "bool") + " tensors");
+  return NcclCheck(L, L.AllReduce(buf, buf, count, t, ncclSum, C(comm), S(stream)), "ncclAllReduce", C(comm));
+}
+
+shoal_cuda_error Broadcast(void* buf, int64_t nbytes, int root, void* comm, void* stream) {
+  SHOAL_NCCL_LOADED();
+  return NcclCheck(L, L.Broadcast(buf, buf, nbytes, ncclUint8, root, C(comm), S(stream)), "ncclBroadcast", C(comm));
+}
+
+shoal_cuda_error Allgatherv(const void* send, void* recv, const int64_t* nbytes, const int64_t* offsets,
+                            int nranks, void* comm, void* stream) {
+  SHOAL_NCCL_LOADED();
+  SHOAL_CUDA_TRY(NcclCheck(L, L.GroupStart(), "ncclGroupStart"));
+  shoal_cuda_error err = nullptr;
+  for (int r = 0; r < nranks && !err; ++r) {
+    if (nbytes[r] == 0) continue;
+    err = NcclCheck(L, L.Broadcast(send, static_cast<char*>(recv) + offsets[r], nbytes[r], ncclUint8, r, C(comm), S(stream)),
+                "ncclBroadcast (allgather)", C(comm));
+  }
+  shoal_cuda_error end = NcclCheck(L, L.GroupEnd(), "ncclGroupEnd", C(comm));
+  return err ? err : end;
+}
+
+shoal_cuda_error Exchange(const shoal_nccl_peer* sends, int n_send, const shoal_nccl_peer* recvs, int n_recv,
+                          void* comm, void* stream) {
+  SHOAL_NCCL_LOADED();
+  SHOAL_CUDA_TRY(NcclCheck(L, L.GroupStart(), "ncclGroupStart"));
+  shoal_cuda_error err = nullptr;
+  for (int k = 0; k < n_send && !err; ++k)
+    err = NcclCheck(L, L.Send(sends[k].buf, sends[k].count, ncclUint8, sends[k].peer, C(comm), S(stream)), "ncclSend", C(comm));
+  for (int k = 0; k < n_recv && !err; ++k)
+    err = NcclCheck(L, L.Recv(recvs[k].buf, recvs[k].count, ncclUint8, recvs[k].peer, C(comm), S(stream)), "ncclRecv", C(comm));
+  shoal_cuda_error end = NcclCheck(L, L.GroupEnd(), "ncclGroupEnd", C(comm));
+  return err ? err : end;
+}
+
+}  // namespace
+
+void FillNccl(shoal_cuda_api* t) {
+  t->has_nccl = 1;
+  t->nccl_unique_id = UniqueId;
+  t->nccl_comm_init = CommInit;
+  t->nccl_comm_destroy = CommDestroy;
+  t->nccl_check = CheckComm;
+  t->nccl_allreduce = AllReduce;
+  t->nccl_broadcast = Broadcast;
+  t->nccl_allgatherv = Allgatherv;
+  t->nccl_exchange = Exchange;
+}
+
+const char* NcclBuildInfo() {
+  static const std::string s = "NCCL backend (built against NCCL " + std::to_string(NCCL_MAJOR) + "." +
+                               std::to_string(NCCL_MINOR) + " headers; libnccl loaded at run time)";
+  return s.c_str();
+}
+
+}  // namespace shoal_cuda
+
+#else  // no NCCL headers at build time: the table's nccl_* entries stay NULL
+
+namespace shoal_cuda {
+void FillNccl(shoal_cuda_api* t) { t->has_nccl = 0; }
+const char* NcclBuildInfo() { return "no NCCL backend (built without NCCL headers)"; }
+}  // namespace shoal_cuda
+
+#endif

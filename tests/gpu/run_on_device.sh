@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 8's GPU checks, on one GPU machine with no network (about 5 minutes on one H200):
+#   1. build Shoal in place with the machine's python3/torch and its system MPI (MPICXX
+#      or MPI_HOME if set, else the mpicxx on PATH), nvcc and the nvidia-nccl wheel;
+#   2. shoalrun --check-build;
+#   3. pytest tests/gpu (kernels vs torch; 4 ranks sharing the GPU through the MPI path,
+#      every op in float32/bfloat16, stream race 100x; NCCL with one rank);
+#   4. benchmarks/gpu_kernels.py (combine vs device-to-device copy bandwidth).
+# Prints a summary: test counts, the stream-race result, the bandwidth ratio. Logs go to
+# $OUT (or /tmp/shoal-gpu). Usage: bash tests/gpu/run_on_device.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+LOGS=${OUT:-/tmp/shoal-gpu}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+command -v nvcc && nvcc --version | tail -1
+
+if [ -z "${MPI_HOME:-}" ] && [ -z "${MPICXX:-}" ]; then
+  for w in mpicxx mpic++ mpiCC; do
+    if command -v "$w" >/dev/null; then export MPICXX=$(command -v "$w"); break; fi
+  done
+fi
+echo "== build (MPICXX=${MPICXX:-} MPI_HOME=${MPI_HOME:-})"
+start=$SECONDS
+if ! "$PY" -m pip install --no-deps --no-build-isolation -e . >"$LOGS/build.log" 2>&1; then
+  tail -40 "$LOGS/build.log"; echo "BUILD FAILED"; exit 1
+fi
+grep -E "Shoal: " "$LOGS/build.log" | head -3
+echo "built in $((SECONDS - start)) s"
+
+echo "== check-build"
+"$PY" -m shoal.launcher.run --check-build | tee "$LOGS/check-build.txt"
+
+echo "== GPU tests"
+"$PY" -m pytest -q -rA -p no:cacheprovider tests/gpu tests/test_gpu_build.py 2>&1 | tee "$LOGS/gpu-tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== kernel benchmark"
+"$PY" benchmarks/gpu_kernels.py 2>&1 | tee "$LOGS/bench.log"
+
+echo "== summary"
+grep -E "^(CUDA kernels|NCCL backend):" "$LOGS/check-build.txt"
+grep -E "[0-9]+ (passed|failed|skipped|error)" "$LOGS/gpu-tests.log" | tail -1
+grep -hoE "stream race: [0-9]+/100 correct" "$LOGS/gpu-tests.log" | sort | uniq -c
+grep -E "ratio \(worst dtype\)" "$LOGS/bench.log"
+exit "$tests_rc"
