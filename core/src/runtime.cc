@@ -274,7 +274,7 @@ void Runtime::Loop() {
       continue;
     }
     const bool busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
-                      (gpu_ && !gpu_->Idle());
+                      (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty();
     if (busy && Clock::now() - last_progress < spin_window) {
       std::this_thread::yield();
       continue;
