@@ -17,7 +17,10 @@ from shoal.basics import __all__ as _basics_all
 from . import _ops as _torch_ops
 from ._adapter import ADAPTER
 
+from shoal._win import build_win_api  # noqa: E402
+
 _api = build_api(ADAPTER)
+_api.update(build_win_api(ADAPTER))
 globals().update(_api)
 # Blocking forms go through the registered torch.library ops.
 from ._ops import allgather, allreduce, broadcast, neighbor_allreduce  # noqa: E402,F401,F811
