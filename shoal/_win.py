@@ -207,7 +207,7 @@ def build_win_api(adapter):
             nbr, sw, uniform = {r: 1.0 for r in recv}, 1.0, True
         out = adapter.clone(t) if clone else t
         _wait(_submit(UPDATE, name, (t, out), ranks=list(nbr), weights=list(nbr.values()),
-                      self_weight=sw, uniform=uniform, reset=bool(reset),
+                      self_weight=sw, uniform=uniform, reset=bool(reset), clone=bool(clone),
                       require_mutex=bool(require_mutex), **tensor_args(out, "win_update")))
         return out
 

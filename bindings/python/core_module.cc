@@ -69,7 +69,7 @@ int64_t WinEnqueue(int op, const std::string& name, uintptr_t data, int dtype,
                    const std::vector<int64_t>& shape, const std::vector<int32_t>& ranks,
                    const std::vector<double>& weights, const std::vector<int32_t>& send_ranks,
                    double self_weight, bool uniform, bool zero_init, bool require_mutex, bool reset,
-                   bool with_p, bool for_self) {
+                   bool with_p, bool for_self, bool clone) {
   shoal_win_desc d{};
   d.op = op;
   d.name = name.c_str();
@@ -89,6 +89,7 @@ int64_t WinEnqueue(int op, const std::string& name, uintptr_t data, int dtype,
   d.reset = reset;
   d.with_p = with_p;
   d.for_self = for_self;
+  d.clone = clone;
   int64_t handle = 0;
   char err[kErrLen];
   Check(shoal_win_enqueue(&d, &handle, err, kErrLen), err);
@@ -173,7 +174,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("ranks") = std::vector<int32_t>{}, py::arg("weights") = std::vector<double>{},
         py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("self_weight") = 1.0,
         py::arg("uniform") = false, py::arg("zero_init") = false, py::arg("require_mutex") = false,
-        py::arg("reset") = false, py::arg("with_p") = false, py::arg("for_self") = false);
+        py::arg("reset") = false, py::arg("with_p") = false, py::arg("for_self") = false, py::arg("clone") = false);
   m.def("win_poll", [](int64_t h) {
     int r = shoal_win_poll(h);
     if (r < 0) Raise(-r, ("unknown window handle " + std::to_string(h)).c_str());

@@ -185,6 +185,7 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
   a.reset = d->reset;
   a.with_p = d->with_p;
   a.for_self = d->for_self;
+  a.clone = d->clone;
   static const char* kDtypes = "float16, bfloat16, float32, float64, int32, int64";
   if (d->op != SHOAL_WIN_FREE && d->op != SHOAL_WIN_LOCK && d->op != SHOAL_WIN_UNLOCK && d->op != SHOAL_WIN_GET &&
       (a.dtype < SHOAL_FLOAT16 || a.dtype > SHOAL_INT64 || a.dtype == SHOAL_INT8 || a.dtype == SHOAL_UINT8 || a.dtype == SHOAL_INT16))

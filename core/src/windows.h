@@ -36,6 +36,7 @@ struct WinArgs {
   double self_weight = 1.0;
   bool uniform = false;  // update: (x + sum of buffers) / (m + 1), sum then divide
   bool zero_init = false, require_mutex = false, reset = false, with_p = false, for_self = false;
+  bool clone = false;  // update: writes a copy; the published value stays
 };
 
 // The communication engine of windows (MPI: core/src/backends/mpi/mpi_windows.cc).

@@ -148,6 +148,7 @@ typedef struct {
   double self_weight; /* put/accumulate: local tensor *= self_weight; update: weight of x */
   int32_t uniform;    /* update: (x + sum of buffers) / (n + 1) */
   int32_t zero_init, require_mutex, reset, with_p, for_self;
+  int32_t clone;      /* update: the tensor is a copy; do not publish it as this rank's value */
 } shoal_win_desc;
 
 int shoal_win_enqueue(const shoal_win_desc* desc, int64_t* handle, char* err, size_t err_len);

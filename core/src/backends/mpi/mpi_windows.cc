@@ -342,7 +342,7 @@ class MpiWindows : public WindowEngine {
             w->SlotP(k) = 0.0;
           }
         }
-        std::memcpy(w->base, a.data, w->nbytes);
+        if (!a.clone) std::memcpy(w->base, a.data, w->nbytes);  // publish
       }
       if (a.require_mutex) for (auto it = sorted.rbegin(); it != sorted.rend(); ++it) Lock(w, rank_, *it, false);
       stats_->win_updates += 1;
