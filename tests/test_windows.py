@@ -14,3 +14,10 @@ def test_200_create_put_update_free_cycles_leak_nothing():
     out = run_ok(4, "windows.py", "no_leaks_over_200_cycles", "--cycles", timeout=240)
     print(out)
     assert out.count("windows=0 window_bytes=0") == 4, out
+
+
+def test_window_optimizers_do_not_wait_for_a_slow_rank():
+    out = run_ok(4, "win_optimizers.py", timeout=240)
+    print(out)  # step rates of the slow and the fast ranks
+    assert "sum of p after push-sum: 4.0000000000" in out, out
+    assert out.count("DistributedWinPutOptimizer:") == 4 and out.count("DistributedPushSumOptimizer:") == 4

@@ -29,13 +29,15 @@ from .consensus import ConsensusControl, consensus_distance  # noqa: E402
 from .optimizers import (CommunicationType, DistributedAdaptThenCombineOptimizer,  # noqa: E402
                          DistributedAdaptWithCombineOptimizer, DistributedGradientAllreduceOptimizer,
                          DistributedOptimizer)
+from .win_optimizers import DistributedPushSumOptimizer, DistributedWinPutOptimizer  # noqa: E402
 from .utility import (allgather_object, allreduce_parameters, broadcast_object,  # noqa: E402
                       broadcast_optimizer_state, broadcast_parameters)
 
 __all__ = list(_basics_all) + sorted(_api) + [
     "ConsensusControl", "consensus_distance", "CommunicationType",
     "DistributedAdaptThenCombineOptimizer", "DistributedAdaptWithCombineOptimizer",
-    "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "allgather_object",
+    "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "DistributedPushSumOptimizer",
+    "DistributedWinPutOptimizer", "allgather_object",
     "allreduce_parameters", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters"] + ["Sum", "Average", "ReduceOp", "topology",
                                                          "InferSourceFromDestinationRanks",

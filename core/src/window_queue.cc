@@ -34,28 +34,32 @@ int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn) {
   return h;
 }
 
+// Runs the job at the head of the queue (lock held on entry and exit).
+void WindowQueue::RunFront(std::unique_lock<std::mutex>& lock) {
+  auto job = queue_.front().second;
+  queue_.pop_front();
+  running_ = true;
+  lock.unlock();
+  Status st;
+  try {
+    st = job->fn(*engine_);
+  } catch (const std::exception& ex) {
+    st = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
+  }
+  lock.lock();
+  job->status = st;
+  job->done = true;
+  running_ = false;
+  cv_.notify_all();
+  done_cv_.notify_all();
+}
+
 void WindowQueue::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    std::shared_ptr<Job> job;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (stop_) return;
-      job = queue_.front().second;
-      queue_.pop_front();
-    }
-    Status st;
-    try {
-      st = job->fn(*engine_);
-    } catch (const std::exception& ex) {
-      st = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job->status = st;
-      job->done = true;
-    }
-    done_cv_.notify_all();
+    cv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !running_); });
+    if (stop_) return;
+    RunFront(lock);
   }
 }
 
@@ -71,6 +75,10 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
   auto it = jobs_.find(h);
   if (it == jobs_.end()) return Status::Error(SHOAL_UNKNOWN_HANDLE, "unknown window handle " + std::to_string(h));
   auto job = it->second;
+  // A waiter whose job is next runs it itself: a blocking window op then costs no
+  // thread hand-off (the window thread only carries ops nobody is waiting for yet).
+  if (!job->done && !running_ && !stop_ && !queue_.empty() && queue_.front().second == job)
+    RunFront(lock);
   if (timeout_ms < 0) {
     done_cv_.wait(lock, [&] { return job->done; });
   } else if (!done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return job->done; })) {

@@ -58,7 +58,7 @@ class WindowEngine {
 std::unique_ptr<WindowEngine> CreateMpiWindows(const Config& cfg, Stats* stats,
                                                const std::atomic<bool>* stop);
 
-// The window thread: runs submitted jobs in order; handles in their own space.
+// The window thread: runs submitted jobs one at a time, in order; handles in their own space.
 class WindowQueue {
  public:
   // `make` builds the engine; it gets the flag that tells long waits to give up.
@@ -74,6 +74,7 @@ class WindowQueue {
 
  private:
   void Loop();
+  void RunFront(std::unique_lock<std::mutex>& lock);
   struct Job {
     std::function<Status(WindowEngine&)> fn;
     bool done = false;
@@ -86,6 +87,7 @@ class WindowQueue {
   std::deque<std::pair<int64_t, std::shared_ptr<Job>>> queue_;
   std::map<int64_t, std::shared_ptr<Job>> jobs_;
   int64_t next_ = 1;
+  bool running_ = false;  // a job is running (on the window thread or a waiter)
   std::thread thread_;
 };
 

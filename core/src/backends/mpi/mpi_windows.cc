@@ -250,7 +250,9 @@ class MpiWindows : public WindowEngine {
         if (a.require_mutex) Lock(w, dst, k, true);
         const MPI_Aint disp = static_cast<MPI_Aint>((1 + k) * w->nbytes);
         {
-          Epoch e(w->data, dst, MPI_LOCK_SHARED);
+          // Data and control in one access epoch: the owner's win_update (exclusive on
+          // both) sees a value and its version and p together or not at all.
+          Epoch ed(w->data, dst, MPI_LOCK_SHARED), ec(w->ctrl, dst, MPI_LOCK_SHARED);
           MPI_Datatype sum = SumType(w->dtype);
           if (!accumulate) {
             Check(MPI_Put(src, Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Put");
@@ -263,9 +265,6 @@ class MpiWindows : public WindowEngine {
             Combine(old.data(), {src}, old.data(), w->dtype, w->count, false, 1.0, {1.0});
             Check(MPI_Put(old.data(), Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Put");
           }
-        }
-        {
-          Epoch e(w->ctrl, dst, MPI_LOCK_SHARED);
           const int64_t one = 1;
           if (!accumulate)
             Check(MPI_Accumulate(&one, 1, MPI_INT64_T, dst, w->VersionAt(k), 1, MPI_INT64_T, MPI_SUM, w->ctrl), "MPI_Accumulate");
