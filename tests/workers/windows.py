@@ -195,6 +195,24 @@ def mutex_excludes_a_put_until_released():
 
 
 @check
+def window_collectives_interleave_with_background_collectives():
+    # Even ranks have an allreduce in flight while they create/free a window; odd ranks
+    # finish the allreduce first. Neither thread waits for the other.
+    shoal.win_free()
+    for i in range(5):
+        if R % 2 == 0:
+            h = shoal.allreduce_nonblocking(np.ones(1000), name=f"inflight.{i}")
+            shoal.win_create(data(R), f"il.{i}")
+            got = shoal.synchronize(h)
+        else:
+            got = shoal.allreduce(np.ones(1000), name=f"inflight.{i}")
+            shoal.win_create(data(R), f"il.{i}")
+        assert np.array_equal(got, np.ones(1000))
+        shoal.win_put(data(R), f"il.{i}")
+        shoal.win_free(f"il.{i}")
+
+
+@check
 def set_topology_refused_while_windows_exist():
     fresh("topo", "float32")
     assert shoal.set_topology(T.ring_graph(N)) is False
