@@ -20,9 +20,11 @@ else:
     from .basics import *  # noqa: F401,F403
     from .basics import __all__ as _basics_all
 
+    from ._win import build_win_api
     globals().update(build_api(_ADAPTER))
+    globals().update(build_win_api(_ADAPTER))
 
     __version__ = "0.1.0"
-    __all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + [
+    __all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + sorted(build_win_api(_ADAPTER)) + [
         "Sum", "Average", "ReduceOp", "topology", "InferSourceFromDestinationRanks",
         "InferDestinationFromSourceRanks"]

@@ -31,6 +31,24 @@ class NumpyAdapter:
         src = a if a.flags.c_contiguous else a.copy(order="C")
         return src, (np.empty_like(src) if need_output else None)
 
+    # Window ops (shoal/_win.py): the registered tensor is written in place.
+    def dtype_name(self, a):
+        return np.asarray(a).dtype.name
+
+    def check_window_tensor(self, a, op):
+        if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.flags.writeable \
+                or not a.dtype.isnative:
+            raise ValueError(f"{op}: needs a writeable, C-contiguous numpy array in native byte order")
+        self._code(a)
+
+    def contiguous(self, a, op):
+        a = np.asarray(a)
+        self._code(a)
+        return a if a.flags.c_contiguous and a.dtype.isnative else np.ascontiguousarray(a, a.dtype.newbyteorder("="))
+
+    def clone(self, a):
+        return a.copy()
+
     def from_bytes(self, data, shape, like):
         return data.view(like.dtype).reshape(shape)
 

@@ -71,8 +71,10 @@ def _install_excepthook():
 
 def shutdown():
     """Stop the runtime; pending ops fail with ShoalError. `init()` may be called again."""
+    from . import _win
     with _lock:
         _core.shutdown()
+        _win.forget_all()
         _state.update(topology=None, weighted=False, plan=None, machine_topology=None,
                       machine_weighted=False, machine_plan=None)
 
@@ -164,12 +166,20 @@ def set_topology(topology=None, is_weighted=False):
             (W[i, j] = weight rank j gives rank i); None means the exponential-2 graph.
         is_weighted: combine with the graph's weights instead of uniform weights.
     Returns:
-        True (False is reserved for refusals, e.g. while windows exist).
+        True, or False (with a message on stderr) while windows exist: their buffers
+        follow the topology they were created with.
     Raises:
         TypeError: not a graph or matrix. ValueError: wrong number of nodes, or ranks
         passed different graphs.
     """
     _require_init()
+    from . import _win
+    if _win.windows_exist():
+        if local_rank() == 0:
+            sys.stderr.write("[shoal] set_topology refused: windows exist (" +
+                             ", ".join(_win.get_current_created_window_names()) +
+                             "); win_free() them first\n")
+        return False
     graph = _topo.exponential_two_graph(size()) if topology is None else _topo.as_graph(topology)
     if graph.number_of_nodes() != size():
         raise ValueError(f"topology has {graph.number_of_nodes()} nodes but there are {size()} ranks")

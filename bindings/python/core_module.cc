@@ -69,6 +69,51 @@ int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
   return handle;
 }
 
+int64_t WinEnqueue(int op, const std::string& name, uintptr_t data, int dtype,
+                   const std::vector<int64_t>& shape, const std::vector<int32_t>& ranks,
+                   const std::vector<double>& weights, const std::vector<int32_t>& send_ranks,
+                   double self_weight, bool uniform, bool zero_init, bool require_mutex, bool reset,
+                   bool with_p, bool for_self, bool clone) {
+  shoal_win_desc d{};
+  d.op = op;
+  d.name = name.c_str();
+  d.tensor.data = reinterpret_cast<void*>(data);
+  d.tensor.dtype = dtype;
+  d.tensor.ndim = static_cast<int32_t>(shape.size());
+  d.tensor.shape = shape.data();
+  d.n = static_cast<int32_t>(ranks.size());
+  d.ranks = ranks.data();
+  d.weights = weights.empty() ? nullptr : weights.data();
+  d.n_send = static_cast<int32_t>(send_ranks.size());
+  d.send_ranks = send_ranks.data();
+  d.self_weight = self_weight;
+  d.uniform = uniform;
+  d.zero_init = zero_init;
+  d.require_mutex = require_mutex;
+  d.reset = reset;
+  d.with_p = with_p;
+  d.for_self = for_self;
+  d.clone = clone;
+  int64_t handle = 0;
+  char err[kErrLen];
+  Check(shoal_win_enqueue(&d, &handle, err, kErrLen), err);
+  return handle;
+}
+
+// Waits in 200 ms slices without the GIL, checking for Ctrl-C between them.
+template <typename F> void WaitInterruptibly(F wait_for) {
+  char err[kErrLen];
+  int rc;
+  do {
+    {
+      py::gil_scoped_release nogil;
+      rc = wait_for(err);
+    }
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  } while (rc == SHOAL_TIMEOUT);
+  Check(rc, err);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -127,17 +172,63 @@ PYBIND11_MODULE(_core, m) {
     return r == 1;
   });
   m.def("wait", [](int64_t h) {
+    WaitInterruptibly([h](char* err) { return shoal_wait_for(h, 200, err, kErrLen); });
+  });
+  m.def("win_enqueue", &WinEnqueue, py::arg("op"), py::arg("name"), py::arg("data") = 0,
+        py::arg("dtype") = 2, py::arg("shape") = std::vector<int64_t>{},
+        py::arg("ranks") = std::vector<int32_t>{}, py::arg("weights") = std::vector<double>{},
+        py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("self_weight") = 1.0,
+        py::arg("uniform") = false, py::arg("zero_init") = false, py::arg("require_mutex") = false,
+        py::arg("reset") = false, py::arg("with_p") = false, py::arg("for_self") = false, py::arg("clone") = false);
+  m.def("win_poll", [](int64_t h) {
+    int r = shoal_win_poll(h);
+    if (r < 0) Raise(-r, ("unknown window handle " + std::to_string(h)).c_str());
+    return r == 1;
+  });
+  m.def("win_wait", [](int64_t h) {
+    WaitInterruptibly([h](char* err) { return shoal_win_wait_for(h, 200, err, kErrLen); });
+  });
+  m.def("win_release", [](int64_t h) { shoal_win_release(h); });
+  m.def("win_versions", [](const std::string& name) {
     char err[kErrLen];
+    std::vector<int32_t> ranks(shoal_size() > 0 ? shoal_size() : 1);
+    std::vector<int64_t> v(ranks.size());
+    int32_t n = 0;
     int rc;
-    do {
-      {
-        py::gil_scoped_release nogil;  // blocks on a condition variable, no spinning
-        rc = shoal_wait_for(h, 200, err, kErrLen);
-      }
-      // Between waits, let Ctrl-C (or another signal handler) interrupt the wait.
-      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    } while (rc == SHOAL_TIMEOUT);
+    {
+      py::gil_scoped_release nogil;
+      rc = shoal_win_versions(name.c_str(), ranks.data(), v.data(), static_cast<int32_t>(ranks.size()), &n, err, kErrLen);
+    }
     Check(rc, err);
+    py::dict d;
+    for (int32_t i = 0; i < n; ++i) d[py::int_(ranks[i])] = v[i];
+    return d;
+  });
+  m.def("win_associated_p", [](const std::string& name) {
+    char err[kErrLen];
+    double p = 0;
+    int rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = shoal_win_associated_p(name.c_str(), &p, err, kErrLen);
+    }
+    Check(rc, err);
+    return p;
+  });
+  m.def("win_names", [] {
+    std::vector<char> buf(1 << 20);
+    int rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = shoal_win_names(buf.data(), buf.size());
+    }
+    Check(rc, buf.data());
+    std::vector<std::string> names;
+    std::string s(buf.data()), cur;
+    for (char c : s) {
+      if (c == '\n') { names.push_back(cur); cur.clear(); } else cur += c;
+    }
+    return names;
   });
   m.def("take_result", [](int64_t h) {
     void* data = nullptr;

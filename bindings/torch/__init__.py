@@ -17,7 +17,10 @@ from shoal.basics import __all__ as _basics_all
 from . import _ops as _torch_ops
 from ._adapter import ADAPTER
 
+from shoal._win import build_win_api  # noqa: E402
+
 _api = build_api(ADAPTER)
+_api.update(build_win_api(ADAPTER))
 globals().update(_api)
 # Blocking forms go through the registered torch.library ops.
 from ._ops import allgather, allreduce, broadcast, neighbor_allreduce  # noqa: E402,F401,F811
@@ -26,13 +29,15 @@ from .consensus import ConsensusControl, consensus_distance  # noqa: E402
 from .optimizers import (CommunicationType, DistributedAdaptThenCombineOptimizer,  # noqa: E402
                          DistributedAdaptWithCombineOptimizer, DistributedGradientAllreduceOptimizer,
                          DistributedOptimizer)
+from .win_optimizers import DistributedPushSumOptimizer, DistributedWinPutOptimizer  # noqa: E402
 from .utility import (allgather_object, allreduce_parameters, broadcast_object,  # noqa: E402
                       broadcast_optimizer_state, broadcast_parameters)
 
 __all__ = list(_basics_all) + sorted(_api) + [
     "ConsensusControl", "consensus_distance", "CommunicationType",
     "DistributedAdaptThenCombineOptimizer", "DistributedAdaptWithCombineOptimizer",
-    "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "allgather_object",
+    "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "DistributedPushSumOptimizer",
+    "DistributedWinPutOptimizer", "allgather_object",
     "allreduce_parameters", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters"] + ["Sum", "Average", "ReduceOp", "topology",
                                                          "InferSourceFromDestinationRanks",

@@ -47,6 +47,23 @@ class TorchAdapter:
         src = tensor.detach().contiguous()
         return src, (torch.empty_like(src) if need_output else None)
 
+    # Window ops (shoal/_win.py): the registered tensor is written in place (through its
+    # memory, so autograd does not see it: BlueFog's `.data` semantics).
+    def dtype_name(self, t):
+        return str(t.dtype).replace("torch.", "")
+
+    def check_window_tensor(self, t, op):
+        self._check(t, op)
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: needs a contiguous tensor; call .contiguous() first")
+
+    def contiguous(self, t, op):
+        self._check(t, op)
+        return t.detach().contiguous()
+
+    def clone(self, t):
+        return t.detach().clone()
+
     def from_bytes(self, data, shape, like):
         if data.size == 0:
             return torch.empty(shape, dtype=like.dtype, device=like.device)

@@ -56,6 +56,9 @@ int shoal_init(char* err, size_t len) {
     if (!backend->world().threads_multiple)
       shoal::Log(shoal::LOG_WARNING, "MPI was initialised without MPI_THREAD_MULTIPLE; do not call MPI from other threads while Shoal runs");
     g_runtime = std::make_shared<Runtime>(cfg, std::move(backend));
+    auto* stats = &g_runtime->stats();
+    g_runtime->AttachWindows(std::make_unique<shoal::WindowQueue>(
+        [&](const std::atomic<bool>* stop) { return shoal::CreateMpiWindows(cfg, stats, stop); }));
   } catch (const std::exception& ex) {
     return Report(Status::Error(SHOAL_INVALID_ARGUMENT, ex.what()), err, len);
   }
@@ -157,6 +160,109 @@ int shoal_timeline_end_activity(const char* tensor_name) {
   if (!rt || !rt->timeline().enabled()) return 0;
   rt->timeline().End(tensor_name);
   return 1;
+}
+
+int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt || !rt->windows()) return Report(NotInitialized(), err, len);
+  shoal::WinArgs a;
+  a.name = d->name ? d->name : "";
+  a.data = d->tensor.data;
+  a.dtype = d->tensor.dtype;
+  a.shape.assign(d->tensor.shape, d->tensor.shape + std::max(d->tensor.ndim, 0));
+  const int size = rt->world().size;
+  for (int i = 0; i < d->n; ++i) {
+    if (d->ranks[i] < 0 || d->ranks[i] >= size)
+      return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "window op: rank " + std::to_string(d->ranks[i]) +
+                                  " is outside [0, " + std::to_string(size) + ")"), err, len);
+    a.ranks.push_back(d->ranks[i]);
+    a.weights.push_back(d->weights ? d->weights[i] : 1.0);
+  }
+  a.send.assign(d->send_ranks, d->send_ranks + std::max(d->n_send, 0));
+  a.self_weight = d->self_weight;
+  a.uniform = d->uniform;
+  a.zero_init = d->zero_init;
+  a.require_mutex = d->require_mutex;
+  a.reset = d->reset;
+  a.with_p = d->with_p;
+  a.for_self = d->for_self;
+  a.clone = d->clone;
+  static const char* kDtypes = "float16, bfloat16, float32, float64, int32, int64";
+  if (d->op != SHOAL_WIN_FREE && d->op != SHOAL_WIN_LOCK && d->op != SHOAL_WIN_UNLOCK && d->op != SHOAL_WIN_GET &&
+      (a.dtype < SHOAL_FLOAT16 || a.dtype > SHOAL_INT64 || a.dtype == SHOAL_INT8 || a.dtype == SHOAL_UINT8 || a.dtype == SHOAL_INT16))
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, std::string("window ops support ") + kDtypes), err, len);
+  std::function<Status(shoal::WindowEngine&)> job;
+  switch (d->op) {
+    case SHOAL_WIN_CREATE: job = [a](shoal::WindowEngine& w) { return w.Create(a); }; break;
+    case SHOAL_WIN_FREE: job = [a](shoal::WindowEngine& w) { return w.Free(a.name); }; break;
+    case SHOAL_WIN_PUT: job = [a](shoal::WindowEngine& w) { return w.Put(a, false); }; break;
+    case SHOAL_WIN_ACCUMULATE: job = [a](shoal::WindowEngine& w) { return w.Put(a, true); }; break;
+    case SHOAL_WIN_GET: job = [a](shoal::WindowEngine& w) { return w.Get(a); }; break;
+    case SHOAL_WIN_UPDATE: job = [a](shoal::WindowEngine& w) { return w.Update(a); }; break;
+    case SHOAL_WIN_LOCK: job = [a](shoal::WindowEngine& w) { return w.Mutex(a, true); }; break;
+    case SHOAL_WIN_UNLOCK: job = [a](shoal::WindowEngine& w) { return w.Mutex(a, false); }; break;
+    default: return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "unknown window op " + std::to_string(d->op)), err, len);
+  }
+  try {
+    *handle = rt->windows()->Submit(std::move(job));
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_win_poll(int64_t handle) {
+  auto rt = Current();
+  return rt && rt->windows() ? rt->windows()->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_win_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt || !rt->windows()) return Report(NotInitialized(), err, len);
+  return Report(rt->windows()->Wait(handle, timeout_ms), err, len);
+}
+
+int shoal_win_release(int64_t handle) {
+  auto rt = Current();
+  return rt && rt->windows() && rt->windows()->Release(handle) ? SHOAL_OK : SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_win_versions(const char* name, int32_t* ranks, int64_t* versions, int32_t cap, int32_t* n,
+                       char* err, size_t len) {
+  auto rt = Current();
+  if (!rt || !rt->windows()) return Report(NotInitialized(), err, len);
+  std::vector<int> r;
+  std::vector<int64_t> v;
+  std::string nm = name;
+  Status st = rt->windows()->Run([&](shoal::WindowEngine& w) { return w.Versions(nm, &r, &v); });
+  if (!st.ok()) return Report(st, err, len);
+  *n = static_cast<int32_t>(r.size());
+  for (size_t i = 0; i < r.size() && static_cast<int32_t>(i) < cap; ++i) {
+    ranks[i] = r[i];
+    versions[i] = v[i];
+  }
+  return SHOAL_OK;
+}
+
+int shoal_win_associated_p(const char* name, double* p, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt || !rt->windows()) return Report(NotInitialized(), err, len);
+  std::string nm = name;
+  return Report(rt->windows()->Run([&](shoal::WindowEngine& w) { return w.AssociatedP(nm, p); }), err, len);
+}
+
+int shoal_win_names(char* buf, size_t len) {
+  auto rt = Current();
+  if (!rt || !rt->windows()) return Report(NotInitialized(), buf, len);
+  std::vector<std::string> names;
+  Status st = rt->windows()->Run([&](shoal::WindowEngine& w) {
+    names = w.Names();
+    return Status::Ok();
+  });
+  if (!st.ok()) return Report(st, buf, len);
+  std::string out;
+  for (auto& n : names) out += n + "\n";
+  return Report(Status::Error(0, out), buf, len);
 }
 
 int shoal_stats(char* buf, size_t len) {

@@ -1,5 +1,6 @@
 #include "reduce.h"
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
@@ -85,14 +86,24 @@ struct BF16 {
   static uint16_t Save(float v) { return FloatToBFloat16(v); }
 };
 
+// Integers (window ops) compute in double and round to nearest.
+template <typename S> struct Rounded {
+  using Store = S;
+  using Acc = double;
+  static double Load(S v) { return static_cast<double>(v); }
+  static S Save(double v) { return static_cast<S>(std::llround(v)); }
+};
+
 template <typename Fn> void DispatchFloating(int dtype, Fn&& fn) {
   switch (dtype) {
     case SHOAL_FLOAT16: return fn(F16{});
     case SHOAL_BFLOAT16: return fn(BF16{});
     case SHOAL_FLOAT32: return fn(Plain<float, float>{});
     case SHOAL_FLOAT64: return fn(Plain<double, double>{});
+    case SHOAL_INT32: return fn(Rounded<int32_t>{});
+    case SHOAL_INT64: return fn(Rounded<int64_t>{});
   }
-  throw std::invalid_argument("floating dtype required");
+  throw std::invalid_argument("weighted math needs a floating, int32 or int64 dtype");
 }
 
 }  // namespace

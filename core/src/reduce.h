@@ -16,9 +16,10 @@ uint16_t FloatToBFloat16(float f);
 void WidenToFloat32(const void* src, int dtype, float* dst, size_t n);
 void NarrowFromFloat32(const float* src, int dtype, void* dst, size_t n);
 
-// dst[i] = src[i] / divisor, floating dtypes only (dst may alias src).
+// Weighted math takes floating dtypes, and int32/int64 (computed in double, rounded).
+// dst[i] = src[i] / divisor (dst may alias src).
 void Divide(const void* src, void* dst, int dtype, size_t n, double divisor);
-// dst[i] = src[i] * w, floating dtypes only (dst may alias src).
+// dst[i] = src[i] * w (dst may alias src).
 void Scale(const void* src, void* dst, int dtype, size_t n, double w);
 
 // Weighted combine for neighbor averaging, written to `out` (may alias `self`):

@@ -59,6 +59,7 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
 }
 
 void Runtime::Stop() {
+  if (windows_) windows_->Stop();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;

@@ -26,6 +26,7 @@
 #include "neighbor.h"
 #include "stats.h"
 #include "timeline.h"
+#include "windows.h"
 
 namespace shoal {
 
@@ -40,6 +41,9 @@ class Runtime {
   const Config& config() const { return cfg_; }
   Stats& stats() { return stats_; }
   Timeline& timeline() { return timeline_; }
+  // One-sided window ops run on their own thread (windows.h); null until attached.
+  void AttachWindows(std::unique_ptr<WindowQueue> w) { windows_ = std::move(w); }
+  WindowQueue* windows() { return windows_.get(); }
 
   // Validates and queues; throws ArgumentError for bad arguments.
   int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
@@ -106,6 +110,7 @@ class Runtime {
   std::set<std::string> stall_warned_;  // coordinator: names already reported
   Clock::time_point start_ = Clock::now(), last_stall_check_ = Clock::now();
   std::thread thread_;
+  std::unique_ptr<WindowQueue> windows_;
 };
 
 }  // namespace shoal

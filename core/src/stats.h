@@ -1,4 +1,5 @@
-// Counters behind shoal.stats(); written by the background thread, read by anyone.
+// Counters behind shoal.stats(); written by the background and window threads, read by anyone.
+// windows / window_bytes are gauges: MPI windows and bytes they hold now.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -11,7 +12,8 @@ struct Stats {
 #define SHOAL_COUNTERS(X)                                                                   \
   X(allreduce) X(broadcast) X(allgather) X(barrier) X(neighbor_allreduce) X(neighbor_allgather) X(bytes_sent)    \
   X(bytes_received) X(fused_batches) X(negotiations) X(coordinator_rounds) X(cache_hits) \
-  X(global_collectives) X(stalls) X(errors)
+  X(global_collectives) X(stalls) X(errors) X(windows) X(window_bytes) X(win_puts)          \
+  X(win_accumulates) X(win_gets) X(win_updates)
 #define SHOAL_DECLARE(n) std::atomic<int64_t> n{0};
   SHOAL_COUNTERS(SHOAL_DECLARE)
 #undef SHOAL_DECLARE

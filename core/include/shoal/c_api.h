@@ -129,6 +129,41 @@ int shoal_release(int64_t handle);
 int shoal_timeline_start_activity(const char* tensor_name, const char* activity);
 int shoal_timeline_end_activity(const char* tensor_name);
 
+/* One-sided window ops (BlueFog's win_*), run in order on the window thread with their
+ * own handle space. Semantics: reference/bluefog-semantics.md §1.7 and shoal/_win.py. */
+typedef enum {
+  SHOAL_WIN_CREATE = 0, SHOAL_WIN_FREE = 1, SHOAL_WIN_PUT = 2, SHOAL_WIN_ACCUMULATE = 3,
+  SHOAL_WIN_GET = 4, SHOAL_WIN_UPDATE = 5, SHOAL_WIN_LOCK = 6, SHOAL_WIN_UNLOCK = 7
+} shoal_win_op;
+
+typedef struct {
+  int32_t op;         /* shoal_win_op */
+  const char* name;   /* free: NULL or "" frees every window */
+  shoal_tensor tensor; /* create/put/accumulate: the local value; update: updated in place */
+  int32_t n;          /* ranks: create = in-neighbours; put/accumulate = destinations;   */
+  const int32_t* ranks; /* get/update = sources; lock/unlock = mutex ranks             */
+  const double* weights; /* one per rank (NULL: 1.0); unused by create and lock      */
+  int32_t n_send;     /* create: out-neighbours */
+  const int32_t* send_ranks;
+  double self_weight; /* put/accumulate: local tensor *= self_weight; update: weight of x */
+  int32_t uniform;    /* update: (x + sum of buffers) / (n + 1) */
+  int32_t zero_init, require_mutex, reset, with_p, for_self;
+  int32_t clone;      /* update: the tensor is a copy; do not publish it as this rank's value */
+} shoal_win_desc;
+
+int shoal_win_enqueue(const shoal_win_desc* desc, int64_t* handle, char* err, size_t err_len);
+/* 1 when complete, 0 while pending, -SHOAL_UNKNOWN_HANDLE. */
+int shoal_win_poll(int64_t handle);
+/* As shoal_wait_for, for window handles (timeout_ms < 0: no limit). */
+int shoal_win_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t err_len);
+int shoal_win_release(int64_t handle);
+/* Puts and gets received per in-neighbour since the last update: n_out entries. */
+int shoal_win_versions(const char* name, int32_t* ranks, int64_t* versions, int32_t capacity,
+                       int32_t* n_out, char* err, size_t err_len);
+int shoal_win_associated_p(const char* name, double* p, char* err, size_t err_len);
+/* Names of the windows that exist, one per line, sorted. */
+int shoal_win_names(char* buf, size_t len);
+
 /* Counters as "key=value" lines. */
 int shoal_stats(char* buf, size_t len);
 void shoal_reset_stats(void);

@@ -1,0 +1,304 @@
+"""One-sided window ops (BlueFog's `win_*`, reference/bluefog-semantics.md §1.7).
+
+A window is a named tensor plus, on this rank, one receive buffer per in-neighbour of
+the topology at `win_create`. Neighbours write into those buffers with `win_put` /
+`win_accumulate` (and this rank fetches into them with `win_get`) without the owner
+taking part; `win_update` combines the buffers into the tensor when the owner chooses.
+The core keeps two MPI windows per tensor (data and control), whatever the world size.
+
+Progress model: window ops run in call order on a window thread of their own, with MPI
+passive-target RMA on their own communicator; they never wait for the background
+thread's collectives, nor it for them. `win_create`/`win_free` are collectives: every
+rank calls them, in the same order (a disagreement is the same error on every rank).
+`set_topology` refuses while windows exist.
+
+Differences from BlueFog: `win_get` reads the owner's value as of its last window op on
+that name (create, put, accumulate, update), not its live memory; p slots start at 1
+when the buffers start with the local value (0 with `zero_init`), so buffer/p pairs stay
+consistent; errors raise instead of returning False.
+"""
+import contextlib
+import threading
+
+from . import basics
+from ._loader import _core
+
+CREATE, FREE, PUT, ACCUMULATE, GET, UPDATE, LOCK, UNLOCK = range(8)
+WIN_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+
+_lock = threading.Lock()
+_windows = {}  # name -> the tensor win_create registered (win_update writes into it)
+_pending = {}  # window handle -> objects kept alive until win_wait
+_state = {"with_p": False}
+
+
+def _check_name(name):
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"window name must be a non-empty str, got {name!r}")
+    if "\0" in name or "\x1f" in name:
+        raise ValueError("window names cannot contain NUL or \\x1f")
+    return name
+
+
+def _weights(arg, allowed, what, kind):
+    """{rank: weight} from a dict, a list of ranks (weight 1.0) or None (all allowed)."""
+    if arg is None:
+        return {r: 1.0 for r in allowed}
+    if isinstance(arg, dict):
+        out = {int(k): float(v) for k, v in arg.items()}
+    elif isinstance(arg, (list, tuple)):
+        out = {int(r): 1.0 for r in arg}
+    else:
+        raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks")
+    bad = sorted(set(out) - set(allowed))
+    if bad:
+        raise ValueError(f"{what}: ranks {bad} are not {kind} of rank {basics.rank()} "
+                         f"({kind}: {sorted(allowed)})")
+    return out
+
+
+def _registered(name, op):
+    with _lock:
+        if name not in _windows:
+            raise ValueError(f"{op}: no window named {name!r}; create it with win_create")
+        return _windows[name]
+
+
+def _wait(handle):
+    try:
+        _core.win_wait(handle)
+    finally:
+        _core.win_release(handle)
+        with _lock:
+            _pending.pop(handle, None)
+
+
+def _submit(op, name, keep=(), **kw):
+    h = _core.win_enqueue(op, name, with_p=_state["with_p"], **kw)
+    with _lock:
+        _pending[h] = keep
+    return h
+
+
+def build_win_api(adapter):
+    """Return {name: function} of the window API over `adapter`'s tensor type."""
+
+    def tensor_args(t, op):
+        ptr, dtype, shape = adapter.describe(t)
+        if adapter.dtype_name(t) not in WIN_DTYPES:
+            raise ValueError(f"{op}: dtype {adapter.dtype_name(t)} is not supported by window ops; "
+                             f"use one of {', '.join(WIN_DTYPES)}")
+        return dict(data=ptr, dtype=dtype, shape=list(shape))
+
+    def win_create(tensor, name, zero_init=False):
+        """Create window `name` for `tensor` (collective: every rank, same order).
+
+        Allocates one receive buffer per in-neighbour of the current topology, holding a
+        copy of the local `tensor` (or zeros with `zero_init`), and registers `tensor`
+        itself: `win_update` later writes into it. Tensor: contiguous, any shape, dtype
+        float16, bfloat16, float32, float64, int32 or int64. Returns True.
+        Raises ValueError (bad tensor or name, name already exists on some rank) and
+        ShoalError (ranks disagree on name, dtype or shape: the same error on every rank).
+        """
+        _check_name(name)
+        adapter.check_window_tensor(tensor, "win_create")
+        args = tensor_args(tensor, "win_create")
+        h = _submit(CREATE, name, (tensor,), ranks=basics.in_neighbor_ranks(),
+                    send_ranks=basics.out_neighbor_ranks(), zero_init=bool(zero_init), **args)
+        _wait(h)
+        with _lock:
+            _windows[name] = tensor
+        return True
+
+    def win_free(name=None):
+        """Free window `name`, or every window when None (collective). Returns True.
+        Raises ValueError for an unknown name, ShoalError when ranks disagree."""
+        if name is not None:
+            _check_name(name)
+        _wait(_submit(FREE, name or ""))
+        with _lock:
+            if name is None:
+                _windows.clear()
+            else:
+                _windows.pop(name, None)
+        return True
+
+    def _put(op, what, tensor, name, self_weight, dst_weights, require_mutex):
+        _check_name(name)
+        _registered(name, what)
+        dst = _weights(dst_weights, basics.out_neighbor_ranks(), f"{what}: dst_weights", "out-neighbours")
+        sw = 1.0 if self_weight is None else float(self_weight)
+        if sw != 1.0:
+            adapter.check_window_tensor(tensor, what)  # scaled in place
+            src = tensor
+        else:
+            src = adapter.contiguous(tensor, what)
+        return _submit(op, name, (tensor, src), ranks=list(dst), weights=list(dst.values()),
+                       self_weight=sw, require_mutex=bool(require_mutex), **tensor_args(src, what))
+
+    def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
+        """Start writing `tensor`·w into each destination's buffer for this rank; returns a
+        window handle for `win_wait`/`win_poll`.
+
+        dst_weights: {rank: w} or [ranks] (w = 1.0) ⊆ out-neighbours; default every
+        out-neighbour with 1.0. Each put bumps the destination's version for this rank and,
+        with associated p on, sets its p slot to p·w. Afterwards the local `tensor` (and p)
+        is multiplied in place by `self_weight` (default 1.0). require_mutex: hold the
+        destination's mutex for this rank's buffer during the put.
+        Raises ValueError for unknown names, non-neighbour ranks, or a tensor that does not
+        match the window.
+        """
+        return _put(PUT, "win_put", tensor, name, self_weight, dst_weights, require_mutex)
+
+    def win_accumulate_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
+        """As `win_put_nonblocking`, but adds `tensor`·w to the destination's buffer
+        (MPI_Accumulate SUM; half types read, add in float32, write back) and adds p·w to
+        its p slot. Does not bump versions (BlueFog)."""
+        return _put(ACCUMULATE, "win_accumulate", tensor, name, self_weight, dst_weights, require_mutex)
+
+    def win_get_nonblocking(name, src_weights=None, require_mutex=False):
+        """Start fetching each source's published value into this rank's buffer for it,
+        scaled by its weight; bumps this rank's version for that source. src_weights:
+        {rank: w} or [ranks] ⊆ in-neighbours; default every in-neighbour with 1.0."""
+        _check_name(name)
+        _registered(name, "win_get")
+        src = _weights(src_weights, basics.in_neighbor_ranks(), "win_get: src_weights", "in-neighbours")
+        return _submit(GET, name, ranks=list(src), weights=list(src.values()),
+                       require_mutex=bool(require_mutex))
+
+    def win_put(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
+        """Blocking `win_put_nonblocking`; returns True."""
+        return win_wait(win_put_nonblocking(tensor, name, self_weight, dst_weights, require_mutex))
+
+    def win_accumulate(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
+        """Blocking `win_accumulate_nonblocking`; returns True."""
+        return win_wait(win_accumulate_nonblocking(tensor, name, self_weight, dst_weights, require_mutex))
+
+    def win_get(name, src_weights=None, require_mutex=False):
+        """Blocking `win_get_nonblocking`; returns True."""
+        return win_wait(win_get_nonblocking(name, src_weights, require_mutex))
+
+    def win_update(name, self_weight=None, neighbor_weights=None, reset=False, clone=False,
+                   require_mutex=False):
+        """Combine the receive buffers into the registered tensor and return it.
+
+        With `self_weight` and `neighbor_weights` ({rank: w} ⊆ in-neighbours):
+            x ← self_weight·x + Σ_j w_j·buf_j;
+        with neither: the topology's weights if it is weighted, else uniform
+            x ← (x + Σ_j buf_j) / (in_degree + 1)   (sum then divide).
+        With associated p on, p follows the same weights. `reset` zeroes the combined
+        buffers (and their p); `clone` writes into a copy and leaves the registered tensor
+        alone. Versions of the combined neighbours return to 0. require_mutex: hold this
+        rank's mutexes for those buffers. Raises ValueError (one weight argument without
+        the other, non-neighbour ranks, unknown name).
+        """
+        _check_name(name)
+        t = _registered(name, "win_update")
+        recv = basics.in_neighbor_ranks()
+        if (self_weight is None) != (neighbor_weights is None):
+            raise ValueError("win_update: give both self_weight and neighbor_weights, or neither")
+        uniform = False
+        if neighbor_weights is not None:
+            nbr, sw = _weights(neighbor_weights, recv, "win_update: neighbor_weights", "in-neighbours"), float(self_weight)
+        elif basics.is_topo_weighted():
+            plan, _ = basics._static_plan()
+            nbr, sw = dict(zip(plan["recv"], plan["recv_weights"])), plan["self_weight"]
+        else:
+            nbr, sw, uniform = {r: 1.0 for r in recv}, 1.0, True
+        out = adapter.clone(t) if clone else t
+        _wait(_submit(UPDATE, name, (t, out), ranks=list(nbr), weights=list(nbr.values()),
+                      self_weight=sw, uniform=uniform, reset=bool(reset), clone=bool(clone),
+                      require_mutex=bool(require_mutex), **tensor_args(out, "win_update")))
+        return out
+
+    def win_update_then_collect(name, require_mutex=True):
+        """Push-sum "collect": x ← x + Σ_j buf_j over every in-neighbour, then zero the
+        buffers (p likewise). Returns the registered tensor."""
+        return win_update(name, 1.0, {r: 1.0 for r in basics.in_neighbor_ranks()}, reset=True,
+                          require_mutex=require_mutex)
+
+    api = {f.__name__: f for f in (
+        win_create, win_free, win_put, win_put_nonblocking, win_accumulate,
+        win_accumulate_nonblocking, win_get, win_get_nonblocking, win_update,
+        win_update_then_collect)}
+    for f in list(api.values()):
+        f.__qualname__ = f.__name__
+    for n in ("win_put", "win_put_nonblocking", "win_get", "win_get_nonblocking",
+              "win_accumulate", "win_accumulate_nonblocking"):
+        api["neighbor_" + n] = api[n]
+    api.update(win_poll=win_poll, win_wait=win_wait, win_mutex=win_mutex,
+               get_win_version=get_win_version,
+               get_current_created_window_names=get_current_created_window_names,
+               win_associated_p=win_associated_p,
+               turn_on_win_ops_with_associated_p=turn_on_win_ops_with_associated_p,
+               turn_off_win_ops_with_associated_p=turn_off_win_ops_with_associated_p)
+    return api
+
+
+def win_poll(handle):
+    """True when the window op of `handle` has finished (then `win_wait` returns at once)."""
+    return _core.win_poll(handle)
+
+
+def win_wait(handle):
+    """Wait for a window op; returns True or raises its error (ShoalError, ValueError)."""
+    _wait(handle)
+    return True
+
+
+@contextlib.contextmanager
+def win_mutex(name, for_self=False, ranks=None):
+    """Hold window mutexes for the block (a distributed spin lock per (owner, writer) pair).
+
+    for_self=False: the mutex each rank in `ranks` (default: out-neighbours) keeps for this
+    rank's buffer — what `win_put(require_mutex=True)` takes. for_self=True: this rank's
+    own mutexes for the buffers of `ranks` (default: in-neighbours) — what
+    `win_update(require_mutex=True)` takes. Mutexes are taken in one global order.
+    """
+    _check_name(name)
+    _registered(name, "win_mutex")
+    default = basics.in_neighbor_ranks() if for_self else basics.out_neighbor_ranks()
+    rs = default if ranks is None else [int(r) for r in ranks]
+    _wait(_submit(LOCK, name, ranks=rs, for_self=bool(for_self)))
+    try:
+        yield
+    finally:
+        _wait(_submit(UNLOCK, name, ranks=rs, for_self=bool(for_self)))
+
+
+def get_win_version(name):
+    """{in-neighbour: puts and gets into its buffer since this rank's last win_update}."""
+    _check_name(name)
+    return _core.win_versions(name)
+
+
+def get_current_created_window_names():
+    """Sorted names of the windows that exist on this rank."""
+    return sorted(_core.win_names())
+
+
+def win_associated_p(name):
+    """This rank's push-sum weight p for window `name` (1.0 at creation)."""
+    _check_name(name)
+    return _core.win_associated_p(name)
+
+
+def turn_on_win_ops_with_associated_p():
+    """From now on, put/accumulate/get/update also move and combine the weight p."""
+    _state["with_p"] = True
+
+
+def turn_off_win_ops_with_associated_p():
+    _state["with_p"] = False
+
+
+def windows_exist():
+    with _lock:
+        return bool(_windows)
+
+
+def forget_all():
+    """Drop the registry (shutdown: the core's windows are gone with its runtime)."""
+    with _lock:
+        _windows.clear()
+        _pending.clear()

@@ -1,0 +1,23 @@
+"""One-sided window ops at 1-8 ranks (tests/workers/windows.py), push-sum, leaks."""
+import pytest
+
+from conftest import run_ok
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_window_ops_exact(ranks):
+    out = run_ok(ranks, "windows.py", timeout=240)
+    assert out.count("checks passed, 0 failed") == ranks, out
+
+
+def test_200_create_put_update_free_cycles_leak_nothing():
+    out = run_ok(4, "windows.py", "no_leaks_over_200_cycles", "--cycles", timeout=240)
+    print(out)
+    assert out.count("windows=0 window_bytes=0") == 4, out
+
+
+def test_window_optimizers_do_not_wait_for_a_slow_rank():
+    out = run_ok(4, "win_optimizers.py", timeout=240)
+    print(out)  # step rates of the slow and the fast ranks
+    assert "sum of p after push-sum: 4.0000000000" in out, out
+    assert out.count("DistributedWinPutOptimizer:") == 4 and out.count("DistributedPushSumOptimizer:") == 4

@@ -1,0 +1,303 @@
+"""One-sided window ops against exact values: buffers start with the local value,
+put/accumulate scale the local tensor, update with given/topology/uniform weights,
+collect, versions, associated p, mutexes, errors; numpy and torch tensors."""
+import sys
+import time
+
+import numpy as np
+
+import shoal
+from shoal import topology as T
+from checks import check, run_all
+
+shoal.init()
+R, N = shoal.rank(), shoal.size()
+DTYPES = ("float16", "float32", "float64", "int32", "int64")
+
+
+def data(r, dtype="float64"):
+    return ((np.arange(6) + 3 * r) % 7 - 2).astype(dtype)  # small integers: exact sums
+
+
+def fresh(name, dtype="float64", zero_init=False, graph=None, weighted=False):
+    """Free every window, set the topology, create `name` for data(R)."""
+    shoal.win_free()
+    assert shoal.set_topology(graph if graph is not None else T.exponential_two_graph(N), weighted)
+    x = data(R, dtype)
+    assert shoal.win_create(x, name, zero_init=zero_init)
+    return x
+
+
+def buffers(name, x):
+    """Each in-neighbour's buffer, read through win_update(clone=True)."""
+    return {j: shoal.win_update(name, 0.0, {j: 1.0}, clone=True) for j in shoal.in_neighbor_ranks()}
+
+
+@check
+def buffers_start_with_local_value_or_zeros():
+    for dt in DTYPES:
+        for zero in (False, True):
+            x = fresh("init", dt, zero_init=zero)
+            for j, b in buffers("init", x).items():
+                want = np.zeros(6, dt) if zero else data(R, dt)
+                assert b.dtype == np.dtype(dt) and np.array_equal(b, want), (dt, zero, j, b)
+            assert np.array_equal(x, data(R, dt))  # clone left the tensor alone
+    shoal.win_free()
+
+
+@check
+def put_scales_and_update_combines_exactly():
+    for dt in ("float16", "float32", "float64"):
+        x = fresh("put", dt)
+        out = shoal.out_neighbor_ranks()
+        dst = {d: 0.5 ** (k + 1) for k, d in enumerate(out)}
+        shoal.win_put(x, "put", self_weight=0.25, dst_weights=dst)
+        assert np.array_equal(x, data(R, dt) * np.asarray(0.25, dt)), x  # scaled in place
+        shoal.barrier()
+        assert shoal.get_win_version("put") == {j: 1 for j in shoal.in_neighbor_ranks()}
+        for j, b in buffers("put", x).items():
+            k = shoal.topology.out_neighbors(shoal.load_topology(), j).index(R)
+            assert np.array_equal(b, data(j, dt) * np.asarray(0.5 ** (k + 1), dt)), (dt, j, b)
+        # Explicit weights: x <- 2x + sum_j 3 buf_j
+        want = 2 * x.astype("float64") + sum(3 * b.astype("float64") for b in buffers("put", x).values())
+        y = shoal.win_update("put", 2.0, {j: 3.0 for j in shoal.in_neighbor_ranks()})
+        assert y is x and np.array_equal(x, want.astype(dt)), (x, want)
+        assert shoal.get_win_version("put") == {j: 0 for j in shoal.in_neighbor_ranks()}
+        shoal.barrier()
+    shoal.win_free()
+
+
+@check
+def default_update_uniform_and_topology_weights():
+    x = fresh("uni", "float64")
+    shoal.win_put(x, "uni")
+    shoal.barrier()
+    ins = shoal.in_neighbor_ranks()
+    want = (data(R) + sum(data(j) for j in ins)) / (len(ins) + 1)
+    assert np.array_equal(shoal.win_update("uni"), want)  # sum then divide: exact
+    shoal.barrier()
+    rng = np.random.default_rng(3)
+    w = rng.random((N, N)) * (rng.random((N, N)) < 0.6) + np.eye(N)
+    g = T.from_mixing_matrix(w / w.sum(axis=0, keepdims=True))
+    x = fresh("weighted", "float64", graph=g, weighted=True)
+    shoal.win_put(x, "weighted")
+    shoal.barrier()
+    W = T.mixing_matrix(g)
+    got = shoal.win_update("weighted")
+    want = W[R, R] * data(R) + sum(W[j, R] * data(j) for j in shoal.in_neighbor_ranks())  # W[j, i]: edge j->i
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12), (got, want)
+    shoal.barrier()
+    shoal.win_free()
+
+
+@check
+def accumulate_sums_collect_zeroes():
+    for dt in DTYPES:
+        x = fresh("acc", dt, zero_init=True)
+        outs = shoal.out_neighbor_ranks()
+        shoal.win_accumulate(x, "acc", dst_weights=outs)
+        shoal.win_accumulate(x, "acc", dst_weights={d: 1.0 for d in outs})
+        shoal.barrier()
+        assert shoal.get_win_version("acc") == {j: 0 for j in shoal.in_neighbor_ranks()}  # BlueFog
+        want = data(R, dt) + sum(2 * data(j, dt) for j in shoal.in_neighbor_ranks())
+        got = shoal.win_update_then_collect("acc")
+        assert np.array_equal(got, want), (dt, got, want)
+        for b in buffers("acc", x).values():
+            assert not b.any(), b  # collect zeroed the buffers
+        shoal.barrier()
+    shoal.win_free()
+
+
+@check
+def get_fetches_published_values_scaled():
+    x = fresh("get", "float64")
+    x *= 10  # not published: get sees the value of the last window op
+    shoal.win_update("get", 1.0, {})  # publishes x
+    shoal.barrier()
+    ins = shoal.in_neighbor_ranks()
+    shoal.win_get("get", {j: 0.5 for j in ins})
+    shoal.win_get("get", ins)
+    assert shoal.get_win_version("get") == {j: 2 for j in ins}
+    for j, b in buffers("get", x).items():
+        assert np.array_equal(b, 10 * data(j)), (j, b)
+    shoal.barrier()
+    shoal.win_free()
+
+
+@check
+def associated_p_follows_the_weights():
+    shoal.turn_on_win_ops_with_associated_p()
+    try:
+        x = fresh("p", "float64", zero_init=True)
+        assert shoal.win_associated_p("p") == 1.0
+        outs, ins = shoal.out_neighbor_ranks(), shoal.in_neighbor_ranks()
+        share = 1.0 / (len(outs) + 1)
+        shoal.win_accumulate(x, "p", self_weight=share, dst_weights={d: share for d in outs})
+        assert shoal.win_associated_p("p") == share
+        shoal.barrier()
+        shoal.win_update_then_collect("p")
+        outdeg = {j: len(T.out_neighbors(shoal.load_topology(), j)) for j in range(N)}
+        want_p = share + sum(1.0 / (outdeg[j] + 1) for j in ins)
+        assert abs(shoal.win_associated_p("p") - want_p) < 1e-15, (shoal.win_associated_p("p"), want_p)
+        total = shoal.allreduce(np.array([shoal.win_associated_p("p")]), average=False)[0]
+        assert abs(total - N) < 1e-12, total  # mass conserved
+        # put sets (not adds) p slots; update with weights combines p with them
+        x2 = fresh("p2", "float64")
+        shoal.win_put(x2, "p2", dst_weights={d: 0.5 for d in outs})
+        shoal.barrier()
+        shoal.win_update("p2", 0.5, {j: 1.0 for j in ins})
+        assert shoal.win_associated_p("p2") == 0.5 + 0.5 * len(ins)
+        shoal.barrier()
+    finally:
+        shoal.turn_off_win_ops_with_associated_p()
+        shoal.win_free()
+
+
+@check
+def nonblocking_forms_and_poll():
+    x = fresh("nb", "float32")
+    h = shoal.win_put_nonblocking(x, "nb")
+    while not shoal.win_poll(h):
+        time.sleep(0.001)
+    assert shoal.win_wait(h) is True
+    h = shoal.win_get_nonblocking("nb")
+    assert shoal.win_wait(h)
+    h = shoal.win_accumulate_nonblocking(x, "nb", dst_weights=[])
+    assert shoal.win_wait(h)
+    assert shoal.neighbor_win_put is shoal.win_put
+    shoal.barrier()
+    shoal.win_free()
+
+
+@check
+def mutex_excludes_a_put_until_released():
+    if N < 2:
+        return
+    x = fresh("mx", "float64")
+    shoal.barrier()
+    if R == 0:
+        with shoal.win_mutex("mx", for_self=True):
+            shoal.barrier()
+            time.sleep(0.5)
+        shoal.barrier()
+    else:
+        shoal.barrier()
+        start = time.monotonic()
+        if 0 in shoal.out_neighbor_ranks():
+            shoal.win_put(x, "mx", dst_weights=[0], require_mutex=True)
+            waited = time.monotonic() - start
+            assert waited > 0.3, f"put with require_mutex did not wait for the mutex ({waited:.3f} s)"
+        shoal.barrier()
+    with shoal.win_mutex("mx"):  # every out-neighbour's mutex for this rank
+        pass
+    shoal.barrier()
+    shoal.win_free()
+
+
+@check
+def window_collectives_interleave_with_background_collectives():
+    # Even ranks have an allreduce in flight while they create/free a window; odd ranks
+    # finish the allreduce first. Neither thread waits for the other.
+    shoal.win_free()
+    for i in range(5):
+        if R % 2 == 0:
+            h = shoal.allreduce_nonblocking(np.ones(1000), name=f"inflight.{i}")
+            shoal.win_create(data(R), f"il.{i}")
+            got = shoal.synchronize(h)
+        else:
+            got = shoal.allreduce(np.ones(1000), name=f"inflight.{i}")
+            shoal.win_create(data(R), f"il.{i}")
+        assert np.array_equal(got, np.ones(1000))
+        shoal.win_put(data(R), f"il.{i}")
+        shoal.win_free(f"il.{i}")
+
+
+@check
+def set_topology_refused_while_windows_exist():
+    fresh("topo", "float32")
+    assert shoal.set_topology(T.ring_graph(N)) is False
+    assert shoal.get_current_created_window_names() == ["topo"]
+    shoal.win_free("topo")
+    assert shoal.get_current_created_window_names() == []
+    assert shoal.set_topology(T.exponential_two_graph(N)) is True
+
+
+@check
+def bad_input_errors():
+    x = fresh("err", "float32")
+    calls = {"unknown name": lambda: shoal.win_put(x, "missing"),
+             "wrong dtype": lambda: shoal.win_put(x.astype("float64"), "err"),
+             "int8": lambda: shoal.win_create(np.zeros(3, np.int8), "i8"),
+             "one weight arg": lambda: shoal.win_update("err", 1.0),
+             "put to self": lambda: shoal.win_put(x, "err", dst_weights={R: 1.0})}
+    if N > 4:  # a rank that is not an in-neighbour
+        calls["get from non-neighbour"] = lambda: shoal.win_get("err", {(R + 3) % N: 1.0})
+    for what, call in calls.items():
+        try:
+            call()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{what}: no ValueError")
+    # Collective mismatches: the same ShoalError on every rank, windows still usable.
+    for name, shape in ((f"m{R % 2}", 3), ("shape", 3 + R % 2)):
+        if N == 1:
+            break
+        try:
+            shoal.win_create(np.zeros(shape, np.float32), name)
+        except shoal.ShoalError as e:
+            assert "ranks disagree" in str(e), e
+        else:
+            raise AssertionError("mismatched win_create did not raise")
+    try:
+        shoal.win_create(x, "err")
+    except ValueError as e:
+        assert "already exists" in str(e)
+    else:
+        raise AssertionError("duplicate win_create did not raise")
+    shoal.win_put(x, "err")
+    shoal.barrier()
+    shoal.win_free()
+
+
+@check
+def torch_half_types():
+    import torch
+    import shoal.torch as bft
+    for dt in (torch.bfloat16, torch.float16):
+        shoal.win_free()
+        t = torch.tensor(data(R), dtype=dt)
+        bft.win_create(t, "t", zero_init=True)
+        bft.win_accumulate(t, "t", self_weight=0.5)
+        bft.win_accumulate(t, "t", self_weight=2.0)
+        shoal.barrier()
+        got = bft.win_update_then_collect("t")
+        want = torch.tensor(data(R) + sum(data(j) * 1.5 for j in shoal.in_neighbor_ranks()), dtype=dt)
+        assert got is t and torch.equal(got, want), (dt, got, want)
+        shoal.barrier()
+    shoal.win_free()
+
+
+@check
+def no_leaks_over_200_cycles():
+    if "--cycles" not in sys.argv:
+        return
+    shoal.win_free()
+    x = data(R, "float32").repeat(1000)
+    rss = []
+    for i in range(200):
+        shoal.win_create(x, "cycle")
+        shoal.win_put(x, "cycle")
+        shoal.win_update("cycle")
+        shoal.win_free("cycle")
+        if i in (20, 199):
+            with open("/proc/self/statm") as f:  # resident pages now
+                rss.append(int(f.read().split()[1]) * 4)
+    s = shoal.stats()
+    print(f"[rank {R}] after 200 cycles: windows={s['windows']} window_bytes={s['window_bytes']} "
+          f"win_puts={s['win_puts']} RSS {rss[0]} -> {rss[1]} KiB", flush=True)
+    assert s["windows"] == 0 and s["window_bytes"] == 0
+    assert rss[1] - rss[0] < 20 * 1024, rss  # KiB
+
+
+sys.exit(1 if run_all(R, only=[a for a in sys.argv[1:] if not a.startswith("--")]) else 0)
