@@ -49,6 +49,9 @@ class NumpyAdapter:
     def clone(self, a):
         return a.copy()
 
+    def is_device(self, a):
+        return False
+
     def from_bytes(self, data, shape, like):
         return data.view(like.dtype).reshape(shape)
 

@@ -28,7 +28,8 @@ WIN_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 
 _lock = threading.Lock()
 _windows = {}  # name -> the tensor win_create registered (win_update writes into it)
-_pending = {}  # window handle -> objects kept alive until win_wait
+_mirrors = {}  # name -> host copy the core works on, for a device (CUDA) tensor
+_pending = {}  # window handle -> (objects kept alive, finish() run by win_wait or None)
 _state = {"with_p": False}
 
 
@@ -70,13 +71,15 @@ def _wait(handle):
     finally:
         _core.win_release(handle)
         with _lock:
-            _pending.pop(handle, None)
+            _, finish = _pending.pop(handle, ((), None))
+    if finish is not None:
+        finish()
 
 
-def _submit(op, name, keep=(), **kw):
+def _submit(op, name, keep=(), finish=None, **kw):
     h = _core.win_enqueue(op, name, with_p=_state["with_p"], **kw)
     with _lock:
-        _pending[h] = keep
+        _pending[h] = (keep, finish)
     return h
 
 
@@ -102,12 +105,16 @@ def build_win_api(adapter):
         """
         _check_name(name)
         adapter.check_window_tensor(tensor, "win_create")
-        args = tensor_args(tensor, "win_create")
-        h = _submit(CREATE, name, (tensor,), ranks=basics.in_neighbor_ranks(),
+        # Device tensors: the window lives in host memory (staged copies, as BlueFog does).
+        host = adapter.to_host(tensor) if adapter.is_device(tensor) else tensor
+        args = tensor_args(host, "win_create")
+        h = _submit(CREATE, name, (tensor, host), ranks=basics.in_neighbor_ranks(),
                     send_ranks=basics.out_neighbor_ranks(), zero_init=bool(zero_init), **args)
         _wait(h)
         with _lock:
             _windows[name] = tensor
+            if host is not tensor:
+                _mirrors[name] = host
         return True
 
     def win_free(name=None):
@@ -119,8 +126,10 @@ def build_win_api(adapter):
         with _lock:
             if name is None:
                 _windows.clear()
+                _mirrors.clear()
             else:
                 _windows.pop(name, None)
+                _mirrors.pop(name, None)
         return True
 
     def _put(op, what, tensor, name, self_weight, dst_weights, require_mutex):
@@ -128,12 +137,18 @@ def build_win_api(adapter):
         _registered(name, what)
         dst = _weights(dst_weights, basics.out_neighbor_ranks(), f"{what}: dst_weights", "out-neighbours")
         sw = 1.0 if self_weight is None else float(self_weight)
-        if sw != 1.0:
+        finish = None
+        if adapter.is_device(tensor):
+            src = adapter.to_host(tensor)
+            if sw != 1.0:
+                adapter.check_window_tensor(tensor, what)
+                finish = lambda: adapter.copy_into(tensor, src)  # noqa: E731 - scaled on the host
+        elif sw != 1.0:
             adapter.check_window_tensor(tensor, what)  # scaled in place
             src = tensor
         else:
             src = adapter.contiguous(tensor, what)
-        return _submit(op, name, (tensor, src), ranks=list(dst), weights=list(dst.values()),
+        return _submit(op, name, (tensor, src), finish, ranks=list(dst), weights=list(dst.values()),
                        self_weight=sw, require_mutex=bool(require_mutex), **tensor_args(src, what))
 
     def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
@@ -205,11 +220,21 @@ def build_win_api(adapter):
             nbr, sw = dict(zip(plan["recv"], plan["recv_weights"])), plan["self_weight"]
         else:
             nbr, sw, uniform = {r: 1.0 for r in recv}, 1.0, True
-        out = adapter.clone(t) if clone else t
+        with _lock:
+            host = _mirrors.get(name)
+        if host is not None:
+            adapter.copy_into(host, t)  # the device tensor may have changed since
+        base = t if host is None else host
+        out = adapter.clone(base) if clone else base
         _wait(_submit(UPDATE, name, (t, out), ranks=list(nbr), weights=list(nbr.values()),
                       self_weight=sw, uniform=uniform, reset=bool(reset), clone=bool(clone),
                       require_mutex=bool(require_mutex), **tensor_args(out, "win_update")))
-        return out
+        if host is None:
+            return out
+        if clone:
+            return adapter.to_device_like(out, t)
+        adapter.copy_into(t, host)
+        return t
 
     def win_update_then_collect(name, require_mutex=True):
         """Push-sum "collect": x ← x + Σ_j buf_j over every in-neighbour, then zero the
@@ -301,4 +326,5 @@ def forget_all():
     """Drop the registry (shutdown: the core's windows are gone with its runtime)."""
     with _lock:
         _windows.clear()
+        _mirrors.clear()
         _pending.clear()

@@ -64,6 +64,20 @@ class TorchAdapter:
     def clone(self, t):
         return t.detach().clone()
 
+    # Window ops on CUDA tensors stage through host memory.
+    def is_device(self, t):
+        return t.device.type != "cpu"
+
+    def to_host(self, t):
+        return t.detach().to("cpu").contiguous()  # waits for the current stream
+
+    def copy_into(self, dst, src):
+        with torch.no_grad():
+            dst.copy_(src)
+
+    def to_device_like(self, t, like):
+        return t.to(like.device)
+
     def from_bytes(self, data, shape, like):
         if data.size == 0:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
