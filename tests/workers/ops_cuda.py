@@ -140,4 +140,19 @@ def optimizer_awc_step():
     assert all(p.device == DEV and torch.isfinite(p).all() for p in model.parameters())
 
 
+@check
+def window_ops_stage_through_host():
+    for dt in DTYPES:
+        x = base(dt) * (R + 1)
+        bf.win_create(x, f"gw.{dt}", zero_init=True)
+        bf.win_accumulate(x, f"gw.{dt}", self_weight=0.5)
+        bf.barrier()
+        got = on_device(bf.win_update_then_collect(f"gw.{dt}"))
+        want = base(torch.float32) * (R + 1) * 0.5 + sum(base(torch.float32) * (j + 1)
+                                                          for j in bf.in_neighbor_ranks())
+        assert got is x and torch.equal(got, want.to(dt)), (dt, got, want)
+        bf.barrier()
+        bf.win_free(f"gw.{dt}")
+
+
 sys.exit(1 if run_all(R) else 0)
