@@ -18,6 +18,8 @@ when the buffers start with the local value (0 with `zero_init`), so buffer/p pa
 consistent; errors raise instead of returning False.
 """
 import contextlib
+import math
+import operator
 import threading
 
 from . import basics
@@ -36,8 +38,8 @@ _state = {"with_p": False}
 def _check_name(name):
     if not isinstance(name, str) or not name:
         raise ValueError(f"window name must be a non-empty str, got {name!r}")
-    if "\0" in name or "\x1f" in name:
-        raise ValueError("window names cannot contain NUL or \\x1f")
+    if any(ord(c) < 0x20 for c in name):
+        raise ValueError(f"window names cannot contain control characters: {name!r}")
     return name
 
 
@@ -46,11 +48,20 @@ def _weights(arg, allowed, what, kind):
     if arg is None:
         return {r: 1.0 for r in allowed}
     if isinstance(arg, dict):
-        out = {int(k): float(v) for k, v in arg.items()}
+        items = list(arg.items())
     elif isinstance(arg, (list, tuple)):
-        out = {int(r): 1.0 for r in arg}
+        items = [(r, 1.0) for r in arg]
     else:
         raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks")
+    out = {}
+    for k, v in items:
+        try:
+            k = operator.index(k)  # ints, numpy and 0-d torch integers; not 1.7
+        except TypeError:
+            raise TypeError(f"{what}: ranks must be integers, got {k!r}") from None
+        if not math.isfinite(float(v)):
+            raise ValueError(f"{what}: weight of rank {k} is {v}")
+        out[k] = float(v)
     bad = sorted(set(out) - set(allowed))
     if bad:
         raise ValueError(f"{what}: ranks {bad} are not {kind} of rank {basics.rank()} "
@@ -68,12 +79,20 @@ def _registered(name, op):
 def _wait(handle):
     try:
         _core.win_wait(handle)
-    finally:
-        _core.win_release(handle)
-        with _lock:
-            _, finish = _pending.pop(handle, ((), None))
+    except KeyboardInterrupt:
+        raise  # the op still runs: its tensors stay alive and the handle stays valid
+    except BaseException:
+        _forget(handle)
+        raise
+    finish = _forget(handle)
     if finish is not None:
         finish()
+
+
+def _forget(handle):
+    _core.win_release(handle)
+    with _lock:
+        return _pending.pop(handle, ((), None))[1]
 
 
 def _submit(op, name, keep=(), finish=None, **kw):
@@ -87,10 +106,10 @@ def build_win_api(adapter):
     """Return {name: function} of the window API over `adapter`'s tensor type."""
 
     def tensor_args(t, op):
-        ptr, dtype, shape = adapter.describe(t)
         if adapter.dtype_name(t) not in WIN_DTYPES:
             raise ValueError(f"{op}: dtype {adapter.dtype_name(t)} is not supported by window ops; "
                              f"use one of {', '.join(WIN_DTYPES)}")
+        ptr, dtype, shape = adapter.describe(t)
         return dict(data=ptr, dtype=dtype, shape=list(shape))
 
     def win_create(tensor, name, zero_init=False):
@@ -153,7 +172,8 @@ def build_win_api(adapter):
 
     def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
         """Start writing `tensor`·w into each destination's buffer for this rank; returns a
-        window handle for `win_wait`/`win_poll`.
+        window handle for `win_wait`/`win_poll` (wait for every handle: until then the
+        op keeps its tensors alive). Integer windows round scaled values to nearest.
 
         dst_weights: {rank: w} or [ranks] (w = 1.0) ⊆ out-neighbours; default every
         out-neighbour with 1.0. Each put bumps the destination's version for this rank and,
@@ -315,6 +335,19 @@ def turn_on_win_ops_with_associated_p():
 
 def turn_off_win_ops_with_associated_p():
     _state["with_p"] = False
+
+
+def free_all_at_exit():
+    """Free every window (collective) before shutdown: a rank that finishes early keeps
+    serving its neighbours' puts while it waits here for them to finish too (a rank
+    inside MPI_Finalize would not, and they would hang)."""
+    if windows_exist() and _core.is_initialized():
+        try:
+            _wait(_submit(FREE, ""))
+        except Exception as e:  # noqa: BLE001 - shutting down: report, do not mask the exit
+            import sys
+            sys.stderr.write(f"[shoal] freeing windows at shutdown failed: {e}\n")
+        forget_all()
 
 
 def windows_exist():

@@ -44,11 +44,17 @@ def init(topology_fn=None, is_weighted=False):
     with _lock:
         _core.init()
         if not _state["atexit"]:
-            atexit.register(_core.finalize_mpi)
+            atexit.register(_at_exit)
             _install_excepthook()
             _state["atexit"] = True
     topo = topology_fn(size()) if topology_fn is not None else _topo.exponential_two_graph(size())
     set_topology(topo, is_weighted)
+
+
+def _at_exit():
+    from . import _win
+    _win.free_all_at_exit()
+    _core.finalize_mpi()
 
 
 def _install_excepthook():
@@ -70,8 +76,10 @@ def _install_excepthook():
 
 
 def shutdown():
-    """Stop the runtime; pending ops fail with ShoalError. `init()` may be called again."""
+    """Stop the runtime; pending ops fail with ShoalError. `init()` may be called again.
+    Windows still open are freed first, which is collective (every rank shuts down)."""
     from . import _win
+    _win.free_all_at_exit()  # collective, like BlueFog's windows at shutdown
     with _lock:
         _core.shutdown()
         _win.forget_all()
@@ -176,9 +184,9 @@ def set_topology(topology=None, is_weighted=False):
     from . import _win
     if _win.windows_exist():
         if local_rank() == 0:
-            sys.stderr.write("[shoal] set_topology refused: windows exist (" +
-                             ", ".join(_win.get_current_created_window_names()) +
-                             "); win_free() them first\n")
+            names = _win.get_current_created_window_names()
+            shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+            sys.stderr.write(f"[shoal] set_topology refused: windows exist ({shown}); win_free() them first\n")
         return False
     graph = _topo.exponential_two_graph(size()) if topology is None else _topo.as_graph(topology)
     if graph.number_of_nodes() != size():

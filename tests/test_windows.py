@@ -21,3 +21,8 @@ def test_window_optimizers_do_not_wait_for_a_slow_rank():
     print(out)  # step rates of the slow and the fast ranks
     assert "sum of p after push-sum: 4.0000000000" in out, out
     assert out.count("DistributedWinPutOptimizer:") == 4 and out.count("DistributedPushSumOptimizer:") == 4
+
+
+def test_rank_exiting_early_without_win_free_does_not_hang_its_neighbours():
+    out = run_ok(3, "win_early_exit.py", env={"SHOAL_STALL_SHUTDOWN_TIME": "20"}, timeout=60)
+    assert out.count("exiting without win_free") == 3, out

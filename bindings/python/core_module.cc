@@ -216,13 +216,17 @@ PYBIND11_MODULE(_core, m) {
     return p;
   });
   m.def("win_names", [] {
-    std::vector<char> buf(1 << 20);
+    std::vector<char> buf(4096);
     int rc;
-    {
-      py::gil_scoped_release nogil;
-      rc = shoal_win_names(buf.data(), buf.size());
+    for (;;) {
+      {
+        py::gil_scoped_release nogil;
+        rc = shoal_win_names(buf.data(), buf.size());
+      }
+      if (rc < 0) Raise(-rc, buf.data());
+      if (static_cast<size_t>(rc) <= buf.size()) break;
+      buf.resize(rc);
     }
-    Check(rc, buf.data());
     std::vector<std::string> names;
     std::string s(buf.data()), cur;
     for (char c : s) {

@@ -66,6 +66,7 @@ class TorchAdapter:
 
     # Window ops on CUDA tensors stage through host memory.
     def is_device(self, t):
+        self._check(t, "window op")
         return t.device.type != "cpu"
 
     def to_host(self, t):

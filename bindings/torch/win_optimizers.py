@@ -38,9 +38,10 @@ class _WindowOptimizer(_Distributed):
         self.communications = 0
         self._windows = {}
         self._puts = {}  # parameter -> handle of its put in flight (reads p only: zero_grad is fine)
+        bad = [self._names[p] for p in self._params() if not p.data.is_contiguous()]
+        if bad:  # checked before any (collective) window exists
+            raise ValueError(f"parameters {bad} are not contiguous")
         for p in self._params():
-            if not p.data.is_contiguous():
-                raise ValueError(f"parameter {self._names[p]} is not contiguous")
             name = f"{self._prefix}.{self._names[p]}"
             _WIN["win_create"](p.data, name, zero_init=zero_init)
             self._windows[p] = name

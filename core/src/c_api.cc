@@ -204,7 +204,10 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
     default: return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "unknown window op " + std::to_string(d->op)), err, len);
   }
   try {
-    *handle = rt->windows()->Submit(std::move(job));
+    // Puts, gets and updates without mutexes never wait on another rank's choices.
+    const bool quick = !a.require_mutex && (d->op == SHOAL_WIN_PUT || d->op == SHOAL_WIN_ACCUMULATE ||
+                                            d->op == SHOAL_WIN_GET || d->op == SHOAL_WIN_UPDATE);
+    *handle = rt->windows()->Submit(std::move(job), quick);
   } catch (const shoal::ArgumentError& ex) {
     return Report(Status::Error(ex.code, ex.what()), err, len);
   }
@@ -253,16 +256,17 @@ int shoal_win_associated_p(const char* name, double* p, char* err, size_t len) {
 
 int shoal_win_names(char* buf, size_t len) {
   auto rt = Current();
-  if (!rt || !rt->windows()) return Report(NotInitialized(), buf, len);
+  if (!rt || !rt->windows()) return -Report(NotInitialized(), buf, len);
   std::vector<std::string> names;
   Status st = rt->windows()->Run([&](shoal::WindowEngine& w) {
     names = w.Names();
     return Status::Ok();
   });
-  if (!st.ok()) return Report(st, buf, len);
+  if (!st.ok()) return -Report(st, buf, len);
   std::string out;
   for (auto& n : names) out += n + "\n";
-  return Report(Status::Error(0, out), buf, len);
+  Report(Status::Error(0, out), buf, len);
+  return static_cast<int>(out.size() + 1);  // bytes needed, with the terminator
 }
 
 int shoal_stats(char* buf, size_t len) {

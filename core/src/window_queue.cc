@@ -22,9 +22,10 @@ void WindowQueue::Stop() {
   done_cv_.notify_all();
 }
 
-int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn) {
+int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline_ok) {
   auto job = std::make_shared<Job>();
   job->fn = std::move(fn);
+  job->inline_ok = inline_ok;
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shut down");
   int64_t h = next_++;
@@ -77,7 +78,7 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
   auto job = it->second;
   // A waiter whose job is next runs it itself: a blocking window op then costs no
   // thread hand-off (the window thread only carries ops nobody is waiting for yet).
-  if (!job->done && !running_ && !stop_ && !queue_.empty() && queue_.front().second == job)
+  if (job->inline_ok && !job->done && !running_ && !stop_ && !queue_.empty() && queue_.front().second == job)
     RunFront(lock);
   if (timeout_ms < 0) {
     done_cv_.wait(lock, [&] { return job->done; });

@@ -65,7 +65,9 @@ class WindowQueue {
   explicit WindowQueue(const std::function<std::unique_ptr<WindowEngine>(const std::atomic<bool>*)>& make);
   ~WindowQueue() { Stop(); }
   void Stop();  // pending jobs fail with SHOAL_ABORTED; idempotent
-  int64_t Submit(std::function<Status(WindowEngine&)> job);
+  // `inline_ok`: a waiter may run the job itself (it cannot block for long, so the
+  // caller's 200 ms waits, which let Ctrl-C through, keep their rhythm).
+  int64_t Submit(std::function<Status(WindowEngine&)> job, bool inline_ok = false);
   int Poll(int64_t handle);  // 1 done, 0 pending, -SHOAL_UNKNOWN_HANDLE
   Status Wait(int64_t handle, int64_t timeout_ms = -1);
   bool Release(int64_t handle);
@@ -77,7 +79,7 @@ class WindowQueue {
   void RunFront(std::unique_lock<std::mutex>& lock);
   struct Job {
     std::function<Status(WindowEngine&)> fn;
-    bool done = false;
+    bool done = false, inline_ok = false;
     Status status;
   };
   std::atomic<bool> stop_{false};

@@ -213,6 +213,18 @@ def window_collectives_interleave_with_background_collectives():
 
 
 @check
+def mutexes_are_reentrant_per_process():
+    x = fresh("re", "float64")
+    with shoal.win_mutex("re"):
+        with shoal.win_mutex("re"):  # nested: counted, not re-taken
+            shoal.win_put(x, "re", require_mutex=True)
+    with shoal.win_mutex("re", for_self=True):
+        shoal.win_update("re", require_mutex=True)
+    shoal.barrier()
+    shoal.win_free()
+
+
+@check
 def set_topology_refused_while_windows_exist():
     fresh("topo", "float32")
     assert shoal.set_topology(T.ring_graph(N)) is False

@@ -161,7 +161,8 @@ int shoal_win_release(int64_t handle);
 int shoal_win_versions(const char* name, int32_t* ranks, int64_t* versions, int32_t capacity,
                        int32_t* n_out, char* err, size_t err_len);
 int shoal_win_associated_p(const char* name, double* p, char* err, size_t err_len);
-/* Names of the windows that exist, one per line, sorted. */
+/* Names of the windows that exist, one per line, sorted. Returns the bytes needed
+ * (call again with a larger buffer if that exceeds len), or -SHOAL_NOT_INITIALIZED. */
 int shoal_win_names(char* buf, size_t len);
 
 /* Counters as "key=value" lines. */

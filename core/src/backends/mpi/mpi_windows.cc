@@ -30,6 +30,13 @@ std::string MpiErr(int code, const std::string& what) {
 struct MpiFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// A wait that ran past SHOAL_STALL_SHUTDOWN_TIME (the windows stay usable).
+struct Stalled : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// MPICH runs out of communicator context ids near 2048 windows; stay clear of it.
+constexpr size_t kMaxWindows = 1000;
 
 void Check(int rc, const std::string& what) {
   if (rc != MPI_SUCCESS) throw MpiFailure(MpiErr(rc, what));
@@ -77,6 +84,7 @@ struct Window {
   char* base = nullptr;
   int64_t* words = nullptr;
   size_t bytes = 0;  // data + ctrl, for stats
+  std::map<std::pair<int, int>, int> held;  // (owner, slot) -> times this process holds it
   int Slot(int src) const {
     auto it = std::find(recv.begin(), recv.end(), src);
     return it == recv.end() ? -1 : static_cast<int>(it - recv.begin());
@@ -150,6 +158,11 @@ class MpiWindows : public WindowEngine {
           if (std::find(send[s].begin(), send[s].end(), r) == send[s].end())
             return Status::Error(SHOAL_MISMATCH, "win_create('" + a.name + "'): rank " + std::to_string(r) +
                                  " receives from rank " + std::to_string(s) + ", which does not send to it");
+      if (windows_.size() >= kMaxWindows)
+        return Status::Error(SHOAL_INVALID_ARGUMENT, "win_create('" + a.name + "'): " + std::to_string(kMaxWindows) +
+                             " windows exist, the most one process may hold; win_free some first");
+      if (nbytes > INT_MAX)
+        return Status::Error(SHOAL_INVALID_ARGUMENT, "win_create('" + a.name + "'): window tensors are limited to 2^31-1 bytes");
       auto w = std::make_unique<Window>();
       w->dtype = a.dtype;
       w->shape = a.shape;
@@ -410,6 +423,8 @@ class MpiWindows : public WindowEngine {
       return body();
     } catch (const ArgumentError& ex) {
       return Status::Error(ex.code, ex.what());
+    } catch (const Stalled& ex) {
+      return Status::Error(SHOAL_ABORTED, std::string(op) + "('" + name + "'): " + ex.what());
     } catch (const MpiFailure& ex) {
       broken_ = true;
       broken_why_ = ex.what();
@@ -449,7 +464,28 @@ class MpiWindows : public WindowEngine {
   static MPI_Aint OwnPOffset(Window* w, int src) { return 3 * static_cast<MPI_Aint>(w->degree[src]); }
 
   // Distributed spin lock on (owner, slot): compare-and-swap 0 -> 1, back off, retry.
+  // Reentrant per process: a mutex this process holds is counted, not re-taken, so
+  // win_put(require_mutex=True) inside `with win_mutex(...)` does not wait on itself.
   void Lock(Window* w, int owner, int k, bool acquire) {
+    int& held = w->held[{owner, k}];
+    if (acquire && held++ > 0) return;
+    if (!acquire) {
+      if (held == 0) {
+        w->held.erase({owner, k});
+        throw ArgumentError(SHOAL_INVALID_ARGUMENT, "win_mutex: releasing a mutex this rank does not hold");
+      }
+      if (--held > 0) return;
+      w->held.erase({owner, k});
+    }
+    try {
+      SpinLock(w, owner, k, acquire);
+    } catch (...) {
+      if (acquire) w->held.erase({owner, k});
+      throw;
+    }
+  }
+
+  void SpinLock(Window* w, int owner, int k, bool acquire) {
     const MPI_Aint disp = w->MutexAt(k, w->degree[owner]);
     const int64_t zero = 0, one = 1;
     int64_t old = 0;
@@ -464,6 +500,9 @@ class MpiWindows : public WindowEngine {
       if (!acquire || old == 0) return;
       double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (*stop_) throw MpiFailure("Shoal was shut down while waiting for a window mutex");
+      if (cfg_.stall_shutdown_time > 0 && waited > cfg_.stall_shutdown_time)
+        throw Stalled("the mutex of rank " + std::to_string(owner) + " (slot " + std::to_string(k) +
+                      ") stayed taken for more than " + std::to_string(static_cast<int>(waited)) + " s");
       if (!warned && cfg_.stall_check_time > 0 && waited > cfg_.stall_check_time) {
         Log(LOG_WARNING, "waiting " + std::to_string(static_cast<int>(waited)) + " s for the mutex of rank " +
                              std::to_string(owner) + " (slot " + std::to_string(k) + ")");
