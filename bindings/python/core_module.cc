@@ -61,7 +61,12 @@ int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
   d.topo_check = topo_check;
   int64_t handle = 0;
   char err[kErrLen];
-  Check(shoal_enqueue(&d, &handle, err, kErrLen), err);
+  int rc;
+  {
+    py::gil_scoped_release nogil;  // the core may start the op right away
+    rc = shoal_enqueue(&d, &handle, err, kErrLen);
+  }
+  Check(rc, err);
   return handle;
 }
 
@@ -126,7 +131,7 @@ PYBIND11_MODULE(_core, m) {
     int rc;
     do {
       {
-        py::gil_scoped_release nogil;  // blocks on a condition variable, no spinning
+        py::gil_scoped_release nogil;  // drives the op or sleeps; never holds the GIL
         rc = shoal_wait_for(h, 200, err, kErrLen);
       }
       // Between waits, let Ctrl-C (or another signal handler) interrupt the wait.

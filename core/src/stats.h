@@ -1,4 +1,4 @@
-// Counters behind shoal.stats(); written by the background thread, read by anyone.
+// Counters behind shoal.stats(); written by the progress driver, read by anyone.
 #pragma once
 #include <atomic>
 #include <cstdint>
