@@ -237,7 +237,7 @@ def poll(handle):
 
 
 def synchronize(handle):
-    """Wait (GIL released, no spinning) for `handle` and return the op's output.
+    """Wait (GIL released) for `handle` and return the op's output.
 
     Raises ShoalError if the op failed on this rank (mismatch, stall, dead peer,
     shutdown) and ValueError for an unknown handle.

@@ -65,7 +65,12 @@ int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
   d.topo_check = topo_check;
   int64_t handle = 0;
   char err[kErrLen];
-  Check(shoal_enqueue(&d, &handle, err, kErrLen), err);
+  int rc;
+  {
+    py::gil_scoped_release nogil;  // the core may start the op right away
+    rc = shoal_enqueue(&d, &handle, err, kErrLen);
+  }
+  Check(rc, err);
   return handle;
 }
 
@@ -100,7 +105,8 @@ int64_t WinEnqueue(int op, const std::string& name, uintptr_t data, int dtype,
   return handle;
 }
 
-// Waits in 200 ms slices without the GIL, checking for Ctrl-C between them.
+// Waits (driving the op or sleeping) in 200 ms slices without the GIL, checking for
+// Ctrl-C between them.
 template <typename F> void WaitInterruptibly(F wait_for) {
   char err[kErrLen];
   int rc;

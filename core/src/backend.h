@@ -1,5 +1,5 @@
-// The communication engine the runtime drives. Every call is made from the one
-// background thread; every operation is asynchronous and completes through a
+// The communication engine the runtime drives. Calls come from one thread at a time
+// (the runtime's progress driver); every operation is asynchronous and completes through a
 // callback from Progress(), so the loop never blocks on a slow peer.
 #pragma once
 #include <functional>

@@ -1,6 +1,6 @@
 // Reuses large byte buffers (neighbor messages, fusion buffers): a fresh 100 MB buffer
-// costs ~25k page faults per step, more than moving the data. Single-threaded (the
-// background thread); buffers handed out return here when their last owner drops them.
+// costs ~25k page faults per step, more than moving the data. Used by the progress
+// driver only; buffers handed out return here when their last owner drops them.
 #pragma once
 #include <memory>
 #include <vector>

@@ -1,5 +1,6 @@
 // One submitted op, from enqueue to completion.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -41,6 +42,7 @@ struct Entry {
   Clock::time_point t_negotiated, t_copy_start, t_copy_end, t_comm_start, t_comm_end, t_peers_ready,
       t_reduce_start, t_reduce_end;
   bool stall_warned = false;
+  std::atomic<int> sends_pending{0};  // messages with this entry's data not yet sent
   // Completion (guarded by the runtime's handle mutex).
   bool done = false;
   Status status;

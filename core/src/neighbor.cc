@@ -57,7 +57,14 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
     }
     if (j - i > 1) ++stats_->fused_batches;
     stats_->bytes_sent += msg->size();
-    backend_->Send(dst, kTag, msg, [](const Status&) {});
+    std::vector<EntryPtr> in_msg;
+    for (size_t k = i; k < j; ++k) {
+      ++items[k].first->sends_pending;
+      in_msg.push_back(items[k].first);
+    }
+    backend_->Send(dst, kTag, msg, [in_msg](const Status&) {
+      for (auto& e : in_msg) --e->sends_pending;
+    });
     i = j;
   }
 }

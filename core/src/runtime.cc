@@ -61,11 +61,17 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
 void Runtime::Stop() {
   if (windows_) windows_->Stop();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     stop_ = true;
+    work_cv_.notify_all();
+    done_cv_.notify_all();
   }
-  work_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  {
+    // A waiting user thread may be in the middle of a cycle; MPI may be finalized next.
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return !driving_; });
+  }
   FailAll("Shoal was shut down before the op completed");
   timeline_.Close();
 }
@@ -137,7 +143,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   }
   // Last, after validation: marks the point the producer reached on the caller's stream.
   if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
   // Unnamed ops cycle through kUnnamed names per op, so caches stay bounded and repeated
   // unnamed neighbor ops hit the negotiated-name cache.
@@ -154,8 +160,20 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   handles_[e->handle] = e;
   queue_.push_back(e);
   queued_ = queue_.size();
-  work_cv_.notify_one();
-  return e->handle;
+  const int64_t handle = e->handle;
+  if (driving_) return handle;  // the driver takes it next cycle
+  if (waiters_ > 0) {
+    done_cv_.notify_all();  // a waiter between cycles drives it
+  } else if (cb) {
+    work_cv_.notify_one();  // nobody will wait: the background thread runs it
+  } else {
+    // Start it here (send to peers, or ask the coordinator) without waking a thread;
+    // whoever waits for it drives the rest, else the background thread within a cycle time.
+    Pacer pace(cfg_.cycle_time_ms);
+    bool busy = false;
+    Drive(lock, &pace, &busy);
+  }
+  return handle;
 }
 
 EntryPtr Runtime::Find(int64_t handle) {
@@ -176,12 +194,63 @@ Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
   auto it = handles_.find(handle);
   if (it == handles_.end()) return Status::Error(SHOAL_UNKNOWN_HANDLE, "unknown handle " + std::to_string(handle));
   EntryPtr e = it->second;
-  if (timeout_ms < 0) {
-    done_cv_.wait(lock, [&] { return e->done; });
-  } else if (!done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return e->done; })) {
-    return Status::Error(SHOAL_TIMEOUT, "still running");
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? int64_t{1} << 40 : timeout_ms);
+  // Drive progress here rather than hand the op to the background thread and be woken
+  // again: on busy cores each thread switch costs tens of microseconds.
+  ++waiters_;
+  Pacer pace(cfg_.cycle_time_ms);
+  bool busy = false;
+  const auto longest = std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
+  auto wait = std::chrono::microseconds(0);
+  // Like MPI_Sendrecv, stay until this op's own sends are through too (receivers of large
+  // messages need the sender's progress), unless they stopped moving or others drive.
+  auto finished = [&] {
+    return e->done && (e->sends_pending == 0 || wait >= longest || driving_ || stop_);
+  };
+  while (!finished() && Clock::now() < deadline) {
+    if (driving_ || stop_) {
+      done_cv_.wait_until(lock, deadline);
+      continue;
+    }
+    wait = Drive(lock, &pace, &busy);
+    if (wait.count() > 0 && !finished()) done_cv_.wait_until(lock, std::min(deadline, Clock::now() + wait));
   }
+  --waiters_;
+  // Hand progress on: to another waiter, else to the background thread if work is left.
+  if (waiters_ > 0 || stop_) done_cv_.notify_all();
+  else if (busy || !queue_.empty()) work_cv_.notify_one();
+  if (!e->done) return Status::Error(SHOAL_TIMEOUT, "still running");
   return e->status;
+}
+
+std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy) {
+  driving_ = true;
+  lock.unlock();
+  bool progressed = SafeCycle();
+  *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
+          (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty();
+  auto wait = pace->Next(progressed, *busy);
+  if (wait.count() == 0 && !progressed) std::this_thread::yield();
+  lock.lock();
+  driving_ = false;
+  if (stop_) done_cv_.notify_all();  // Stop() waits for the driver to leave
+  return wait;
+}
+
+std::chrono::microseconds Pacer::Next(bool progressed, bool busy) {
+  const auto now = Clock::now();
+  if (progressed) {
+    idle_ = std::chrono::microseconds(0);
+    last_progress_ = now;
+    return idle_;
+  }
+  // Peers usually answer within microseconds: poll (yielding the core) for a short
+  // window after the last progress, then back off. With nothing in flight there is
+  // nothing to poll for (new ops start where they are enqueued, or notify): sleep the
+  // longest at once rather than wake a thread on busy cores every few microseconds.
+  if (busy && now - last_progress_ < std::chrono::microseconds(100)) return std::chrono::microseconds(0);
+  idle_ = busy ? std::min(longest_, std::max(std::chrono::microseconds(20), idle_ * 2)) : longest_;
+  return idle_;
 }
 
 bool Runtime::Release(int64_t handle) {
@@ -246,44 +315,37 @@ void Runtime::FailAll(const std::string& why) {
     Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " + why));
 }
 
+bool Runtime::SafeCycle() {
+  try {
+    return Cycle();
+  } catch (const std::exception& ex) {
+    // Unrecoverable (MPI failure, corrupt message): fail everything and stop
+    // touching any op's memory; later enqueues are refused.
+    Log(LOG_ERROR, std::string("runtime loop failed: ") + ex.what());
+    awaiting_response_.clear();
+    neighbor_ready_.clear();
+    neighbors_.TakeAll();
+    stop_ = true;
+    FailAll(std::string("Shoal's runtime failed: ") + ex.what());
+    return false;
+  }
+}
+
 void Runtime::Loop() {
   SetLogContext(world().rank, cfg_.log_level);
-  auto idle = std::chrono::microseconds(0);
   const auto longest = std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
-  // While ops are in flight, keep polling (yielding the core) for a short window after
-  // the last progress: peers usually answer within microseconds. Then back off.
-  const auto spin_window = std::chrono::microseconds(100);
-  auto last_progress = Clock::now();
+  Pacer pace(cfg_.cycle_time_ms);
+  bool busy = false;
+  std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
-    bool progressed;
-    try {
-      progressed = Cycle();
-    } catch (const std::exception& ex) {
-      // Unrecoverable (MPI failure, corrupt message): fail everything and stop
-      // touching any op's memory; later enqueues are refused.
-      Log(LOG_ERROR, std::string("background loop failed: ") + ex.what());
-      awaiting_response_.clear();
-      neighbor_ready_.clear();
-      neighbors_.TakeAll();
-      stop_ = true;
-      FailAll(std::string("Shoal's runtime failed: ") + ex.what());
-      break;
-    }
-    if (progressed) {
-      idle = std::chrono::microseconds(0);
-      last_progress = Clock::now();
+    if (driving_ || waiters_ > 0) {  // a waiting user thread drives; stay off its cores
+      work_cv_.wait_for(lock, longest);
       continue;
     }
-    const bool busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
-                      (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty();
-    if (busy && Clock::now() - last_progress < spin_window) {
-      std::this_thread::yield();
-      continue;
-    }
-    // Back off while nothing happens, but wake at once for new work.
-    idle = std::min(longest, std::max(std::chrono::microseconds(20), idle * 2));
-    std::unique_lock<std::mutex> lock(mu_);
-    work_cv_.wait_for(lock, idle, [&] { return stop_ || !queue_.empty(); });
+    auto wait = Drive(lock, &pace, &busy);
+    if (waiters_ > 0) done_cv_.notify_all();  // a user thread came to wait: let it drive
+    // Sleep, but wake at once for new work.
+    else if (wait.count() > 0) work_cv_.wait_for(lock, wait, [&] { return stop_ || !queue_.empty(); });
   }
 }
 

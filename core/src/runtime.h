@@ -1,11 +1,16 @@
-// The one runtime object of a process: queue, handles, background thread.
+// The one runtime object of a process: queue, handles, progress.
 //
-// User threads enqueue ops and wait on handles; one background thread owns all
-// communication. Each cycle it (1) reports newly submitted ops that need agreement
-// to the coordinator (rank 0) and applies the coordinator's ordered responses:
-// collectives always, neighbor ops the first time a name is seen; (2) sends and
-// receives neighbor data directly between neighbours (no global step);
+// User threads enqueue ops and wait on handles. One thread at a time, the driver,
+// runs the communication cycle; each cycle it (1) reports newly submitted ops that
+// need agreement to the coordinator (rank 0) and applies the coordinator's ordered
+// responses: collectives always, neighbor ops the first time a name is seen;
+// (2) sends and receives neighbor data directly between neighbours (no global step);
 // (3) progresses in-flight MPI requests; (4) checks for stalls.
+// The driver is a user thread blocked in Wait, or the enqueuing thread for one cycle,
+// else the background thread (ops with callbacks, ops nobody waits for yet). Handing a
+// small op to another thread and being woken back cost more than the op itself on
+// busy cores, so a waiter drives rather than sleeps. "Driver only" state below is
+// touched only by the thread holding the `driving_` token.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -29,6 +34,19 @@
 #include "windows.h"
 
 namespace shoal {
+
+// When a progress driver polls again: at once after progress, after a yield while
+// in-flight ops progressed recently, else after a sleep that doubles up to the cycle
+// time (at once the cycle time when nothing is in flight).
+class Pacer {
+ public:
+  explicit Pacer(double cycle_time_ms) : longest_(static_cast<int64_t>(cycle_time_ms * 1000)) {}
+  std::chrono::microseconds Next(bool progressed, bool busy);
+
+ private:
+  std::chrono::microseconds longest_, idle_{0};
+  Clock::time_point last_progress_ = Clock::now();
+};
 
 class Runtime {
  public:
@@ -55,6 +73,10 @@ class Runtime {
 
  private:
   void Loop();
+  // Runs one cycle as the progress driver (mu_ held on entry and exit, released during
+  // the cycle); returns how long to wait before the next.
+  std::chrono::microseconds Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy);
+  bool SafeCycle();
   bool Cycle();
   void Route(const EntryPtr& e, std::vector<Request>* to_coordinator);
   void Apply(const Response& r);
@@ -90,11 +112,13 @@ class Runtime {
   std::set<std::string> in_flight_names_;
   std::map<int, int64_t> noname_counter_;
   std::map<std::string, int64_t> calls_;  // per name: ops submitted so far
+  bool driving_ = false;  // a thread is running Cycle()
+  int waiters_ = 0;       // user threads in Wait
   // Read without the mutex by the loop, so polling never contends with enqueue.
   std::atomic<bool> stop_{false};
   std::atomic<size_t> queued_{0};
 
-  // Background thread only.
+  // Driver only.
   std::map<std::string, EntryPtr> awaiting_response_;
   std::set<std::string> negotiated_neighbor_names_;
   std::vector<EntryPtr> neighbor_ready_;

@@ -1,5 +1,5 @@
-// Counters behind shoal.stats(); written by the background and window threads, read by anyone.
-// windows / window_bytes are gauges: MPI windows and bytes they hold now.
+// Counters behind shoal.stats(); written by the progress driver and the window thread, read
+// by anyone. windows / window_bytes are gauges: MPI windows and bytes they hold now.
 #pragma once
 #include <atomic>
 #include <cstdint>

@@ -217,6 +217,31 @@ def unnamed_ops_get_deterministic_names():
 
 
 @check
+def several_threads_wait_at_once():
+    # A waiting thread drives communication for every op, then hands over to the next.
+    import threading
+    ins = shoal.in_neighbor_ranks()
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(20):
+                got = shoal.neighbor_allreduce(np.full(4, float(R)), name=f"thread{t}.nar")
+                assert np.allclose(got, (R + sum(ins)) / (len(ins) + 1)), (t, i, got)
+                got = shoal.allreduce(np.full(3, float(R + t)), average=False, name=f"thread{t}.ar")
+                assert np.array_equal(got, np.full(3, float(N * (N - 1) // 2 + N * t))), (t, i, got)
+        except Exception as ex:  # reported below
+            errors.append(repr(ex))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors and not any(th.is_alive() for th in threads), errors
+
+
+@check
 def world_queries():
     assert 0 <= R < N and shoal.local_size() * shoal.machine_size() == N
     per = int(os.environ.get("SHOAL_RANKS_PER_MACHINE", "0"))

@@ -103,17 +103,20 @@ int shoal_mpi_threads_supported(void);
 /* Writes e.g. "MPICH 5.0.2" into buf. */
 void shoal_mpi_library_version(char* buf, size_t len);
 
+/* Queues an op; it may also start it on the calling thread (one communication cycle). */
 int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t err_len);
-/* Completion callback, called once from the background thread when the op finishes
- * (status SHOAL_OK or an error and its message). It may call shoal_take_result and
- * shoal_release for its handle; it must not block. Used by the TensorFlow kernels. */
+/* Completion callback, called once when the op finishes (status SHOAL_OK or an error
+ * and its message), from the thread then driving communication: the background thread
+ * or a thread inside shoal_wait. It may call shoal_take_result and shoal_release for its
+ * handle; it must not block or wait. Used by the TensorFlow kernels. */
 typedef void (*shoal_callback)(int64_t handle, int status, const char* message, void* arg);
 int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callback, void* arg,
                                 int64_t* handle, char* err, size_t err_len);
 /* 1 when complete, 0 while pending, -SHOAL_UNKNOWN_HANDLE for an unknown handle. */
 int shoal_poll(int64_t handle);
-/* Blocks (no spinning) until complete; returns the op's status and message. The
- * handle stays valid until shoal_release. */
+/* Blocks until complete, driving the communication meanwhile (polling while peers
+ * answer, then sleeping); returns the op's status and message. The handle stays valid
+ * until shoal_release. */
 int shoal_wait(int64_t handle, char* err, size_t err_len);
 /* As shoal_wait, but returns SHOAL_TIMEOUT after `timeout_ms` if the op is still
  * running (so a binding can check for Ctrl-C between waits). */
