@@ -8,16 +8,12 @@ import numpy as np
 import torch
 
 import shoal.torch as bf
+from linreg import NOISE, problem
 from checks import check, run_all
 
 bf.init()
 R, N = bf.rank(), bf.size()
-torch.manual_seed(0)
-W_TRUE = torch.randn(5, 1)
-NOISE = 0.01
-torch.manual_seed(100 + R)
-X = torch.randn(256, 5)
-Y = X @ W_TRUE + NOISE * torch.randn(256, 1)
+W_TRUE, X, Y = problem(R)
 CT = bf.CommunicationType
 if bf.machine_size() > 1 and bf.local_size() > 1:
     bf.set_machine_topology(bf.topology.ring_graph(bf.machine_size()))

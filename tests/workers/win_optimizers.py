@@ -6,15 +6,11 @@ import time
 import torch
 
 import shoal.torch as bf
+from linreg import NOISE, problem
 
 bf.init()
 R, N = bf.rank(), bf.size()
-torch.manual_seed(0)
-W_TRUE = torch.randn(5, 1)
-NOISE = 0.01
-torch.manual_seed(100 + R)
-X = torch.randn(256, 5)
-Y = X @ W_TRUE + NOISE * torch.randn(256, 1)
+W_TRUE, X, Y = problem(R)
 SECONDS, DELAY = 3.0, 0.01
 SLOW = 0
 
