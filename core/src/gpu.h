@@ -46,7 +46,8 @@ struct GpuOp {
 // ArgumentError when GPU support is unavailable or the tensors disagree on the device.
 std::shared_ptr<GpuOp> CaptureGpuOp(const shoal_op_desc& d, size_t nbytes);
 
-// Background thread only (and Stop, after the thread has ended).
+// Progress driver only (and Stop, after the driver has left). The driver may be a user
+// thread, whose current device Runtime::Drive restores after each cycle.
 class GpuStaging {
  public:
   explicit GpuStaging(const shoal_cuda_api* api) : api_(api) {}
@@ -62,6 +63,9 @@ class GpuStaging {
   // Returns host buffers whose copies have finished to the pool.
   void Retire();
   bool Idle() const { return staging_.empty(); }
+  // The calling thread's current device, and putting it back after a cycle.
+  int CurrentDevice() const { return api_->get_device(); }
+  void RestoreDevice(int device) const { api_->set_device(device); }
   // The core's stream on `device` (made current); nullptr and *err on failure.
   void* Stream(int device, const char** err);
 

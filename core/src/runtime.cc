@@ -226,14 +226,19 @@ Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
 std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy) {
   driving_ = true;
   lock.unlock();
+  // The driver may be a user thread: leave its current CUDA device as it was.
+  const int device = gpu_ ? gpu_->CurrentDevice() : -1;
   bool progressed = SafeCycle();
+  if (device >= 0) gpu_->RestoreDevice(device);
   *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
           (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty();
   auto wait = pace->Next(progressed, *busy);
   if (wait.count() == 0 && !progressed) std::this_thread::yield();
   lock.lock();
   driving_ = false;
-  if (stop_) done_cv_.notify_all();  // Stop() waits for the driver to leave
+  // Stop() waits for the driver to leave; a waiter that slept while this thread drove must
+  // now drive itself (nobody else will: the background thread yields to waiters).
+  if (stop_ || waiters_ > 0) done_cv_.notify_all();
   return wait;
 }
 

@@ -13,7 +13,8 @@ void WindowQueue::Stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return !running_; });  // a waiter may be running a job itself
   for (auto& [h, job] : queue_) {
     job->status = Status::Error(SHOAL_ABORTED, "Shoal was shut down before this window op ran");
     job->done = true;

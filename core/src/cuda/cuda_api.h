@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_CUDA_ABI_VERSION 1
+#define SHOAL_CUDA_ABI_VERSION 2
 
 typedef const char* shoal_cuda_error;
 
@@ -39,6 +39,8 @@ typedef struct {
   /* Number of usable devices; 0 (and *why set, if given) without a driver or device. */
   int (*device_count)(const char** why);
   shoal_cuda_error (*set_device)(int device);
+  /* The calling thread's current device (-1 on error). */
+  int (*get_device)(void);
   /* A non-blocking stream on `device`, so it never waits on the legacy default stream. */
   shoal_cuda_error (*stream_create)(int device, void** stream);
   shoal_cuda_error (*stream_destroy)(void* stream);

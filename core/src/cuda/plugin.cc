@@ -32,6 +32,11 @@ int DeviceCount(const char** why) {
 
 shoal_cuda_error SetDevice(int device) { return Check(cudaSetDevice(device), "cudaSetDevice"); }
 
+int GetDevice() {
+  int d = -1;
+  return cudaGetDevice(&d) == cudaSuccess ? d : -1;
+}
+
 shoal_cuda_error StreamCreate(int device, void** stream) {
   SHOAL_CUDA_TRY(SetDevice(device));
   cudaStream_t s = nullptr;
@@ -106,6 +111,7 @@ shoal_cuda_api MakeTable() {
   t.build = build.c_str();
   t.device_count = DeviceCount;
   t.set_device = SetDevice;
+  t.get_device = GetDevice;
   t.stream_create = StreamCreate;
   t.stream_destroy = StreamDestroy;
   t.stream_sync = StreamSync;

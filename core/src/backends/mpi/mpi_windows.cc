@@ -278,6 +278,9 @@ class MpiWindows : public WindowEngine {
             Combine(old.data(), {src}, old.data(), w->dtype, w->count, false, 1.0, {1.0});
             Check(MPI_Put(old.data(), Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Put");
           }
+          // The data lands (and its lock is really held) before version and p move: MPI
+          // may take locks lazily, and the ctrl epoch closes first.
+          Check(MPI_Win_flush(dst, w->data), "MPI_Win_flush");
           const int64_t one = 1;
           if (!accumulate)
             Check(MPI_Accumulate(&one, 1, MPI_INT64_T, dst, w->VersionAt(k), 1, MPI_INT64_T, MPI_SUM, w->ctrl), "MPI_Accumulate");
@@ -308,13 +311,14 @@ class MpiWindows : public WindowEngine {
         if (a.require_mutex) Lock(w, rank_, k, true);
         double p = 0;
         {
-          Epoch e(w->data, src, MPI_LOCK_SHARED);
+          // Value and p from one state of the source: its update is exclusive on both.
+          Epoch ed(w->data, src, MPI_LOCK_SHARED);
           Check(MPI_Get(buf.data(), Count(w->nbytes), MPI_BYTE, src, 0, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Get");
-        }
-        if (a.with_p) {
-          Epoch e(w->ctrl, src, MPI_LOCK_SHARED);
-          // The source's own p sits after its 3 * in-degree words; ask it for its degree's offset.
-          Check(MPI_Get(&p, 1, MPI_DOUBLE, src, OwnPOffset(w, src), 1, MPI_DOUBLE, w->ctrl), "MPI_Get");
+          Check(MPI_Win_flush(src, w->data), "MPI_Win_flush");
+          if (a.with_p) {
+            Epoch ec(w->ctrl, src, MPI_LOCK_SHARED);
+            Check(MPI_Get(&p, 1, MPI_DOUBLE, src, OwnPOffset(w, src), 1, MPI_DOUBLE, w->ctrl), "MPI_Get");
+          }
         }
         if (a.weights[i] != 1.0) Scale(buf.data(), buf.data(), w->dtype, w->count, a.weights[i]);
         {
@@ -337,7 +341,9 @@ class MpiWindows : public WindowEngine {
       std::vector<int> slots = Slots(w, a.ranks, "win_update");
       std::vector<int> sorted = slots;
       std::sort(sorted.begin(), sorted.end());
-      if (a.require_mutex) for (int k : sorted) Lock(w, rank_, k, true);
+      std::vector<std::pair<int, int>> own;
+      for (int k : sorted) own.emplace_back(rank_, k);
+      if (a.require_mutex) LockAll(w, own);
       {
         Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
         std::vector<const void*> srcs;
@@ -378,7 +384,7 @@ class MpiWindows : public WindowEngine {
         }
       }
       std::sort(locks.begin(), locks.end());
-      if (acquire) for (auto& [o, k] : locks) Lock(w, o, k, true);
+      if (acquire) LockAll(w, locks);
       else for (auto it = locks.rbegin(); it != locks.rend(); ++it) Lock(w, it->first, it->second, false);
       return Status::Ok();
     });
@@ -464,6 +470,17 @@ class MpiWindows : public WindowEngine {
   static MPI_Aint OwnPOffset(Window* w, int src) { return 3 * static_cast<MPI_Aint>(w->degree[src]); }
 
   // Distributed spin lock on (owner, slot): compare-and-swap 0 -> 1, back off, retry.
+  // Takes every (owner, slot) mutex in order; on failure releases those already taken.
+  void LockAll(Window* w, const std::vector<std::pair<int, int>>& locks) {
+    size_t taken = 0;
+    try {
+      for (; taken < locks.size(); ++taken) Lock(w, locks[taken].first, locks[taken].second, true);
+    } catch (...) {
+      while (taken-- > 0) Lock(w, locks[taken].first, locks[taken].second, false);
+      throw;
+    }
+  }
+
   // Reentrant per process: a mutex this process holds is counted, not re-taken, so
   // win_put(require_mutex=True) inside `with win_mutex(...)` does not wait on itself.
   void Lock(Window* w, int owner, int k, bool acquire) {
@@ -516,17 +533,25 @@ class MpiWindows : public WindowEngine {
   // the records it got, so every rank reaches the same verdict. Waits without blocking
   // forever: a rank that never joins ends in an error after SHOAL_STALL_SHUTDOWN_TIME.
   Status Agree(const std::string& mine, const std::string& what, std::vector<std::vector<std::string>>* all) {
-    int len = static_cast<int>(mine.size());
-    std::vector<int> lens(size_), displs(size_);
+    // On the heap: a collective given up on still writes into them when late ranks come,
+    // so they are then kept (abandoned_) rather than freed.
+    auto x = std::make_shared<Exchange>();
+    x->mine = mine;
+    x->len = static_cast<int>(mine.size());
+    x->lens.resize(size_);
+    x->displs.resize(size_);
     MPI_Request req;
-    Check(MPI_Iallgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, comm_, &req), "MPI_Iallgather");
+    Check(MPI_Iallgather(&x->len, 1, MPI_INT, x->lens.data(), 1, MPI_INT, comm_, &req), "MPI_Iallgather");
     Status st = Await(&req, what);
-    if (!st.ok()) return st;
+    if (!st.ok()) return abandoned_.push_back(x), st;
+    auto& lens = x->lens;
+    auto& displs = x->displs;
     std::partial_sum(lens.begin(), lens.end() - 1, displs.begin() + 1);
-    std::string buf(displs.back() + lens.back(), '\0');
-    Check(MPI_Iallgatherv(mine.data(), len, MPI_CHAR, &buf[0], lens.data(), displs.data(), MPI_CHAR, comm_, &req), "MPI_Iallgatherv");
+    x->buf.assign(displs.back() + lens.back(), '\0');
+    Check(MPI_Iallgatherv(x->mine.data(), x->len, MPI_CHAR, &x->buf[0], lens.data(), displs.data(), MPI_CHAR, comm_, &req), "MPI_Iallgatherv");
     st = Await(&req, what);
-    if (!st.ok()) return st;
+    if (!st.ok()) return abandoned_.push_back(x), st;
+    const std::string& buf = x->buf;
     all->clear();
     for (int r = 0; r < size_; ++r) all->push_back(Split(buf.substr(displs[r], lens[r]), '\x1f'));
     const auto& ref = (*all)[0];
@@ -575,6 +600,12 @@ class MpiWindows : public WindowEngine {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   std::map<std::string, std::unique_ptr<Window>> windows_;
+  struct Exchange {
+    std::string mine, buf;
+    int len = 0;
+    std::vector<int> lens, displs;
+  };
+  std::vector<std::shared_ptr<Exchange>> abandoned_;
   bool broken_ = false;
   std::string broken_why_;
 };
