@@ -219,7 +219,8 @@ def check_build():
     built, what = _core.gpu_support()
     # "CUDA kernels: built (...)" is what CI looks for; the plugin loads without a GPU.
     print(f"CUDA kernels: {'built' if built else 'not built'} ({what})")
-    print(f"NCCL backend: {'built' if built and 'NCCL backend' in what else 'not built'}")
+    nccl = built and "NCCL backend" in what and "no NCCL backend" not in what
+    print(f"NCCL backend: {'built' if nccl else 'not built'}")
     print(f"CUDA devices: {'available to torch' if cuda else 'none visible to torch'}")
     return 0
 

@@ -213,6 +213,10 @@ def build_win_api(adapter):
         """Blocking `win_get_nonblocking`; returns True."""
         return win_wait(win_get_nonblocking(name, src_weights, require_mutex))
 
+    for blocking, nonblocking in ((win_put, win_put_nonblocking), (win_get, win_get_nonblocking),
+                                  (win_accumulate, win_accumulate_nonblocking)):
+        blocking.__doc__ += "\n\n" + nonblocking.__doc__
+
     def win_update(name, self_weight=None, neighbor_weights=None, reset=False, clone=False,
                    require_mutex=False):
         """Combine the receive buffers into the registered tensor and return it.

@@ -105,6 +105,15 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
     x = z·p; win_accumulate x and p in shares 1/(out-degree + 1) to self and each
     out-neighbour; collect (x += Σ buffers, p += Σ p buffers, buffers zeroed);
     z = x / p. Turns associated p on for all window ops. `p` is this rank's weight.
+
+    Usage (every rank; the constructor and `close()` are collective)::
+
+        opt = bf.DistributedPushSumOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model)
+        for x, y in batches:
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        opt.close()  # collects what is still in flight (then Σ p = n) and frees the windows
+
+    Raises ValueError for non-contiguous parameters (before any window is created).
     """
 
     def __init__(self, optimizer, model, num_steps_per_communication=1):
