@@ -172,6 +172,10 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     Pacer pace(cfg_.cycle_time_ms);
     bool busy = false;
     Drive(lock, &pace, &busy);
+    // A thread that came to wait while this one drove slept on done_cv_: hand it the
+    // token (only here: waiters hand over on leaving Wait, and waking every waiter after
+    // every cycle would make them chase each other).
+    if (waiters_ > 0) done_cv_.notify_all();
   }
   return handle;
 }
@@ -236,9 +240,7 @@ std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pac
   if (wait.count() == 0 && !progressed) std::this_thread::yield();
   lock.lock();
   driving_ = false;
-  // Stop() waits for the driver to leave; a waiter that slept while this thread drove must
-  // now drive itself (nobody else will: the background thread yields to waiters).
-  if (stop_ || waiters_ > 0) done_cv_.notify_all();
+  if (stop_) done_cv_.notify_all();  // Stop() waits for the driver to leave
   return wait;
 }
 
