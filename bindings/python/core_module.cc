@@ -33,6 +33,17 @@ void Check(int code, const char* msg) {
   if (code != SHOAL_OK) Raise(code, msg);
 }
 
+// A tensor of the C ABI over memory the Python side keeps alive (CPU unless the caller
+// sets the device fields).
+shoal_tensor MakeTensor(uintptr_t data, int dtype, const std::vector<int64_t>& shape) {
+  shoal_tensor t{};
+  t.data = reinterpret_cast<void*>(data);
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.shape = shape.data();
+  return t;
+}
+
 int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
                 const std::vector<int64_t>& shape, uintptr_t output, int reduce_op, int root,
                 const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
@@ -42,10 +53,7 @@ int64_t Enqueue(int op, const std::string& name, uintptr_t input, int dtype,
   shoal_op_desc d{};
   d.op = op;
   d.name = name.c_str();
-  d.input.data = reinterpret_cast<void*>(input);
-  d.input.dtype = dtype;
-  d.input.ndim = static_cast<int32_t>(shape.size());
-  d.input.shape = shape.data();
+  d.input = MakeTensor(input, dtype, shape);
   d.input.device_type = device_type;
   d.input.device_id = device_id;
   d.input.stream = reinterpret_cast<void*>(stream);
@@ -82,10 +90,7 @@ int64_t WinEnqueue(int op, const std::string& name, uintptr_t data, int dtype,
   shoal_win_desc d{};
   d.op = op;
   d.name = name.c_str();
-  d.tensor.data = reinterpret_cast<void*>(data);
-  d.tensor.dtype = dtype;
-  d.tensor.ndim = static_cast<int32_t>(shape.size());
-  d.tensor.shape = shape.data();
+  d.tensor = MakeTensor(data, dtype, shape);
   d.n = static_cast<int32_t>(ranks.size());
   d.ranks = ranks.data();
   d.weights = weights.empty() ? nullptr : weights.data();
