@@ -5,7 +5,8 @@
 For each pattern (one-peer exponential, static exponential-2, allreduce) and message size
 (4 KiB, 1 MiB, 16 MiB) both implementations do the same exchange on the same ranks: the
 reference posts the sends and receives with mpi4py (Sendrecv / Isend+Irecv, or Allreduce)
-and combines with numpy (sum then divide). Every iteration starts after a barrier; the
+into receive buffers it allocated once, and combines with numpy (sum then scale) into one
+new output array per op, as Shoal returns one. Every iteration starts after a barrier; the
 table gives the median seconds per op over the iterations and Shoal / reference.
 """
 import argparse
@@ -52,25 +53,27 @@ def main():
             shoal.neighbor_allreduce(x, self_weight=0.5, src_weights={(r - k) % n: 0.5},
                                      dst_weights=[(r + k) % n], enable_topo_check=False, name="onepeer")
 
+        buf = np.empty_like(x)
+        bufs = [np.empty_like(x) for _ in ins]
+
         def ref_one_peer():
             k = 2 ** (step["t"] % tau)
             step["t"] += 1
-            buf = np.empty_like(x)
             comm.Sendrecv(x, dest=(r + k) % n, recvbuf=buf, source=(r - k) % n)
-            (x + buf) / 2
+            out = x + buf
+            out *= 0.5
 
         def shoal_static():
             shoal.neighbor_allreduce(x, name="static")
 
         def ref_static():
-            bufs = [np.empty_like(x) for _ in ins]
             reqs = [comm.Irecv(b, source=j) for b, j in zip(bufs, ins)]
             reqs += [comm.Isend(x, dest=j) for j in outs]
             MPI.Request.Waitall(reqs)
             total = x.copy()
             for b in bufs:
                 total += b
-            total / (len(ins) + 1)
+            total /= len(ins) + 1
 
         def shoal_allreduce():
             shoal.allreduce(x, name="allreduce")
@@ -78,7 +81,7 @@ def main():
         def ref_allreduce():
             out = np.empty_like(x)
             comm.Allreduce(x, out, op=MPI.SUM)
-            out / n
+            out /= n
 
         for pattern, mine, ref in [("one-peer exp", shoal_one_peer, ref_one_peer),
                                    ("static exp-2", shoal_static, ref_static),

@@ -32,21 +32,22 @@ def build_api(adapter):
                 op with the same name. ShoalError (at synchronize): ranks disagree on
                 shape, dtype or op.
         """
-        return _ops.allreduce_nonblocking(adapter, tensor, average, name, op,
-                                          scope=_scope(is_hierarchical_local))
+        return _ops.allreduce(adapter, tensor, average, name, op, scope=_scope(is_hierarchical_local))
 
     def allreduce_nonblocking_(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
         """In-place `allreduce_nonblocking`: the result overwrites `tensor` (contiguous)."""
-        return _ops.allreduce_nonblocking(adapter, tensor, average, name, op, inplace=True,
-                                          scope=_scope(is_hierarchical_local))
+        return _ops.allreduce(adapter, tensor, average, name, op, inplace=True,
+                              scope=_scope(is_hierarchical_local))
 
     def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
         """Blocking allreduce: `synchronize(allreduce_nonblocking(...))`; see there."""
-        return _ops.synchronize(allreduce_nonblocking(tensor, average, is_hierarchical_local, name, op))
+        return _ops.allreduce(adapter, tensor, average, name, op, scope=_scope(is_hierarchical_local),
+                              block=True)
 
     def allreduce_(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
         """Blocking in-place allreduce; returns `tensor`."""
-        return _ops.synchronize(allreduce_nonblocking_(tensor, average, is_hierarchical_local, name, op))
+        return _ops.allreduce(adapter, tensor, average, name, op, inplace=True,
+                              scope=_scope(is_hierarchical_local), block=True)
 
     def broadcast_nonblocking(tensor, root_rank, name=None):
         """Start a broadcast of `root_rank`'s tensor (any dtype incl. bool, any shape);
@@ -55,25 +56,25 @@ def build_api(adapter):
         Raises ValueError for a root outside [0, size()); ShoalError (at synchronize) when
         ranks disagree on shape, dtype or root.
         """
-        return _ops.broadcast_nonblocking(adapter, tensor, root_rank, name)
+        return _ops.broadcast(adapter, tensor, root_rank, name)
 
     def broadcast_nonblocking_(tensor, root_rank, name=None):
         """In-place `broadcast_nonblocking`: `tensor` is overwritten on non-root ranks."""
-        return _ops.broadcast_nonblocking(adapter, tensor, root_rank, name, inplace=True)
+        return _ops.broadcast(adapter, tensor, root_rank, name, inplace=True)
 
     def broadcast(tensor, root_rank, name=None):
         """Blocking broadcast; see `broadcast_nonblocking`."""
-        return _ops.synchronize(broadcast_nonblocking(tensor, root_rank, name))
+        return _ops.broadcast(adapter, tensor, root_rank, name, block=True)
 
     def broadcast_(tensor, root_rank, name=None):
         """Blocking in-place broadcast; returns `tensor`."""
-        return _ops.synchronize(broadcast_nonblocking_(tensor, root_rank, name))
+        return _ops.broadcast(adapter, tensor, root_rank, name, inplace=True, block=True)
 
     def allgather_nonblocking(tensor, name=None):
         """Start an allgather: concatenation of every rank's tensor along dim 0, in rank
         order. Shapes [n_r, *rest]: n_r may differ per rank, `rest` and dtype must match
         (ShoalError otherwise). 0-d tensors raise ValueError. Any dtype incl. bool."""
-        return _ops.allgather_nonblocking(adapter, tensor, name)
+        return _ops.allgather(adapter, tensor, name)
 
     def allgather(tensor, name=None):
         """Blocking allgather; see `allgather_nonblocking`."""
@@ -98,14 +99,14 @@ def build_api(adapter):
         Raises ValueError for bad weights/ranks; ShoalError (at synchronize) when ranks
         disagree on shape, dtype or op.
         """
-        return _ops.neighbor_allreduce_nonblocking(adapter, tensor, self_weight, src_weights,
-                                                   dst_weights, enable_topo_check, name)
+        return _ops.neighbor_allreduce(adapter, tensor, self_weight, src_weights, dst_weights,
+                                       enable_topo_check, name)
 
     def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
                            enable_topo_check=True, name=None):
         """Blocking neighbor_allreduce; see `neighbor_allreduce_nonblocking`."""
-        return _ops.synchronize(neighbor_allreduce_nonblocking(
-            tensor, self_weight, src_weights, dst_weights, enable_topo_check, name))
+        return _ops.neighbor_allreduce(adapter, tensor, self_weight, src_weights, dst_weights,
+                                       enable_topo_check, name, block=True)
 
     def neighbor_allgather_nonblocking(tensor, src_ranks=None, dst_ranks=None,
                                        enable_topo_check=True, name=None):
@@ -120,8 +121,7 @@ def build_api(adapter):
         receives pair up, naming the edge otherwise. Any dtype incl. bool.
         Semantics: BlueFog `neighbor_allgather` (reference/bluefog-semantics.md §1.4).
         """
-        return _ops.neighbor_allgather_nonblocking(adapter, tensor, src_ranks, dst_ranks,
-                                                   enable_topo_check, name)
+        return _ops.neighbor_allgather(adapter, tensor, src_ranks, dst_ranks, enable_topo_check, name)
 
     def neighbor_allgather(tensor, src_ranks=None, dst_ranks=None, enable_topo_check=True, name=None):
         """Blocking neighbor_allgather; see `neighbor_allgather_nonblocking`."""
@@ -157,11 +157,11 @@ def build_api(adapter):
         Result: (x + x_peer) / 2 (sum then divide), or self_weight·x + pair_weight·x_peer.
         Floating dtypes. Semantics: BlueFog `pair_gossip`.
         """
-        return _ops.pair_gossip_nonblocking(adapter, tensor, target_rank, self_weight, pair_weight, name)
+        return _ops.pair_gossip(adapter, tensor, target_rank, self_weight, pair_weight, name)
 
     def pair_gossip(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
         """Blocking pair_gossip; see `pair_gossip_nonblocking`."""
-        return _ops.synchronize(pair_gossip_nonblocking(tensor, target_rank, self_weight, pair_weight, name))
+        return _ops.pair_gossip(adapter, tensor, target_rank, self_weight, pair_weight, name, block=True)
 
     api = {f.__name__: f for f in (
         neighbor_allgather, neighbor_allgather_nonblocking, hierarchical_neighbor_allreduce,

@@ -19,9 +19,8 @@ def _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_
     a = _ops.neighbor_args(self_weight, src_machine_weights, dst_machine_weights,
                            enable_topo_check, plan=plan, weighted=weighted)
     lead = basics.local_size()  # machine m's leader is rank m * L
-    a["recv_ranks"] = [m * lead for m in a["recv_ranks"]]
-    a["send_ranks"] = [m * lead for m in a["send_ranks"]]
-    return a
+    return dict(a, recv_ranks=[m * lead for m in a["recv_ranks"]],
+                send_ranks=[m * lead for m in a["send_ranks"]])
 
 
 def hierarchical_neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None,
@@ -34,16 +33,15 @@ def hierarchical_neighbor_allreduce_nonblocking(adapter, tensor, self_weight=Non
     args = _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check)
     leader = basics.local_rank() == 0
     if not leader:  # only machine leaders exchange; the others still take part in negotiation
-        args = dict(args, recv_ranks=[], send_ranks=[], recv_weights=[], send_weights=[],
-                    uniform=True, self_weight=1.0)
+        args = dict(_ops._NO_PEERS)
     name = name or f"hierarchical_neighbor_allreduce.noname.{next(_unnamed)}"
-    first = _ops.allreduce_nonblocking(adapter, tensor, op=_ops.Sum, name=name + ".machine_sum",
+    first = _ops.allreduce(adapter, tensor, op=_ops.Sum, name=name + ".machine_sum",
                                        scope=_ops.MACHINE)
 
     def finish():
         total = _ops.synchronize(first)
-        mixed = _ops.synchronize(_ops.neighbor_allreduce_submit(adapter, total, name + ".exchange", **args))
-        out = _ops.synchronize(_ops.broadcast_nonblocking(adapter, mixed, 0, name + ".share",
+        mixed = _ops.synchronize(_ops.neighbor_allreduce_submit(adapter, total, name + ".exchange", args))
+        out = _ops.synchronize(_ops.broadcast(adapter, mixed, 0, name + ".share",
                                                           inplace=True, scope=_ops.MACHINE))
         out /= basics.local_size()
         return out

@@ -18,7 +18,7 @@ def _adjacency(ranks, what):
     row = np.zeros((1, n), np.uint8)
     row[0, ranks] = 1
     _calls["n"] += 1
-    return _ops.synchronize(_ops.allgather_nonblocking(ADAPTER, row, name=f"shoal.infer.{_calls['n']}"))
+    return _ops.synchronize(_ops.allgather(ADAPTER, row, name=f"shoal.infer.{_calls['n']}"))
 
 
 def _result(a, construct_adjacency_matrix):

@@ -49,17 +49,30 @@ def reduce_op(average, op):
     return Average if average is None or average else Sum
 
 
-def _submit(op, name, adapter, tensor, output, keep, finish, **kw):
-    if name is not None and not isinstance(name, str):
+_NO_PEERS = {"recv_ranks": (), "recv_weights": (), "self_weight": 1.0, "uniform": True,
+             "send_ranks": (), "send_weights": (), "topo_check": False}
+
+
+def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce_op=0, root=0,
+            scope=WORLD, peers=_NO_PEERS):
+    """Enqueue one op; returns its handle, or with `block` waits and returns finish().
+    `peers`: the lists of a neighbor op, as `neighbor_args` returns them."""
+    if name is None:
+        name = ""
+    elif not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
-    if name and "\0" in name:
+    elif "\0" in name:
         raise ValueError("op names cannot contain NUL characters")
     ptr, dtype, shape = adapter.describe(tensor)
-    out_ptr = adapter.describe(output)[0] if output is not None else ptr
-    device = getattr(adapter, "device", None)  # GPU-capable adapters: device, id, stream
-    if device is not None:
-        kw.update(device(tensor))
-    handle = _core.enqueue(op, name or "", ptr, dtype, list(shape), out_ptr, **kw)
+    out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
+    device_type, device_id, stream = adapter.device(tensor)
+    # Positional: pybind11 matches keyword arguments far more slowly.
+    handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, reduce_op, root, peers["recv_ranks"],
+                           peers["recv_weights"], peers["self_weight"], peers["uniform"],
+                           peers["send_ranks"], peers["send_weights"], scope, peers["topo_check"],
+                           device_type, device_id, stream, block)
+    if block:  # waited for and released by the core already
+        return finish()
     with _lock:
         _pending[handle] = (keep, finish)
     return handle
@@ -88,15 +101,17 @@ def composite(first, finish):
     return h
 
 
-def allreduce_nonblocking(adapter, tensor, average=None, name=None, op=None, inplace=False,
-                          scope=WORLD):
+# Each op below enqueues and returns a handle for `synchronize`, or with block=True waits
+# and returns the result (one call into the core instead of two).
+def allreduce(adapter, tensor, average=None, name=None, op=None, inplace=False, scope=WORLD,
+              block=False):
     rop = reduce_op(average, op)
     src, out = adapter.prepare(tensor, inplace, "allreduce")
-    return _submit(ALLREDUCE, name, adapter, src, out, (tensor, src, out), lambda: out,
+    return _submit(ALLREDUCE, name, adapter, src, out, (tensor, src, out), lambda: out, block,
                    reduce_op=rop.code, scope=scope)
 
 
-def broadcast_nonblocking(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD):
+def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD, block=False):
     if isinstance(root_rank, bool):
         raise TypeError("root_rank must be an int, got bool")
     try:
@@ -107,17 +122,17 @@ def broadcast_nonblocking(adapter, tensor, root_rank, name=None, inplace=False, 
     if not 0 <= root_rank < n:
         raise ValueError(f"broadcast: root rank {root_rank} is outside [0, {n})")
     src, out = adapter.prepare(tensor, inplace, "broadcast")
-    return _submit(BROADCAST, name, adapter, src, out, (tensor, src, out), lambda: out,
+    return _submit(BROADCAST, name, adapter, src, out, (tensor, src, out), lambda: out, block,
                    root=root_rank, scope=scope)
 
 
-def allgather_nonblocking(adapter, tensor, name=None):
+def allgather(adapter, tensor, name=None):
     return _submit_gather(ALLGATHER, name, adapter, tensor)
 
 
 def _rank_list(ranks, what):
     try:
-        out = [int(r) for r in ranks]
+        out = list(map(int, ranks))
     except TypeError:
         raise TypeError(f"{what} must be a list of ranks") from None
     if len(set(out)) != len(out):
@@ -129,69 +144,101 @@ def _weights_dict(arg, what):
     if isinstance(arg, dict):
         return {int(k): float(v) for k, v in arg.items()}
     if isinstance(arg, (list, tuple)):
-        return {r: 1.0 for r in _rank_list(arg, what)}
+        return dict.fromkeys(_rank_list(arg, what), 1.0)
     raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks")
+
+
+_resolved = {}  # dynamic-mode arguments -> neighbor_args' result (schedules repeat)
+
+
+def _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check):
+    try:
+        return (self_weight, enable_topo_check,
+                tuple(src_weights.items()) if type(src_weights) is dict else None,
+                tuple(dst_weights.items()) if type(dst_weights) is dict else tuple(dst_weights))
+    except TypeError:
+        return None
 
 
 def neighbor_args(self_weight=None, src_weights=None, dst_weights=None, enable_topo_check=True,
                   plan=None, weighted=None):
-    """Resolve BlueFog's neighbor_allreduce weights into explicit per-call lists:
+    """Resolve BlueFog's neighbor_allreduce weights into explicit per-call lists: a dict
     {recv_ranks, recv_weights, self_weight, uniform, send_ranks, send_weights, topo_check}.
+    Callers must not modify it or its lists (dynamic results are reused across calls).
 
     `plan`/`weighted` default to the static topology (`set_topology`); the hierarchical
-    op passes the machine topology's plan instead.
+    op passes the machine topology's plan instead. Runs every step: a one-peer schedule
+    repeats a few argument sets, so dynamic results are remembered (resolving them costs
+    more than the rest of a small op's Python path).
     """
-    if plan is None:
-        plan, weighted = basics._static_plan()
-    args = dict(uniform=True, self_weight=1.0, recv_weights=[], send_weights=[], topo_check=False)
+    if dst_weights is not None and type(self_weight) is float and type(src_weights) is dict:
+        key = _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check)
+        hit = _resolved.get(key) if key is not None else None
+        if hit is None:
+            hit = _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
+            if key is not None:
+                if len(_resolved) >= 1024:
+                    _resolved.clear()
+                _resolved[key] = hit
+        return hit
+    return _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
+
+
+def _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted):
     if self_weight is not None and not isinstance(self_weight, (int, float)):
         raise TypeError(f"self_weight must be a number, got {type(self_weight).__name__}")
-    if dst_weights is None:
-        # Static: receive from every in-neighbor, send to every out-neighbor. The graph
-        # was checked across ranks by set_topology, so no per-call check is needed.
-        recv, send = plan["recv"], plan["send"]
-        if (self_weight is None) != (src_weights is None):
-            raise ValueError("neighbor_allreduce: give both self_weight and src_weights, or neither")
-        if self_weight is None:
-            if weighted:
-                args.update(uniform=False, self_weight=plan["self_weight"],
-                            recv_weights=plan["recv_weights"])
-        else:
-            src = _weights_dict(src_weights, "src_weights")
-            extra = sorted(set(src) - set(recv))
-            if extra:
-                raise ValueError(f"neighbor_allreduce: src_weights ranks {extra} are not in-neighbors {recv}")
-            args.update(uniform=False, self_weight=float(self_weight),
-                        recv_weights=[src.get(r, 0.0) for r in recv])
-    else:
+    if dst_weights is not None:
         # Dynamic: this call's own send and receive lists.
         if self_weight is None or src_weights is None:
             raise ValueError("neighbor_allreduce with dst_weights needs self_weight and src_weights")
         src = _weights_dict(src_weights, "src_weights")
-        dst = _weights_dict(dst_weights, "dst_weights")
-        recv, send = sorted(src), sorted(dst)
-        args.update(uniform=False, self_weight=float(self_weight), recv_weights=[src[r] for r in recv],
-                    topo_check=bool(enable_topo_check))
-        if any(dst[r] != 1.0 for r in send):
-            args["send_weights"] = [dst[r] for r in send]
-    args.update(recv_ranks=list(recv), send_ranks=list(send))
+        recv = sorted(src)
+        if isinstance(dst_weights, dict):
+            dst = _weights_dict(dst_weights, "dst_weights")
+            send = sorted(dst)
+            send_w = [dst[r] for r in send]
+            if send_w.count(1.0) == len(send_w):
+                send_w = []  # unscaled sends
+        else:
+            send, send_w = sorted(_weights_dict(dst_weights, "dst_weights")), []
+        return {"recv_ranks": recv, "recv_weights": [src[r] for r in recv],
+                "self_weight": float(self_weight), "uniform": False, "send_ranks": send,
+                "send_weights": send_w, "topo_check": bool(enable_topo_check)}
+    # Static: receive from every in-neighbor, send to every out-neighbor. The graph was
+    # checked across ranks by set_topology, so no per-call check is needed.
+    if plan is None:
+        plan, weighted = basics._static_plan()
+    recv = plan["recv"]
+    args = {"recv_ranks": list(recv), "recv_weights": [], "self_weight": 1.0, "uniform": True,
+            "send_ranks": list(plan["send"]), "send_weights": [], "topo_check": False}
+    if (self_weight is None) != (src_weights is None):
+        raise ValueError("neighbor_allreduce: give both self_weight and src_weights, or neither")
+    if self_weight is not None:
+        src = _weights_dict(src_weights, "src_weights")
+        extra = sorted(set(src) - set(recv))
+        if extra:
+            raise ValueError(f"neighbor_allreduce: src_weights ranks {extra} are not in-neighbors {recv}")
+        args.update(uniform=False, self_weight=float(self_weight),
+                    recv_weights=[src.get(r, 0.0) for r in recv])
+    elif weighted:
+        args.update(uniform=False, self_weight=plan["self_weight"], recv_weights=list(plan["recv_weights"]))
     return args
 
 
-def neighbor_allreduce_submit(adapter, tensor, name, out=None, **args):
-    """Enqueue a neighbor_allreduce with explicit lists (see `neighbor_args`); the result
-    goes to `out` (a contiguous tensor like `tensor`, e.g. reused across steps) if given."""
+def neighbor_allreduce_submit(adapter, tensor, name, peers, out=None, block=False):
+    """Enqueue a neighbor_allreduce with explicit lists `peers` (see `neighbor_args`); the
+    result goes to `out` (a contiguous tensor like `tensor`, e.g. reused across steps) if given."""
     src_t, fresh = adapter.prepare(tensor, False, "neighbor_allreduce", need_output=out is None)
     out = fresh if out is None else out
     return _submit(NEIGHBOR_ALLREDUCE, name, adapter, src_t, out, (tensor, src_t, out),
-                   lambda: out, **args)
+                   lambda: out, block, peers=peers)
 
 
-def neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_weights=None,
-                                   dst_weights=None, enable_topo_check=True, name=None, out=None):
+def neighbor_allreduce(adapter, tensor, self_weight=None, src_weights=None, dst_weights=None,
+                       enable_topo_check=True, name=None, out=None, block=False):
     """See `shoal.neighbor_allreduce` for the semantics."""
     return neighbor_allreduce_submit(
-        adapter, tensor, name, out, **neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check))
+        adapter, tensor, name, neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check), out, block)
 
 
 def neighbor_allgather_args(src_ranks=None, dst_ranks=None, enable_topo_check=True):
@@ -205,25 +252,26 @@ def neighbor_allgather_args(src_ranks=None, dst_ranks=None, enable_topo_check=Tr
     return _rank_list(src_ranks, "src_ranks"), _rank_list(dst_ranks, "dst_ranks"), bool(enable_topo_check)
 
 
-def neighbor_allgather_nonblocking(adapter, tensor, src_ranks=None, dst_ranks=None,
-                                   enable_topo_check=True, name=None):
+def neighbor_allgather(adapter, tensor, src_ranks=None, dst_ranks=None, enable_topo_check=True,
+                       name=None):
     """See `shoal.neighbor_allgather` for the semantics."""
     recv, send, check = neighbor_allgather_args(src_ranks, dst_ranks, enable_topo_check)
-    return _submit_gather(NEIGHBOR_ALLGATHER, name, adapter, tensor, recv_ranks=recv,
-                          send_ranks=send, topo_check=check)
+    return _submit_gather(NEIGHBOR_ALLGATHER, name, adapter, tensor,
+                          peers=dict(_NO_PEERS, recv_ranks=recv, send_ranks=send, topo_check=check))
 
 
-def pair_gossip_nonblocking(adapter, tensor, target_rank, self_weight=None, pair_weight=None,
-                            name=None):
+def pair_gossip(adapter, tensor, target_rank, self_weight=None, pair_weight=None, name=None,
+                block=False):
     """See `shoal.pair_gossip` for the semantics."""
     if (self_weight is None) != (pair_weight is None):
         raise ValueError("pair_gossip: give both self_weight and pair_weight, or neither")
     if target_rank == basics.rank():
         raise ValueError("pair_gossip: target_rank is this rank")
     sw, pw = (0.5, 0.5) if self_weight is None else (float(self_weight), float(pair_weight))
-    return neighbor_allreduce_submit(
-        adapter, tensor, name, uniform=self_weight is None, self_weight=sw, recv_ranks=[target_rank],
-        recv_weights=[pw], send_ranks=[target_rank], send_weights=[], topo_check=False)
+    peers = {"recv_ranks": [target_rank], "recv_weights": [pw], "self_weight": sw,
+             "uniform": self_weight is None, "send_ranks": [target_rank], "send_weights": [],
+             "topo_check": False}
+    return neighbor_allreduce_submit(adapter, tensor, name, peers, None, block)
 
 
 def poll(handle):

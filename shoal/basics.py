@@ -156,7 +156,7 @@ def _check_same_everywhere(graph, is_weighted, what):
     digest = np.frombuffer(hashlib.sha256(w.tobytes() + bytes([bool(is_weighted)])).digest(), np.uint8)
     _state["topology_version"] += 1
     name = f"shoal.{what}.{_state['topology_version']}"
-    every = _ops.synchronize(_ops.allgather_nonblocking(ADAPTER, digest[None, :], name=name))
+    every = _ops.synchronize(_ops.allgather(ADAPTER, digest[None, :], name=name))
     differ = [r for r in range(every.shape[0]) if not np.array_equal(every[r], every[0])]
     if differ:
         raise ValueError(f"{what}: ranks {differ} passed a different graph (or is_weighted) than rank 0; "

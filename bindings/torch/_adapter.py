@@ -29,11 +29,11 @@ class TorchAdapter:
         return t.data_ptr(), _CODES[t.dtype], tuple(t.shape)
 
     def device(self, t):
-        """Extra enqueue arguments for a CUDA tensor: device ordinal and current stream."""
-        if t.device.type != "cuda":
-            return {}
-        return {"device_type": 1, "device_id": t.device.index,
-                "stream": torch.cuda.current_stream(t.device).cuda_stream}
+        """(device type, device ordinal, current stream) of the enqueue: (0, 0, 0) for host
+        memory, (1, ordinal, stream) for a CUDA tensor."""
+        if not t.is_cuda:
+            return 0, 0, 0
+        return 1, t.device.index, torch.cuda.current_stream(t.device).cuda_stream
 
     def prepare(self, tensor, inplace, op, need_output=True):
         self._check(tensor, op)

@@ -20,17 +20,16 @@ def _define(schema, impl, fake):
 
 
 def _allreduce_impl(tensor, average, local, name):
-    h = _ops.allreduce_nonblocking(ADAPTER, tensor, average, name or None,
-                                   scope=_ops.MACHINE if local else _ops.WORLD)
-    return _ops.synchronize(h)
+    return _ops.allreduce(ADAPTER, tensor, average, name or None,
+                          scope=_ops.MACHINE if local else _ops.WORLD, block=True)
 
 
 def _broadcast_impl(tensor, root_rank, name):
-    return _ops.synchronize(_ops.broadcast_nonblocking(ADAPTER, tensor, root_rank, name or None))
+    return _ops.broadcast(ADAPTER, tensor, root_rank, name or None, block=True)
 
 
 def _allgather_impl(tensor, name):
-    return _ops.synchronize(_ops.allgather_nonblocking(ADAPTER, tensor, name or None))
+    return _ops.synchronize(_ops.allgather(ADAPTER, tensor, name or None))
 
 
 def _allgather_fake(tensor, name):
@@ -41,11 +40,10 @@ def _allgather_fake(tensor, name):
 
 def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, send_weights,
                    uniform, topo_check, name):
-    h = _ops.neighbor_allreduce_submit(
-        ADAPTER, tensor, name or None, self_weight=self_weight, recv_ranks=list(recv_ranks),
-        recv_weights=list(recv_weights), send_ranks=list(send_ranks),
-        send_weights=list(send_weights), uniform=uniform, topo_check=topo_check)
-    return _ops.synchronize(h)
+    peers = {"recv_ranks": recv_ranks, "recv_weights": recv_weights, "self_weight": self_weight,
+             "uniform": uniform, "send_ranks": send_ranks, "send_weights": send_weights,
+             "topo_check": topo_check}
+    return _ops.neighbor_allreduce_submit(ADAPTER, tensor, name or None, peers, block=True)
 
 
 _define("allreduce(Tensor tensor, bool average, bool local, str name) -> Tensor", _allreduce_impl,

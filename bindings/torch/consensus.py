@@ -34,9 +34,9 @@ def consensus_distance(model_or_tensors, name="consensus_distance"):
         rounding, no cancellation). Collective.
     """
     x = _flat_params(model_or_tensors)
-    mean = _ops.synchronize(_ops.allreduce_nonblocking(ADAPTER, x, True, name + ".mean"))
+    mean = _ops.synchronize(_ops.allreduce(ADAPTER, x, True, name + ".mean"))
     local = torch.sum((x - mean) ** 2).reshape(1)
-    total = _ops.synchronize(_ops.allreduce_nonblocking(ADAPTER, local, True, name + ".sq"))
+    total = _ops.synchronize(_ops.allreduce(ADAPTER, local, True, name + ".sq"))
     return float(total[0].sqrt())
 
 

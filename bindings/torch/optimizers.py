@@ -160,14 +160,14 @@ class _ParameterMixing(_Distributed):
             out = self._spare.get(p)
             if out is None or out.shape != t.shape or out.dtype != t.dtype:
                 out = self._spare[p] = torch.empty_like(t)
-            return _ops.neighbor_allreduce_nonblocking(ADAPTER, t, self.self_weight, self.src_weights,
+            return _ops.neighbor_allreduce(ADAPTER, t, self.self_weight, self.src_weights,
                                                        self.dst_weights, self.enable_topo_check, name, out=out)
         if kind is CommunicationType.hierarchical_neighbor_allreduce:
             return _hierarchical.hierarchical_neighbor_allreduce_nonblocking(
                 ADAPTER, t, self.self_weight, self.src_machine_weights, self.dst_machine_weights,
                 self.enable_topo_check, name)
         if kind is CommunicationType.allreduce:
-            return _ops.allreduce_nonblocking(ADAPTER, t, True, name)
+            return _ops.allreduce(ADAPTER, t, True, name)
         return None
 
     def _launch_all(self, params=None):
@@ -198,7 +198,7 @@ class _ParameterMixing(_Distributed):
         xi = consensus_distance(params, name=f"{self._prefix}.xi")
         rounds = 0
         while cc.method == "gossip" and xi > target and rounds < cc.max_extra_rounds:
-            handles = [(p, _ops.neighbor_allreduce_nonblocking(ADAPTER, p.data,
+            handles = [(p, _ops.neighbor_allreduce(ADAPTER, p.data,
                                                                name=f"{self._prefix}.cc.{self._names[p]}"))
                        for p in params]
             with torch.no_grad():
@@ -207,7 +207,7 @@ class _ParameterMixing(_Distributed):
             rounds += 1
             xi = consensus_distance(params, name=f"{self._prefix}.xi")
         if xi > target:  # gossip could not get there (or method="allreduce"): average exactly
-            handles = [(p, _ops.allreduce_nonblocking(ADAPTER, p.data, True, f"{self._prefix}.avg.{self._names[p]}"))
+            handles = [(p, _ops.allreduce(ADAPTER, p.data, True, f"{self._prefix}.avg.{self._names[p]}"))
                        for p in params]
             with torch.no_grad():
                 for p, h in handles:
@@ -319,7 +319,7 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                                "backward passes before step()")
         self._passes[p] = n
         if n == self.num_steps_per_communication:
-            self._handles[p] = _ops.allreduce_nonblocking(ADAPTER, p.grad, True, self._name(p), inplace=True)
+            self._handles[p] = _ops.allreduce(ADAPTER, p.grad, True, self._name(p), inplace=True)
 
     def synchronize(self):
         """Wait for every gradient's average (launching, with zeros, those never produced)."""
@@ -327,7 +327,7 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
             if p not in self._handles:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self._handles[p] = _ops.allreduce_nonblocking(ADAPTER, p.grad, True, self._name(p), inplace=True)
+                self._handles[p] = _ops.allreduce(ADAPTER, p.grad, True, self._name(p), inplace=True)
         handles, self._handles = self._handles, {}
         for h in handles.values():
             _ops.synchronize(h)

@@ -35,7 +35,7 @@ def broadcast_parameters(params, root_rank):
         t = p.data if isinstance(p, torch.nn.Parameter) else p
         if not torch.is_tensor(t):
             raise ValueError(f"broadcast_parameters: {name} is not a tensor")
-        handles.append(_ops.broadcast_nonblocking(ADAPTER, t, root_rank, name=f"broadcast.param.{name}",
+        handles.append(_ops.broadcast(ADAPTER, t, root_rank, name=f"broadcast.param.{name}",
                                                   inplace=True))
     for h in handles:
         _ops.synchronize(h)
@@ -47,7 +47,7 @@ def allreduce_parameters(params):
     for name, p in _named(params):
         t = p.data if isinstance(p, torch.nn.Parameter) else p
         if t.is_floating_point():
-            handles.append(_ops.allreduce_nonblocking(ADAPTER, t, True, f"allreduce.param.{name}",
+            handles.append(_ops.allreduce(ADAPTER, t, True, f"allreduce.param.{name}",
                                                       inplace=True))
     for h in handles:
         _ops.synchronize(h)

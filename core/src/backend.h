@@ -29,8 +29,13 @@ class Backend {
 
   // Point-to-point messages (control plane and neighbor data).
   virtual void Send(int dst, int tag, Bytes msg, Callback done) = 0;
-  // Takes one waiting message with `tag` from any rank; false if none.
-  virtual bool Receive(int tag, int* src, ByteVec* msg, Status* st) = 0;
+  // Zero-copy forms: send `n` bytes at `data` / receive `n` bytes from `src` into `data`.
+  // The memory must stay valid until `done` runs (the callback may own it).
+  virtual void SendFrom(int dst, int tag, const void* data, size_t n, Callback done) = 0;
+  virtual void ReceiveInto(int src, int tag, void* data, size_t n, Callback done) = 0;
+  // Takes one waiting message with one of `tags` (tried in that order) from any rank;
+  // false if none.
+  virtual bool Receive(const std::vector<int>& tags, int* tag, int* src, ByteVec* msg, Status* st) = 0;
 
   // Collectives; every rank starts them in the same order.
   // scope: SHOAL_SCOPE_WORLD or SHOAL_SCOPE_MACHINE (root is then a local rank).

@@ -43,6 +43,8 @@ struct Entry {
       t_reduce_start, t_reduce_end;
   bool stall_warned = false;
   std::atomic<int> sends_pending{0};  // messages with this entry's data not yet sent
+  bool direct_sends = false;          // some leave from input memory: finish only once sent
+  Status send_error;                  // of a direct send
   // Completion (guarded by the runtime's handle mutex).
   bool done = false;
   Status status;

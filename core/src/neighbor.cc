@@ -34,6 +34,11 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
       ++j;
     } while (j < items.size() && threshold_ > 0 &&
              static_cast<int64_t>(payload + items[j].first->nbytes()) <= threshold_);
+    // A large tensor sent unscaled leaves from its own memory, after a header message
+    // (copying 16 MiB into a message costs a third of the exchange on busy cores).
+    EntryPtr first = items[i].first;
+    const bool direct = j == i + 1 && payload >= kDirectBytes &&
+                        (items[i].second == 1.0 || first->sig.op != SHOAL_OP_NEIGHBOR_ALLREDUCE);
     Writer w;
     w.Put<uint32_t>(kMagic);
     w.Put<uint32_t>(static_cast<uint32_t>(j - i));
@@ -42,11 +47,12 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
       w.PutSignature(items[k].first->sig);
       w.Put<int64_t>(items[k].first->step);
       w.Put<uint64_t>(items[k].first->nbytes());
+      w.Put<uint8_t>(direct);
     }
-    auto msg = pool_->Get(w.size() + payload);
+    auto msg = pool_->Get(w.size() + (direct ? 0 : payload));
     std::memcpy(msg->data(), w.buffer().data(), w.size());
     size_t at = w.size();
-    for (size_t k = i; k < j; ++k) {
+    for (size_t k = i; k < j && !direct; ++k) {
       Entry& e = *items[k].first;
       if (e.t_copy_start == Clock::time_point{}) e.t_copy_start = Clock::now();
       char* dstp = msg->data() + at;
@@ -56,7 +62,7 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
       e.t_copy_end = Clock::now();
     }
     if (j - i > 1) ++stats_->fused_batches;
-    stats_->bytes_sent += msg->size();
+    stats_->bytes_sent += msg->size() + (direct ? payload : 0);
     std::vector<EntryPtr> in_msg;
     for (size_t k = i; k < j; ++k) {
       ++items[k].first->sends_pending;
@@ -65,35 +71,52 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
     backend_->Send(dst, kTag, msg, [in_msg](const Status&) {
       for (auto& e : in_msg) --e->sends_pending;
     });
+    if (direct) {
+      first->direct_sends = true;  // completes only once its memory is no longer read
+      ++first->sends_pending;
+      backend_->SendFrom(dst, kDataTag, first->input.data, payload, [first](const Status& st) {
+        if (!st.ok()) first->send_error = st;
+        --first->sends_pending;
+      });
+    }
     i = j;
   }
 }
 
-bool NeighborExchange::Receive(Status* st) {
-  bool any = false;
-  while (true) {
-    auto msg = pool_->Get(0);  // sized by Receive
-    int src = -1;
-    if (!backend_->Receive(kTag, &src, msg.get(), st) || !st->ok()) return any;
-    any = true;
-    stats_->bytes_received += msg->size();
-    Reader r(msg->data(), msg->size());
-    if (r.Get<uint32_t>() != kMagic) throw std::runtime_error("corrupt neighbor message");
-    uint32_t n = r.Get<uint32_t>();
-    std::vector<std::pair<std::string, Piece>> pieces(n);
-    std::vector<uint64_t> sizes(n);
-    for (uint32_t k = 0; k < n; ++k) {
-      pieces[k].first = r.GetString();
-      pieces[k].second.sig = r.GetSignature();
-      pieces[k].second.step = r.Get<int64_t>();
-      sizes[k] = r.Get<uint64_t>();
+void NeighborExchange::Accept(int src, Bytes msg) {
+  stats_->bytes_received += msg->size();
+  Reader r(msg->data(), msg->size());
+  if (r.Get<uint32_t>() != kMagic) throw std::runtime_error("corrupt neighbor message");
+  uint32_t n = r.Get<uint32_t>();
+  std::vector<std::pair<std::string, Piece>> pieces(n);
+  std::vector<uint64_t> sizes(n);
+  std::vector<uint8_t> direct(n);
+  for (uint32_t k = 0; k < n; ++k) {
+    pieces[k].first = r.GetString();
+    pieces[k].second.sig = r.GetSignature();
+    pieces[k].second.step = r.Get<int64_t>();
+    sizes[k] = r.Get<uint64_t>();
+    direct[k] = r.Get<uint8_t>();
+  }
+  for (uint32_t k = 0; k < n; ++k) {
+    Piece& p = pieces[k].second;
+    p.nbytes = sizes[k];
+    if (direct[k]) {
+      // The data follows on kDataTag; messages from one rank with one tag arrive in
+      // order, so receives posted in header order get the matching data.
+      p.msg = pool_->Get(sizes[k]);
+      p.arrival = std::make_shared<Arrival>();
+      backend_->ReceiveInto(src, kDataTag, p.msg->data(), sizes[k], [buf = p.msg, a = p.arrival](const Status& st) {
+        a->status = st;
+        a->done = true;
+      });
+    } else {
+      p.msg = msg;
+      p.offset = r.Skip(sizes[k]) - msg->data();
     }
-    for (uint32_t k = 0; k < n; ++k) {
-      pieces[k].second.msg = msg;
-      pieces[k].second.offset = r.Skip(sizes[k]) - msg->data();
-      pieces[k].second.nbytes = sizes[k];
-      stash_[{src, pieces[k].first}].push_back(std::move(pieces[k].second));
-    }
+    auto [it, fresh] = stash_.try_emplace({src, std::move(pieces[k].first)});
+    if (!fresh && it->second.empty()) --empty_keys_;
+    it->second.push_back(std::move(pieces[k].second));
   }
 }
 
@@ -101,30 +124,38 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
   std::vector<std::pair<EntryPtr, Status>> done;
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     Entry& e = **it;
-    bool all = std::all_of(e.recv_ranks.begin(), e.recv_ranks.end(), [&](int src) {
-      auto s = stash_.find({src, e.name});
-      return s != stash_.end() && !s->second.empty();
-    });
+    bool all = (!e.direct_sends || e.sends_pending == 0) &&
+               std::all_of(e.recv_ranks.begin(), e.recv_ranks.end(), [&](int src) {
+                 auto s = stash_.find(Key{src, e.name});
+                 return s != stash_.end() && !s->second.empty() && s->second.front().Arrived();
+               });
     if (!all) { ++it; continue; }
     e.t_peers_ready = Clock::now();
     std::vector<Piece> got;
     for (int src : e.recv_ranks) {
-      auto s = stash_.find({src, e.name});
-      got.push_back(std::move(s->second.front()));
-      s->second.pop_front();
-      if (s->second.empty()) stash_.erase(s);
+      auto& q = stash_.find(Key{src, e.name})->second;
+      got.push_back(std::move(q.front()));
+      q.erase(q.begin());
+      if (q.empty()) ++empty_keys_;
     }
     Status st = Finish(e, got);
     done.push_back({*it, st});
     it = waiting_.erase(it);
+  }
+  if (empty_keys_ > 4096) {  // e.g. many one-off names
+    for (auto it = stash_.begin(); it != stash_.end();) it = it->second.empty() ? stash_.erase(it) : std::next(it);
+    empty_keys_ = 0;
   }
   return done;
 }
 
 Status NeighborExchange::Finish(Entry& e, std::vector<Piece>& got) {
   const std::string op = std::string(OpName(e.sig.op)) + " '" + e.name + "': ";
+  if (!e.send_error.ok()) return Status::Error(SHOAL_ABORTED, op + e.send_error.message);
   for (size_t k = 0; k < got.size(); ++k) {
     const int src = e.recv_ranks[k];
+    if (got[k].arrival && !got[k].arrival->status.ok())
+      return Status::Error(SHOAL_ABORTED, op + got[k].arrival->status.message);
     if (got[k].step != e.step)
       return Status::Error(SHOAL_MISMATCH, op + "send and receive ranks disagree: rank " + std::to_string(src) +
           " sent to this rank at its step " + std::to_string(got[k].step) + " but this rank receives from rank " +
@@ -162,8 +193,8 @@ std::vector<std::pair<EntryPtr, std::vector<int>>> NeighborExchange::Waiting() c
   for (auto& e : waiting_) {
     std::vector<int> missing;
     for (int src : e->recv_ranks) {
-      auto s = stash_.find({src, e->name});
-      if (s == stash_.end() || s->second.empty()) missing.push_back(src);
+      auto s = stash_.find(Key{src, e->name});
+      if (s == stash_.end() || s->second.empty() || !s->second.front().Arrived()) missing.push_back(src);
     }
     out.push_back({e, missing});
   }
@@ -173,6 +204,7 @@ std::vector<std::pair<EntryPtr, std::vector<int>>> NeighborExchange::Waiting() c
 std::vector<std::pair<int, std::string>> NeighborExchange::Unmatched(Clock::time_point now, double age) {
   std::vector<std::pair<int, std::string>> out;
   for (auto& kv : stash_) {
+    if (kv.second.empty()) continue;
     Piece& head = kv.second.front();
     if (head.reported || std::chrono::duration<double>(now - head.arrived).count() < age) continue;
     bool wanted = std::any_of(waiting_.begin(), waiting_.end(), [&](const EntryPtr& e) {

@@ -10,9 +10,9 @@
 // step (how many ops of that name it ran before), so a send that the receiver did not
 // expect at that step is an error naming the edge, not data mixed into a later step.
 #pragma once
-#include <deque>
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -25,15 +25,17 @@ namespace shoal {
 
 class NeighborExchange {
  public:
-  static constexpr int kTag = 17;
+  static constexpr int kTag = 17;      // headers, with the data of small tensors
+  static constexpr int kDataTag = 18;  // data of large tensors, sent from their memory
+  static constexpr size_t kDirectBytes = 64 << 10;
 
   NeighborExchange(Backend* backend, int64_t fusion_threshold, Stats* stats)
       : backend_(backend), threshold_(fusion_threshold), stats_(stats) {}
 
   // Sends each entry's (weighted) tensor to its send ranks; it then awaits its sources.
   void Start(const std::vector<EntryPtr>& ready);
-  // Moves arrived messages into the stash; true if any arrived.
-  bool Receive(Status* st);
+  // Stashes the pieces of one arrived message (tag kTag) from `src`.
+  void Accept(int src, Bytes msg);
   // Entries whose sources have all arrived, combined, with their status.
   std::vector<std::pair<EntryPtr, Status>> Complete();
   // Waiting entries and the sources they still miss.
@@ -47,7 +49,13 @@ class NeighborExchange {
   std::vector<std::pair<int, std::string>> Unmatched(Clock::time_point now, double age);
 
  private:
+  struct Arrival {  // data received separately (kDataTag)
+    bool done = false;
+    Status status;
+  };
   struct Piece {
+    std::shared_ptr<Arrival> arrival;  // null: the data is in `msg` already
+    bool Arrived() const { return !arrival || arrival->done; }
     Bytes msg;
     size_t offset = 0;
     size_t nbytes = 0;
@@ -64,7 +72,17 @@ class NeighborExchange {
   int64_t threshold_;
   Stats* stats_;
   std::vector<EntryPtr> waiting_;
-  std::map<std::pair<int, std::string>, std::deque<Piece>> stash_;
+  // Pieces by (source, name), oldest first. Emptied keys stay (no allocation per message
+  // in steady state) until there are many of them.
+  using Key = std::pair<int, std::string_view>;  // lookups without copying the name
+  struct KeyLess {
+    using is_transparent = void;
+    template <typename A, typename B> bool operator()(const A& a, const B& b) const {
+      return a.first != b.first ? a.first < b.first : std::string_view(a.second) < std::string_view(b.second);
+    }
+  };
+  std::map<std::pair<int, std::string>, std::vector<Piece>, KeyLess> stash_;
+  size_t empty_keys_ = 0;
 };
 
 }  // namespace shoal

@@ -36,12 +36,14 @@ std::string Ranks(const std::vector<int>& r) {
 std::vector<int> CheckPeers(const char* what, const int32_t* ranks, int n, int self, int size) {
   if (n < 0 || (n > 0 && !ranks)) Bad(std::string(what) + ": missing rank list");
   std::vector<int> out(ranks, ranks + n);
-  std::set<int> seen;
   for (int r : out) {
     if (r < 0 || r >= size) Bad(std::string(what) + ": rank " + std::to_string(r) + " is outside [0, " + std::to_string(size) + ")");
     if (r == self) Bad(std::string(what) + ": rank " + std::to_string(r) + " is this rank itself");
-    if (!seen.insert(r).second) Bad(std::string(what) + ": rank " + std::to_string(r) + " appears twice");
   }
+  std::vector<int> sorted = out;  // (no std::set: this runs for every op)
+  std::sort(sorted.begin(), sorted.end());
+  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) Bad(std::string(what) + ": rank " + std::to_string(*dup) + " appears twice");
   return out;
 }
 
@@ -169,9 +171,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   } else {
     // Start it here (send to peers, or ask the coordinator) without waking a thread;
     // whoever waits for it drives the rest, else the background thread within a cycle time.
-    Pacer pace(cfg_.cycle_time_ms);
-    bool busy = false;
-    Drive(lock, &pace, &busy);
+    Drive(lock, nullptr, nullptr);
     // A thread that came to wait while this one drove slept on done_cv_: hand it the
     // token (only here: waiters hand over on leaving Wait, and waking every waiter after
     // every cycle would make them chase each other).
@@ -202,9 +202,9 @@ Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
   // Drive progress here rather than hand the op to the background thread and be woken
   // again: on busy cores each thread switch costs tens of microseconds.
   ++waiters_;
-  Pacer pace(cfg_.cycle_time_ms);
+  Pacer pace(cfg_.cycle_time_ms, CycleTime());
   bool busy = false;
-  const auto longest = std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
+  const auto longest = CycleTime();
   auto wait = std::chrono::microseconds(0);
   // Like MPI_Sendrecv, stay until this op's own sends are through too (receivers of large
   // messages need the sender's progress), unless they stopped moving or others drive.
@@ -232,12 +232,15 @@ std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pac
   lock.unlock();
   // The driver may be a user thread: leave its current CUDA device as it was.
   const int device = gpu_ ? gpu_->CurrentDevice() : -1;
-  bool progressed = SafeCycle();
+  bool progressed = SafeCycle(pace == nullptr);
   if (device >= 0) gpu_->RestoreDevice(device);
-  *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
-          (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty();
-  auto wait = pace->Next(progressed, *busy);
-  if (wait.count() == 0 && !progressed) std::this_thread::yield();
+  auto wait = std::chrono::microseconds(0);
+  if (pace) {
+    *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
+            (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty();
+    wait = pace->Next(progressed, *busy);
+    if (wait.count() == 0 && !progressed) std::this_thread::yield();
+  }
   lock.lock();
   driving_ = false;
   if (stop_) done_cv_.notify_all();  // Stop() waits for the driver to leave
@@ -255,7 +258,7 @@ std::chrono::microseconds Pacer::Next(bool progressed, bool busy) {
   // window after the last progress, then back off. With nothing in flight there is
   // nothing to poll for (new ops start where they are enqueued, or notify): sleep the
   // longest at once rather than wake a thread on busy cores every few microseconds.
-  if (busy && now - last_progress_ < std::chrono::microseconds(100)) return std::chrono::microseconds(0);
+  if (busy && now - last_progress_ < poll_) return std::chrono::microseconds(0);
   idle_ = busy ? std::min(longest_, std::max(std::chrono::microseconds(20), idle_ * 2)) : longest_;
   return idle_;
 }
@@ -322,9 +325,9 @@ void Runtime::FailAll(const std::string& why) {
     Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " + why));
 }
 
-bool Runtime::SafeCycle() {
+bool Runtime::SafeCycle(bool start_only) {
   try {
-    return Cycle();
+    return Cycle(start_only);
   } catch (const std::exception& ex) {
     // Unrecoverable (MPI failure, corrupt message): fail everything and stop
     // touching any op's memory; later enqueues are refused.
@@ -340,8 +343,8 @@ bool Runtime::SafeCycle() {
 
 void Runtime::Loop() {
   SetLogContext(world().rank, cfg_.log_level);
-  const auto longest = std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
-  Pacer pace(cfg_.cycle_time_ms);
+  const auto longest = CycleTime();
+  Pacer pace(cfg_.cycle_time_ms, std::chrono::microseconds(100));
   bool busy = false;
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
@@ -356,7 +359,7 @@ void Runtime::Loop() {
   }
 }
 
-bool Runtime::Cycle() {
+bool Runtime::Cycle(bool start_only) {
   const WorldInfo& w = world();
   bool progressed = false;
   std::vector<EntryPtr> fresh;
@@ -384,14 +387,32 @@ bool Runtime::Cycle() {
       });
     }
   }
+  // Every arrived message. The control tag is probed first: that probe also runs MPI's
+  // progress, so neighbor data that just arrived is matched by the next probe in this same
+  // cycle (probing neighbor data first, or MPI_ANY_TAG, left small messages unseen for up
+  // to hundreds of microseconds with the MPICH wheel).
+  static const std::vector<int> kCoordinatorTags = {kRequestTag, NeighborExchange::kTag},
+                                kWorkerTags = {kResponseTag, NeighborExchange::kTag};
   Status st;
-  ByteVec buf;
-  int src = -1;
-  if (coordinator_) {
-    while (backend_->Receive(kRequestTag, &src, &buf, &st) && st.ok()) {
-      for (auto& r : DecodeRequests(buf.data(), buf.size())) coordinator_->Add(src, r, Now());
-      progressed = true;
+  int src = -1, tag = -1;
+  while (!start_only) {
+    if (!spare_) spare_ = recv_pool_->Get(0);
+    if (!backend_->Receive(coordinator_ ? kCoordinatorTags : kWorkerTags, &tag, &src, spare_.get(), &st)) break;
+    if (!st.ok()) throw std::runtime_error(st.message);
+    progressed = true;
+    Bytes msg = std::move(spare_);
+    if (tag == NeighborExchange::kTag) {
+      neighbors_.Accept(src, std::move(msg));
+    } else if (tag == kRequestTag && coordinator_) {
+      for (auto& r : DecodeRequests(msg->data(), msg->size())) coordinator_->Add(src, r, Now());
+    } else if (tag == kResponseTag && !coordinator_) {
+      for (auto& r : DecodeResponses(msg->data(), msg->size())) Apply(r);
+    } else {
+      throw std::runtime_error("unexpected message with tag " + std::to_string(tag) + " from rank " + std::to_string(src));
     }
+  }
+  if (!st.ok()) throw std::runtime_error(st.message);
+  if (coordinator_ && !start_only) {
     std::vector<Response> resps = coordinator_->TakeResponses();
     if (!resps.empty()) {
       auto msg = std::make_shared<ByteVec>(EncodeResponses(resps));
@@ -400,26 +421,19 @@ bool Runtime::Cycle() {
       progressed = true;
     }
     stats_.negotiations = coordinator_->negotiations();
-  } else {
-    while (backend_->Receive(kResponseTag, &src, &buf, &st) && st.ok()) {
-      for (auto& r : DecodeResponses(buf.data(), buf.size())) Apply(r);
-      progressed = true;
-    }
   }
-  if (!st.ok()) throw std::runtime_error(st.message);
 
   if (!neighbor_ready_.empty()) {
     neighbors_.Start(neighbor_ready_);
     neighbor_ready_.clear();
     progressed = true;
   }
-  progressed |= neighbors_.Receive(&st);
-  if (!st.ok()) throw std::runtime_error(st.message);
+  if (start_only) return progressed;
+  progressed |= backend_->Progress();  // first: sends and separate data that completed
   for (auto& done : neighbors_.Complete()) {
     Finish(done.first, done.second);
     progressed = true;
   }
-  progressed |= backend_->Progress();
   CheckStalls();
   if (timeline_.enabled() && Clock::now() - last_flush_ > std::chrono::milliseconds(100)) {
     timeline_.Flush();  // keep the file readable while the job runs

@@ -35,16 +35,19 @@
 
 namespace shoal {
 
-// When a progress driver polls again: at once after progress, after a yield while
-// in-flight ops progressed recently, else after a sleep that doubles up to the cycle
-// time (at once the cycle time when nothing is in flight).
+// When a progress driver polls again: at once after progress, after a yield for `poll`
+// after the last progress while ops are in flight, else after a sleep that doubles up to
+// the cycle time (at once the cycle time when nothing is in flight). A user thread blocked
+// in Wait polls for a whole cycle time, as MPI's blocking calls do: a timed sleep wakes
+// tens of microseconds late, longer than a small op. The background thread polls briefly.
 class Pacer {
  public:
-  explicit Pacer(double cycle_time_ms) : longest_(static_cast<int64_t>(cycle_time_ms * 1000)) {}
+  Pacer(double cycle_time_ms, std::chrono::microseconds poll)
+      : longest_(static_cast<int64_t>(cycle_time_ms * 1000)), poll_(poll) {}
   std::chrono::microseconds Next(bool progressed, bool busy);
 
  private:
-  std::chrono::microseconds longest_, idle_{0};
+  std::chrono::microseconds longest_, poll_, idle_{0};
   Clock::time_point last_progress_ = Clock::now();
 };
 
@@ -74,10 +77,11 @@ class Runtime {
  private:
   void Loop();
   // Runs one cycle as the progress driver (mu_ held on entry and exit, released during
-  // the cycle); returns how long to wait before the next.
+  // the cycle); returns how long to wait before the next. Without a pacer, only starts
+  // what was queued (sends, requests to the coordinator): the enqueuing thread's cycle.
   std::chrono::microseconds Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy);
-  bool SafeCycle();
-  bool Cycle();
+  bool SafeCycle(bool start_only);
+  bool Cycle(bool start_only);
   void Route(const EntryPtr& e, std::vector<Request>* to_coordinator);
   void Apply(const Response& r);
   void RunCollective(const Response& r, std::vector<EntryPtr> batch);
@@ -86,6 +90,9 @@ class Runtime {
   void CheckStalls();
   void FailAll(const std::string& why);
   double Now() const;
+  std::chrono::microseconds CycleTime() const {
+    return std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
+  }
   // CUDA tensors (gpu.cc): stage to host, route once staged, copy back at completion.
   void StageGpu(const EntryPtr& e);
   bool PollGpu(std::vector<Request>* to_coordinator);
@@ -103,6 +110,8 @@ class Runtime {
   Clock::time_point last_flush_ = Clock::now();
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
   NeighborExchange neighbors_;
+  std::shared_ptr<BufferPool> recv_pool_ = BufferPool::Create();
+  Bytes spare_;  // receive buffer of the next probe (driver only)
 
   // Shared with user threads.
   std::mutex mu_;

@@ -87,6 +87,37 @@ def dst_weights_scale_on_the_sender():
 
 
 @check
+def large_tensors_sent_from_their_memory():
+    # >= 64 KiB leaves straight from the tensor (header and data as separate messages);
+    # the op completes only once its data has left, so overwriting it at once is safe.
+    if N == 1:
+        return
+    big = lambda r: ((np.arange(50_000) * (r + 1)) % 11).astype("float64")  # 400 KB, integers
+    nxt, prv = (R + 1) % N, (R - 1) % N
+    x = big(R)
+    hs = [shoal.neighbor_allreduce_nonblocking(x, self_weight=0.5, src_weights={prv: 0.5}, dst_weights=[nxt],
+                                               name="big.direct"),
+          shoal.neighbor_allreduce_nonblocking(x, self_weight=0.5, src_weights={prv: 0.5},
+                                               dst_weights={nxt: 0.25}, name="big.scaled"),
+          shoal.neighbor_allreduce_nonblocking(data(R), self_weight=0.5, src_weights={prv: 0.5}, dst_weights=[nxt],
+                                               name="big.small")]
+    direct, scaled, small = [shoal.synchronize(h) for h in hs]
+    x[:] = -1  # must not reach any peer
+    assert np.array_equal(direct, (big(R) + big(prv)) / 2), "direct"
+    assert np.array_equal(scaled, 0.5 * big(R) + 0.125 * big(prv)), "scaled"
+    assert np.array_equal(small, (data(R) + data(prv)) / 2), "small"
+    rows = 3000 * (R + 1)  # 3000..24000 rows of 8 float32: 96 KB and more
+    got = shoal.neighbor_allgather(np.full((rows, 8), R, "float32"), src_ranks=[prv], dst_ranks=[nxt],
+                                   name="big.gather")
+    assert got.shape == (3000 * (prv + 1), 8) and np.all(got == prv), got.shape
+    for step in range(3):  # repeated: pieces match their own step
+        y = shoal.neighbor_allreduce(big(R) + step, self_weight=0.5, src_weights={prv: 0.5}, dst_weights=[nxt],
+                                     name="big.repeat")
+        assert np.array_equal(y, (big(R) + big(prv)) / 2 + step), step
+    shoal.barrier()
+
+
+@check
 def neighbor_allgather_static_and_dynamic():
     x = np.full((R % 3 + 1, 2), R, dtype="int32")
     got = shoal.neighbor_allgather(x, name="nag.static")

@@ -102,17 +102,40 @@ class MpiBackend : public Backend {
     Op op;
     op.keep = msg;
     op.done = std::move(done);
-    op.what = "MPI_Isend to rank " + std::to_string(dst);
+    op.what = "MPI_Isend to rank";
+    op.peer = dst;
     Start(std::move(op), [&](MPI_Request* r) {
       return MPI_Isend(msg->data(), CheckedCount(msg->size()), MPI_BYTE, dst, tag, ctrl_, r);
     });
   }
 
-  bool Receive(int tag, int* src, ByteVec* msg, Status* st) override {
+  void SendFrom(int dst, int tag, const void* data, size_t n, Callback done) override {
+    Op op{{}, std::move(done), "MPI_Isend to rank"};
+    op.peer = dst;
+    Start(std::move(op), [&](MPI_Request* r) {
+      return MPI_Isend(data, CheckedCount(n), MPI_BYTE, dst, tag, ctrl_, r);
+    });
+  }
+
+  void ReceiveInto(int src, int tag, void* data, size_t n, Callback done) override {
+    Op op{{}, std::move(done), "MPI_Irecv from rank"};
+    op.peer = src;
+    Start(std::move(op), [&](MPI_Request* r) {
+      return MPI_Irecv(data, CheckedCount(n), MPI_BYTE, src, tag, ctrl_, r);
+    });
+  }
+
+  bool Receive(const std::vector<int>& tags, int* tag, int* src, ByteVec* msg, Status* st) override {
     int flag = 0;
     MPI_Message m;
     MPI_Status s;
-    int rc = MPI_Improbe(MPI_ANY_SOURCE, tag, ctrl_, &flag, &m, &s);
+    int rc = MPI_SUCCESS;
+    // One probe per tag: with MPI_ANY_TAG the MPICH wheel sees small shared-memory
+    // messages hundreds of microseconds late.
+    for (int t : tags) {
+      rc = MPI_Improbe(MPI_ANY_SOURCE, t, ctrl_, &flag, &m, &s);
+      if (flag || rc != MPI_SUCCESS) break;
+    }
     if (rc != MPI_SUCCESS) {
       *st = Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Improbe"));
       return false;
@@ -124,6 +147,7 @@ class MpiBackend : public Backend {
     // A matched message: its sender is already sending, so this cannot deadlock.
     rc = MPI_Mrecv(msg->data(), count, MPI_BYTE, &m, &s);
     *src = s.MPI_SOURCE;
+    *tag = s.MPI_TAG;
     if (rc != MPI_SUCCESS) *st = Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Mrecv"));
     return true;
   }
@@ -171,7 +195,7 @@ class MpiBackend : public Backend {
       if (rc != MPI_SUCCESS || flag) {
         Op op = std::move(*it);
         it = ops_.erase(it);
-        op.done(rc == MPI_SUCCESS ? Status::Ok() : Status::Error(SHOAL_ABORTED, MpiError(rc, op.what.c_str())));
+        op.done(rc == MPI_SUCCESS ? Status::Ok() : Status::Error(SHOAL_ABORTED, MpiError(rc, op.Describe().c_str())));
         any = true;
       } else {
         ++it;
@@ -186,8 +210,13 @@ class MpiBackend : public Backend {
   struct Op {
     Bytes keep;
     Callback done;
-    std::string what;
+    const char* what;  // the MPI call ("... to rank", followed by the peer, formatted only on failure)
     MPI_Request req = MPI_REQUEST_NULL;
+    int peer = -1;
+    std::string Describe() const {
+      if (peer < 0) return what;
+      return std::string(what) + " " + std::to_string(peer);
+    }
   };
 
   // Machine-scope collectives run on the local communicator; the coordinator's one
@@ -200,11 +229,11 @@ class MpiBackend : public Backend {
     try {
       rc = start(&op.req);
     } catch (const std::exception& ex) {
-      op.done(Status::Error(SHOAL_INVALID_ARGUMENT, op.what + ": " + ex.what()));
+      op.done(Status::Error(SHOAL_INVALID_ARGUMENT, op.Describe() + ": " + ex.what()));
       return;
     }
     if (rc != MPI_SUCCESS) {
-      op.done(Status::Error(SHOAL_ABORTED, MpiError(rc, op.what.c_str())));
+      op.done(Status::Error(SHOAL_ABORTED, MpiError(rc, op.Describe().c_str())));
       return;
     }
     ops_.push_back(std::move(op));
