@@ -70,7 +70,7 @@ def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce
     handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, reduce_op, root, peers["recv_ranks"],
                            peers["recv_weights"], peers["self_weight"], peers["uniform"],
                            peers["send_ranks"], peers["send_weights"], scope, peers["topo_check"],
-                           device_type, device_id, stream, block)
+                           device_type, device_id, stream, block, keep)
     if block:  # waited for and released by the core already
         return finish()
     with _lock:
@@ -288,7 +288,8 @@ def synchronize(handle):
     """Wait (GIL released) for `handle` and return the op's output.
 
     Raises ShoalError if the op failed on this rank (mismatch, stall, dead peer,
-    shutdown) and ValueError for an unknown handle.
+    shutdown) and ValueError for an unknown handle. A KeyboardInterrupt leaves the op
+    running and its handle valid (synchronize it again, or let shutdown fail it).
     """
     with _lock:
         if handle not in _pending:
@@ -296,16 +297,26 @@ def synchronize(handle):
     try:
         if handle >= 0:
             _core.wait(handle)
+    except BaseException:
+        if handle >= 0 and not _core.poll(handle):
+            raise  # interrupted (Ctrl-C) while the op runs on: it keeps its tensors and handle
+        _forget(handle)
+        raise
+    try:
         with _lock:
             entry = _pending.get(handle)
         if entry is None:  # another thread synchronized it meanwhile
             raise ValueError(f"handle {handle} was already synchronized")
         return entry[1]()
     finally:
-        with _lock:
-            _pending.pop(handle, None)
-        if handle >= 0:
-            _core.release(handle)
+        _forget(handle)
+
+
+def _forget(handle):
+    with _lock:
+        _pending.pop(handle, None)
+    if handle >= 0:
+        _core.release(handle)
 
 
 def barrier():

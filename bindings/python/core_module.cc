@@ -72,14 +72,33 @@ template <typename F> void WaitInterruptibly(F wait_for, int rc = SHOAL_TIMEOUT,
   Check(rc, msg);
 }
 
+// Blocking ops whose wait was interrupted (Ctrl-C) run on and write into their tensors:
+// their Python objects stay referenced until the op is over. (Never destroyed: it may
+// hold objects at interpreter exit.)
+auto* g_interrupted = new std::vector<std::pair<int64_t, py::object>>();
+
+void ReleaseInterruptedOps() {
+  auto& v = *g_interrupted;
+  for (size_t i = 0; i < v.size();) {
+    if (shoal_poll(v[i].first) != 0) {  // done, or unknown after shutdown
+      shoal_release(v[i].first);
+      v.erase(v.begin() + i);
+    } else {
+      ++i;
+    }
+  }
+}
+
 // Enqueues an op; with `block`, also waits for it and releases its handle (one call and
 // one GIL release for a blocking op whose result is its output tensor) and returns 0.
+// `keep`: the objects owning the tensors' memory (default: input and output).
 int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype,
                 const std::vector<int64_t>& shape, py::handle output, int reduce_op, int root,
                 const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
                 double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
                 const std::vector<double>& send_weights, int scope, bool topo_check, int device_type,
-                int device_id, uintptr_t stream, bool block) {
+                int device_id, uintptr_t stream, bool block, py::object keep) {
+  if (!g_interrupted->empty()) ReleaseInterruptedOps();
   shoal_op_desc d{};
   d.op = op;
   d.name = name.c_str();
@@ -111,11 +130,14 @@ int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype,
   }
   Check(rc, err);
   if (!block) return handle;
-  struct Release {
-    int64_t h;
-    ~Release() { shoal_release(h); }
-  } release{handle};
-  WaitInterruptibly([handle](char* e) { return shoal_wait_for(handle, 200, e, kErrLen); }, wait_rc, err);
+  try {
+    WaitInterruptibly([handle](char* e) { return shoal_wait_for(handle, 200, e, kErrLen); }, wait_rc, err);
+  } catch (...) {
+    if (shoal_poll(handle) == 0) g_interrupted->emplace_back(handle, keep.is_none() ? py::make_tuple(input, output) : keep);
+    else shoal_release(handle);
+    throw;
+  }
+  shoal_release(handle);
   return 0;
 }
 
@@ -198,7 +220,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("self_weight") = 1.0, py::arg("uniform") = true,
         py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("send_weights") = std::vector<double>{},
         py::arg("scope") = 0, py::arg("topo_check") = false, py::arg("device_type") = 0,
-        py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false);
+        py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false,
+        py::arg("keep") = py::none());
   m.def("poll", [](int64_t h) {
     int r = shoal_poll(h);
     if (r < 0) Raise(-r, ("unknown handle " + std::to_string(h)).c_str());

@@ -118,6 +118,51 @@ def large_tensors_sent_from_their_memory():
 
 
 @check
+def interrupted_wait_leaves_the_op_running():
+    # Ctrl-C in a blocking op or in synchronize: the op runs on with its tensors kept alive;
+    # a nonblocking handle stays valid.
+    if N == 1:
+        return
+    import gc
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    nxt, prv = (R + 1) % N, (R - 1) % N
+    kw = dict(self_weight=0.5, src_weights={prv: 0.5}, dst_weights=[nxt])
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        if R == 0:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)  # rank N-1 sends only after 1 s
+            try:
+                shoal.neighbor_allreduce(np.full(20_000, 1.0), name="intr.block", **kw)
+                raise AssertionError("not interrupted")
+            except KeyboardInterrupt:
+                pass
+            gc.collect()  # the op's arrays must survive this
+            h = shoal.neighbor_allreduce_nonblocking(np.full(10, 1.0), name="intr.handle", **kw)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            try:
+                shoal.synchronize(h)
+                raise AssertionError("not interrupted")
+            except KeyboardInterrupt:
+                pass
+            assert np.array_equal(shoal.synchronize(h), np.full(10, 0.5 + 0.5 * prv)), "handle"
+        else:
+            if R == N - 1:
+                time.sleep(1.0)
+            got = shoal.neighbor_allreduce(np.full(20_000, float(R)), name="intr.block", **kw)
+            assert np.array_equal(got, np.full(20_000, 0.5 * R + 0.5 * (prv if prv else 1.0))), got[:3]
+            got = shoal.neighbor_allreduce(np.full(10, float(R)), name="intr.handle", **kw)
+            assert np.array_equal(got, np.full(10, 0.5 * R + 0.5 * (prv if prv else 1.0))), got[:3]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    shoal.barrier()
+
+
+@check
 def neighbor_allgather_static_and_dynamic():
     x = np.full((R % 3 + 1, 2), R, dtype="int32")
     got = shoal.neighbor_allgather(x, name="nag.static")
