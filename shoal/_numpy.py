@@ -11,6 +11,7 @@ _CODES = {}
 
 class NumpyAdapter:
     name = "numpy"
+    native = True  # blocking neighbor_allreduce of plain arrays: one core call (shoal._ops)
 
     @staticmethod
     def _code(a):

@@ -89,37 +89,11 @@ void ReleaseInterruptedOps() {
   }
 }
 
-// Enqueues an op; with `block`, also waits for it and releases its handle (one call and
-// one GIL release for a blocking op whose result is its output tensor) and returns 0.
-// `keep`: the objects owning the tensors' memory (default: input and output).
-int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype,
-                const std::vector<int64_t>& shape, py::handle output, int reduce_op, int root,
-                const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
-                double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
-                const std::vector<double>& send_weights, int scope, bool topo_check, int device_type,
-                int device_id, uintptr_t stream, bool block, py::object keep) {
+// Enqueues `d`; with `block`, also waits for it and releases its handle (one call and one
+// GIL release for a blocking op whose result is its output tensor) and returns 0.
+// `keep`: the objects owning the tensors' memory, held if the wait is interrupted.
+int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep) {
   if (!g_interrupted->empty()) ReleaseInterruptedOps();
-  shoal_op_desc d{};
-  d.op = op;
-  d.name = name.c_str();
-  d.input = MakeTensor(input, dtype, shape, false);
-  d.input.device_type = device_type;
-  d.input.device_id = device_id;
-  d.input.stream = reinterpret_cast<void*>(stream);
-  d.output = d.input;
-  d.output.data = output.is(input) ? d.input.data : Address(output, true);
-  d.reduce_op = reduce_op;
-  d.root_rank = root;
-  d.n_recv = static_cast<int32_t>(recv_ranks.size());
-  d.recv_ranks = recv_ranks.data();
-  d.recv_weights = recv_weights.empty() ? nullptr : recv_weights.data();
-  d.self_weight = self_weight;
-  d.uniform = uniform;
-  d.n_send = static_cast<int32_t>(send_ranks.size());
-  d.send_ranks = send_ranks.data();
-  d.send_weights = send_weights.empty() ? nullptr : send_weights.data();
-  d.scope = scope;
-  d.topo_check = topo_check;
   int64_t handle = 0;
   char err[kErrLen];
   int rc, wait_rc = SHOAL_TIMEOUT;
@@ -133,12 +107,89 @@ int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype,
   try {
     WaitInterruptibly([handle](char* e) { return shoal_wait_for(handle, 200, e, kErrLen); }, wait_rc, err);
   } catch (...) {
-    if (shoal_poll(handle) == 0) g_interrupted->emplace_back(handle, keep.is_none() ? py::make_tuple(input, output) : keep);
+    if (shoal_poll(handle) == 0) g_interrupted->emplace_back(handle, keep);
     else shoal_release(handle);
     throw;
   }
   shoal_release(handle);
   return 0;
+}
+
+void SetPeers(shoal_op_desc* d, const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
+              double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
+              const std::vector<double>& send_weights, bool topo_check) {
+  d->n_recv = static_cast<int32_t>(recv_ranks.size());
+  d->recv_ranks = recv_ranks.data();
+  d->recv_weights = recv_weights.empty() ? nullptr : recv_weights.data();
+  d->self_weight = self_weight;
+  d->uniform = uniform;
+  d->n_send = static_cast<int32_t>(send_ranks.size());
+  d->send_ranks = send_ranks.data();
+  d->send_weights = send_weights.empty() ? nullptr : send_weights.data();
+  d->topo_check = topo_check;
+}
+
+// Any op, from its parts (the shoal._ops path).
+int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype,
+                const std::vector<int64_t>& shape, py::handle output, int reduce_op, int root,
+                const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
+                double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
+                const std::vector<double>& send_weights, int scope, bool topo_check, int device_type,
+                int device_id, uintptr_t stream, bool block, py::object keep) {
+  shoal_op_desc d{};
+  d.op = op;
+  d.name = name.c_str();
+  d.input = MakeTensor(input, dtype, shape, false);
+  d.input.device_type = device_type;
+  d.input.device_id = device_id;
+  d.input.stream = reinterpret_cast<void*>(stream);
+  d.output = d.input;
+  d.output.data = output.is(input) ? d.input.data : Address(output, true);
+  d.reduce_op = reduce_op;
+  d.root_rank = root;
+  d.scope = scope;
+  SetPeers(&d, recv_ranks, recv_weights, self_weight, uniform, send_ranks, send_weights, topo_check);
+  return Submit(d, block, keep.is_none() ? py::object(py::make_tuple(input, output)) : keep);
+}
+
+// A neighbor op's resolved lists (shoal._ops.neighbor_args), converted once and reused.
+struct NeighborArgs {
+  std::vector<int32_t> recv_ranks, send_ranks;
+  std::vector<double> recv_weights, send_weights;
+  double self_weight;
+  bool uniform, topo_check;
+};
+
+// Blocking neighbor_allreduce of a numpy array into a new array, all in one call (a small
+// op's Python path costs as much as its communication). None when `x` is not a
+// C-contiguous, aligned, native-order float16/32/64 array or `name` has a NUL: the
+// caller then takes the general path, which converts or raises.
+py::object NeighborAllreduceArray(py::handle x, const std::string& name, const NeighborArgs& a) {
+  if (!py::array::check_(x) || name.find('\0') != std::string::npos) return py::none();
+  auto arr = py::reinterpret_borrow<py::array>(x);
+  const py::dtype dt = arr.dtype();
+  constexpr int kContiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
+  // numpy spells native byte order '=' ('|': not applicable).
+  if ((arr.flags() & kContiguous) != kContiguous || (dt.byteorder() != '=' && dt.byteorder() != '|'))
+    return py::none();
+  int dtype;
+  switch (dt.char_()) {
+    case 'e': dtype = SHOAL_FLOAT16; break;
+    case 'f': dtype = SHOAL_FLOAT32; break;
+    case 'd': dtype = SHOAL_FLOAT64; break;
+    default: return py::none();
+  }
+  std::vector<int64_t> shape(arr.shape(), arr.shape() + arr.ndim());
+  py::array out(dt, std::vector<py::ssize_t>(shape.begin(), shape.end()));
+  shoal_op_desc d{};
+  d.op = SHOAL_OP_NEIGHBOR_ALLREDUCE;
+  d.name = name.c_str();
+  d.input = MakeTensor(x, dtype, shape, false);
+  d.output = d.input;
+  d.output.data = out.mutable_data();
+  SetPeers(&d, a.recv_ranks, a.recv_weights, a.self_weight, a.uniform, a.send_ranks, a.send_weights, a.topo_check);
+  Submit(d, true, py::make_tuple(x, out));
+  return std::move(out);
 }
 
 int64_t WinEnqueue(int op, const std::string& name, py::handle data, int dtype,
@@ -222,6 +273,12 @@ PYBIND11_MODULE(_core, m) {
         py::arg("scope") = 0, py::arg("topo_check") = false, py::arg("device_type") = 0,
         py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false,
         py::arg("keep") = py::none());
+  py::class_<NeighborArgs>(m, "NeighborArgs")
+      .def(py::init<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, std::vector<double>,
+                    double, bool, bool>(),
+           py::arg("recv_ranks"), py::arg("send_ranks"), py::arg("recv_weights"), py::arg("send_weights"),
+           py::arg("self_weight"), py::arg("uniform"), py::arg("topo_check"));
+  m.def("neighbor_allreduce_array", &NeighborAllreduceArray);
   m.def("poll", [](int64_t h) {
     int r = shoal_poll(h);
     if (r < 0) Raise(-r, ("unknown handle " + std::to_string(h)).c_str());

@@ -13,6 +13,7 @@ _CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
 
 class TorchAdapter:
     name = "torch"
+    native = False
 
     @staticmethod
     def _check(t, op):

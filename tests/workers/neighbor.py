@@ -118,6 +118,33 @@ def large_tensors_sent_from_their_memory():
 
 
 @check
+def any_numpy_layout_same_result():
+    # Plain float arrays take a one-call path into the core; every other layout or type is
+    # converted first. Both must give the same values and keep the input's shape.
+    if N == 1:
+        return
+    nxt, prv = (R + 1) % N, (R - 1) % N
+    kw = dict(self_weight=0.5, src_weights={prv: 0.5}, dst_weights=[nxt], name="layout")
+    base = lambda r: (np.arange(24).reshape(4, 6) * (r + 1)) % 5
+    cases = {"c": lambda a: a.astype("float64"), "fortran": lambda a: np.asfortranarray(a.astype("float32")),
+             "strided": lambda a: a.astype("float64")[:, ::2], "big_endian": lambda a: a.astype(">f8"),
+             "half": lambda a: a.astype("float16"), "list": lambda a: a.astype("float64").tolist(),
+             "0d": lambda a: np.float64(a[1, 1]), "empty": lambda a: a.astype("float64")[:0]}
+    for label, make in cases.items():
+        got = shoal.neighbor_allreduce(make(base(R)), **kw)
+        want = (np.asarray(make(base(R)), dtype="float64") + np.asarray(make(base(prv)), dtype="float64")) / 2
+        assert got.shape == want.shape and np.array_equal(np.asarray(got, "float64"), want), (label, got, want)
+    for bad, exc in ((np.arange(4), ValueError), (np.ones(3, "float64"), TypeError)):
+        try:
+            shoal.neighbor_allreduce(bad, **dict(kw, name=None if exc is ValueError else 7))
+        except exc:
+            pass
+        else:
+            raise AssertionError(f"no {exc.__name__} for {bad.dtype} / name")
+    shoal.barrier()
+
+
+@check
 def interrupted_wait_leaves_the_op_running():
     # Ctrl-C in a blocking op or in synchronize: the op runs on with its tensors kept alive;
     # a nonblocking handle stays valid.
