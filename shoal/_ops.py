@@ -151,15 +151,6 @@ def _weights_dict(arg, what):
 _resolved = {}  # dynamic-mode arguments -> neighbor_args' result (schedules repeat)
 
 
-def _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check):
-    try:
-        return (self_weight, enable_topo_check,
-                tuple(src_weights.items()) if type(src_weights) is dict else None,
-                tuple(dst_weights.items()) if type(dst_weights) is dict else tuple(dst_weights))
-    except TypeError:
-        return None
-
-
 def neighbor_args(self_weight=None, src_weights=None, dst_weights=None, enable_topo_check=True,
                   plan=None, weighted=None):
     """Resolve BlueFog's neighbor_allreduce weights into explicit per-call lists: a dict
@@ -172,8 +163,12 @@ def neighbor_args(self_weight=None, src_weights=None, dst_weights=None, enable_t
     more than the rest of a small op's Python path).
     """
     if dst_weights is not None and type(self_weight) is float and type(src_weights) is dict:
-        key = _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check)
-        hit = _resolved.get(key) if key is not None else None
+        try:
+            key = (self_weight, enable_topo_check, tuple(src_weights.items()),
+                   tuple(dst_weights.items()) if type(dst_weights) is dict else tuple(dst_weights))
+            hit = _resolved.get(key)
+        except TypeError:  # unhashable weights, or dst_weights not iterable (raised below)
+            key = hit = None
         if hit is None:
             hit = _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
             if key is not None:

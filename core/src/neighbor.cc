@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 
 #include "reduce.h"
 #include "wire.h"
@@ -13,15 +14,24 @@ constexpr uint32_t kMagic = 0x5348414cu;  // "SHAL"
 }
 
 void NeighborExchange::Start(const std::vector<EntryPtr>& ready) {
-  std::map<int, std::vector<std::pair<EntryPtr, double>>> out;
+  // (destination, entry, weight), grouped by destination in a fixed order.
+  std::vector<std::tuple<int, EntryPtr, double>> sends;
   const auto now = Clock::now();
   for (auto& e : ready) {
     e->t_comm_start = now;
     for (size_t k = 0; k < e->send_ranks.size(); ++k)
-      out[e->send_ranks[k]].push_back({e, e->send_weights.empty() ? 1.0 : e->send_weights[k]});
+      sends.emplace_back(e->send_ranks[k], e, e->send_weights.empty() ? 1.0 : e->send_weights[k]);
     waiting_.push_back(e);
   }
-  for (auto& kv : out) Flush(kv.first, kv.second);
+  std::stable_sort(sends.begin(), sends.end(),
+                   [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
+  std::vector<std::pair<EntryPtr, double>> items;
+  for (size_t i = 0; i < sends.size();) {
+    const int dst = std::get<0>(sends[i]);
+    items.clear();
+    for (; i < sends.size() && std::get<0>(sends[i]) == dst; ++i) items.emplace_back(std::get<1>(sends[i]), std::get<2>(sends[i]));
+    Flush(dst, items);
+  }
 }
 
 void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items) {
@@ -39,7 +49,7 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
     EntryPtr first = items[i].first;
     const bool direct = j == i + 1 && payload >= kDirectBytes &&
                         (items[i].second == 1.0 || first->sig.op != SHOAL_OP_NEIGHBOR_ALLREDUCE);
-    Writer w;
+    Writer w(64 * (j - i) + 16);
     w.Put<uint32_t>(kMagic);
     w.Put<uint32_t>(static_cast<uint32_t>(j - i));
     for (size_t k = i; k < j; ++k) {

@@ -33,17 +33,27 @@ std::string Ranks(const std::vector<int>& r) {
 
 [[noreturn]] void Bad(const std::string& msg) { throw ArgumentError(SHOAL_INVALID_ARGUMENT, msg); }
 
-std::vector<int> CheckPeers(const char* what, const int32_t* ranks, int n, int self, int size) {
-  if (n < 0 || (n > 0 && !ranks)) Bad(std::string(what) + ": missing rank list");
+// `op` and `which` ("receive"/"send") name the list in errors. Runs for every op: no
+// allocation beyond the result unless the list is long.
+std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ranks, int n, int self, int size) {
+  auto what = [&] { return std::string(op) + " " + which + " ranks"; };
+  if (n < 0 || (n > 0 && !ranks)) Bad(what() + ": missing rank list");
   std::vector<int> out(ranks, ranks + n);
   for (int r : out) {
-    if (r < 0 || r >= size) Bad(std::string(what) + ": rank " + std::to_string(r) + " is outside [0, " + std::to_string(size) + ")");
-    if (r == self) Bad(std::string(what) + ": rank " + std::to_string(r) + " is this rank itself");
+    if (r < 0 || r >= size) Bad(what() + ": rank " + std::to_string(r) + " is outside [0, " + std::to_string(size) + ")");
+    if (r == self) Bad(what() + ": rank " + std::to_string(r) + " is this rank itself");
   }
-  std::vector<int> sorted = out;  // (no std::set: this runs for every op)
-  std::sort(sorted.begin(), sorted.end());
-  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  if (dup != sorted.end()) Bad(std::string(what) + ": rank " + std::to_string(*dup) + " appears twice");
+  auto twice = [&](int r) { Bad(what() + ": rank " + std::to_string(r) + " appears twice"); };
+  if (n <= 16) {
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < i; ++j)
+        if (out[i] == out[j]) twice(out[i]);
+  } else {
+    std::vector<int> sorted = out;
+    std::sort(sorted.begin(), sorted.end());
+    auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+    if (dup != sorted.end()) twice(*dup);
+  }
   return out;
 }
 
@@ -131,8 +141,8 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
         Bad("neighbor_allreduce: weighted averaging needs a floating dtype, got " + dt);
       if (d.op == SHOAL_OP_NEIGHBOR_ALLGATHER && e->sig.shape.empty())
         Bad("neighbor_allgather: a 0-d tensor has no first dimension to concatenate along");
-      e->recv_ranks = CheckPeers((std::string(op) + " receive ranks").c_str(), d.recv_ranks, d.n_recv, w.rank, w.size);
-      e->send_ranks = CheckPeers((std::string(op) + " send ranks").c_str(), d.send_ranks, d.n_send, w.rank, w.size);
+      e->recv_ranks = CheckPeers(op, "receive", d.recv_ranks, d.n_recv, w.rank, w.size);
+      e->send_ranks = CheckPeers(op, "send", d.send_ranks, d.n_send, w.rank, w.size);
       e->topo_check = d.topo_check != 0;
       e->uniform = d.uniform != 0;
       e->self_weight = d.self_weight;
@@ -216,7 +226,7 @@ Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
       done_cv_.wait_until(lock, deadline);
       continue;
     }
-    wait = Drive(lock, &pace, &busy);
+    wait = Drive(lock, &pace, &busy, e.get());
     if (wait.count() > 0 && !finished()) done_cv_.wait_until(lock, std::min(deadline, Clock::now() + wait));
   }
   --waiters_;
@@ -227,7 +237,8 @@ Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
   return e->status;
 }
 
-std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy) {
+std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy,
+                                         const Entry* waited) {
   driving_ = true;
   lock.unlock();
   // The driver may be a user thread: leave its current CUDA device as it was.
@@ -239,7 +250,9 @@ std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pac
     *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
             (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty();
     wait = pace->Next(progressed, *busy);
-    if (wait.count() == 0 && !progressed) std::this_thread::yield();
+    // A waiter whose op is not done yields even after progress (its own send, say): on a
+    // shared core the rank it waits for may be the one ready to run.
+    if (wait.count() == 0 && (!progressed || (waited && !waited->done))) std::this_thread::yield();
   }
   lock.lock();
   driving_ = false;

@@ -79,7 +79,8 @@ class Runtime {
   // Runs one cycle as the progress driver (mu_ held on entry and exit, released during
   // the cycle); returns how long to wait before the next. Without a pacer, only starts
   // what was queued (sends, requests to the coordinator): the enqueuing thread's cycle.
-  std::chrono::microseconds Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy);
+  std::chrono::microseconds Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy,
+                                  const Entry* waited = nullptr);
   bool SafeCycle(bool start_only);
   bool Cycle(bool start_only);
   void Route(const EntryPtr& e, std::vector<Request>* to_coordinator);

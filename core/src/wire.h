@@ -12,6 +12,7 @@ namespace shoal {
 
 class Writer {
  public:
+  explicit Writer(size_t reserve = 0) { buf_.reserve(reserve); }
   template <typename T> void Put(const T& v) {
     const char* p = reinterpret_cast<const char*>(&v);
     buf_.insert(buf_.end(), p, p + sizeof(T));
