@@ -35,6 +35,7 @@ OP_NAMES = ["allreduce", "broadcast", "allgather", "barrier", "neighbor_allreduc
 
 _lock = threading.Lock()
 _pending = {}  # handle -> (objects kept alive, finish() -> result)
+_lingering = {}  # failed ops whose tensors the core may still read: handle -> objects
 _composite = {"next": -1}  # handles of multi-stage ops are negative
 
 
@@ -63,6 +64,8 @@ def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     elif "\0" in name:
         raise ValueError("op names cannot contain NUL characters")
+    if _lingering:
+        _release_lingering()
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
     device_type, device_id, stream = adapter.device(tensor)
@@ -152,31 +155,53 @@ _resolved = {}  # dynamic-mode arguments -> neighbor_args' result (schedules rep
 
 
 def neighbor_args(self_weight=None, src_weights=None, dst_weights=None, enable_topo_check=True,
-                  plan=None, weighted=None):
+                  plan=None, weighted=None, remember=True):
     """Resolve BlueFog's neighbor_allreduce weights into explicit per-call lists: a dict
     {recv_ranks, recv_weights, self_weight, uniform, send_ranks, send_weights, topo_check}.
-    Callers must not modify it or its lists (dynamic results are reused across calls).
+    Callers must not modify it (dynamic results are reused across calls; their lists are
+    tuples).
 
     `plan`/`weighted` default to the static topology (`set_topology`); the hierarchical
     op passes the machine topology's plan instead. Runs every step: a one-peer schedule
-    repeats a few argument sets, so dynamic results are remembered (resolving them costs
-    more than the rest of a small op's Python path).
+    repeats a few argument sets, so dynamic results with plain int ranks and float weights
+    are remembered (resolving them costs more than the rest of a small op's Python path);
+    `remember=False` (code traced by torch.compile) skips that.
     """
-    if dst_weights is not None and type(self_weight) is float and type(src_weights) is dict:
-        try:
-            key = (self_weight, enable_topo_check, tuple(src_weights.items()),
-                   tuple(dst_weights.items()) if type(dst_weights) is dict else tuple(dst_weights))
-            hit = _resolved.get(key)
-        except TypeError:  # unhashable weights, or dst_weights not iterable (raised below)
-            key = hit = None
-        if hit is None:
-            hit = _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
-            if key is not None:
-                if len(_resolved) >= 1024:
-                    _resolved.clear()
-                _resolved[key] = hit
-        return hit
-    return _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
+    key = _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check) if remember else None
+    if key is None:
+        return _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
+    hit = _resolved.get(key)
+    if hit is None:
+        a = _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
+        hit = {k: tuple(v) if type(v) is list else v for k, v in a.items()}
+        if len(_resolved) >= 1024:
+            _resolved.clear()
+        _resolved[key] = hit
+    return hit
+
+
+def _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check):
+    """A key for dynamic-mode arguments made only of plain ints and floats, else None."""
+    if dst_weights is None or type(self_weight) is not float or type(src_weights) is not dict:
+        return None
+    src = tuple(src_weights.items())
+    for r, w in src:
+        if type(r) is not int or type(w) is not float:
+            return None
+    kind = type(dst_weights)
+    if kind is dict:
+        dst = tuple(dst_weights.items())
+        for r, w in dst:
+            if type(r) is not int or type(w) is not float:
+                return None
+    elif kind is list or kind is tuple:
+        dst = tuple(dst_weights)
+        for r in dst:
+            if type(r) is not int:
+                return None
+    else:
+        return None
+    return self_weight, bool(enable_topo_check), src, kind is dict, dst
 
 
 def _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted):
@@ -318,6 +343,10 @@ def synchronize(handle):
     except BaseException:
         if handle >= 0 and not _core.poll(handle):
             raise  # interrupted (Ctrl-C) while the op runs on: it keeps its tensors and handle
+        if handle >= 0 and _core.in_use(handle):  # failed with a send from its memory in flight
+            with _lock:
+                _lingering[handle] = _pending.pop(handle, None)
+            raise
         _forget(handle)
         raise
     try:
@@ -328,6 +357,15 @@ def synchronize(handle):
         return entry[1]()
     finally:
         _forget(handle)
+
+
+def _release_lingering():
+    with _lock:
+        done = [h for h in _lingering if not _core.in_use(h)]
+        for h in done:
+            del _lingering[h]
+    for h in done:
+        _core.release(h)
 
 
 def _forget(handle):

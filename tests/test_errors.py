@@ -76,3 +76,10 @@ def test_bad_configuration_is_a_clear_error():
     env = dict(os.environ, SHOAL_LOG_LEVEL="loud")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert "SHOAL_LOG_LEVEL='loud'" in out.stdout, out
+
+
+def test_failed_large_send_keeps_its_tensor():
+    # Rank 1 freezes (SIGSTOP) past rank 0's stall timeout while rank 0's 16 MiB send is
+    # in flight; rank 0 gets the stall error, frees its array and reuses the memory.
+    out = run_ok(2, "stall_send.py", timeout=90)
+    assert "for ranks 1 to take its data" in out and out.count("] ok") == 2, out

@@ -1,4 +1,5 @@
 """Neighbor ops equal W @ X (numpy) at 1-8 ranks, with and without fusion."""
+import numpy as np
 import pytest
 
 from conftest import run_ok
@@ -13,3 +14,22 @@ def test_neighbor_ops_match_numpy(ranks, fusion):
     out = run_ok(ranks, "neighbor.py", env=env)
     assert out.count("checks passed, 0 failed") == ranks, out
     assert "'global_collectives': 0" in out and "'coordinator_rounds': 0" in out
+
+
+def test_remembered_dynamic_weights_only_for_plain_values():
+    # neighbor_args remembers dynamic results keyed by their arguments; only plain ints
+    # and floats may be keys (a 0-d array changed in place must be read again), the kind
+    # of dst_weights is part of the key, and remembered lists cannot be modified.
+    from shoal import _ops
+    w = np.array(0.5)
+    assert _ops.neighbor_args(0.5, {1: w}, [1], False)["recv_weights"] == [0.5]
+    w[...] = 0.125
+    assert _ops.neighbor_args(0.5, {1: w}, [1], False)["recv_weights"] == [0.125]
+    assert _ops.neighbor_args(0.5, {1: 0.5}, {1: 2.0}, False)["send_weights"] == (2.0,)
+    for bad in ([(1, 2.0)], {1, 2}):
+        with pytest.raises(TypeError):
+            _ops.neighbor_args(0.5, {1: 0.5}, bad, False)
+    a = _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False)
+    assert a is _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False)  # remembered
+    assert a["send_ranks"] == (2, 3) and a["recv_ranks"] == (1,) and a["self_weight"] == 0.5
+    assert _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False, remember=False) is not a

@@ -72,15 +72,16 @@ template <typename F> void WaitInterruptibly(F wait_for, int rc = SHOAL_TIMEOUT,
   Check(rc, msg);
 }
 
-// Blocking ops whose wait was interrupted (Ctrl-C) run on and write into their tensors:
-// their Python objects stay referenced until the op is over. (Never destroyed: it may
-// hold objects at interpreter exit.)
-auto* g_interrupted = new std::vector<std::pair<int64_t, py::object>>();
+// Blocking ops that left while the core may still use their tensors (wait interrupted by
+// Ctrl-C; failed while a send from their memory was in flight): their Python objects stay
+// referenced until shoal_in_use says otherwise. (Never destroyed: it may hold objects at
+// interpreter exit.)
+auto* g_lingering = new std::vector<std::pair<int64_t, py::object>>();
 
-void ReleaseInterruptedOps() {
-  auto& v = *g_interrupted;
+void ReleaseLingering() {
+  auto& v = *g_lingering;
   for (size_t i = 0; i < v.size();) {
-    if (shoal_poll(v[i].first) != 0) {  // done, or unknown after shutdown
+    if (shoal_in_use(v[i].first) != 1) {  // done, or unknown after shutdown
       shoal_release(v[i].first);
       v.erase(v.begin() + i);
     } else {
@@ -93,7 +94,7 @@ void ReleaseInterruptedOps() {
 // GIL release for a blocking op whose result is its output tensor) and returns 0.
 // `keep`: the objects owning the tensors' memory, held if the wait is interrupted.
 int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep) {
-  if (!g_interrupted->empty()) ReleaseInterruptedOps();
+  if (!g_lingering->empty()) ReleaseLingering();
   int64_t handle = 0;
   char err[kErrLen];
   int rc, wait_rc = SHOAL_TIMEOUT;
@@ -107,7 +108,7 @@ int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep) {
   try {
     WaitInterruptibly([handle](char* e) { return shoal_wait_for(handle, 200, e, kErrLen); }, wait_rc, err);
   } catch (...) {
-    if (shoal_poll(handle) == 0) g_interrupted->emplace_back(handle, keep);
+    if (shoal_in_use(handle) == 1) g_lingering->emplace_back(handle, keep);
     else shoal_release(handle);
     throw;
   }
@@ -279,6 +280,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("recv_ranks"), py::arg("send_ranks"), py::arg("recv_weights"), py::arg("send_weights"),
            py::arg("self_weight"), py::arg("uniform"), py::arg("topo_check"));
   m.def("neighbor_allreduce_array", &NeighborAllreduceArray);
+  m.def("in_use", [](int64_t h) { return shoal_in_use(h) == 1; });
   m.def("poll", [](int64_t h) {
     int r = shoal_poll(h);
     if (r < 0) Raise(-r, ("unknown handle " + std::to_string(h)).c_str());

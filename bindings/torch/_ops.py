@@ -82,7 +82,8 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
     """Blocking neighbor averaging step; semantics as `shoal.neighbor_allreduce`
     (BlueFog's static and dynamic modes)."""
     ADAPTER._check(tensor, "neighbor_allreduce")
-    a = _ops.neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check)
+    # Not remembered: torch.compile would guard on the cache's contents.
+    a = _ops.neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, remember=False)
     return torch.ops.shoal.neighbor_allreduce(
         tensor, a["self_weight"], a["recv_ranks"], a["recv_weights"], a["send_ranks"],
         a["send_weights"], a["uniform"], a["topo_check"], name or "")

@@ -117,6 +117,11 @@ int shoal_poll(int64_t handle) {
   return rt ? rt->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
 }
 
+int shoal_in_use(int64_t handle) {
+  auto rt = Current();
+  return rt ? rt->InUse(handle) : -SHOAL_UNKNOWN_HANDLE;
+}
+
 int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
   auto rt = Current();
   if (!rt) return Report(NotInitialized(), err, len);

@@ -203,6 +203,14 @@ int Runtime::Poll(int64_t handle) {
   return it->second->done ? 1 : 0;
 }
 
+int Runtime::InUse(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return -SHOAL_UNKNOWN_HANDLE;
+  const Entry& e = *it->second;
+  return !e.done || (e.direct_sends && e.sends_pending > 0) ? 1 : 0;
+}
+
 Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = handles_.find(handle);
@@ -623,7 +631,8 @@ void Runtime::CheckStalls() {
     const EntryPtr& e = wt.first;
     double waited = std::chrono::duration<double>(now_tp - e->enqueued).count();
     std::string what = std::string(OpName(e->sig.op)) + " '" + e->name + "' waited " + std::to_string(static_cast<int>(waited)) +
-                       " s for ranks " + Ranks(wt.second);
+                       (wt.second.empty() ? " s for ranks " + Ranks(e->send_ranks) + " to take its data"
+                                          : " s for ranks " + Ranks(wt.second));
     if (kill > 0 && waited >= kill) {
       ++stats_.stalls;
       neighbors_.Drop(e);

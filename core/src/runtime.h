@@ -69,6 +69,8 @@ class Runtime {
   // Validates and queues; throws ArgumentError for bad arguments.
   int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
   int Poll(int64_t handle);
+  // 1 while the op's tensors may still be read or written (see shoal_in_use).
+  int InUse(int64_t handle);
   // Blocks until the op completes, or (timeout_ms >= 0) returns SHOAL_TIMEOUT.
   Status Wait(int64_t handle, int64_t timeout_ms = -1);
   EntryPtr Find(int64_t handle);

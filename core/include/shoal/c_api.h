@@ -114,6 +114,10 @@ int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callba
                                 int64_t* handle, char* err, size_t err_len);
 /* 1 when complete, 0 while pending, -SHOAL_UNKNOWN_HANDLE for an unknown handle. */
 int shoal_poll(int64_t handle);
+/* 1 while the core may still read or write the op's tensors (running, or failed while a
+ * send straight from its memory was in flight), 0 once they may be freed,
+ * -SHOAL_UNKNOWN_HANDLE for an unknown handle. Bindings keep tensors alive until 0. */
+int shoal_in_use(int64_t handle);
 /* Blocks until complete, driving the communication meanwhile (polling while peers
  * answer, then sleeping); returns the op's status and message. The handle stays valid
  * until shoal_release. */

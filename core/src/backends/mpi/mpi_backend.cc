@@ -43,8 +43,8 @@ MPI_Datatype MoveType(int dtype) {
   }
 }
 
-int CheckedCount(int64_t n) {
-  if (n > INT_MAX) throw std::invalid_argument("tensor has more than 2^31-1 elements");
+int CheckedCount(int64_t n, const char* unit = "elements") {
+  if (n > INT_MAX) throw std::invalid_argument(std::string("more than 2^31-1 ") + unit + " in one message");
   return static_cast<int>(n);
 }
 
@@ -105,7 +105,7 @@ class MpiBackend : public Backend {
     op.what = "MPI_Isend to rank";
     op.peer = dst;
     Start(std::move(op), [&](MPI_Request* r) {
-      return MPI_Isend(msg->data(), CheckedCount(msg->size()), MPI_BYTE, dst, tag, ctrl_, r);
+      return MPI_Isend(msg->data(), CheckedCount(msg->size(), "bytes"), MPI_BYTE, dst, tag, ctrl_, r);
     });
   }
 
@@ -113,7 +113,7 @@ class MpiBackend : public Backend {
     Op op{{}, std::move(done), "MPI_Isend to rank"};
     op.peer = dst;
     Start(std::move(op), [&](MPI_Request* r) {
-      return MPI_Isend(data, CheckedCount(n), MPI_BYTE, dst, tag, ctrl_, r);
+      return MPI_Isend(data, CheckedCount(n, "bytes"), MPI_BYTE, dst, tag, ctrl_, r);
     });
   }
 
@@ -121,7 +121,7 @@ class MpiBackend : public Backend {
     Op op{{}, std::move(done), "MPI_Irecv from rank"};
     op.peer = src;
     Start(std::move(op), [&](MPI_Request* r) {
-      return MPI_Irecv(data, CheckedCount(n), MPI_BYTE, src, tag, ctrl_, r);
+      return MPI_Irecv(data, CheckedCount(n, "bytes"), MPI_BYTE, src, tag, ctrl_, r);
     });
   }
 
