@@ -15,7 +15,8 @@ _unnamed = itertools.count()
 
 
 def _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check):
-    plan, weighted = basics._machine_plan()
+    # Dynamic mode (machine weights given) needs no machine topology.
+    plan, weighted = (None, None) if dst_machine_weights is not None else basics._machine_plan()
     a = _ops.neighbor_args(self_weight, src_machine_weights, dst_machine_weights,
                            enable_topo_check, plan=plan, weighted=weighted)
     lead = basics.local_size()  # machine m's leader is rank m * L

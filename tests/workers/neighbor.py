@@ -205,6 +205,19 @@ def neighbor_allgather_static_and_dynamic():
 
 
 @check
+def hierarchical_dynamic_needs_no_machine_topology():
+    L, M = shoal.local_size(), shoal.machine_size()
+    if L < 2 or M < 2:
+        return
+    m = shoal.machine_rank()
+    nxt, prv = (m + 1) % M, (m - 1) % M
+    got = shoal.hierarchical_neighbor_allreduce(data(R), self_weight=0.5, src_machine_weights={prv: 0.5},
+                                                dst_machine_weights=[nxt], name="hier.dyn")
+    machine_sum = lambda k: sum(data(r) for r in range(k * L, (k + 1) * L))
+    assert np.array_equal(got, (0.5 * machine_sum(m) + 0.5 * machine_sum(prv)) / L), got
+
+
+@check
 def hierarchical_over_machine_ring():
     L, M = shoal.local_size(), shoal.machine_size()
     if L < 2 or M < 2:
