@@ -86,8 +86,9 @@ def main():
         for pattern, mine, ref in [("one-peer exp", shoal_one_peer, ref_one_peer),
                                    ("static exp-2", shoal_static, ref_static),
                                    ("allreduce", shoal_allreduce, ref_allreduce)]:
-            mine()  # warm-up: first-sight negotiation, buffers
-            ref()
+            for fn in (mine, ref):  # warm-up: first-sight negotiation, every peer, buffers
+                for _ in range(tau):
+                    fn()
             t_mine, t_ref = timed(mine, iters, comm), timed(ref, iters, comm)
             rows.append((pattern, label, t_mine, t_ref))
     if r == 0:

@@ -3,7 +3,10 @@
 `shoal` (numpy / buffer protocol) and `shoal.torch` expose the same names with the same
 semantics (BlueFog's, reference/bluefog-semantics.md §1.4–1.5, plus Horovod's `op=`).
 """
+import inspect
+
 from . import _hierarchical, _ops
+from ._loader import _core
 
 
 def _scope(is_hierarchical_local):
@@ -171,6 +174,12 @@ def build_api(adapter):
         allgather, allgather_nonblocking, neighbor_allreduce, neighbor_allreduce_nonblocking)}
     for f in api.values():  # error messages name the public function, not this factory
         f.__qualname__ = f.__name__
+    if adapter.native:
+        # Blocking neighbor_allreduce in one C function; it calls the Python one for
+        # anything but plain float arrays (bindings/python/neighbor_native.cc).
+        doc = f"neighbor_allreduce{inspect.signature(neighbor_allreduce)}\n--\n\n{neighbor_allreduce.__doc__}"
+        api["neighbor_allreduce"] = _core.native_neighbor_allreduce(
+            neighbor_allreduce, _ops._native_args, doc, adapter.module)
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
                barrier=_ops.barrier)
     return api

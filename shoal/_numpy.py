@@ -11,7 +11,8 @@ _CODES = {}
 
 class NumpyAdapter:
     name = "numpy"
-    native = True  # blocking neighbor_allreduce of plain arrays: one core call (shoal._ops)
+    module = "shoal"
+    native = True  # blocking neighbor_allreduce of plain arrays: one C function (shoal._api)
 
     @staticmethod
     def _code(a):

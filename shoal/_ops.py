@@ -257,19 +257,13 @@ def neighbor_allreduce_submit(adapter, tensor, name, peers, out=None, block=Fals
 def neighbor_allreduce(adapter, tensor, self_weight=None, src_weights=None, dst_weights=None,
                        enable_topo_check=True, name=None, out=None, block=False):
     """See `shoal.neighbor_allreduce` for the semantics."""
-    if block and out is None and adapter.native and (name is None or type(name) is str):
-        # numpy: one call into the core does the rest; None if the array needs converting.
-        native = _native_args(self_weight, src_weights, dst_weights, enable_topo_check)
-        result = _core.neighbor_allreduce_array(tensor, name or "", native)
-        if result is not None:
-            return result
     return neighbor_allreduce_submit(
         adapter, tensor, name, neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check), out, block)
 
 
 def _native_args(self_weight, src_weights, dst_weights, enable_topo_check):
-    """`neighbor_args` as a core object, converted once: kept with the static plan (static
-    mode) or with the remembered dynamic result."""
+    """`neighbor_args` as a core object for the numpy binding's native neighbor_allreduce,
+    converted once: kept with the static plan (static mode) or the remembered dynamic result."""
     if dst_weights is None and self_weight is None and src_weights is None:
         plan, weighted = basics._static_plan()
         holder, key = plan, ("native", weighted)

@@ -33,3 +33,18 @@ def test_remembered_dynamic_weights_only_for_plain_values():
     assert a is _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False)  # remembered
     assert a["send_ranks"] == (2, 3) and a["recv_ranks"] == (1,) and a["self_weight"] == 0.5
     assert _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False, remember=False) is not a
+
+
+def test_numpy_neighbor_allreduce_is_documented_like_python():
+    # The numpy binding's blocking neighbor_allreduce is a C function: it keeps the Python
+    # signature and docstring, and the torch binding's stays a Python function.
+    import inspect
+
+    import shoal
+    sig = inspect.signature(shoal.neighbor_allreduce)
+    assert list(sig.parameters) == ["tensor", "self_weight", "src_weights", "dst_weights",
+                                    "enable_topo_check", "name"]
+    assert sig.parameters["enable_topo_check"].default is True
+    assert "neighbor_allreduce_nonblocking" in shoal.neighbor_allreduce.__doc__
+    assert shoal.neighbor_allreduce.__module__ == "shoal"
+    assert repr(shoal.neighbor_allreduce) == "<built-in function neighbor_allreduce>"

@@ -1,19 +1,9 @@
 // pybind11 module shoal._core: a thin layer over the C ABI of libshoal.so.
 // Tensors arrive as (address, dtype code, shape); the Python side keeps them alive.
-#include <pybind11/numpy.h>
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+#include "module.h"
 
-#include <string>
-#include <vector>
+namespace shoal_py {
 
-#include "shoal/c_api.h"
-
-namespace py = pybind11;
-
-namespace {
-
-constexpr size_t kErrLen = 4096;
 py::object g_shoal_error;
 
 [[noreturn]] void Raise(int code, const char* msg) {
@@ -153,46 +143,6 @@ int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype,
   return Submit(d, block, keep.is_none() ? py::object(py::make_tuple(input, output)) : keep);
 }
 
-// A neighbor op's resolved lists (shoal._ops.neighbor_args), converted once and reused.
-struct NeighborArgs {
-  std::vector<int32_t> recv_ranks, send_ranks;
-  std::vector<double> recv_weights, send_weights;
-  double self_weight;
-  bool uniform, topo_check;
-};
-
-// Blocking neighbor_allreduce of a numpy array into a new array, all in one call (a small
-// op's Python path costs as much as its communication). None when `x` is not a
-// C-contiguous, aligned, native-order float16/32/64 array or `name` has a NUL: the
-// caller then takes the general path, which converts or raises.
-py::object NeighborAllreduceArray(py::handle x, const std::string& name, const NeighborArgs& a) {
-  if (!py::array::check_(x) || name.find('\0') != std::string::npos) return py::none();
-  auto arr = py::reinterpret_borrow<py::array>(x);
-  const py::dtype dt = arr.dtype();
-  constexpr int kContiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
-  // numpy spells native byte order '=' ('|': not applicable).
-  if ((arr.flags() & kContiguous) != kContiguous || (dt.byteorder() != '=' && dt.byteorder() != '|'))
-    return py::none();
-  int dtype;
-  switch (dt.char_()) {
-    case 'e': dtype = SHOAL_FLOAT16; break;
-    case 'f': dtype = SHOAL_FLOAT32; break;
-    case 'd': dtype = SHOAL_FLOAT64; break;
-    default: return py::none();
-  }
-  std::vector<int64_t> shape(arr.shape(), arr.shape() + arr.ndim());
-  py::array out(dt, std::vector<py::ssize_t>(shape.begin(), shape.end()));
-  shoal_op_desc d{};
-  d.op = SHOAL_OP_NEIGHBOR_ALLREDUCE;
-  d.name = name.c_str();
-  d.input = MakeTensor(x, dtype, shape, false);
-  d.output = d.input;
-  d.output.data = out.mutable_data();
-  SetPeers(&d, a.recv_ranks, a.recv_weights, a.self_weight, a.uniform, a.send_ranks, a.send_weights, a.topo_check);
-  Submit(d, true, py::make_tuple(x, out));
-  return std::move(out);
-}
-
 int64_t WinEnqueue(int op, const std::string& name, py::handle data, int dtype,
                    const std::vector<int64_t>& shape, const std::vector<int32_t>& ranks,
                    const std::vector<double>& weights, const std::vector<int32_t>& send_ranks,
@@ -221,7 +171,9 @@ int64_t WinEnqueue(int op, const std::string& name, py::handle data, int dtype,
   return handle;
 }
 
-}  // namespace
+}  // namespace shoal_py
+
+using namespace shoal_py;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "Shoal runtime (C++ core over MPI); use the shoal package, not this module.";
@@ -274,12 +226,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("scope") = 0, py::arg("topo_check") = false, py::arg("device_type") = 0,
         py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false,
         py::arg("keep") = py::none());
-  py::class_<NeighborArgs>(m, "NeighborArgs")
-      .def(py::init<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, std::vector<double>,
-                    double, bool, bool>(),
-           py::arg("recv_ranks"), py::arg("send_ranks"), py::arg("recv_weights"), py::arg("send_weights"),
-           py::arg("self_weight"), py::arg("uniform"), py::arg("topo_check"));
-  m.def("neighbor_allreduce_array", &NeighborAllreduceArray);
+  DefineNeighborNative(m);
   m.def("in_use", [](int64_t h) { return shoal_in_use(h) == 1; });
   m.def("poll", [](int64_t h) {
     int r = shoal_poll(h);

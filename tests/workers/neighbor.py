@@ -145,6 +145,46 @@ def any_numpy_layout_same_result():
 
 
 @check
+def native_entry_same_as_general_path():
+    # shoal.neighbor_allreduce is one C function that remembers resolved weights by value;
+    # every argument form must give what the Python path (nonblocking + synchronize) gives,
+    # on first sight and when remembered, and bad arguments must raise every time.
+    if N == 1:
+        return
+    nxt, prv = (R + 1) % N, (R - 1) % N
+    w = np.array(0.25)
+    forms = [((0.5, {prv: 0.5}, [nxt]), {}), ((0.5, {prv: 0.25}, [nxt]), {}), ((), dict(self_weight=0.5, src_weights={prv: 0.5}, dst_weights=(nxt,))),
+             ((0.5, {prv: 0.25}, {nxt: 2.0}), {}), ((0.0, {prv: 1.0}, [nxt]), {}), ((-0.0, {prv: 1.0}, [nxt]), {}),
+             ((np.float64(0.5), {prv: np.float64(0.5)}, [np.int64(nxt)]), {}), ((1, {prv: 1}, [nxt]), {}),
+             ((0.5, {prv: w}, [nxt]), {}), ((0.5, {prv: 0.5}, [nxt], True), {"name": "native.checked"})]
+    x = data(R)
+    for i, (args, kw) in enumerate(forms):
+        for rep in range(2):
+            if i == 8 and rep == 1:
+                w[...] = 0.75  # a 0-d array weight changed in place is read again
+            got = shoal.neighbor_allreduce(x, *args, **kw)
+            want = shoal.synchronize(shoal.neighbor_allreduce_nonblocking(x, *args, **kw))
+            assert got.dtype == x.dtype and np.array_equal(got, want), (i, rep, got, want)
+    assert np.array_equal(got, 0.5 * data(R) + 0.5 * data(prv))
+    for bad, exc in (((0.5, {N: 0.5}, [nxt]), ValueError), ((0.5, {prv: 0.5}, [nxt], True, "n", 1), TypeError)):
+        for _ in range(2):
+            try:
+                shoal.neighbor_allreduce(x, *bad)
+            except exc:
+                pass
+            else:
+                raise AssertionError(f"no {exc.__name__} for {bad}")
+    for kw in ({"tensor": x}, {"src_weights": {prv: 0.5}, "bogus": 1}):
+        try:
+            shoal.neighbor_allreduce(x, **kw)  # tensor twice; an unknown keyword
+        except TypeError:
+            pass
+        else:
+            raise AssertionError(kw)
+    shoal.barrier()
+
+
+@check
 def interrupted_wait_leaves_the_op_running():
     # Ctrl-C in a blocking op or in synchronize: the op runs on with its tensors kept alive;
     # a nonblocking handle stays valid.

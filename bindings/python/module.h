@@ -1,0 +1,32 @@
+// Shared parts of the shoal._core module (core_module.cc, neighbor_native.cc).
+#pragma once
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shoal/c_api.h"
+
+namespace py = pybind11;
+
+namespace shoal_py {
+
+constexpr size_t kErrLen = 4096;
+
+// Raises the Python exception for a C ABI error code (ValueError or ShoalError).
+[[noreturn]] void Raise(int code, const char* msg);
+void Check(int code, const char* msg);
+// A C ABI tensor over memory the caller keeps alive (an int address or a buffer object).
+shoal_tensor MakeTensor(py::handle data, int dtype, const std::vector<int64_t>& shape, bool writable);
+// Enqueues `d`; with `block` waits (Ctrl-C aware), releases the handle and returns 0.
+int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep);
+void SetPeers(shoal_op_desc* d, const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
+              double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
+              const std::vector<double>& send_weights, bool topo_check);
+// Adds NeighborArgs and native_neighbor_allreduce (neighbor_native.cc).
+void DefineNeighborNative(py::module_& m);
+
+}  // namespace shoal_py

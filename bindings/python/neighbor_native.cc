@@ -1,0 +1,201 @@
+// shoal.neighbor_allreduce for numpy arrays as one C function. A small op's Python layers
+// (dispatch, weight resolution, argument conversion) cost as much CPU as its exchange, and
+// on shared cores CPU is latency; so the common case (a C-contiguous float array, weights
+// seen before) runs without them. Anything else calls the Python implementation given at
+// creation, which converts, resolves or raises exactly as before.
+#include <cstring>
+#include <unordered_map>
+#include <utility>
+
+#include "module.h"
+
+namespace shoal_py {
+namespace {
+
+// A neighbor op's resolved lists (shoal._ops.neighbor_args), converted once and reused.
+struct NeighborArgs {
+  std::vector<int32_t> recv_ranks, send_ranks;
+  std::vector<double> recv_weights, send_weights;
+  double self_weight;
+  bool uniform, topo_check;
+};
+
+// The state of one native function: its Python fallback and weight resolver, and the
+// resolved dynamic-mode arguments by key (a one-peer schedule repeats log2(n) sets).
+struct Native {
+  py::object fallback, resolve;
+  std::unordered_map<std::string, std::pair<py::object, const NeighborArgs*>> resolved;
+};
+constexpr size_t kMaxResolved = 1024;
+
+// The core's dtype code of `x` if the one-call path can take it (an ndarray, C-contiguous,
+// aligned, native byte order, float16/32/64), else -1.
+int PlainDtype(PyObject* x) {
+  if (!py::array::check_(x)) return -1;
+  const auto* a = py::detail::array_proxy(x);
+  constexpr int kNeed = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
+  if ((a->flags & kNeed) != kNeed) return -1;
+  const auto* d = py::detail::array_descriptor_proxy(a->descr);
+  if (d->byteorder != '=' && d->byteorder != '|') return -1;  // numpy spells native '='
+  switch (d->type) {
+    case 'e': return SHOAL_FLOAT16;
+    case 'f': return SHOAL_FLOAT32;
+    case 'd': return SHOAL_FLOAT64;
+    default: return -1;
+  }
+}
+
+// Blocking neighbor_allreduce of `x` (PlainDtype(x) == dtype) into a new array.
+py::object Run(PyObject* x, int dtype, const char* name, const NeighborArgs& a) {
+  const auto* arr = py::detail::array_proxy(x);
+  std::vector<int64_t> shape(arr->dimensions, arr->dimensions + arr->nd);
+  py::array out(py::reinterpret_borrow<py::dtype>(arr->descr), std::vector<py::ssize_t>(shape.begin(), shape.end()));
+  shoal_op_desc d{};
+  d.op = SHOAL_OP_NEIGHBOR_ALLREDUCE;
+  d.name = name;
+  d.input.data = arr->data;
+  d.input.dtype = dtype;
+  d.input.ndim = static_cast<int32_t>(shape.size());
+  d.input.shape = shape.data();
+  d.output = d.input;
+  d.output.data = out.mutable_data();
+  SetPeers(&d, a.recv_ranks, a.recv_weights, a.self_weight, a.uniform, a.send_ranks, a.send_weights, a.topo_check);
+  Submit(d, true, py::make_tuple(py::handle(x), out));
+  return out;
+}
+
+template <typename T> void Put(std::string* key, T v) { key->append(reinterpret_cast<const char*>(&v), sizeof v); }
+
+bool PutRank(std::string* key, PyObject* r) {
+  if (!PyLong_CheckExact(r)) return false;
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(r, &overflow);
+  if (overflow) return false;
+  Put(key, v);
+  return true;
+}
+
+bool PutWeight(std::string* key, PyObject* w) {
+  if (!PyFloat_CheckExact(w)) return false;
+  Put(key, PyFloat_AS_DOUBLE(w));
+  return true;
+}
+
+bool PutWeights(std::string* key, PyObject* dict) {
+  Put(key, PyDict_GET_SIZE(dict));
+  Py_ssize_t pos = 0;
+  PyObject *r, *w;
+  while (PyDict_Next(dict, &pos, &r, &w))
+    if (!PutRank(key, r) || !PutWeight(key, w)) return false;
+  return true;
+}
+
+// A key for dynamic-mode arguments made only of exact ints (ranks), floats (weights) and
+// a bool, else false: other types go through the resolver every call, as in Python.
+bool DynamicKey(PyObject* self_weight, PyObject* src, PyObject* dst, PyObject* check, std::string* key) {
+  if (dst == Py_None || !PyFloat_CheckExact(self_weight) || !PyDict_CheckExact(src)) return false;
+  if (check != Py_True && check != Py_False) return false;
+  Put(key, PyFloat_AS_DOUBLE(self_weight));
+  Put(key, check == Py_True);
+  if (!PutWeights(key, src)) return false;
+  if (PyDict_CheckExact(dst)) {
+    Put(key, 'd');
+    return PutWeights(key, dst);
+  }
+  if (!PyList_CheckExact(dst) && !PyTuple_CheckExact(dst)) return false;
+  Put(key, 'l');
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(dst);
+  Put(key, n);
+  PyObject** items = PySequence_Fast_ITEMS(dst);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!PutRank(key, items[i])) return false;
+  return true;
+}
+
+const NeighborArgs* Resolve(Native* st, PyObject* const* w, py::object* keep) {
+  std::string key;
+  const bool plain = DynamicKey(w[0], w[1], w[2], w[3], &key);
+  if (plain) {
+    auto it = st->resolved.find(key);
+    if (it != st->resolved.end()) return it->second.second;
+  }
+  *keep = st->resolve(py::handle(w[0]), py::handle(w[1]), py::handle(w[2]), py::handle(w[3]));
+  const auto* args = keep->cast<const NeighborArgs*>();
+  if (plain) {
+    if (st->resolved.size() >= kMaxResolved) st->resolved.clear();
+    st->resolved.emplace(std::move(key), std::make_pair(*keep, args));
+  }
+  return args;
+}
+
+// neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
+//                    enable_topo_check=True, name=None), vectorcall convention.
+PyObject* Call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  static const char* const kParams[] = {"tensor", "self_weight", "src_weights", "dst_weights",
+                                        "enable_topo_check", "name"};
+  constexpr Py_ssize_t kN = 6;
+  auto* st = *static_cast<Native**>(PyModule_GetState(self));
+  PyObject* a[kN] = {nullptr, Py_None, Py_None, Py_None, Py_True, Py_None};
+  bool given[kN] = {};
+  bool simple = nargs <= kN;
+  for (Py_ssize_t i = 0; simple && i < nargs; ++i) a[i] = args[i], given[i] = true;
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; simple && k < nkw; ++k) {
+    PyObject* kw = PyTuple_GET_ITEM(kwnames, k);
+    Py_ssize_t i = 0;
+    while (i < kN && PyUnicode_CompareWithASCIIString(kw, kParams[i]) != 0) ++i;
+    simple = i < kN && !given[i];
+    if (simple) a[i] = args[nargs + k], given[i] = true;
+  }
+  try {
+    const int dtype = simple && given[0] ? PlainDtype(a[0]) : -1;
+    const char* name = "";
+    if (dtype >= 0 && a[5] != Py_None) {
+      Py_ssize_t len = 0;
+      name = PyUnicode_CheckExact(a[5]) ? PyUnicode_AsUTF8AndSize(a[5], &len) : nullptr;
+      if (!name) PyErr_Clear();  // e.g. a lone surrogate: Python reports it
+      else if (std::strlen(name) != static_cast<size_t>(len)) name = nullptr;  // a NUL
+    }
+    if (dtype < 0 || !name) return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
+    py::object keep;
+    const NeighborArgs* resolved = Resolve(st, a + 1, &keep);
+    return Run(a[0], dtype, name, *resolved).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void DefineNeighborNative(py::module_& m) {
+  py::class_<NeighborArgs>(m, "NeighborArgs")
+      .def(py::init<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, std::vector<double>,
+                    double, bool, bool>(),
+           py::arg("recv_ranks"), py::arg("send_ranks"), py::arg("recv_weights"), py::arg("send_weights"),
+           py::arg("self_weight"), py::arg("uniform"), py::arg("topo_check"));
+  // The function's state is a module object (so it prints as a built-in function) whose
+  // C state is a Native. Both live as long as the process: they may hold Python objects at
+  // interpreter exit, so they are never destroyed.
+  m.def("native_neighbor_allreduce", [](py::object fallback, py::object resolve, const std::string& doc,
+                                        const std::string& module) {
+    auto* def = new PyMethodDef{"neighbor_allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Call)),
+                                METH_FASTCALL | METH_KEYWORDS, strdup(doc.c_str())};
+    auto* mdef = new PyModuleDef{PyModuleDef_HEAD_INIT, strdup(module.c_str()), nullptr, sizeof(Native *),
+                                 nullptr, nullptr, nullptr, nullptr, nullptr};
+    auto self = py::reinterpret_steal<py::object>(PyModule_Create(mdef));
+    if (!self) throw py::error_already_set();
+    *static_cast<Native**>(PyModule_GetState(self.ptr())) = new Native{std::move(fallback), std::move(resolve), {}};
+    auto name = py::str(module);
+    PyObject* f = PyCFunction_NewEx(def, self.ptr(), name.ptr());
+    if (!f) throw py::error_already_set();
+    self.release();  // kept forever with its state
+    return py::reinterpret_steal<py::object>(f);
+  });
+}
+
+}  // namespace shoal_py
