@@ -15,23 +15,26 @@ constexpr uint32_t kMagic = 0x5348414cu;  // "SHAL"
 
 void NeighborExchange::Start(const std::vector<EntryPtr>& ready) {
   // (destination, entry, weight), grouped by destination in a fixed order.
-  std::vector<std::tuple<int, EntryPtr, double>> sends;
-  const auto now = Clock::now();
+  sends_.clear();
+  const auto now = trace_ ? Clock::now() : Clock::time_point{};
   for (auto& e : ready) {
     e->t_comm_start = now;
     for (size_t k = 0; k < e->send_ranks.size(); ++k)
-      sends.emplace_back(e->send_ranks[k], e, e->send_weights.empty() ? 1.0 : e->send_weights[k]);
+      sends_.emplace_back(e->send_ranks[k], e, e->send_weights.empty() ? 1.0 : e->send_weights[k]);
     waiting_.push_back(e);
   }
-  std::stable_sort(sends.begin(), sends.end(),
-                   [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
-  std::vector<std::pair<EntryPtr, double>> items;
-  for (size_t i = 0; i < sends.size();) {
-    const int dst = std::get<0>(sends[i]);
-    items.clear();
-    for (; i < sends.size() && std::get<0>(sends[i]) == dst; ++i) items.emplace_back(std::get<1>(sends[i]), std::get<2>(sends[i]));
-    Flush(dst, items);
+  if (sends_.size() > 1)
+    std::stable_sort(sends_.begin(), sends_.end(),
+                     [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
+  for (size_t i = 0; i < sends_.size();) {
+    const int dst = std::get<0>(sends_[i]);
+    items_.clear();
+    for (; i < sends_.size() && std::get<0>(sends_[i]) == dst; ++i)
+      items_.emplace_back(std::get<1>(sends_[i]), std::get<2>(sends_[i]));
+    Flush(dst, items_);
   }
+  sends_.clear();  // drop the references
+  items_.clear();
 }
 
 void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items) {
@@ -64,12 +67,12 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
     size_t at = w.size();
     for (size_t k = i; k < j && !direct; ++k) {
       Entry& e = *items[k].first;
-      if (e.t_copy_start == Clock::time_point{}) e.t_copy_start = Clock::now();
+      if (trace_ && e.t_copy_start == Clock::time_point{}) e.t_copy_start = Clock::now();
       char* dstp = msg->data() + at;
       if (items[k].second == 1.0 || e.sig.op != SHOAL_OP_NEIGHBOR_ALLREDUCE) std::memcpy(dstp, e.input.data, e.nbytes());
       else Scale(e.input.data, dstp, e.sig.dtype, e.count(), items[k].second);
       at += e.nbytes();
-      e.t_copy_end = Clock::now();
+      if (trace_) e.t_copy_end = Clock::now();
     }
     if (j - i > 1) ++stats_->fused_batches;
     stats_->bytes_sent += msg->size() + (direct ? payload : 0);
@@ -97,36 +100,37 @@ void NeighborExchange::Accept(int src, Bytes msg) {
   stats_->bytes_received += msg->size();
   Reader r(msg->data(), msg->size());
   if (r.Get<uint32_t>() != kMagic) throw std::runtime_error("corrupt neighbor message");
-  uint32_t n = r.Get<uint32_t>();
-  std::vector<std::pair<std::string, Piece>> pieces(n);
-  std::vector<uint64_t> sizes(n);
-  std::vector<uint8_t> direct(n);
-  for (uint32_t k = 0; k < n; ++k) {
-    pieces[k].first = r.GetString();
-    pieces[k].second.sig = r.GetSignature();
-    pieces[k].second.step = r.Get<int64_t>();
-    sizes[k] = r.Get<uint64_t>();
-    direct[k] = r.Get<uint8_t>();
+  const uint32_t n = r.Get<uint32_t>();
+  // Headers first, then the data: a message holds the headers of all its pieces.
+  headers_.resize(n);
+  for (auto& h : headers_) {
+    h.name = r.GetString();
+    h.sig = r.GetSignature();
+    h.step = r.Get<int64_t>();
+    h.nbytes = r.Get<uint64_t>();
+    h.direct = r.Get<uint8_t>();
   }
-  for (uint32_t k = 0; k < n; ++k) {
-    Piece& p = pieces[k].second;
-    p.nbytes = sizes[k];
-    if (direct[k]) {
+  for (auto& h : headers_) {
+    Piece p;
+    p.sig = std::move(h.sig);
+    p.step = h.step;
+    p.nbytes = h.nbytes;
+    if (h.direct) {
       // The data follows on kDataTag; messages from one rank with one tag arrive in
       // order, so receives posted in header order get the matching data.
-      p.msg = pool_->Get(sizes[k]);
+      p.msg = pool_->Get(h.nbytes);
       p.arrival = std::make_shared<Arrival>();
-      backend_->ReceiveInto(src, kDataTag, p.msg->data(), sizes[k], [buf = p.msg, a = p.arrival](const Status& st) {
+      backend_->ReceiveInto(src, kDataTag, p.msg->data(), h.nbytes, [buf = p.msg, a = p.arrival](const Status& st) {
         a->status = st;
         a->done = true;
       });
     } else {
       p.msg = msg;
-      p.offset = r.Skip(sizes[k]) - msg->data();
+      p.offset = r.Skip(h.nbytes) - msg->data();
     }
-    auto [it, fresh] = stash_.try_emplace({src, std::move(pieces[k].first)});
+    auto [it, fresh] = stash_.try_emplace({src, std::move(h.name)});
     if (!fresh && it->second.empty()) --empty_keys_;
-    it->second.push_back(std::move(pieces[k].second));
+    it->second.push_back(std::move(p));
   }
 }
 
@@ -140,15 +144,16 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
                  return s != stash_.end() && !s->second.empty() && s->second.front().Arrived();
                });
     if (!all) { ++it; continue; }
-    e.t_peers_ready = Clock::now();
-    std::vector<Piece> got;
+    if (trace_) e.t_peers_ready = Clock::now();
+    got_.clear();
     for (int src : e.recv_ranks) {
       auto& q = stash_.find(Key{src, e.name})->second;
-      got.push_back(std::move(q.front()));
+      got_.push_back(std::move(q.front()));
       q.erase(q.begin());
       if (q.empty()) ++empty_keys_;
     }
-    Status st = Finish(e, got);
+    Status st = Finish(e, got_);
+    got_.clear();
     done.push_back({*it, st});
     it = waiting_.erase(it);
   }
@@ -160,28 +165,29 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
 }
 
 Status NeighborExchange::Finish(Entry& e, std::vector<Piece>& got) {
-  const std::string op = std::string(OpName(e.sig.op)) + " '" + e.name + "': ";
-  if (!e.send_error.ok()) return Status::Error(SHOAL_ABORTED, op + e.send_error.message);
+  // Built only for an error: a successful op allocates nothing here.
+  auto op = [&] { return std::string(OpName(e.sig.op)) + " '" + e.name + "': "; };
+  if (!e.send_error.ok()) return Status::Error(SHOAL_ABORTED, op() + e.send_error.message);
   for (size_t k = 0; k < got.size(); ++k) {
     const int src = e.recv_ranks[k];
     if (got[k].arrival && !got[k].arrival->status.ok())
-      return Status::Error(SHOAL_ABORTED, op + got[k].arrival->status.message);
+      return Status::Error(SHOAL_ABORTED, op() + got[k].arrival->status.message);
     if (got[k].step != e.step)
-      return Status::Error(SHOAL_MISMATCH, op + "send and receive ranks disagree: rank " + std::to_string(src) +
+      return Status::Error(SHOAL_MISMATCH, op() + "send and receive ranks disagree: rank " + std::to_string(src) +
           " sent to this rank at its step " + std::to_string(got[k].step) + " but this rank receives from rank " +
           std::to_string(src) + " at step " + std::to_string(e.step));
     if (!got[k].sig.CompatibleForNeighbors(e.sig))
-      return Status::Error(SHOAL_MISMATCH, op + "rank " + std::to_string(src) + " sent " + OpName(got[k].sig.op) +
+      return Status::Error(SHOAL_MISMATCH, op() + "rank " + std::to_string(src) + " sent " + OpName(got[k].sig.op) +
           " " + got[k].sig.ToString() + " but this rank has " + OpName(e.sig.op) + " " + e.sig.ToString());
   }
   auto data = [&](size_t k) { return got[k].msg->data() + got[k].offset; };
   if (e.sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE) {
-    std::vector<const void*> srcs;
-    for (size_t k = 0; k < got.size(); ++k) srcs.push_back(data(k));
-    e.t_reduce_start = Clock::now();
-    Combine(e.input.data, srcs, e.output.data, e.sig.dtype, e.count(), e.uniform, e.self_weight,
+    srcs_.clear();
+    for (size_t k = 0; k < got.size(); ++k) srcs_.push_back(data(k));
+    if (trace_) e.t_reduce_start = Clock::now();
+    Combine(e.input.data, srcs_, e.output.data, e.sig.dtype, e.count(), e.uniform, e.self_weight,
             e.recv_weights);
-    e.t_reduce_end = Clock::now();
+    if (trace_) e.t_reduce_end = Clock::now();
     return Status::Ok();
   }
   // neighbor_allgather: concatenate along dim 0 in receive order.

@@ -13,6 +13,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -29,8 +30,9 @@ class NeighborExchange {
   static constexpr int kDataTag = 18;  // data of large tensors, sent from their memory
   static constexpr size_t kDirectBytes = 64 << 10;
 
-  NeighborExchange(Backend* backend, int64_t fusion_threshold, Stats* stats)
-      : backend_(backend), threshold_(fusion_threshold), stats_(stats) {}
+  // `trace`: record the timeline's phase times in each entry.
+  NeighborExchange(Backend* backend, int64_t fusion_threshold, Stats* stats, bool trace)
+      : backend_(backend), threshold_(fusion_threshold), stats_(stats), trace_(trace) {}
 
   // Sends each entry's (weighted) tensor to its send ranks; it then awaits its sources.
   void Start(const std::vector<EntryPtr>& ready);
@@ -67,11 +69,26 @@ class NeighborExchange {
   Status Finish(Entry& e, std::vector<Piece>& got);
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);
 
+  struct Header {  // of one piece of an arrived message
+    std::string name;
+    Signature sig;
+    int64_t step = 0;
+    uint64_t nbytes = 0;
+    bool direct = false;
+  };
+
   Backend* backend_;
   std::shared_ptr<BufferPool> pool_ = BufferPool::Create();
   int64_t threshold_;
   Stats* stats_;
+  bool trace_;
   std::vector<EntryPtr> waiting_;
+  // Scratch, kept to spare allocations per op.
+  std::vector<std::tuple<int, EntryPtr, double>> sends_;
+  std::vector<std::pair<EntryPtr, double>> items_;
+  std::vector<Header> headers_;
+  std::vector<Piece> got_;
+  std::vector<const void*> srcs_;
   // Pieces by (source, name), oldest first. Emptied keys stay (no allocation per message
   // in steady state) until there are many of them.
   using Key = std::pair<int, std::string_view>;  // lookups without copying the name

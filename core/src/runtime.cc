@@ -61,7 +61,7 @@ std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ra
 
 Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
     : cfg_(cfg), backend_(std::move(backend)),
-      neighbors_(backend_.get(), cfg.fusion_threshold, &stats_) {
+      neighbors_(backend_.get(), cfg.fusion_threshold, &stats_, !cfg.timeline.empty()) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold);
   if (!cfg_.timeline.empty()) {
     std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
@@ -161,13 +161,14 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   // unnamed neighbor ops hit the negotiated-name cache.
   e->name = (d.name && *d.name) ? d.name
                                 : std::string(op) + ".noname." + std::to_string(noname_counter_[d.op]++ % kUnnamed);
-  if (in_flight_names_.count(e->name))
+  NameState& ns = names_[e->name];
+  if (ns.in_flight)
     throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
                                                   "' is already in flight on this rank; wait for it or use another name");
   e->callback = cb;
   e->callback_arg = cb_arg;
-  in_flight_names_.insert(e->name);
-  e->step = calls_[e->name]++;
+  ns.in_flight = true;
+  e->step = ns.calls++;
   e->handle = g_next_handle++;
   handles_[e->handle] = e;
   queue_.push_back(e);
@@ -309,7 +310,8 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
     if (e->done) return;
     e->done = true;
     e->status = st;
-    in_flight_names_.erase(e->name);
+    auto ns = names_.find(e->name);
+    if (ns != names_.end()) ns->second.in_flight = false;
   }
   auto t_callback = Clock::now();
   done_cv_.notify_all();
@@ -355,6 +357,7 @@ bool Runtime::SafeCycle(bool start_only) {
     Log(LOG_ERROR, std::string("runtime loop failed: ") + ex.what());
     awaiting_response_.clear();
     neighbor_ready_.clear();
+    fresh_.clear();
     neighbors_.TakeAll();
     stop_ = true;
     FailAll(std::string("Shoal's runtime failed: ") + ex.what());
@@ -383,7 +386,8 @@ void Runtime::Loop() {
 bool Runtime::Cycle(bool start_only) {
   const WorldInfo& w = world();
   bool progressed = false;
-  std::vector<EntryPtr> fresh;
+  // Swapped with queue_ and cleared after use: both keep their capacity.
+  std::vector<EntryPtr>& fresh = fresh_;
   if (queued_ > 0) {
     std::lock_guard<std::mutex> lock(mu_);
     fresh.swap(queue_);
@@ -395,6 +399,7 @@ bool Runtime::Cycle(bool start_only) {
     else Route(e, &to_coordinator);
   }
   progressed |= !fresh.empty();
+  fresh.clear();
   progressed |= PollGpu(&to_coordinator);
 
   if (!to_coordinator.empty()) {

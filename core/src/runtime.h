@@ -115,15 +115,19 @@ class Runtime {
   NeighborExchange neighbors_;
   std::shared_ptr<BufferPool> recv_pool_ = BufferPool::Create();
   Bytes spare_;  // receive buffer of the next probe (driver only)
+  std::vector<EntryPtr> fresh_;  // the queue taken this cycle (driver only)
 
   // Shared with user threads.
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::vector<EntryPtr> queue_;
   std::unordered_map<int64_t, EntryPtr> handles_;
-  std::set<std::string> in_flight_names_;
   std::map<int, int64_t> noname_counter_;
-  std::map<std::string, int64_t> calls_;  // per name: ops submitted so far
+  struct NameState {
+    int64_t calls = 0;  // ops submitted so far
+    bool in_flight = false;
+  };
+  std::map<std::string, NameState> names_;
   bool driving_ = false;  // a thread is running Cycle()
   int waiters_ = 0;       // user threads in Wait
   // Read without the mutex by the loop, so polling never contends with enqueue.
