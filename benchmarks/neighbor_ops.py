@@ -1,13 +1,16 @@
 """Neighbor-op latency: Shoal against a hand-written mpi4py reference, same run.
 
-    shoalrun -np 4 python benchmarks/neighbor_ops.py [--iters 50]
+    shoalrun -np 4 python benchmarks/neighbor_ops.py [--iters 100]
 
 For each pattern (one-peer exponential, static exponential-2, allreduce) and message size
 (4 KiB, 1 MiB, 16 MiB) both implementations do the same exchange on the same ranks: the
 reference posts the sends and receives with mpi4py (Sendrecv / Isend+Irecv, or Allreduce)
 into receive buffers it allocated once, and combines with numpy (sum then scale) into one
-new output array per op, as Shoal returns one. Every iteration starts after a barrier; the
-table gives the median seconds per op over the iterations and Shoal / reference.
+new output array per op, as Shoal returns one. Every iteration starts after a barrier. The
+two are timed in alternating blocks of iterations (Shoal first, then the reference first,
+and so on), so drift over the run (warm-up after start, other load) hits both alike. The
+table gives the median seconds per op over the iterations (the slowest rank's) and
+Shoal / reference. `--iters` applies to 1 MiB; 4 KiB runs 4x as many, 16 MiB a fifth.
 """
 import argparse
 import statistics
@@ -21,20 +24,24 @@ import shoal
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "16 MiB": 16 << 20}
 
 
-def timed(fn, iters, comm):
-    times = []
-    for _ in range(iters):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    # The op is as slow as its slowest rank.
-    return comm.allreduce(statistics.median(times), op=MPI.MAX)
+def timed(mine, ref, iters, block, comm):
+    """Median seconds per op of `mine` and of `ref` over `iters` iterations each, run in
+    alternating blocks of `block`; the op is as slow as its slowest rank."""
+    times = ([], [])
+    for k in range(-(-iters // block)):
+        for which in ((0, 1) if k % 2 == 0 else (1, 0)):
+            fn = (mine, ref)[which]
+            for _ in range(block):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[which].append(time.perf_counter() - t0)
+    return [comm.allreduce(statistics.median(t), op=MPI.MAX) for t in times]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--iters", type=int, default=100)
     args = p.parse_args()
     shoal.init()
     comm = MPI.COMM_WORLD
@@ -44,7 +51,7 @@ def main():
     rows = []
     for label, nbytes in SIZES.items():
         x = np.random.default_rng(r).standard_normal(nbytes // 8)
-        iters = args.iters if nbytes < (8 << 20) else max(5, args.iters // 5)
+        iters = {4 << 10: 4 * args.iters, 1 << 20: args.iters}.get(nbytes, max(5, args.iters // 5))
         step = {"t": 0}
 
         def shoal_one_peer():
@@ -89,7 +96,8 @@ def main():
             for fn in (mine, ref):  # warm-up: first-sight negotiation, every peer, buffers
                 for _ in range(tau):
                     fn()
-            t_mine, t_ref = timed(mine, iters, comm), timed(ref, iters, comm)
+            # Blocks of whole schedule periods, so both see every peer equally often.
+            t_mine, t_ref = timed(mine, ref, iters, tau * max(1, 10 // tau), comm)
             rows.append((pattern, label, t_mine, t_ref))
     if r == 0:
         print(f"{n} ranks, median seconds per op (max over ranks)")
