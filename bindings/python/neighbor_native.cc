@@ -28,10 +28,11 @@ struct Native {
 };
 constexpr size_t kMaxResolved = 1024;
 
-// The core's dtype code of `x` if the one-call path can take it (an ndarray, C-contiguous,
-// aligned, native byte order, float16/32/64), else -1.
+// The core's dtype code of `x` if the one-call path can take it (an ndarray, not a
+// subclass: the general path returns the input's type; C-contiguous, aligned, native byte
+// order, float16/32/64), else -1.
 int PlainDtype(PyObject* x) {
-  if (!py::array::check_(x)) return -1;
+  if (Py_TYPE(x) != py::detail::npy_api::get().PyArray_Type_) return -1;
   const auto* a = py::detail::array_proxy(x);
   constexpr int kNeed = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
   if ((a->flags & kNeed) != kNeed) return -1;
@@ -117,7 +118,12 @@ const NeighborArgs* Resolve(Native* st, PyObject* const* w, py::object* keep) {
   const bool plain = DynamicKey(w[0], w[1], w[2], w[3], &key);
   if (plain) {
     auto it = st->resolved.find(key);
-    if (it != st->resolved.end()) return it->second.second;
+    if (it != st->resolved.end()) {
+      // Held for the call: another thread may clear the cache while this one, without
+      // the GIL, enqueues from these lists.
+      *keep = it->second.first;
+      return it->second.second;
+    }
   }
   *keep = st->resolve(py::handle(w[0]), py::handle(w[1]), py::handle(w[2]), py::handle(w[3]));
   const auto* args = keep->cast<const NeighborArgs*>();

@@ -166,6 +166,11 @@ def native_entry_same_as_general_path():
             want = shoal.synchronize(shoal.neighbor_allreduce_nonblocking(x, *args, **kw))
             assert got.dtype == x.dtype and np.array_equal(got, want), (i, rep, got, want)
     assert np.array_equal(got, 0.5 * data(R) + 0.5 * data(prv))
+
+    class Sub(np.ndarray):
+        pass
+    got = shoal.neighbor_allreduce(x.view(Sub), 0.5, {prv: 0.5}, [nxt])
+    assert type(got) is Sub and np.array_equal(got, 0.5 * data(R) + 0.5 * data(prv))  # as the general path
     for bad, exc in (((0.5, {N: 0.5}, [nxt]), ValueError), ((0.5, {prv: 0.5}, [nxt], True, "n", 1), TypeError)):
         for _ in range(2):
             try:
