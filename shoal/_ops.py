@@ -5,6 +5,7 @@ shape) and back; this module validates arguments, enqueues into the core, keeps 
 tensors alive until completion, and finishes the result in `synchronize`.
 Semantics follow BlueFog's ops (reference/bluefog-semantics.md §1.4–1.5).
 """
+import math
 import operator
 import threading
 
@@ -133,6 +134,15 @@ def allgather(adapter, tensor, name=None):
     return _submit_gather(ALLGATHER, name, adapter, tensor)
 
 
+def _in_int32(ranks, what):
+    # The core checks ranks against the world size; one that does not even fit its int32
+    # would fail the conversion with a TypeError instead.
+    for r in ranks:
+        if not -2**31 <= r < 2**31:
+            raise ValueError(f"{what}: rank {r} is outside [0, {_core.size()})")
+    return ranks
+
+
 def _rank_list(ranks, what):
     try:
         out = list(map(int, ranks))
@@ -140,12 +150,14 @@ def _rank_list(ranks, what):
         raise TypeError(f"{what} must be a list of ranks") from None
     if len(set(out)) != len(out):
         raise ValueError(f"{what} has duplicate ranks: {out}")
-    return out
+    return _in_int32(out, what)
 
 
 def _weights_dict(arg, what):
     if isinstance(arg, dict):
-        return {int(k): float(v) for k, v in arg.items()}
+        out = {int(k): float(v) for k, v in arg.items()}
+        _in_int32(out, what)
+        return out
     if isinstance(arg, (list, tuple)):
         return dict.fromkeys(_rank_list(arg, what), 1.0)
     raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks")
@@ -181,18 +193,21 @@ def neighbor_args(self_weight=None, src_weights=None, dst_weights=None, enable_t
 
 
 def _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check):
-    """A key for dynamic-mode arguments made only of plain ints and floats, else None."""
+    """A key for dynamic-mode arguments made only of plain ints and floats, else None.
+    Negative zero weights are not keyed: they compare equal to 0.0 but scale signs."""
     if dst_weights is None or type(self_weight) is not float or type(src_weights) is not dict:
+        return None
+    if self_weight == 0.0 and math.copysign(1.0, self_weight) < 0:
         return None
     src = tuple(src_weights.items())
     for r, w in src:
-        if type(r) is not int or type(w) is not float:
+        if type(r) is not int or type(w) is not float or (w == 0.0 and math.copysign(1.0, w) < 0):
             return None
     kind = type(dst_weights)
     if kind is dict:
         dst = tuple(dst_weights.items())
         for r, w in dst:
-            if type(r) is not int or type(w) is not float:
+            if type(r) is not int or type(w) is not float or (w == 0.0 and math.copysign(1.0, w) < 0):
                 return None
     elif kind is list or kind is tuple:
         dst = tuple(dst_weights)

@@ -1,4 +1,6 @@
 """Neighbor ops equal W @ X (numpy) at 1-8 ranks, with and without fusion."""
+import math
+
 import numpy as np
 import pytest
 
@@ -33,6 +35,14 @@ def test_remembered_dynamic_weights_only_for_plain_values():
     assert a is _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False)  # remembered
     assert a["send_ranks"] == (2, 3) and a["recv_ranks"] == (1,) and a["self_weight"] == 0.5
     assert _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False, remember=False) is not a
+    # -0.0 == 0.0, but a negative zero weight is not the same argument.
+    assert math.copysign(1.0, _ops.neighbor_args(0.0, {1: 1.0}, [1], False)["self_weight"]) == 1.0
+    assert math.copysign(1.0, _ops.neighbor_args(-0.0, {1: 1.0}, [1], False)["self_weight"]) == -1.0
+    assert math.copysign(1.0, _ops.neighbor_args(0.5, {1: -0.0}, [1], False)["recv_weights"][0]) == -1.0
+    # A rank too large for the core's int32 is out of range like any other, not a TypeError.
+    for src, dst in (({2**40: 0.5}, [1]), ({1: 0.5}, [2**63]), ({1: 0.5}, {-2**33: 1.0})):
+        with pytest.raises(ValueError, match="outside"):
+            _ops.neighbor_args(0.5, src, dst, False)
 
 
 def test_numpy_neighbor_allreduce_is_documented_like_python():
