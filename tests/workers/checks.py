@@ -11,6 +11,15 @@ def check(fn):
     return fn
 
 
+def raises(exc, fn, *args, **kwargs):
+    """Call fn(*args, **kwargs) and fail unless it raises `exc`."""
+    try:
+        fn(*args, **kwargs)
+    except exc:
+        return
+    raise AssertionError(f"{getattr(fn, '__name__', fn)}{args} {kwargs} did not raise {exc.__name__}")
+
+
 def run_all(rank, only=None):
     failed = 0
     for fn in _checks:

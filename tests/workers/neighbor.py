@@ -9,7 +9,7 @@ import numpy as np
 
 import shoal
 from shoal import topology as T
-from checks import check, run_all
+from checks import check, raises, run_all
 
 shoal.init()
 R, N = shoal.rank(), shoal.size()
@@ -134,13 +134,8 @@ def any_numpy_layout_same_result():
         got = shoal.neighbor_allreduce(make(base(R)), **kw)
         want = (np.asarray(make(base(R)), dtype="float64") + np.asarray(make(base(prv)), dtype="float64")) / 2
         assert got.shape == want.shape and np.array_equal(np.asarray(got, "float64"), want), (label, got, want)
-    for bad, exc in ((np.arange(4), ValueError), (np.ones(3, "float64"), TypeError)):
-        try:
-            shoal.neighbor_allreduce(bad, **dict(kw, name=None if exc is ValueError else 7))
-        except exc:
-            pass
-        else:
-            raise AssertionError(f"no {exc.__name__} for {bad.dtype} / name")
+    raises(ValueError, shoal.neighbor_allreduce, np.arange(4), **dict(kw, name=None))  # int dtype
+    raises(TypeError, shoal.neighbor_allreduce, np.ones(3), **dict(kw, name=7))
     shoal.barrier()
 
 
@@ -173,19 +168,9 @@ def native_entry_same_as_general_path():
     assert type(got) is Sub and np.array_equal(got, 0.5 * data(R) + 0.5 * data(prv))  # as the general path
     for bad, exc in (((0.5, {N: 0.5}, [nxt]), ValueError), ((0.5, {prv: 0.5}, [nxt], True, "n", 1), TypeError)):
         for _ in range(2):
-            try:
-                shoal.neighbor_allreduce(x, *bad)
-            except exc:
-                pass
-            else:
-                raise AssertionError(f"no {exc.__name__} for {bad}")
-    for kw in ({"tensor": x}, {"src_weights": {prv: 0.5}, "bogus": 1}):
-        try:
-            shoal.neighbor_allreduce(x, **kw)  # tensor twice; an unknown keyword
-        except TypeError:
-            pass
-        else:
-            raise AssertionError(kw)
+            raises(exc, shoal.neighbor_allreduce, x, *bad)
+    for kw in ({"tensor": x}, {"src_weights": {prv: 0.5}, "bogus": 1}):  # tensor twice; unknown keyword
+        raises(TypeError, shoal.neighbor_allreduce, x, **kw)
     shoal.barrier()
 
 
