@@ -5,6 +5,8 @@ shape) and back; this module validates arguments, enqueues into the core, keeps 
 tensors alive until completion, and finishes the result in `synchronize`.
 Semantics follow BlueFog's ops (reference/bluefog-semantics.md §1.4–1.5).
 """
+import functools
+import inspect
 import math
 import operator
 import threading
@@ -51,6 +53,38 @@ def reduce_op(average, op):
     return Average if average is None or average else Sum
 
 
+_calls = threading.local()  # per thread: inside an op entry point; reached the core
+
+
+def _told(op):
+    """Decorates an op entry point: an argument error raised before the call reaches the
+    core (which tells its peers itself) is told to the core, so every rank that submits
+    this call gets the same error instead of waiting for this rank (shoal_reject)."""
+    def wrap(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if getattr(_calls, "inside", False):
+                return fn(*args, **kwargs)
+            _calls.inside, _calls.reached = True, False
+            try:
+                return fn(*args, **kwargs)
+            except (ValueError, TypeError) as exc:
+                if not _calls.reached and _core.is_initialized():
+                    try:
+                        name = sig.bind(*args, **kwargs).arguments.get("name")
+                    except TypeError:
+                        name = 0  # not a call of this op at all
+                    if name is None or (isinstance(name, str) and "\0" not in name):
+                        _core.reject(op, name or None, str(exc))
+                raise
+            finally:
+                _calls.inside = False
+        return call
+    return wrap
+
+
 _NO_PEERS = {"recv_ranks": (), "recv_weights": (), "self_weight": 1.0, "uniform": True,
              "send_ranks": (), "send_weights": (), "topo_check": False}
 
@@ -70,6 +104,7 @@ def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
     device_type, device_id, stream = adapter.device(tensor)
+    _calls.reached = True
     # Positional: pybind11 matches keyword arguments far more slowly.
     handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, reduce_op, root, peers["recv_ranks"],
                            peers["recv_weights"], peers["self_weight"], peers["uniform"],
@@ -107,6 +142,7 @@ def composite(first, finish):
 
 # Each op below enqueues and returns a handle for `synchronize`, or with block=True waits
 # and returns the result (one call into the core instead of two).
+@_told(ALLREDUCE)
 def allreduce(adapter, tensor, average=None, name=None, op=None, inplace=False, scope=WORLD,
               block=False):
     rop = reduce_op(average, op)
@@ -115,6 +151,7 @@ def allreduce(adapter, tensor, average=None, name=None, op=None, inplace=False, 
                    reduce_op=rop.code, scope=scope)
 
 
+@_told(BROADCAST)
 def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD, block=False):
     if isinstance(root_rank, bool):
         raise TypeError("root_rank must be an int, got bool")
@@ -130,6 +167,7 @@ def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD,
                    root=root_rank, scope=scope)
 
 
+@_told(ALLGATHER)
 def allgather(adapter, tensor, name=None):
     return _submit_gather(ALLGATHER, name, adapter, tensor)
 
@@ -260,6 +298,7 @@ def _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, pla
     return args
 
 
+@_told(NEIGHBOR_ALLREDUCE)
 def neighbor_allreduce_submit(adapter, tensor, name, peers, out=None, block=False):
     """Enqueue a neighbor_allreduce with explicit lists `peers` (see `neighbor_args`); the
     result goes to `out` (a contiguous tensor like `tensor`, e.g. reused across steps) if given."""
@@ -269,6 +308,7 @@ def neighbor_allreduce_submit(adapter, tensor, name, peers, out=None, block=Fals
                    lambda: out, block, peers=peers)
 
 
+@_told(NEIGHBOR_ALLREDUCE)
 def neighbor_allreduce(adapter, tensor, self_weight=None, src_weights=None, dst_weights=None,
                        enable_topo_check=True, name=None, out=None, block=False):
     """See `shoal.neighbor_allreduce` for the semantics."""
@@ -304,6 +344,7 @@ def neighbor_allgather_args(src_ranks=None, dst_ranks=None, enable_topo_check=Tr
     return _rank_list(src_ranks, "src_ranks"), _rank_list(dst_ranks, "dst_ranks"), bool(enable_topo_check)
 
 
+@_told(NEIGHBOR_ALLGATHER)
 def neighbor_allgather(adapter, tensor, src_ranks=None, dst_ranks=None, enable_topo_check=True,
                        name=None):
     """See `shoal.neighbor_allgather` for the semantics."""
@@ -312,6 +353,7 @@ def neighbor_allgather(adapter, tensor, src_ranks=None, dst_ranks=None, enable_t
                           peers=dict(_NO_PEERS, recv_ranks=recv, send_ranks=send, topo_check=check))
 
 
+@_told(NEIGHBOR_ALLREDUCE)
 def pair_gossip(adapter, tensor, target_rank, self_weight=None, pair_weight=None, name=None,
                 block=False):
     """See `shoal.pair_gossip` for the semantics."""

@@ -1,6 +1,7 @@
 // pybind11 module shoal._core: a thin layer over the C ABI of libshoal.so.
 // Tensors arrive as (address, dtype code, shape); the Python side keeps them alive.
 #include "module.h"
+#include <optional>
 
 namespace shoal_py {
 
@@ -204,6 +205,15 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     shoal_abort(code);
   });
+  m.def("leave", [] {
+    py::gil_scoped_release nogil;
+    shoal_leave();
+  });
+  m.def("reject", [](int op, std::optional<std::string> name, const std::string& message) {
+    py::gil_scoped_release nogil;
+    shoal_reject(op, name ? name->c_str() : nullptr, message.c_str());
+  });
+  m.def("forked", [] { return shoal_forked() != 0; });
   m.def("is_initialized", [] { return shoal_is_initialized() != 0; });
   m.def("rank", &shoal_rank);
   m.def("size", &shoal_size);

@@ -4,6 +4,9 @@
 #include <memory>
 #include <mutex>
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include "backend.h"
 #include "gpu.h"
 #include "runtime.h"
@@ -34,6 +37,36 @@ Status NotInitialized() {
   return Status::Error(SHOAL_NOT_INITIALIZED, "Shoal is not initialized; call shoal.init() first");
 }
 
+// Set in a child forked after init. Its copy of the runtime has no threads and shares
+// the parent's MPI connections: it is kept (never destroyed) and never used to communicate.
+std::atomic<bool> g_forked{false};
+pid_t g_parent_pid = 0;
+
+void OnForkInChild() {
+  if (!g_runtime) return;
+  g_forked = true;
+  new std::shared_ptr<Runtime>(g_runtime);  // leaked on purpose: its destructor would join threads
+}
+
+Status Forked() {
+  return Status::Error(SHOAL_ABORTED, "Shoal cannot communicate from a process forked after shoal.init() "
+                       "(this is pid " + std::to_string(getpid()) + ", a fork of pid " + std::to_string(g_parent_pid) +
+                       ", rank " + std::to_string(g_runtime ? g_runtime->world().rank : -1) + "): its MPI state belongs to the parent. Communicate "
+                       "from the parent (e.g. not in DataLoader workers), or start children with the "
+                       "'spawn' method");
+}
+
+// The runtime for a call that communicates; null (and *st set) if there is none to use.
+std::shared_ptr<Runtime> Usable(Status* st) {
+  if (g_forked) {
+    *st = Forked();
+    return nullptr;
+  }
+  auto rt = Current();
+  if (!rt) *st = NotInitialized();
+  return rt;
+}
+
 template <typename F> int WorldField(F f) {
   auto rt = Current();
   return rt ? f(rt->world()) : -1;
@@ -44,8 +77,12 @@ template <typename F> int WorldField(F f) {
 extern "C" {
 
 int shoal_init(char* err, size_t len) {
+  if (g_forked) return Report(Forked(), err, len);
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_runtime) return SHOAL_OK;
+  static bool at_fork = (pthread_atfork(nullptr, nullptr, OnForkInChild), true);
+  (void)at_fork;
+  g_parent_pid = getpid();
   try {
     shoal::Config cfg = shoal::Config::FromEnvironment();
     Status st;
@@ -59,6 +96,8 @@ int shoal_init(char* err, size_t len) {
     auto* stats = &g_runtime->stats();
     g_runtime->AttachWindows(std::make_unique<shoal::WindowQueue>(
         [&](const std::atomic<bool>* stop) { return shoal::CreateMpiWindows(cfg, stats, stop); }));
+    Runtime* rt = g_runtime.get();
+    g_runtime->windows()->SetGone([rt] { return rt->LeftRanksMessage(); });
   } catch (const std::exception& ex) {
     return Report(Status::Error(SHOAL_INVALID_ARGUMENT, ex.what()), err, len);
   }
@@ -66,6 +105,7 @@ int shoal_init(char* err, size_t len) {
 }
 
 int shoal_shutdown(void) {
+  if (g_forked) return SHOAL_OK;
   std::shared_ptr<Runtime> rt;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -77,11 +117,27 @@ int shoal_shutdown(void) {
 
 int shoal_is_initialized(void) { return Current() ? 1 : 0; }
 void shoal_finalize_mpi(void) {
+  if (g_forked) return;
   shoal_shutdown();
   shoal::FinalizeMpiIfOwned();
 }
 
-void shoal_abort(int exit_code) { shoal::AbortJob(exit_code); }
+void shoal_abort(int exit_code) {
+  if (g_forked) _exit(exit_code);  // the parent's job is not the child's to end
+  shoal::AbortJob(exit_code);
+}
+
+void shoal_leave(void) {
+  if (g_forked) return;
+  if (auto rt = Current()) rt->Leave();
+}
+
+void shoal_reject(int op, const char* name, const char* message) {
+  if (g_forked) return;
+  if (auto rt = Current()) rt->Reject(op, name, message ? message : "");
+}
+
+int shoal_forked(void) { return g_forked ? 1 : 0; }
 
 int shoal_rank(void) { return WorldField([](auto& w) { return w.rank; }); }
 int shoal_size(void) { return WorldField([](auto& w) { return w.size; }); }
@@ -98,8 +154,9 @@ void shoal_mpi_library_version(char* buf, size_t len) {
 
 int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callback, void* arg,
                                 int64_t* handle, char* err, size_t len) {
-  auto rt = Current();
-  if (!rt) return Report(NotInitialized(), err, len);
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
   try {
     *handle = rt->Enqueue(*desc, callback, arg);
   } catch (const shoal::ArgumentError& ex) {
@@ -123,14 +180,16 @@ int shoal_in_use(int64_t handle) {
 }
 
 int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
-  auto rt = Current();
-  if (!rt) return Report(NotInitialized(), err, len);
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
   return Report(rt->Wait(handle, timeout_ms), err, len);
 }
 
 int shoal_wait(int64_t handle, char* err, size_t len) {
-  auto rt = Current();
-  if (!rt) return Report(NotInitialized(), err, len);
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
   return Report(rt->Wait(handle), err, len);
 }
 
@@ -168,8 +227,10 @@ int shoal_timeline_end_activity(const char* tensor_name) {
 }
 
 int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_t len) {
-  auto rt = Current();
-  if (!rt || !rt->windows()) return Report(NotInitialized(), err, len);
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  if (!rt->windows()) return Report(NotInitialized(), err, len);
   shoal::WinArgs a;
   a.name = d->name ? d->name : "";
   a.data = d->tensor.data;
@@ -212,7 +273,7 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
     // Puts, gets and updates without mutexes never wait on another rank's choices.
     const bool quick = !a.require_mutex && (d->op == SHOAL_WIN_PUT || d->op == SHOAL_WIN_ACCUMULATE ||
                                             d->op == SHOAL_WIN_GET || d->op == SHOAL_WIN_UPDATE);
-    *handle = rt->windows()->Submit(std::move(job), quick);
+    *handle = rt->windows()->Submit(std::move(job), quick, d->op == SHOAL_WIN_CREATE);
   } catch (const shoal::ArgumentError& ex) {
     return Report(Status::Error(ex.code, ex.what()), err, len);
   }
@@ -225,8 +286,10 @@ int shoal_win_poll(int64_t handle) {
 }
 
 int shoal_win_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
-  auto rt = Current();
-  if (!rt || !rt->windows()) return Report(NotInitialized(), err, len);
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  if (!rt->windows()) return Report(NotInitialized(), err, len);
   return Report(rt->windows()->Wait(handle, timeout_ms), err, len);
 }
 
@@ -237,12 +300,14 @@ int shoal_win_release(int64_t handle) {
 
 int shoal_win_versions(const char* name, int32_t* ranks, int64_t* versions, int32_t cap, int32_t* n,
                        char* err, size_t len) {
-  auto rt = Current();
-  if (!rt || !rt->windows()) return Report(NotInitialized(), err, len);
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  if (!rt->windows()) return Report(NotInitialized(), err, len);
   std::vector<int> r;
   std::vector<int64_t> v;
   std::string nm = name;
-  Status st = rt->windows()->Run([&](shoal::WindowEngine& w) { return w.Versions(nm, &r, &v); });
+  st = rt->windows()->Run([&](shoal::WindowEngine& w) { return w.Versions(nm, &r, &v); });
   if (!st.ok()) return Report(st, err, len);
   *n = static_cast<int32_t>(r.size());
   for (size_t i = 0; i < r.size() && static_cast<int32_t>(i) < cap; ++i) {
@@ -253,15 +318,19 @@ int shoal_win_versions(const char* name, int32_t* ranks, int64_t* versions, int3
 }
 
 int shoal_win_associated_p(const char* name, double* p, char* err, size_t len) {
-  auto rt = Current();
-  if (!rt || !rt->windows()) return Report(NotInitialized(), err, len);
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  if (!rt->windows()) return Report(NotInitialized(), err, len);
   std::string nm = name;
   return Report(rt->windows()->Run([&](shoal::WindowEngine& w) { return w.AssociatedP(nm, p); }), err, len);
 }
 
 int shoal_win_names(char* buf, size_t len) {
-  auto rt = Current();
-  if (!rt || !rt->windows()) return -Report(NotInitialized(), buf, len);
+  Status st0;
+  auto rt = Usable(&st0);
+  if (!rt) return -Report(st0, buf, len);
+  if (!rt->windows()) return -Report(NotInitialized(), buf, len);
   std::vector<std::string> names;
   Status st = rt->windows()->Run([&](shoal::WindowEngine& w) {
     names = w.Names();

@@ -15,6 +15,8 @@ ByteVec EncodeRequests(const std::vector<Request>& reqs) {
   for (auto& r : reqs) {
     w.PutString(r.name);
     w.PutSignature(r.sig);
+    w.Put<int64_t>(r.step);
+    w.PutString(r.reject);
     w.Put<int32_t>(r.topo_check);
     if (r.topo_check) {
       w.PutRanks(r.send);
@@ -30,6 +32,8 @@ std::vector<Request> DecodeRequests(const char* p, size_t n) {
   for (auto& q : out) {
     q.name = r.GetString();
     q.sig = r.GetSignature();
+    q.step = r.Get<int64_t>();
+    q.reject = r.GetString();
     q.topo_check = r.Get<int32_t>() != 0;
     if (q.topo_check) {
       q.send = r.GetRanks();
@@ -48,6 +52,7 @@ ByteVec EncodeResponses(const std::vector<Response>& resps) {
     w.Put<uint32_t>(static_cast<uint32_t>(r.names.size()));
     for (auto& n : r.names) w.PutString(n);
     w.PutString(r.error);
+    w.Put<int64_t>(r.step);
     w.Put<uint32_t>(static_cast<uint32_t>(r.first_dims.size()));
     for (auto& d : r.first_dims) w.PutShape(d);
   }
@@ -63,6 +68,7 @@ std::vector<Response> DecodeResponses(const char* p, size_t n) {
     q.names.resize(r.Get<uint32_t>());
     for (auto& s : q.names) s = r.GetString();
     q.error = r.GetString();
+    q.step = r.Get<int64_t>();
     q.first_dims.resize(r.Get<uint32_t>());
     for (auto& d : q.first_dims) d = r.GetShape();
   }
@@ -70,6 +76,41 @@ std::vector<Response> DecodeResponses(const char* p, size_t n) {
 }
 
 void Coordinator::Add(int rank, const Request& req, double now) {
+  if (!req.reject.empty()) {
+    // One rank refused the call: the ranks that submitted it, or will, get its error.
+    Response r = Abort(req.name, req.reject + " (raised at the call on rank " + std::to_string(rank) + ")");
+    r.kind = Response::REJECTED;
+    r.op = req.sig.op;
+    r.step = req.step;
+    if (!rejected_.count(req.name)) rejected_order_.push_back(req.name);
+    rejected_[req.name] = {req.step, r.error};
+    if (rejected_order_.size() > 1024) {
+      rejected_.erase(rejected_order_.front());
+      rejected_order_.erase(rejected_order_.begin());
+    }
+    early_.push_back(std::move(r));
+    return;
+  }
+  auto rej = rejected_.find(req.name);
+  if (rej != rejected_.end() && rej->second.first == req.step) {
+    Response r;
+    r.kind = Response::REJECTED;
+    r.op = req.sig.op;
+    r.names = {req.name};
+    r.error = rej->second.second;
+    r.step = req.step;
+    early_.push_back(std::move(r));
+    return;
+  }
+  if (!left_.empty()) {
+    Response r;
+    r.kind = Response::LEFT;
+    r.op = req.sig.op;
+    r.names = {req.name};
+    r.error = LeftError(req.name, req.sig.op);
+    early_.push_back(std::move(r));
+    return;
+  }
   auto it = pending_.find(req.name);
   if (it == pending_.end()) {
     Pending p;
@@ -202,8 +243,31 @@ std::string Coordinator::CheckEdges(const Pending& p) const {
   return s;
 }
 
+std::string Coordinator::LeftError(const std::string& name, int op) const {
+  std::string who;
+  for (size_t i = 0; i < left_.size(); ++i) who += (i ? ", " : "") + std::to_string(left_[i]);
+  return std::string(OpName(op)) + " '" + name + "': " + (left_.size() == 1 ? "rank " : "ranks ") + who +
+         " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
+}
+
+std::vector<Response> Coordinator::Leave(int rank) {
+  if (std::find(left_.begin(), left_.end(), rank) == left_.end()) left_.push_back(rank);
+  std::vector<Response> out;
+  std::vector<std::string> names;
+  for (auto& kv : pending_) names.push_back(kv.first);
+  for (auto& name : names) {
+    int op = 0;
+    for (size_t r = 0; r < pending_[name].have.size(); ++r)
+      if (pending_[name].have[r]) { op = pending_[name].req[r].sig.op; break; }
+    out.push_back(Abort(name, LeftError(name, op)));
+    out.back().kind = Response::LEFT;
+  }
+  return out;
+}
+
 std::vector<Response> Coordinator::TakeResponses() {
   std::vector<Response> out;
+  out.swap(early_);
   // Fuse consecutive-in-spirit allreduces: one open batch per (dtype, reduce op, device).
   std::map<std::tuple<int, int, int, int>, std::pair<size_t, int64_t>> open;  // -> (index, bytes)
   for (auto& name : complete_) {
@@ -250,7 +314,12 @@ Response Coordinator::Abort(const std::string& name, const std::string& message)
   r.error = message;
   auto it = pending_.find(name);
   if (it != pending_.end()) {
-    for (auto& q : it->second.req) if (q.name == name) { r.op = q.sig.op; break; }
+    for (auto& q : it->second.req)
+      if (q.name == name) {
+        r.op = q.sig.op;
+        r.step = q.step;
+        break;
+      }
     pending_.erase(it);
   }
   return r;

@@ -17,17 +17,22 @@ namespace shoal {
 struct Request {
   std::string name;
   Signature sig;
+  int64_t step = 0;    // how many ops of this name the rank submitted before
+  std::string reject;  // non-empty: the rank rejected this call at the call, with this error
   // Neighbor ops with a topology check: this rank's send and receive ranks.
   bool topo_check = false;
   std::vector<int> send, recv;
 };
 
 struct Response {
-  enum Kind : int32_t { EXECUTE = 0, ERROR = 1 };
+  // ERROR: ranks disagree (or a stall); REJECTED: a rank refused the call at the call
+  // (a ValueError everywhere); LEFT: a rank left the job.
+  enum Kind : int32_t { EXECUTE = 0, ERROR = 1, REJECTED = 2, LEFT = 3 };
   int32_t kind = EXECUTE;
   int32_t op = 0;
   std::vector<std::string> names;  // > 1 only for a fused allreduce batch
   std::string error;
+  int64_t step = -1;  // ERROR: the step of the names it fails (-1: whatever is pending)
   // allgather: first dimension of each rank's tensor, per name
   std::vector<std::vector<int64_t>> first_dims;
 };
@@ -54,6 +59,9 @@ class Coordinator {
   std::vector<Stall> Stalled(double now, double older_than) const;
   // Drop a pending name and return the error every rank that reported it must see.
   Response Abort(const std::string& name, const std::string& message);
+  // `rank` left the job: every pending name fails now, every later one on arrival.
+  std::vector<Response> Leave(int rank);
+  bool any_left() const { return !left_.empty(); }
   size_t num_pending() const { return pending_.size(); }
   int64_t negotiations() const { return negotiations_; }
 
@@ -72,6 +80,13 @@ class Coordinator {
   std::map<std::string, Pending> pending_;
   std::vector<std::string> complete_;  // in order of completion
   std::map<std::string, Signature> validated_;  // first-sight cache
+  // Calls rejected at the call on some rank, by name: (step, error). Ranks that submit
+  // that step later get the error at once. Bounded: the oldest are forgotten.
+  std::map<std::string, std::pair<int64_t, std::string>> rejected_;
+  std::vector<std::string> rejected_order_;
+  std::vector<int> left_;  // ranks that left the job
+  std::vector<Response> early_;  // errors decided in Add, sent with the next responses
+  std::string LeftError(const std::string& name, int op) const;
   int64_t negotiations_ = 0;
 };
 

@@ -11,6 +11,20 @@
 namespace shoal {
 namespace {
 constexpr uint32_t kMagic = 0x5348414cu;  // "SHAL"
+constexpr uint32_t kLeaveMagic = 0x4c454156u;  // "LEAV"
+}
+
+Bytes NeighborExchange::LeaveNotice() {
+  auto msg = std::make_shared<ByteVec>(sizeof(kLeaveMagic));
+  std::memcpy(msg->data(), &kLeaveMagic, sizeof(kLeaveMagic));
+  return msg;
+}
+
+bool NeighborExchange::IsLeaveNotice(const ByteVec& msg) {
+  uint32_t magic = 0;
+  if (msg.size() != sizeof(magic)) return false;
+  std::memcpy(&magic, msg.data(), sizeof(magic));
+  return magic == kLeaveMagic;
 }
 
 void NeighborExchange::Start(const std::vector<EntryPtr>& ready) {
@@ -236,6 +250,39 @@ std::vector<std::pair<int, std::string>> NeighborExchange::Unmatched(Clock::time
 
 void NeighborExchange::Drop(const EntryPtr& e) {
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), e), waiting_.end());
+}
+
+std::vector<EntryPtr> NeighborExchange::TakeNeeding(int rank) {
+  std::vector<EntryPtr> out;
+  auto has = [](const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); };
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    const Entry& e = **it;
+    bool stuck = e.direct_sends && e.sends_pending > 0 && has(e.send_ranks, rank);
+    if (!stuck && has(e.recv_ranks, rank)) {
+      auto s = stash_.find(Key{rank, e.name});
+      stuck = s == stash_.end() || s->second.empty();
+    }
+    if (stuck) {
+      out.push_back(*it);
+      it = waiting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return out;
+}
+
+std::vector<EntryPtr> NeighborExchange::TakeNamed(const std::string& name, int64_t step) {
+  std::vector<EntryPtr> out;
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    if ((*it)->name == name && (step < 0 || (*it)->step == step)) {
+      out.push_back(*it);
+      it = waiting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return out;
 }
 
 std::vector<EntryPtr> NeighborExchange::TakeAll() {

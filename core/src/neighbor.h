@@ -44,6 +44,15 @@ class NeighborExchange {
   std::vector<std::pair<EntryPtr, std::vector<int>>> Waiting() const;
   // Forget a waiting entry (failed elsewhere: stall, shutdown).
   void Drop(const EntryPtr& e);
+  // Takes the waiting entries that can no longer complete because `rank` left the job:
+  // they miss its data, or it will never take theirs (a large send).
+  std::vector<EntryPtr> TakeNeeding(int rank);
+  // Takes the waiting entries of `name` at `step` (-1: any step).
+  std::vector<EntryPtr> TakeNamed(const std::string& name, int64_t step);
+  // The message a leaving rank sends each peer on kTag: after all its neighbor data, so a
+  // receiver has every piece the leaver sent when it learns that it left.
+  static Bytes LeaveNotice();
+  static bool IsLeaveNotice(const ByteVec& msg);
   std::vector<EntryPtr> TakeAll();
   bool Idle() const { return waiting_.empty(); }
   // (source, name) of stashed pieces older than `age` s that no waiting entry wants,

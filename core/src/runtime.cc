@@ -71,6 +71,7 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
 }
 
 void Runtime::Stop() {
+  if (!stop_) Leave();
   if (windows_) windows_->Stop();
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -97,6 +98,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   auto e = std::make_shared<Entry>();
   if (d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_NEIGHBOR_ALLGATHER) Bad("unknown op code " + std::to_string(d.op));
   const char* op = OpName(d.op);
+  try {
   e->sig.op = d.op;
   if (d.op != SHOAL_OP_BARRIER) {
     DtypeSize(d.input.dtype);  // throws for an unknown dtype
@@ -153,14 +155,16 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
       if (d.send_weights) e->send_weights.assign(d.send_weights, d.send_weights + d.n_send);
       break;
   }
+  } catch (const ArgumentError& ex) {
+    Reject(d.op, d.name, ex.what());
+    throw;
+  }
   // Last, after validation: marks the point the producer reached on the caller's stream.
   if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
-  // Unnamed ops cycle through kUnnamed names per op, so caches stay bounded and repeated
-  // unnamed neighbor ops hit the negotiated-name cache.
-  e->name = (d.name && *d.name) ? d.name
-                                : std::string(op) + ".noname." + std::to_string(noname_counter_[d.op]++ % kUnnamed);
+  if (left_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "this rank has left the job (shoal.shutdown() or exit)");
+  e->name = NameLocked(d.op, d.name);
   NameState& ns = names_[e->name];
   if (ns.in_flight)
     throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
@@ -189,6 +193,64 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     if (waiters_ > 0) done_cv_.notify_all();
   }
   return handle;
+}
+
+std::string Runtime::NameLocked(int op, const char* name) {
+  // Unnamed ops cycle through kUnnamed names per op, so caches stay bounded and repeated
+  // unnamed neighbor ops hit the negotiated-name cache.
+  if (name && *name) return name;
+  return std::string(OpName(op)) + ".noname." + std::to_string(noname_counter_[op]++ % kUnnamed);
+}
+
+void Runtime::Reject(int op, const char* name, const std::string& error) {
+  if (op < SHOAL_OP_ALLREDUCE || op > SHOAL_OP_NEIGHBOR_ALLGATHER || world().size == 1) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stop_ || left_) return;
+  auto e = std::make_shared<Entry>();
+  e->sig.op = op;
+  e->name = NameLocked(op, name);
+  NameState& ns = names_[e->name];
+  if (ns.in_flight) return;  // the call is refused as a duplicate: it is not this step's
+  e->step = ns.calls++;
+  e->reject = error;
+  e->done = true;
+  queue_.push_back(e);
+  queued_ = queue_.size();
+  if (driving_) return;
+  if (waiters_ > 0) done_cv_.notify_all();
+  else Drive(lock, nullptr, nullptr);
+}
+
+void Runtime::Leave() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (left_) return;
+  left_ = true;
+  done_cv_.wait(lock, [&] { return !driving_; });
+  driving_ = true;  // the backend is this thread's alone now
+  lock.unlock();
+  auto pending = std::make_shared<std::atomic<int>>(0);
+  try {
+    // Queued requests (a refusal, say) reach the coordinator, and the coordinator's
+    // answers its peers, before they learn that this rank left.
+    SafeCycle(false);
+    const WorldInfo& w = world();
+    for (int r = 0; r < w.size; ++r) {
+      if (r == w.rank || (r < static_cast<int>(peer_left_.size()) && peer_left_[r])) continue;
+      ++*pending;
+      backend_->Send(r, NeighborExchange::kTag, NeighborExchange::LeaveNotice(),
+                     [pending](const Status&) { --*pending; });
+    }
+    // Small messages complete at once; a peer that is gone must not hold this rank here.
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    while (*pending > 0 && Clock::now() < deadline) {
+      if (!backend_->Progress()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  } catch (const std::exception& ex) {
+    Log(LOG_WARNING, std::string("could not tell the peers that this rank leaves: ") + ex.what());
+  }
+  lock.lock();
+  driving_ = false;
+  done_cv_.notify_all();
 }
 
 EntryPtr Runtime::Find(int64_t handle) {
@@ -428,7 +490,8 @@ bool Runtime::Cycle(bool start_only) {
     progressed = true;
     Bytes msg = std::move(spare_);
     if (tag == NeighborExchange::kTag) {
-      neighbors_.Accept(src, std::move(msg));
+      if (NeighborExchange::IsLeaveNotice(*msg)) OnLeave(src);
+      else neighbors_.Accept(src, std::move(msg));
     } else if (tag == kRequestTag && coordinator_) {
       for (auto& r : DecodeRequests(msg->data(), msg->size())) coordinator_->Add(src, r, Now());
     } else if (tag == kResponseTag && !coordinator_) {
@@ -442,7 +505,8 @@ bool Runtime::Cycle(bool start_only) {
     std::vector<Response> resps = coordinator_->TakeResponses();
     if (!resps.empty()) {
       auto msg = std::make_shared<ByteVec>(EncodeResponses(resps));
-      for (int r = 1; r < w.size; ++r) backend_->Send(r, kResponseTag, msg, [](const Status&) {});
+      for (int r = 1; r < w.size; ++r)
+        if (!any_left_ || !peer_left_[r]) backend_->Send(r, kResponseTag, msg, [](const Status&) {});
       for (auto& r : resps) Apply(r);
       progressed = true;
     }
@@ -469,6 +533,13 @@ bool Runtime::Cycle(bool start_only) {
 }
 
 void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
+  if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
+    Request req{e->name, e->sig, e->step, e->reject, false, {}, {}};
+    if (coordinator_) coordinator_->Add(0, req, Now());
+    else to_coordinator->push_back(std::move(req));
+    return;
+  }
+  if (FailIfUnreachable(e)) return;
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
   if (neighbor && !e->topo_check && negotiated_neighbor_names_.count(e->name)) {
     ++stats_.cache_hits;
@@ -476,12 +547,78 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     return;
   }
   awaiting_response_[e->name] = e;
-  Request req{e->name, e->sig, e->topo_check, {}, {}};
+  Request req{e->name, e->sig, e->step, {}, e->topo_check, {}, {}};
   if (e->topo_check) {
     req.send = e->send_ranks;
     req.recv = e->recv_ranks;
   }
   to_coordinator->push_back(std::move(req));
+}
+
+bool Runtime::FailIfUnreachable(const EntryPtr& e) {
+  if (!rejections_.empty()) {
+    auto it = rejections_.find(e->name);
+    if (it != rejections_.end() && it->second.first == e->step) {
+      const std::string error = it->second.second;
+      rejections_.erase(it);
+      Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, error));
+      return true;
+    }
+  }
+  if (!any_left_) return false;
+  const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  std::vector<int> gone;
+  if (neighbor && negotiated_neighbor_names_.count(e->name) && !e->topo_check) {
+    for (int r : e->recv_ranks) if (peer_left_[r]) gone.push_back(r);
+    for (int r : e->send_ranks) if (peer_left_[r] && std::find(gone.begin(), gone.end(), r) == gone.end()) gone.push_back(r);
+  } else {  // every rank takes part in a collective and in a negotiation
+    for (size_t r = 0; r < peer_left_.size(); ++r) if (peer_left_[r]) gone.push_back(static_cast<int>(r));
+  }
+  if (gone.empty()) return false;
+  Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " +
+                                             (gone.size() == 1 ? "rank " : "ranks ") + Ranks(gone) +
+                                             " left the job (script ended, sys.exit or shoal.shutdown()) "
+                                             "before taking part in this op"));
+  return true;
+}
+
+std::string Runtime::LeftRanksMessage() const {
+  std::lock_guard<std::mutex> lock(left_mu_);
+  if (left_ranks_.empty()) return "";
+  std::vector<int> ranks = left_ranks_;
+  std::sort(ranks.begin(), ranks.end());
+  return (ranks.size() == 1 ? "rank " : "ranks ") + Ranks(ranks) +
+         " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
+}
+
+void Runtime::OnLeave(int rank) {
+  if (peer_left_.empty()) peer_left_.assign(world().size, 0);
+  if (peer_left_[rank]) return;
+  peer_left_[rank] = 1;
+  any_left_ = true;
+  {
+    std::lock_guard<std::mutex> lock(left_mu_);
+    left_ranks_.push_back(rank);
+  }
+  Log(LOG_DEBUG, "rank " + std::to_string(rank) + " left the job");
+  const std::string why = " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
+  for (auto& e : neighbors_.TakeNeeding(rank))
+    Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': rank " +
+                                               std::to_string(rank) + why));
+  if (coordinator_) {
+    std::vector<Response> resps = coordinator_->Leave(rank);
+    if (resps.empty()) return;
+    auto msg = std::make_shared<ByteVec>(EncodeResponses(resps));
+    for (int q = 1; q < world().size; ++q)
+      if (!peer_left_[q]) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
+    for (auto& r : resps) Apply(r);
+  } else if (rank == 0) {  // no coordinator any more: nothing waiting for it can complete
+    std::vector<EntryPtr> waiting;
+    for (auto& kv : awaiting_response_) waiting.push_back(kv.second);
+    awaiting_response_.clear();
+    for (auto& e : waiting)
+      Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': rank 0" + why));
+  }
 }
 
 void Runtime::Apply(const Response& r) {
@@ -490,13 +627,28 @@ void Runtime::Apply(const Response& r) {
   for (auto& name : r.names) {
     stall_warned_.erase(name);
     auto it = awaiting_response_.find(name);
-    if (it == awaiting_response_.end()) continue;  // e.g. an abort for an op this rank never sent
+    if (it == awaiting_response_.end() || (r.step >= 0 && it->second->step != r.step))
+      continue;  // e.g. an abort for an op this rank never sent
     it->second->t_negotiated = now;
     batch.push_back(it->second);
     awaiting_response_.erase(it);
   }
-  if (r.kind == Response::ERROR) {
-    for (auto& e : batch) Finish(e, Status::Error(SHOAL_MISMATCH, r.error));
+  if (r.kind != Response::EXECUTE) {
+    const int code = r.kind == Response::REJECTED ? SHOAL_INVALID_ARGUMENT
+                     : r.kind == Response::LEFT   ? SHOAL_ABORTED
+                                                  : SHOAL_MISMATCH;
+    if (r.kind == Response::REJECTED) {
+      for (auto& name : r.names) {
+        for (auto& e : neighbors_.TakeNamed(name, r.step)) batch.push_back(e);
+        if (!batch.empty()) continue;
+        // Remember it for when this rank submits that step, unless it is past it already.
+        std::lock_guard<std::mutex> lock(mu_);
+        auto ns = names_.find(name);
+        if ((ns == names_.end() || ns->second.calls <= r.step) && rejections_.size() < 1024)
+          rejections_[name] = {r.step, r.error};
+      }
+    }
+    for (auto& e : batch) Finish(e, Status::Error(code, r.error));
     return;
   }
   if (batch.size() != r.names.size()) {
@@ -624,7 +776,8 @@ void Runtime::CheckStalls() {
         Response r = coordinator_->Abort(
             s.name, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME=" + Seconds(kill) + " s)");
         auto msg = std::make_shared<ByteVec>(EncodeResponses({r}));
-        for (int q = 1; q < world().size; ++q) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
+        for (int q = 1; q < world().size; ++q)
+          if (!any_left_ || !peer_left_[q]) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
         Apply(r);
       } else if (s.waited >= warn && stall_warned_.insert(s.name).second) {
         ++stats_.stalls;

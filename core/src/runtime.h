@@ -66,8 +66,18 @@ class Runtime {
   void AttachWindows(std::unique_ptr<WindowQueue> w) { windows_ = std::move(w); }
   WindowQueue* windows() { return windows_.get(); }
 
-  // Validates and queues; throws ArgumentError for bad arguments.
+  // Validates and queues; throws ArgumentError for bad arguments (and tells the peers,
+  // which may be waiting for this call, through Reject).
   int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
+  // A call of `op` named `name` (null: unnamed) refused at the call on this rank with
+  // `error`: its name and step are used up as if it ran, and every rank that submits it
+  // gets the same error instead of waiting for this rank.
+  void Reject(int op, const char* name, const std::string& error);
+  // This rank takes part in no more ops: tells every peer, so ops that need this rank fail
+  // there instead of waiting. Later enqueues are refused. Idempotent; Stop() calls it.
+  void Leave();
+  // "rank 1 left the job (...)" once some peer left, else "" (any thread).
+  std::string LeftRanksMessage() const;
   int Poll(int64_t handle);
   // 1 while the op's tensors may still be read or written (see shoal_in_use).
   int InUse(int64_t handle);
@@ -91,6 +101,9 @@ class Runtime {
   void Finish(const EntryPtr& e, const Status& st);
   void Trace(const Entry& e, const Status& st, Clock::time_point t_callback);
   void CheckStalls();
+  void OnLeave(int rank);
+  bool FailIfUnreachable(const EntryPtr& e);
+  std::string NameLocked(int op, const char* name);  // mu_ held
   void FailAll(const std::string& why);
   double Now() const;
   std::chrono::microseconds CycleTime() const {
@@ -129,6 +142,7 @@ class Runtime {
   };
   std::map<std::string, NameState> names_;
   bool driving_ = false;  // a thread is running Cycle()
+  bool left_ = false;     // Leave() ran
   int waiters_ = 0;       // user threads in Wait
   // Read without the mutex by the loop, so polling never contends with enqueue.
   std::atomic<bool> stop_{false};
@@ -137,6 +151,12 @@ class Runtime {
   // Driver only.
   std::map<std::string, EntryPtr> awaiting_response_;
   std::set<std::string> negotiated_neighbor_names_;
+  std::vector<char> peer_left_;  // by rank: that rank left the job
+  bool any_left_ = false;
+  mutable std::mutex left_mu_;
+  std::vector<int> left_ranks_;  // copy of the ranks that left, for other threads (left_mu_)
+  // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
+  std::map<std::string, std::pair<int64_t, std::string>> rejections_;
   std::vector<EntryPtr> neighbor_ready_;
   std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
   struct NcclBatch {

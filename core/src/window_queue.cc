@@ -23,10 +23,11 @@ void WindowQueue::Stop() {
   done_cv_.notify_all();
 }
 
-int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline_ok) {
+int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline_ok, bool needs_all) {
   auto job = std::make_shared<Job>();
   job->fn = std::move(fn);
   job->inline_ok = inline_ok;
+  job->needs_all = needs_all;
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shut down");
   int64_t h = next_++;
@@ -81,10 +82,16 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
   // thread hand-off (the window thread only carries ops nobody is waiting for yet).
   if (job->inline_ok && !job->done && !running_ && !stop_ && !queue_.empty() && queue_.front().second == job)
     RunFront(lock);
-  if (timeout_ms < 0) {
-    done_cv_.wait(lock, [&] { return job->done; });
-  } else if (!done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return job->done; })) {
-    return Status::Error(SHOAL_TIMEOUT, "window op still running");
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(timeout_ms < 0 ? int64_t{1} << 40 : timeout_ms);
+  while (!job->done) {
+    auto until = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
+    if (done_cv_.wait_until(lock, until, [&] { return job->done; })) break;
+    if (job->needs_all && gone_) {
+      std::string gone = gone_();
+      if (!gone.empty()) return Status::Error(SHOAL_ABORTED, "window op: " + gone);
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return Status::Error(SHOAL_TIMEOUT, "window op still running");
   }
   return job->status;
 }

@@ -90,6 +90,18 @@ void shoal_finalize_mpi(void);
 /* End the whole job now (MPI_Abort): for a rank that fails while its peers may be
  * blocked waiting for it. */
 void shoal_abort(int exit_code);
+/* This rank takes part in no more ops: every peer learns it, and ops there that need this
+ * rank fail with SHOAL_ABORTED naming it instead of waiting. Later enqueues are refused.
+ * Idempotent; shoal_shutdown calls it. */
+void shoal_leave(void);
+/* A call of `op` refused at the call above the core (bad arguments): its name (NULL:
+ * the next unnamed one) and step are used up, and every rank that submits the same call
+ * gets SHOAL_INVALID_ARGUMENT with `message` instead of waiting for this rank. */
+void shoal_reject(int op, const char* name, const char* message);
+/* 1 in a child process forked after shoal_init: queries (rank, size) work, every call
+ * that communicates fails at once (the MPI state belongs to the parent), and shutdown
+ * and finalize do nothing. */
+int shoal_forked(void);
 
 /* -1 when not initialised. */
 int shoal_rank(void);

@@ -1,0 +1,86 @@
+"""How a rank starts and ends, so that no exit path leaves its peers waiting.
+
+* At exit (end of script, `sys.exit`) a rank first tells its peers that it leaves
+  (`_core.leave()`): their ops that need it fail with a `ShoalError` naming it instead of
+  waiting; only then does it free its windows (collective) and finalize MPI.
+* An uncaught exception records which rank failed and why for `shoalrun`, then aborts
+  the whole job (MPI_Abort), since peers may be blocked waiting for this rank.
+* A child forked after `init()` (DataLoader workers, multiprocessing) must not
+  communicate: the core refuses its calls; here its exit hooks do nothing.
+* `init()` refuses to run as a singleton when a known launcher says the job is larger
+  (a Shoal built against one MPI, started by another MPI's launcher).
+"""
+import os
+import sys
+import time
+
+from ._loader import _core
+
+# (rank variable, size variable) of launchers Shoal knows; srun's step size is its own.
+LAUNCHER_VARIABLES = [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                      ("PMIX_RANK", None), ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")]
+
+
+def launcher_mismatch(size, env=os.environ):
+    """A message if launcher variables in `env` say this process belongs to a job of more
+    than `size` processes (the size MPI reports), else None."""
+    seen = []
+    for rank_var, size_var in LAUNCHER_VARIABLES:
+        rank_val, size_val = env.get(rank_var, ""), env.get(size_var, "") if size_var else ""
+        big = (rank_val.isdigit() and int(rank_val) >= size) or (size_val.isdigit() and int(size_val) > size)
+        if big:
+            seen += [f"{rank_var}={rank_val}"] + ([f"{size_var}={size_val}"] if size_val else [])
+    if not seen or size > 1:
+        return None
+    return (f"shoal.init(): the launcher says this process is part of a larger job ({', '.join(seen)}), "
+            f"but MPI started it as a single process (rank 0 of {size}). The MPI library Shoal loaded "
+            f"({' '.join(_core.mpi_library_version().split()[:3])}) is probably not the one whose "
+            "launcher started the job: launch with `shoalrun` (or the mpiexec of Shoal's MPI), or "
+            "rebuild Shoal against the launcher's MPI (`MPICXX=$(which mpicxx) pip install .`)")
+
+
+def record_failure(description, status=1):
+    """Tell `shoalrun` (through its status directory, when it started this rank) that this
+    rank failed and how; the earliest record is the 'first failure' it reports."""
+    directory = os.environ.get("SHOAL_STATUS_DIR")
+    if not directory or not _core.is_initialized():
+        return
+    try:
+        from shoal.launcher.rank import write_status
+    except ImportError:
+        return
+    try:
+        write_status(directory, _core.rank(), status, description)
+    except OSError:
+        pass
+
+
+def at_exit():
+    """Registered with atexit by init(): leave, free windows (collective), finalize."""
+    if _core.forked():
+        return
+    from . import _win
+    _core.leave()
+    _win.free_all_at_exit()
+    _core.finalize_mpi()
+
+
+def install_excepthook():
+    """An uncaught exception on one rank must end the job: its peers may be blocked
+    waiting for it, and MPI_Finalize at exit would wait for them in turn. Print the
+    traceback, record the failure for shoalrun, then abort the whole job."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        if _core.forked() or not _core.is_initialized() or _core.size() <= 1 or issubclass(kind, SystemExit):
+            return
+        first = (str(value).strip().splitlines() or [""])[0]
+        record_failure(f"raised {kind.__name__}" + (f": {first[:300]}" if first else ""))
+        sys.stderr.write(f"[shoal] rank {_core.rank()}: uncaught {kind.__name__}; aborting the job\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        time.sleep(0.5)  # let the launcher forward the traceback before the job ends
+        _core.abort(1)
+
+    sys.excepthook = hook
