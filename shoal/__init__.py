@@ -23,8 +23,9 @@ else:
     from ._win import build_win_api
     globals().update(build_api(_ADAPTER))
     globals().update(build_win_api(_ADAPTER))
+    globals().update({_n: getattr(topology, _n) for _n in topology.BLUEFOG_NAMES})  # shoal.RingGraph, ...
 
     __version__ = "0.1.0"
     __all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + sorted(build_win_api(_ADAPTER)) + [
         "Sum", "Average", "ReduceOp", "topology", "InferSourceFromDestinationRanks",
-        "InferDestinationFromSourceRanks"]
+        "InferDestinationFromSourceRanks"] + list(topology.BLUEFOG_NAMES)

@@ -21,6 +21,7 @@ import contextlib
 import math
 import operator
 import threading
+import warnings
 
 from . import basics
 from ._loader import _core
@@ -69,10 +70,16 @@ def _weights(arg, allowed, what, kind):
     return out
 
 
+class UnknownWindowError(ValueError, KeyError):
+    """No window of that name on this rank: a ValueError, like Shoal's other argument
+    errors, and a KeyError, as BlueFog's window registry raised it."""
+    __str__ = BaseException.__str__  # the message as written, not KeyError's repr of it
+
+
 def _registered(name, op):
     with _lock:
         if name not in _windows:
-            raise ValueError(f"{op}: no window named {name!r}; create it with win_create")
+            raise UnknownWindowError(f"{op}: no window named {name!r}; create it with win_create")
         return _windows[name]
 
 
@@ -138,10 +145,18 @@ def build_win_api(adapter):
 
     def win_free(name=None):
         """Free window `name`, or every window when None (collective). Returns True.
-        Raises ValueError for an unknown name, ShoalError when ranks disagree."""
+        Raises UnknownWindowError (ValueError and KeyError) for a name unknown on this
+        rank, ShoalError when ranks disagree."""
         if name is not None:
             _check_name(name)
-        _wait(_submit(FREE, name or ""))
+        with _lock:
+            unknown = name is not None and name not in _windows
+        try:
+            _wait(_submit(FREE, name or ""))  # submitted even then: the peers are in it too
+        except ValueError as e:
+            if unknown:
+                raise UnknownWindowError(str(e)) from None
+            raise
         with _lock:
             if name is None:
                 _windows.clear()
@@ -275,7 +290,7 @@ def build_win_api(adapter):
     for n in ("win_put", "win_put_nonblocking", "win_get", "win_get_nonblocking",
               "win_accumulate", "win_accumulate_nonblocking"):
         api["neighbor_" + n] = api[n]
-    api.update(win_poll=win_poll, win_wait=win_wait, win_mutex=win_mutex,
+    api.update(win_poll=win_poll, win_wait=win_wait, win_mutex=win_mutex, win_lock=win_lock,
                get_win_version=get_win_version,
                get_current_created_window_names=get_current_created_window_names,
                win_associated_p=win_associated_p,
@@ -290,7 +305,15 @@ def win_poll(handle):
 
 
 def win_wait(handle):
-    """Wait for a window op; returns True or raises its error (ShoalError, ValueError)."""
+    """Wait for a window op; returns True or raises its error (ShoalError, ValueError).
+    A handle that is unknown (or already waited for) gives a warning and False, as in
+    BlueFog."""
+    with _lock:
+        known = handle in _pending
+    if not known:
+        warnings.warn(f"win_wait: unknown window handle {handle!r} (already waited for?)",
+                      RuntimeWarning, stacklevel=2)
+        return False
     _wait(handle)
     return True
 
@@ -313,6 +336,20 @@ def win_mutex(name, for_self=False, ranks=None):
         yield
     finally:
         _wait(_submit(UNLOCK, name, ranks=rs, for_self=bool(for_self)))
+
+
+@contextlib.contextmanager
+def win_lock(name):
+    """BlueFog's `win_lock(name)` context manager (not exported by BlueFog; kept for scripts
+    that import it). Raises UnknownWindowError for a name not created on this rank.
+
+    BlueFog opened a passive MPI lock epoch (MPI_MODE_NOCHECK, so no exclusion) on its own
+    windows, for the local load/store access its `win_update` needed. Shoal's window
+    memory is touched only by its window thread, inside its own epochs, so there is
+    nothing to open: the block runs as is. To keep writers out, use `win_mutex`."""
+    _check_name(name)
+    _registered(name, "win_lock")
+    yield
 
 
 def get_win_version(name):

@@ -19,10 +19,15 @@ from ._loader import _core
 
 ShoalError = _core.ShoalError
 
+
+class TopologySizeError(ValueError, TypeError):
+    """A graph whose node count is not the number of ranks (or machines). A ValueError,
+    like Shoal's other argument errors, and a TypeError, as BlueFog raised it."""
+
 _lock = threading.Lock()
 _state = {"topology": None, "weighted": False, "plan": None, "atexit": False,
           "machine_topology": None, "machine_weighted": False, "machine_plan": None,
-          "topology_version": 0}
+          "topology_version": 0, "suspended": False, "skip_negotiate": False}
 
 
 def _require_init():
@@ -134,9 +139,69 @@ def is_homogeneous():
 
 
 def mpi_threads_supported():
-    """True when MPI provides MPI_THREAD_MULTIPLE."""
+    """1 when MPI provides MPI_THREAD_MULTIPLE, else 0 (an int, as BlueFog returns it).
+    Raises ValueError before init()."""
     _require_init()
-    return _core.mpi_threads_supported()
+    return 1 if _core.mpi_threads_supported() else 0
+
+
+def unified_mpi_window_model_supported():
+    """True: window ops behave as under MPI's unified memory model.
+
+    BlueFog asked MPI (a collective that created and freed a dummy window) because its
+    `win_update` read neighbor buffers straight from window memory. Shoal's window ops
+    move data only inside passive-target lock epochs on its window thread, and the user
+    never touches window memory, so completed puts are seen by `win_update` under either
+    MPI model: the answer is the same on every MPI, and the call is local.
+    Raises ValueError before init()."""
+    _require_init()
+    return True
+
+
+def nccl_built():
+    """True when this build's CUDA plugin includes the NCCL backend (BlueFog: built with
+    NCCL). It is used for CUDA tensors only with SHOAL_GPU_BACKEND=nccl. Needs no init()."""
+    built, what = _core.gpu_support()
+    return bool(built) and "NCCL backend" in what and "no NCCL backend" not in what
+
+
+def suspend():
+    """BlueFog's `suspend` (meant for IPython): kept so scripts run; records the state only.
+
+    BlueFog's switch slowed its background loop to one pass per 3 s and made every op
+    fail while on (its guard meant to limit it to IPython never fired). Shoal's idle loop
+    already sleeps between polls (at most SHOAL_CYCLE_TIME ms apart; peers' messages
+    need those polls), so `suspend()`/`resume()` only set `is_suspended()`, and ops keep
+    working in between. Returns None."""
+    _state["suspended"] = True
+
+
+def resume():
+    """End `suspend()`. Returns None."""
+    _state["suspended"] = False
+
+
+def is_suspended():
+    return _state["suspended"]
+
+
+def set_skip_negotiate_stage(value):
+    """BlueFog's switch to skip its per-op negotiation; recorded, no effect on Shoal.
+
+    BlueFog negotiated every op through rank 0 and needed the switch for pair_gossip and
+    for windows on MPIs without MPI_THREAD_MULTIPLE. Shoal negotiates an op only the first
+    time its (name, op, signature) is seen and runs pair_gossip and window ops without the
+    switch, so mismatch checks stay on. As in BlueFog, a call before init() is ignored
+    (with a message). Returns None."""
+    if not _core.is_initialized():
+        sys.stderr.write("[shoal] set_skip_negotiate_stage before init() is ignored\n")
+        return
+    _state["skip_negotiate"] = bool(value)
+
+
+def get_skip_negotiate_stage():
+    """The value last given to `set_skip_negotiate_stage` (False by default)."""
+    return _state["skip_negotiate"]
 
 
 def _plan(graph, me):
@@ -177,8 +242,8 @@ def set_topology(topology=None, is_weighted=False):
         True, or False (with a message on stderr) while windows exist: their buffers
         follow the topology they were created with.
     Raises:
-        TypeError: not a graph or matrix. ValueError: wrong number of nodes, or ranks
-        passed different graphs.
+        TypeError: not a graph or matrix. TopologySizeError (a ValueError and a TypeError,
+        as in BlueFog): wrong number of nodes. ValueError: ranks passed different graphs.
     """
     _require_init()
     from . import _win
@@ -190,7 +255,7 @@ def set_topology(topology=None, is_weighted=False):
         return False
     graph = _topo.exponential_two_graph(size()) if topology is None else _topo.as_graph(topology)
     if graph.number_of_nodes() != size():
-        raise ValueError(f"topology has {graph.number_of_nodes()} nodes but there are {size()} ranks")
+        raise TopologySizeError(f"topology has {graph.number_of_nodes()} nodes but there are {size()} ranks")
     _check_same_everywhere(graph, is_weighted, "set_topology")  # always: it is collective
     with _lock:
         _state.update(topology=graph, weighted=bool(is_weighted), plan=_plan(graph, rank()))
@@ -202,14 +267,15 @@ def set_machine_topology(topology, is_weighted=False):
 
     Args: a `networkx.DiGraph` over 0..machine_size()-1 or a mixing matrix; is_weighted as
     in `set_topology`. Collective (checked like `set_topology`). Returns True.
-    Raises: ValueError for None or a wrong node count; TypeError for other types.
+    Raises: ValueError for None; TopologySizeError (ValueError and TypeError) for a wrong
+    node count; TypeError for other types.
     """
     _require_init()
     if topology is None:
         raise ValueError("set_machine_topology needs a graph over machines")
     graph = _topo.as_graph(topology)
     if graph.number_of_nodes() != machine_size():
-        raise ValueError(f"machine topology has {graph.number_of_nodes()} nodes but there are "
+        raise TopologySizeError(f"machine topology has {graph.number_of_nodes()} nodes but there are "
                          f"{machine_size()} machines")
     _check_same_everywhere(graph, is_weighted, "set_machine_topology")
     with _lock:
@@ -254,15 +320,17 @@ def is_topo_weighted():
 
 
 def in_neighbor_ranks():
-    """Ranks this rank receives from in the current topology (sorted, self excluded)."""
-    _require_init()
-    return list(_state["plan"]["recv"])
+    """Ranks this rank receives from in the current topology (sorted, self excluded);
+    [] when there is no topology (before init() or after shutdown(), as in BlueFog)."""
+    plan = _state["plan"]
+    return list(plan["recv"]) if plan else []
 
 
 def out_neighbor_ranks():
-    """Ranks this rank sends to in the current topology (sorted, self excluded)."""
-    _require_init()
-    return list(_state["plan"]["send"])
+    """Ranks this rank sends to in the current topology (sorted, self excluded); [] when
+    there is no topology."""
+    plan = _state["plan"]
+    return list(plan["send"]) if plan else []
 
 
 def _static_plan():
@@ -312,7 +380,10 @@ def mpi_library_version():
 
 __all__ = ["ShoalError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "machine_rank", "machine_size", "is_homogeneous",
-           "mpi_threads_supported", "set_topology", "load_topology", "is_topo_weighted",
+           "mpi_threads_supported", "unified_mpi_window_model_supported", "nccl_built",
+           "suspend", "resume", "is_suspended", "set_skip_negotiate_stage",
+           "get_skip_negotiate_stage", "TopologySizeError", "set_topology", "load_topology",
+           "is_topo_weighted",
            "in_neighbor_ranks", "out_neighbor_ranks", "set_machine_topology",
            "load_machine_topology", "is_machine_topo_weighted", "in_neighbor_machine_ranks",
            "out_neighbor_machine_ranks", "stats", "reset_stats", "timeline_start_activity",

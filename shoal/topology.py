@@ -619,16 +619,44 @@ def averages_exactly(matrices: Sequence[Topology],
     return False, None
 
 
-# -- BlueFog names (same argument order), for one-import migration ---------------------------------
+# -- BlueFog names, with BlueFog's argument names too (`bf.GetRecvWeights(topo=g, rank=0)`), for
+# one-import migration.  Functions whose arguments are named alike are the same objects.
 (ExponentialGraph, ExponentialTwoGraph, SymmetricExponentialGraph, RingGraph, MeshGrid2DGraph,
- StarGraph, FullyConnectedGraph, IsTopologyEquivalent, IsRegularGraph, GetRecvWeights,
- GetSendWeights, GetDynamicOnePeerSendRecvRanks, GetExp2DynamicSendRecvMachineRanks,
+ StarGraph, FullyConnectedGraph, IsTopologyEquivalent, GetExp2DynamicSendRecvMachineRanks,
  GetInnerOuterRingDynamicSendRecvRanks, GetInnerOuterExpo2DynamicSendRecvRanks) = (
     exponential_graph, exponential_two_graph, symmetric_exponential_graph, ring_graph,
     mesh_grid_2d_graph, star_graph, fully_connected_graph, is_topology_equivalent,
-    is_regular_graph, recv_weights, send_weights, dynamic_one_peer_send_recv_ranks,
     exp2_dynamic_send_recv_machine_ranks, inner_outer_ring_dynamic_send_recv_ranks,
     inner_outer_expo2_dynamic_send_recv_ranks)
+
+
+def GetRecvWeights(topo: Topology, rank: int) -> Tuple[float, Dict[int, float]]:
+    """BlueFog ``GetRecvWeights``; see :func:`recv_weights`."""
+    return recv_weights(topo, rank)
+
+
+def GetSendWeights(topo: Topology, rank: int) -> Tuple[float, Dict[int, float]]:
+    """BlueFog ``GetSendWeights``; see :func:`send_weights`."""
+    return send_weights(topo, rank)
+
+
+def IsRegularGraph(topo: Topology) -> bool:
+    """BlueFog ``IsRegularGraph``; see :func:`is_regular_graph`."""
+    return is_regular_graph(topo)
+
+
+def GetDynamicOnePeerSendRecvRanks(topo: Topology, self_rank: int) -> Iterator[SendRecv]:
+    """BlueFog ``GetDynamicOnePeerSendRecvRanks``; see :func:`dynamic_one_peer_send_recv_ranks`."""
+    return dynamic_one_peer_send_recv_ranks(topo, self_rank)
+
+
+# The names `bluefog.torch` re-exports from its topology_util (shoal and shoal.torch do too).
+BLUEFOG_NAMES = (
+    "ExponentialGraph", "ExponentialTwoGraph", "SymmetricExponentialGraph", "RingGraph",
+    "MeshGrid2DGraph", "StarGraph", "FullyConnectedGraph", "IsTopologyEquivalent", "IsRegularGraph",
+    "GetRecvWeights", "GetSendWeights", "GetDynamicOnePeerSendRecvRanks",
+    "GetExp2DynamicSendRecvMachineRanks", "GetInnerOuterRingDynamicSendRecvRanks",
+    "GetInnerOuterExpo2DynamicSendRecvRanks")
 
 __all__ = sorted(name for name, obj in list(globals().items())
                  if not name.startswith("_") and getattr(obj, "__module__", None) == __name__)

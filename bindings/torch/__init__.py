@@ -8,6 +8,7 @@ Nothing here is compiled against torch: tensors reach the core as raw pointers.
 import torch
 
 from shoal import topology  # noqa: F401
+from shoal.topology import BLUEFOG_NAMES as _TOPOLOGY_NAMES
 from shoal._infer import InferDestinationFromSourceRanks, InferSourceFromDestinationRanks  # noqa: F401
 from shoal._api import build_api
 from shoal._ops import Average, ReduceOp, Sum  # noqa: F401
@@ -22,6 +23,7 @@ from shoal._win import build_win_api  # noqa: E402
 _api = build_api(ADAPTER)
 _api.update(build_win_api(ADAPTER))
 globals().update(_api)
+globals().update({_n: getattr(topology, _n) for _n in _TOPOLOGY_NAMES})  # bf.ExponentialGraph, ...
 # Blocking forms go through the registered torch.library ops.
 from ._ops import allgather, allreduce, broadcast, neighbor_allreduce  # noqa: E402,F401,F811
 
@@ -42,4 +44,5 @@ __all__ = list(_basics_all) + sorted(_api) + [
     "broadcast_parameters"] + ["Sum", "Average", "ReduceOp", "topology",
                                                          "InferSourceFromDestinationRanks",
                                                          "InferDestinationFromSourceRanks"]
+__all__ += list(_TOPOLOGY_NAMES)
 del _torch_ops

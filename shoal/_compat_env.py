@@ -1,0 +1,91 @@
+"""BlueFog's environment variables, mapped onto Shoal's SHOAL_* settings.
+
+A BlueFog script (or its job file) may set `BLUEFOG_TIMELINE`, `BLUEFOG_LOG_LEVEL`, ...;
+the core reads only SHOAL_* variables, once, at `init()` (core/src/config.cc). `init()`
+calls `apply_bluefog_env()` just before starting the core: each BLUEFOG_X that is set
+gives its SHOAL_X, unless SHOAL_X is set too (the Shoal name wins). Values are read the
+way BlueFog read them (it never rejected a malformed number or log level), so a job that
+ran under BlueFog does not fail here. Table and reasons: reference/bluefog-semantics.md
+§4.11 and "Shoal's differences".
+"""
+import math
+import os
+import re
+
+# BlueFog's C++ used strtof/strtol: the longest numeric prefix, 0 when there is none.
+_FLOAT_PREFIX = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_INT_PREFIX = re.compile(r"\s*[+-]?\d+")
+_LOG_LEVELS = {"trace": "trace", "debug": "debug", "info": "info", "warning": "warning",
+               "error": "error", "fatal": "error"}  # Shoal has no "fatal": errors are its top level
+_BY_MPI = ("BLUEFOG_ALLREDUCE_BY_MPI", "BLUEFOG_BROADCAST_BY_MPI", "BLUEFOG_ALLGATHER_BY_MPI",
+           "BLUEFOG_NEIGHBOR_ALLGATHER_BY_MPI", "BLUEFOG_NEIGHBOR_ALLREDUCE_BY_MPI",
+           "BLUEFOG_WIN_OPS_BY_MPI", "BLUEFOG_OPS_ON_CPU")
+# Read by BlueFog, without a Shoal counterpart (reasons in bluefog-semantics.md).
+IGNORED = ("BLUEFOG_LOG_HIDE_TIME", "BLUEFOG_MPI_THREAD_LEVEL", "BLUEFOG_WIN_ON_GPU",
+           "BLUEFOG_MAX_WIN_SENT_LENGTH", "BLUEFOG_NUM_FINALIZER_THREADS",
+           "BLUEFOG_SLEEP_USEC_FOR_WIN_PASSIVE")
+
+
+def _strtod(text):
+    m = _FLOAT_PREFIX.match(text)
+    return float(m.group(0)) if m else 0.0
+
+
+def _strtol(text):
+    m = _INT_PREFIX.match(text)
+    return int(m.group(0)) if m else 0
+
+
+def _number(value):
+    """A number the core accepts ([0, 1e9], written without exponent noise)."""
+    v = min(max(value, 0.0), 1e9) if math.isfinite(value) else 0.0
+    return repr(float(v)) if v != int(v) else str(int(v))
+
+
+def _log_level(text):
+    return _LOG_LEVELS.get(text.strip().lower(), "warning")  # BlueFog's fallback: warning
+
+
+def _ranks_per_machine(text):
+    k = _strtol(text)
+    if k <= 0:  # BlueFog aborted the process (BFLOG(FATAL))
+        raise ValueError(f"BLUEFOG_NODES_PER_MACHINE='{text}' must be a positive integer "
+                         "(ranks per machine; Shoal's name is SHOAL_RANKS_PER_MACHINE)")
+    return str(k)
+
+
+_MAP = (
+    ("BLUEFOG_TIMELINE", "SHOAL_TIMELINE", str),  # same files: <prefix><rank>.json
+    ("BLUEFOG_LOG_LEVEL", "SHOAL_LOG_LEVEL", _log_level),
+    ("BLUEFOG_CYCLE_TIME", "SHOAL_CYCLE_TIME", lambda v: _number(_strtod(v))),  # ms in both
+    ("BLUEFOG_FUSION_THRESHOLD", "SHOAL_FUSION_THRESHOLD", lambda v: _number(_strtol(v))),  # bytes
+    ("BLUEFOG_NODES_PER_MACHINE", "SHOAL_RANKS_PER_MACHINE", _ranks_per_machine),
+)
+
+
+def bluefog_settings(environ):
+    """{SHOAL_X: value} that the BLUEFOG_* variables of `environ` stand for, leaving out
+    every SHOAL_X already set (non-empty) in `environ`. Pure: `environ` is not changed.
+    Raises ValueError for a BLUEFOG_NODES_PER_MACHINE that is not a positive integer."""
+    def given(key):
+        return bool(environ.get(key))  # the core treats an empty variable as unset
+
+    out = {}
+    for bluefog, shoal, convert in _MAP:
+        if given(bluefog) and not given(shoal):
+            out[shoal] = convert(environ[bluefog])
+    # BlueFog's "=1 forces MPI for GPU tensors" (per op) / "stage through the host": Shoal's
+    # `mpi` GPU backend stages every op of a CUDA tensor through host memory.
+    if any(environ.get(k, "").startswith("1") for k in _BY_MPI) and not given("SHOAL_GPU_BACKEND"):
+        out["SHOAL_GPU_BACKEND"] = "mpi"
+    return out
+
+
+def apply_bluefog_env(environ=None):
+    """Set in `environ` (default os.environ) the SHOAL_* settings its BLUEFOG_* variables
+    stand for (see `bluefog_settings`); returns what was set. Called by `init()` before
+    the core reads its configuration."""
+    environ = os.environ if environ is None else environ
+    settings = bluefog_settings(environ)
+    environ.update(settings)
+    return settings
