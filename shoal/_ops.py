@@ -77,7 +77,7 @@ def _told(op):
                     except TypeError:
                         name = 0  # not a call of this op at all
                     if name is None or (isinstance(name, str) and "\0" not in name):
-                        _core.reject(op, name or None, str(exc))
+                        _core.reject(op, name or None, isinstance(exc, TypeError), str(exc))
                 raise
             finally:
                 _calls.inside = False

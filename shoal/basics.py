@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from . import _compat_env, _lifecycle
 from . import topology as _topo
 from ._loader import _core
 
@@ -44,46 +45,35 @@ def init(topology_fn=None, is_weighted=False):
         is_weighted: use the graph's edge weights in neighbor_allreduce (else uniform).
 
     Works whether or not MPI was initialised before (e.g. by mpi4py).
-    Raises ShoalError if MPI cannot start; ValueError for a malformed SHOAL_* variable.
+    Raises ShoalError if MPI cannot start, in a process forked after init(), or when a
+    launcher's variables (PMI_*, OMPI_COMM_WORLD_*, SLURM_*) say the job is larger than
+    what MPI reports (a Shoal built for another MPI); ValueError for a malformed SHOAL_*
+    variable.
     """
     with _lock:
+        _compat_env.apply_bluefog_env()  # BLUEFOG_* settings a migrated script sets
         _core.init()
+        mismatch = _lifecycle.launcher_mismatch(_core.size())
+        if mismatch:
+            _core.shutdown()
+            raise ShoalError(mismatch)
         if not _state["atexit"]:
-            atexit.register(_at_exit)
-            _install_excepthook()
+            atexit.register(_lifecycle.at_exit)
+            _lifecycle.install_excepthook()
             _state["atexit"] = True
     topo = topology_fn(size()) if topology_fn is not None else _topo.exponential_two_graph(size())
     set_topology(topo, is_weighted)
 
 
-def _at_exit():
-    from . import _win
-    _win.free_all_at_exit()
-    _core.finalize_mpi()
-
-
-def _install_excepthook():
-    """An uncaught exception on one rank must end the job: its peers may be blocked
-    waiting for it, and MPI_Finalize at exit would wait for them in turn. Print the
-    traceback, then abort the whole job (the launcher reports a non-zero exit)."""
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        previous(kind, value, tb)
-        if _core.is_initialized() and _core.size() > 1 and not issubclass(kind, SystemExit):
-            sys.stderr.write(f"[shoal] rank {_core.rank()}: uncaught {kind.__name__}; aborting the job\n")
-            sys.stderr.flush()
-            sys.stdout.flush()
-            time.sleep(0.5)  # let the launcher forward the traceback before the job ends
-            _core.abort(1)
-
-    sys.excepthook = hook
-
-
 def shutdown():
     """Stop the runtime; pending ops fail with ShoalError. `init()` may be called again.
-    Windows still open are freed first, which is collective (every rank shuts down)."""
+    Peers learn at once that this rank left: their ops that need it fail (ShoalError
+    naming it). Windows still open are freed next, which is collective (every rank shuts
+    down). Does nothing in a process forked after init()."""
     from . import _win
+    if _core.forked():
+        return  # the runtime belongs to the parent
+    _core.leave()  # first: peers waiting for this rank fail instead of waiting
     _win.free_all_at_exit()  # collective, like BlueFog's windows at shutdown
     with _lock:
         _core.shutdown()

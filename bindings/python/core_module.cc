@@ -14,6 +14,8 @@ py::object g_shoal_error;
     case SHOAL_UNKNOWN_HANDLE:
     case SHOAL_NOT_INITIALIZED:
       throw py::value_error(msg);
+    case SHOAL_INVALID_TYPE:
+      throw py::type_error(msg);
     default:
       PyErr_SetString(g_shoal_error.ptr(), msg);
       throw py::error_already_set();
@@ -209,9 +211,10 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     shoal_leave();
   });
-  m.def("reject", [](int op, std::optional<std::string> name, const std::string& message) {
+  m.def("reject", [](int op, std::optional<std::string> name, bool type_error, const std::string& message) {
     py::gil_scoped_release nogil;
-    shoal_reject(op, name ? name->c_str() : nullptr, message.c_str());
+    shoal_reject(op, name ? name->c_str() : nullptr, type_error ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT,
+                 message.c_str());
   });
   m.def("forked", [] { return shoal_forked() != 0; });
   m.def("is_initialized", [] { return shoal_is_initialized() != 0; });

@@ -132,9 +132,9 @@ void shoal_leave(void) {
   if (auto rt = Current()) rt->Leave();
 }
 
-void shoal_reject(int op, const char* name, const char* message) {
+void shoal_reject(int op, const char* name, int code, const char* message) {
   if (g_forked) return;
-  if (auto rt = Current()) rt->Reject(op, name, message ? message : "");
+  if (auto rt = Current()) rt->Reject(op, name, code, message ? message : "");
 }
 
 int shoal_forked(void) { return g_forked ? 1 : 0; }

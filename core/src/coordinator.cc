@@ -17,6 +17,7 @@ ByteVec EncodeRequests(const std::vector<Request>& reqs) {
     w.PutSignature(r.sig);
     w.Put<int64_t>(r.step);
     w.PutString(r.reject);
+    w.Put<int32_t>(r.reject_code);
     w.Put<int32_t>(r.topo_check);
     if (r.topo_check) {
       w.PutRanks(r.send);
@@ -34,6 +35,7 @@ std::vector<Request> DecodeRequests(const char* p, size_t n) {
     q.sig = r.GetSignature();
     q.step = r.Get<int64_t>();
     q.reject = r.GetString();
+    q.reject_code = r.Get<int32_t>();
     q.topo_check = r.Get<int32_t>() != 0;
     if (q.topo_check) {
       q.send = r.GetRanks();
@@ -53,6 +55,7 @@ ByteVec EncodeResponses(const std::vector<Response>& resps) {
     for (auto& n : r.names) w.PutString(n);
     w.PutString(r.error);
     w.Put<int64_t>(r.step);
+    w.Put<int32_t>(r.code);
     w.Put<uint32_t>(static_cast<uint32_t>(r.first_dims.size()));
     for (auto& d : r.first_dims) w.PutShape(d);
   }
@@ -69,6 +72,7 @@ std::vector<Response> DecodeResponses(const char* p, size_t n) {
     for (auto& s : q.names) s = r.GetString();
     q.error = r.GetString();
     q.step = r.Get<int64_t>();
+    q.code = r.Get<int32_t>();
     q.first_dims.resize(r.Get<uint32_t>());
     for (auto& d : q.first_dims) d = r.GetShape();
   }
@@ -82,8 +86,9 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     r.kind = Response::REJECTED;
     r.op = req.sig.op;
     r.step = req.step;
+    r.code = req.reject_code;
     if (!rejected_.count(req.name)) rejected_order_.push_back(req.name);
-    rejected_[req.name] = {req.step, r.error};
+    rejected_[req.name] = r;
     if (rejected_order_.size() > 1024) {
       rejected_.erase(rejected_order_.front());
       rejected_order_.erase(rejected_order_.begin());
@@ -92,14 +97,8 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     return;
   }
   auto rej = rejected_.find(req.name);
-  if (rej != rejected_.end() && rej->second.first == req.step) {
-    Response r;
-    r.kind = Response::REJECTED;
-    r.op = req.sig.op;
-    r.names = {req.name};
-    r.error = rej->second.second;
-    r.step = req.step;
-    early_.push_back(std::move(r));
+  if (rej != rejected_.end() && rej->second.step == req.step) {
+    early_.push_back(rej->second);
     return;
   }
   if (!left_.empty()) {

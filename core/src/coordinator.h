@@ -19,6 +19,7 @@ struct Request {
   Signature sig;
   int64_t step = 0;    // how many ops of this name the rank submitted before
   std::string reject;  // non-empty: the rank rejected this call at the call, with this error
+  int32_t reject_code = 0;  // and this status code
   // Neighbor ops with a topology check: this rank's send and receive ranks.
   bool topo_check = false;
   std::vector<int> send, recv;
@@ -33,6 +34,7 @@ struct Response {
   std::vector<std::string> names;  // > 1 only for a fused allreduce batch
   std::string error;
   int64_t step = -1;  // ERROR: the step of the names it fails (-1: whatever is pending)
+  int32_t code = 0;   // REJECTED: the status code of the refusal
   // allgather: first dimension of each rank's tensor, per name
   std::vector<std::vector<int64_t>> first_dims;
 };
@@ -82,7 +84,7 @@ class Coordinator {
   std::map<std::string, Signature> validated_;  // first-sight cache
   // Calls rejected at the call on some rank, by name: (step, error). Ranks that submit
   // that step later get the error at once. Bounded: the oldest are forgotten.
-  std::map<std::string, std::pair<int64_t, std::string>> rejected_;
+  std::map<std::string, Response> rejected_;
   std::vector<std::string> rejected_order_;
   std::vector<int> left_;  // ranks that left the job
   std::vector<Response> early_;  // errors decided in Add, sent with the next responses

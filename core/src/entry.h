@@ -36,6 +36,7 @@ struct Entry {
   bool topo_check = false;
   int64_t step = 0;  // how many ops of this name this rank ran before (neighbor message matching)
   std::string reject;  // non-empty: a call refused at the call here; its peers get this error
+  int reject_code = 0;
   std::shared_ptr<GpuOp> gpu;  // CUDA tensors: device pointers and staging state
 
   Clock::time_point enqueued = Clock::now();

@@ -156,7 +156,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
       break;
   }
   } catch (const ArgumentError& ex) {
-    Reject(d.op, d.name, ex.what());
+    Reject(d.op, d.name, ex.code, ex.what());
     throw;
   }
   // Last, after validation: marks the point the producer reached on the caller's stream.
@@ -202,7 +202,7 @@ std::string Runtime::NameLocked(int op, const char* name) {
   return std::string(OpName(op)) + ".noname." + std::to_string(noname_counter_[op]++ % kUnnamed);
 }
 
-void Runtime::Reject(int op, const char* name, const std::string& error) {
+void Runtime::Reject(int op, const char* name, int code, const std::string& error) {
   if (op < SHOAL_OP_ALLREDUCE || op > SHOAL_OP_NEIGHBOR_ALLGATHER || world().size == 1) return;
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_ || left_) return;
@@ -213,6 +213,7 @@ void Runtime::Reject(int op, const char* name, const std::string& error) {
   if (ns.in_flight) return;  // the call is refused as a duplicate: it is not this step's
   e->step = ns.calls++;
   e->reject = error;
+  e->reject_code = code == SHOAL_INVALID_TYPE ? code : SHOAL_INVALID_ARGUMENT;
   e->done = true;
   queue_.push_back(e);
   queued_ = queue_.size();
@@ -534,7 +535,7 @@ bool Runtime::Cycle(bool start_only) {
 
 void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
-    Request req{e->name, e->sig, e->step, e->reject, false, {}, {}};
+    Request req{e->name, e->sig, e->step, e->reject, e->reject_code, false, {}, {}};
     if (coordinator_) coordinator_->Add(0, req, Now());
     else to_coordinator->push_back(std::move(req));
     return;
@@ -547,7 +548,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     return;
   }
   awaiting_response_[e->name] = e;
-  Request req{e->name, e->sig, e->step, {}, e->topo_check, {}, {}};
+  Request req{e->name, e->sig, e->step, {}, 0, e->topo_check, {}, {}};
   if (e->topo_check) {
     req.send = e->send_ranks;
     req.recv = e->recv_ranks;
@@ -558,10 +559,10 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
 bool Runtime::FailIfUnreachable(const EntryPtr& e) {
   if (!rejections_.empty()) {
     auto it = rejections_.find(e->name);
-    if (it != rejections_.end() && it->second.first == e->step) {
-      const std::string error = it->second.second;
+    if (it != rejections_.end() && it->second.step == e->step) {
+      const Status st = Status::Error(it->second.code, it->second.error);
       rejections_.erase(it);
-      Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, error));
+      Finish(e, st);
       return true;
     }
   }
@@ -634,7 +635,7 @@ void Runtime::Apply(const Response& r) {
     awaiting_response_.erase(it);
   }
   if (r.kind != Response::EXECUTE) {
-    const int code = r.kind == Response::REJECTED ? SHOAL_INVALID_ARGUMENT
+    const int code = r.kind == Response::REJECTED ? r.code
                      : r.kind == Response::LEFT   ? SHOAL_ABORTED
                                                   : SHOAL_MISMATCH;
     if (r.kind == Response::REJECTED) {
@@ -645,7 +646,7 @@ void Runtime::Apply(const Response& r) {
         std::lock_guard<std::mutex> lock(mu_);
         auto ns = names_.find(name);
         if ((ns == names_.end() || ns->second.calls <= r.step) && rejections_.size() < 1024)
-          rejections_[name] = {r.step, r.error};
+          rejections_[name] = r;
       }
     }
     for (auto& e : batch) Finish(e, Status::Error(code, r.error));

@@ -72,7 +72,7 @@ class Runtime {
   // A call of `op` named `name` (null: unnamed) refused at the call on this rank with
   // `error`: its name and step are used up as if it ran, and every rank that submits it
   // gets the same error instead of waiting for this rank.
-  void Reject(int op, const char* name, const std::string& error);
+  void Reject(int op, const char* name, int code, const std::string& error);
   // This rank takes part in no more ops: tells every peer, so ops that need this rank fail
   // there instead of waiting. Later enqueues are refused. Idempotent; Stop() calls it.
   void Leave();
@@ -156,7 +156,7 @@ class Runtime {
   mutable std::mutex left_mu_;
   std::vector<int> left_ranks_;  // copy of the ranks that left, for other threads (left_mu_)
   // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
-  std::map<std::string, std::pair<int64_t, std::string>> rejections_;
+  std::map<std::string, Response> rejections_;
   std::vector<EntryPtr> neighbor_ready_;
   std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
   struct NcclBatch {

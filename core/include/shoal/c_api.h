@@ -22,7 +22,8 @@ typedef enum {
   SHOAL_NOT_INITIALIZED = 4,  /* called before init() or after shutdown() */
   SHOAL_UNKNOWN_HANDLE = 5,
   SHOAL_DUPLICATE_NAME = 6,   /* a second in-flight op with the same name: ValueError */
-  SHOAL_TIMEOUT = 7           /* shoal_wait_for: not complete yet */
+  SHOAL_TIMEOUT = 7,          /* shoal_wait_for: not complete yet */
+  SHOAL_INVALID_TYPE = 8      /* an argument of the wrong type at the call: TypeError */
 } shoal_status;
 
 typedef enum {
@@ -96,8 +97,8 @@ void shoal_abort(int exit_code);
 void shoal_leave(void);
 /* A call of `op` refused at the call above the core (bad arguments): its name (NULL:
  * the next unnamed one) and step are used up, and every rank that submits the same call
- * gets SHOAL_INVALID_ARGUMENT with `message` instead of waiting for this rank. */
-void shoal_reject(int op, const char* name, const char* message);
+ * gets `code` (SHOAL_INVALID_ARGUMENT or SHOAL_INVALID_TYPE) with `message` instead of waiting for this rank. */
+void shoal_reject(int op, const char* name, int code, const char* message);
 /* 1 in a child process forked after shoal_init: queries (rank, size) work, every call
  * that communicates fails at once (the MPI state belongs to the parent), and shutdown
  * and finalize do nothing. */
