@@ -226,7 +226,8 @@ void Runtime::Leave() {
   std::unique_lock<std::mutex> lock(mu_);
   if (left_) return;
   left_ = true;
-  done_cv_.wait(lock, [&] { return !driving_; });
+  leaving_ = true;  // drivers step aside after their cycle (they do not notify when they do)
+  while (driving_) done_cv_.wait_for(lock, std::chrono::milliseconds(1));
   driving_ = true;  // the backend is this thread's alone now
   lock.unlock();
   auto pending = std::make_shared<std::atomic<int>>(0);
@@ -251,6 +252,7 @@ void Runtime::Leave() {
   }
   lock.lock();
   driving_ = false;
+  leaving_ = false;
   done_cv_.notify_all();
 }
 
@@ -294,8 +296,8 @@ Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
     return e->done && (e->sends_pending == 0 || wait >= longest || driving_ || stop_);
   };
   while (!finished() && Clock::now() < deadline) {
-    if (driving_ || stop_) {
-      done_cv_.wait_until(lock, deadline);
+    if (driving_ || stop_ || leaving_) {
+      done_cv_.wait_until(lock, leaving_ ? std::min(deadline, Clock::now() + CycleTime()) : deadline);
       continue;
     }
     wait = Drive(lock, &pace, &busy, e.get());
@@ -435,7 +437,7 @@ void Runtime::Loop() {
   bool busy = false;
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
-    if (driving_ || waiters_ > 0) {  // a waiting user thread drives; stay off its cores
+    if (driving_ || waiters_ > 0 || leaving_) {  // a waiting user thread drives; stay off its cores
       work_cv_.wait_for(lock, longest);
       continue;
     }

@@ -143,6 +143,7 @@ class Runtime {
   std::map<std::string, NameState> names_;
   bool driving_ = false;  // a thread is running Cycle()
   bool left_ = false;     // Leave() ran
+  bool leaving_ = false;  // Leave() waits for the driving token
   int waiters_ = 0;       // user threads in Wait
   // Read without the mutex by the loop, so polling never contends with enqueue.
   std::atomic<bool> stop_{false};

@@ -142,6 +142,52 @@ static void TestFusionThreshold() {
   CHECK(resps[3].names == (std::vector<std::string>{"x5"}));
 }
 
+// A call refused at the call on one rank: ranks that submitted it get the error at once,
+// ranks that submit it later (same step) too; the next step negotiates as usual.
+static void TestRefusalReachesEveryRank() {
+  Coordinator c(3, 1 << 20);
+  Request a = Req("r", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {2});
+  c.Add(0, a, 0);
+  Request no = a;
+  no.reject = "allreduce: bad";
+  no.reject_code = SHOAL_INVALID_TYPE;
+  c.Add(1, no, 0);
+  auto resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::REJECTED && resps[0].step == 0);
+  CHECK(resps[0].code == SHOAL_INVALID_TYPE);
+  CHECK(resps[0].error == "allreduce: bad (raised at the call on rank 1)");
+  c.Add(2, a, 0);  // late, same step: answered with the same error, nothing left pending
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::REJECTED && resps[0].error.find("rank 1") != std::string::npos);
+  CHECK(c.num_pending() == 0);
+  Request next = a;
+  next.step = 1;
+  for (int r = 0; r < 3; ++r) c.Add(r, next, 0);
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::EXECUTE);
+  auto enc = EncodeRequests({no});
+  auto dec = DecodeRequests(enc.data(), enc.size());
+  CHECK(dec.size() == 1 && dec[0].reject == no.reject && dec[0].reject_code == no.reject_code && dec[0].step == 0);
+}
+
+// A rank that left: every pending name fails naming it, and so does every later one.
+static void TestLeftRankFailsPendingAndLater() {
+  Coordinator c(4, 1 << 20);
+  c.Add(0, Req("p", SHOAL_OP_BROADCAST, SHOAL_FLOAT32, {1}), 0);
+  c.Add(2, Req("p", SHOAL_OP_BROADCAST, SHOAL_FLOAT32, {1}), 0);
+  auto resps = c.Leave(3);
+  CHECK(resps.size() == 1 && resps[0].kind == Response::LEFT && resps[0].names[0] == "p");
+  CHECK(resps[0].error == "broadcast 'p': rank 3 left the job (script ended, sys.exit or shoal.shutdown()) "
+                          "before taking part in this op");
+  CHECK(c.num_pending() == 0);
+  c.Add(1, Req("q", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {1}), 0);
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::LEFT && resps[0].names[0] == "q");
+  auto enc = EncodeResponses(resps);
+  auto dec = DecodeResponses(enc.data(), enc.size());
+  CHECK(dec.size() == 1 && dec[0].kind == Response::LEFT && dec[0].error == resps[0].error);
+}
+
 static void TestHalfConversions() {
   // Every float16 bit pattern survives float16 -> float32 -> float16.
   for (uint32_t h = 0; h < 65536; ++h) {
@@ -167,6 +213,8 @@ int main() {
   TestAllgatherDimsAndStalls();
   TestFusionThreshold();
   TestHalfConversions();
+  TestRefusalReachesEveryRank();
+  TestLeftRankFailsPendingAndLater();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed ? 1 : 0;
 }

@@ -42,7 +42,8 @@ if shoal.rank() == 1:
     elif how == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
     elif how == "abort":
-        shoal._core.abort(7)
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(7)
     elif how == "shutdown":
         shoal.shutdown()
         time.sleep(60)  # stays alive: the others must not wait for it
