@@ -26,14 +26,18 @@ import shoal
 
 
 def synchronous(x, mean, steps):
+    """Returns (first, last) consensus distance."""
+    dists = []
     for step in range(steps + 1):
         # Consensus distance: sqrt(mean over ranks of ||x_i - x_bar||^2).
         local = np.sum((x - mean) ** 2)
         dist = float(np.sqrt(shoal.allreduce(np.array(local), name="distance")))
+        dists.append(dist)
         if shoal.rank() == 0:
             print(f"step {step:3d}  distance to average {dist:.3e}", flush=True)
         if step < steps:
             x = shoal.neighbor_allreduce(x, name="x")
+    return dists[0], dists[-1]
 
 
 def directed_graph(n):
@@ -77,29 +81,39 @@ def asynchronous(x, mean, seconds, seed):
     rel = np.linalg.norm(x / p - mean) / np.linalg.norm(mean)
     total = shoal.allreduce(np.array([p]), average=False, name="sum_p")[0]
     worst = shoal.allgather(np.array([rel]), name="worst").max()
+    iters = shoal.allgather(np.array([it]), name="iterations")
     print(f"rank {r}  final after {it} iterations: relative distance {rel:.3e}  p {p:.6f}", flush=True)
     if r == 0:
         print(f"sum of p = {total:.12f} (n = {shoal.size()}); worst relative distance {worst:.3e}", flush=True)
     shoal.win_free()
     shoal.turn_off_win_ops_with_associated_p()
+    return worst, total, int(iters.min()), int(iters.max())
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=12, help="synchronous steps")
     p.add_argument("--asynchronous", action="store_true", help="push-sum over window ops")
     p.add_argument("--seconds", type=float, default=2.0, help="asynchronous run time per rank")
-    p.add_argument("--dim", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dim", type=int, default=1000, help="length of each rank's vector")
+    p.add_argument("--seed", type=int, default=0, help="the vectors' random seed (plus the rank)")
     args = p.parse_args()
+    start = time.perf_counter()
 
     shoal.init()  # default topology: exponential-2 graph
     x = np.random.default_rng(args.seed + shoal.rank()).standard_normal(args.dim)
     mean = shoal.allreduce(x, name="true_average")
     if args.asynchronous:
-        asynchronous(x, mean, args.seconds, args.seed)
+        worst, total, fewest, most = asynchronous(x, mean, args.seconds, args.seed)
+        line = (f"mode=asynchronous ranks={shoal.size()} seconds={args.seconds:g} iterations={fewest}-{most} "
+                f"worst_relative_distance={worst:.3e} sum_p={total:.12f}")
     else:
-        synchronous(x, mean, args.steps)
+        first, last = synchronous(x, mean, args.steps)
+        line = (f"mode=synchronous ranks={shoal.size()} steps={args.steps} initial_distance={first:.3e} "
+                f"final_distance={last:.3e}")
+    if shoal.rank() == 0:
+        print(f"summary: {line} time={time.perf_counter() - start:.2f}s", flush=True)
     shoal.shutdown()
 
 

@@ -37,15 +37,18 @@ class PrintEpoch(keras.callbacks.Callback):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--topology", default="one-peer-exp", choices=["one-peer-exp", "exp2", "ring", "allreduce"])
-    p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"])
-    p.add_argument("--alpha", type=float, default=0.1)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--topology", default="one-peer-exp", choices=["one-peer-exp", "exp2", "ring", "allreduce"],
+                   help="graph (or schedule) the weights are averaged over")
+    p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"],
+                   help="how the training set is split over the ranks")
+    p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (smaller: more skewed)")
     p.add_argument("--every-k", type=int, default=1, help="average weights every k batches")
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=12, help="passes over the shards")
+    p.add_argument("--batch-size", type=int, default=16, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation, split and sample order")
     args = p.parse_args()
 
     shoal.init()
@@ -77,10 +80,14 @@ def main():
                  sk.NeighborAveragingCallback(every_k_batches=args.every_k, schedule=schedule),
                  sk.ConsensusDistanceCallback(), sk.MetricAverageCallback(), PrintEpoch()]
     start = time.perf_counter()
-    model.fit(x[take], labels[take], batch_size=args.batch_size, epochs=args.epochs, shuffle=True,
-              validation_data=(x[test_idx], labels[test_idx]), callbacks=callbacks, verbose=0)
+    hist = model.fit(x[take], labels[take], batch_size=args.batch_size, epochs=args.epochs, shuffle=True,
+                     validation_data=(x[test_idx], labels[test_idx]), callbacks=callbacks, verbose=0).history
     if r == 0:
-        print(f"done in {time.perf_counter() - start:.1f} s on {n} ranks")
+        seconds = time.perf_counter() - start
+        print(f"done in {seconds:.1f} s on {n} ranks")
+        print(f"summary: topology={args.topology} every_k={args.every_k} partition={args.partition} ranks={n} "
+              f"epochs={args.epochs} test_accuracy={100 * hist['val_accuracy'][-1]:.2f}% "
+              f"consensus_distance={hist['consensus_distance'][-1]:.3e} time={seconds:.1f}s", flush=True)
     shoal.shutdown()
 
 

@@ -43,6 +43,7 @@ few iterations, then a summary table) and plotted.
 """
 import argparse
 import itertools
+import time
 
 import numpy as np
 
@@ -237,15 +238,18 @@ def verdict(h):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--problem", choices=["least-squares", "logistic", "both"], default="both")
-    ap.add_argument("--iters", type=int, default=300)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--problem", choices=["least-squares", "logistic", "both"], default="both",
+                    help="which problem(s) to solve")
+    ap.add_argument("--iters", type=int, default=300, help="iterations of every algorithm")
     ap.add_argument("--lr", type=float, default=None,
-                    help="step size for every algorithm (default: 1/L of each problem)")
-    ap.add_argument("--seed", type=int, default=0)
+                    help="step size for every algorithm (None: 1/L of each problem)")
+    ap.add_argument("--seed", type=int, default=0, help="least-squares data")
     ap.add_argument("--every", type=int, default=50, help="print the distance every k iterations")
     ap.add_argument("--plot", default="optimization.png", help="PNG path ('' to skip)")
     args = ap.parse_args()
+    start = time.perf_counter()
 
     shoal.init()  # default topology: exponential-2 graph
     r, n = shoal.rank(), shoal.size()
@@ -290,6 +294,10 @@ def main():
                       + "; ".join(f"{a} ({', '.join(t)})" for a, t in algos.items()))
         if args.plot:
             plot(args.plot, names, labels, hist)
+        kinds = [verdict(h)[0] for h in hist]
+        counts = " ".join(f"{k.replace(' ', '_')}={kinds.count(k)}" for k in dict.fromkeys(kinds))
+        print(f"summary: problems={','.join(names)} ranks={n} iters={args.iters} runs={len(kinds)} {counts} "
+              f"time={time.perf_counter() - start:.1f}s", flush=True)
     shoal.shutdown()
 
 

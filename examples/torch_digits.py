@@ -29,21 +29,25 @@ from shoal import topology
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--topology", default="one-peer-exp",
-                   choices=["exp2", "one-peer-exp", "ring", "base-k", "allreduce"])
+                   choices=["exp2", "one-peer-exp", "ring", "base-k", "allreduce"],
+                   help="graph the models are averaged over (ignored by gradient-allreduce)")
     p.add_argument("--base-k", type=int, default=1, help="max degree k of the Base-(k+1) schedule")
-    p.add_argument("--optimizer", default="awc", choices=["awc", "atc", "gradient-allreduce"])
-    p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"])
+    p.add_argument("--optimizer", default="awc", choices=["awc", "atc", "gradient-allreduce"],
+                   help="adapt-with-combine, adapt-then-combine, or Horovod-style gradient averaging")
+    p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"],
+                   help="how the training set is split over the ranks")
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (smaller: more skewed)")
     p.add_argument("--consensus-target", type=float, default=None,
                    help="keep the consensus distance at or below this (first half of training)")
-    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--epochs", type=int, default=15, help="passes over the shards")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (cosine-annealed to 0)")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation, split and batch order")
     p.add_argument("--out-dir", default="digits_runs", help="histories (JSON) and the plot (PNG)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     return p.parse_args()
 
 
@@ -204,6 +208,10 @@ def main():
         print(f"final test accuracy {100 * hist['test_accuracy'][-1]:.2f}% (mean over {n} ranks), "
               f"consensus distance {hist['consensus_distance'][-1]:.3e}, {hist['seconds']:.1f} s"
               + (f"; plot: {path}" if path else ""))
+        topo = "allreduce" if args.optimizer == "gradient-allreduce" else args.topology
+        print(f"summary: optimizer={args.optimizer} topology={topo} partition={args.partition} ranks={n} "
+              f"epochs={args.epochs} test_accuracy={100 * hist['test_accuracy'][-1]:.2f}% "
+              f"consensus_distance={hist['consensus_distance'][-1]:.3e} time={hist['seconds']:.1f}s", flush=True)
     bf.shutdown()
 
 

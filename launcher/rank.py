@@ -1,22 +1,97 @@
-"""Per-rank wrapper used by shoalrun: runs the rank's command and, if it fails, records
-which rank failed and how, so shoalrun can say which rank died first.
+"""Per-rank wrapper used by shoalrun: runs the rank's command, forwards its output in whole
+lines, and, if it fails, records which rank failed and how, so shoalrun can say which rank
+died first.
 
-    python -m shoal.launcher.rank STATUS_DIR command...
+    python rank.py [--tag-output] STATUS_DIR command...
 
 The command runs as a child that dies with this wrapper (PR_SET_PDEATHSIG), so killing the
-job never leaves a rank behind; file descriptors stay open for MPI's process manager.
+job never leaves a rank behind; SIGTERM, SIGINT and SIGHUP are passed on to it; stdin and
+every other file descriptor stay inherited (MPI's process manager needs them).
+
+Whole lines: the child's stdout and stderr are pipes read here, and only complete lines go on
+to this wrapper's stdout and stderr (the MPI launcher's pipes), each batch of lines in one
+write of at most PIPE_BUF bytes, which a pipe keeps in one piece. The launcher forwards what
+it reads from each rank's pipe, so it never splices lines of different ranks, whatever the
+child's buffering (with PYTHONUNBUFFERED=1 Python writes a line in pieces). A line ends at
+"\\n", "\\r\\n" or a lone "\\r" (progress bars redraw with "\\r"). A line longer than PIPE_BUF
+is written alone, in one call (beyond PIPE_BUF a pipe may take it in parts when it is nearly
+full; Hydra reads up to 64 KiB at once); one longer than MAX_LINE is forwarded in pieces. A
+trailing partial line is written at EOF, ended with "\\n". So a prompt without a newline
+(input(), pdb) shows only once its line ends. --tag-output prefixes every line with
+"[R]<stdout>:" or "[R]<stderr>:" (horovodrun's form).
+
+The child finds STATUS_DIR in SHOAL_STATUS_DIR: Shoal's runtime writes its own record there
+(write_status) before it aborts the job, since the launcher may kill this wrapper before it
+sees the child end. The wrapper writes one when the child ends non-zero and no record for the
+rank exists. Records are one line, "<unix time> <rank> <status> <description>".
+
 Unless CUDA_VISIBLE_DEVICES is set (by the user) or SHOAL_GPU_BIND=0, the rank sees one GPU:
 local_rank % device_count (several ranks share a GPU when they outnumber the GPUs).
+
+Only the standard library is used, and only os, re, signal, sys and time at import: the
+runtime imports write_status from here on its way out.
 """
-import ctypes
 import os
+import re
 import signal
-import subprocess
 import sys
 import time
 
+PIPE_BUF = 4096        # POSIX minimum and Linux's value: pipe writes up to this size are atomic
+MAX_LINE = 1 << 20     # a longer "line" is forwarded in pieces (bounds memory, e.g. binary output)
+READ_SIZE = 1 << 16
+EXIT_GRACE = 1.0       # s to wait for EOF once the child has exited (its own children may hold the pipes)
+
+
+def status_path(status_dir, rank):
+    return os.path.join(status_dir, f"rank{rank}.status")
+
+
+def write_status(status_dir, rank, status, description):
+    """Record how a rank ended, for `shoalrun`'s "first failure: rank R <description>".
+
+    Writes STATUS_DIR/rank{rank}.status as the single line
+    "{time.time():.6f} {rank} {status} {description}\\n" — status an int (exit status, or
+    -signal), description free text (whitespace, newlines included, collapses to single
+    spaces) — atomically: a temporary file in the same directory, then os.replace, so a
+    reader never sees a partial record. An existing record is replaced (the wrapper checks
+    for one first). Returns the path; raises OSError if the directory cannot be written.
+    """
+    path = status_path(status_dir, int(rank))
+    tmp = os.path.join(status_dir, f".rank{int(rank)}.status.{os.getpid()}.tmp")
+    line = f"{time.time():.6f} {int(rank)} {int(status)} {' '.join(str(description).split())}\n"
+    try:
+        with open(tmp, "w") as f:
+            f.write(line)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def read_status(path):
+    """(time, rank, description) of one record, or None if it is unreadable or too short to
+    name a rank; a record cut short after the status gets a description from the status."""
+    try:
+        with open(path) as f:
+            parts = f.read().split(None, 3)
+        t, rank = float(parts[0]), int(parts[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(parts) == 4:
+        return t, rank, parts[3].strip()
+    try:
+        return t, rank, describe(int(parts[2]))
+    except (ValueError, IndexError):
+        return t, rank, "failed"
+
 
 def _die_with_parent():
+    import ctypes
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -40,6 +115,7 @@ def local_rank_from_env(env):
 def gpu_count():
     """GPUs on this host, without loading CUDA: nvidia-smi (what this container sees),
     else the driver's /proc entries; 0 without a driver."""
+    import subprocess
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
         if out.returncode == 0:
@@ -75,18 +151,141 @@ def describe(status):
     return f"exited with status {status}"
 
 
+def _line_end(buf, start):
+    """End of the last complete line in buf (0 if none), looking from start on. A "\\r" as
+    the last byte is not an end yet: a "\\n" may follow."""
+    nl = buf.rfind(b"\n", start) + 1
+    cr = buf.rfind(b"\r", max(nl, start), len(buf) - 1) + 1
+    return max(nl, cr)
+
+
+_SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)|[^\r\n]+")
+
+
+def _segments(data):
+    """data split after each line end ("\\r\\n", "\\n" or "\\r"); the last piece may be partial."""
+    return _SEGMENT.findall(data)
+
+
+class LineForwarder:
+    """Forwards one byte stream to the file descriptor `out` in whole lines.
+
+    feed(bytes) keeps a partial last line until its end arrives; close() writes what is left,
+    ended with a newline. Lines are batched up to `limit` bytes per write; a longer line is
+    written alone, in one call. With a prefix (bytes), every line starts with it. After a
+    failed write (EPIPE: the launcher's end is gone) the rest of the stream is dropped, so
+    the child is never blocked on a full pipe.
+    """
+
+    def __init__(self, out, prefix=b"", write=os.write, limit=PIPE_BUF, max_line=MAX_LINE):
+        self.out, self.prefix, self._write, self.limit, self.max_line = out, prefix, write, limit, max_line
+        self.pending = bytearray()
+        self.at_line_start = True
+        self.broken = False
+
+    def feed(self, data):
+        start = max(len(self.pending) - 1, 0)  # only a held trailing "\r" precedes new data
+        self.pending += data
+        end = _line_end(self.pending, start)
+        if len(self.pending) - end >= self.max_line:
+            end = len(self.pending)  # an over-long line goes on in pieces
+        if end:
+            complete = bytes(self.pending[:end])
+            del self.pending[:end]
+            self._emit(complete)
+
+    def close(self):
+        if self.pending:
+            tail = bytes(self.pending)
+            if not tail.endswith(b"\r"):
+                tail += b"\n"  # so that whatever comes next (another rank's line) starts a line
+            self.pending.clear()
+            self._emit(tail)
+
+    def _emit(self, data):
+        if not self.prefix and len(data) <= self.limit:
+            self._send(data)
+            return
+        batch = bytearray()
+        for seg in _segments(data):
+            if self.at_line_start:
+                seg = self.prefix + seg
+            self.at_line_start = seg.endswith((b"\n", b"\r"))
+            if batch and len(batch) + len(seg) > self.limit:
+                self._send(bytes(batch))
+                batch.clear()
+            batch += seg
+        if batch:
+            self._send(bytes(batch))
+
+    def _send(self, data):
+        view = memoryview(data)
+        while view and not self.broken:
+            try:
+                view = view[self._write(self.out, view):]  # more than one call only after a signal
+            except OSError:  # the launcher's end is gone (EPIPE): keep draining the child
+                self.broken = True
+
+
+def pump(streams, child_exited_fd, grace=EXIT_GRACE):
+    """Read every (fd, LineForwarder) until EOF; once child_exited_fd is readable, stop waiting
+    for EOF after `grace` s (a process the child started may keep its pipes open)."""
+    import selectors
+    sel = selectors.DefaultSelector()
+    for fd, fwd in streams:
+        sel.register(fd, selectors.EVENT_READ, fwd)
+    sel.register(child_exited_fd, selectors.EVENT_READ, None)
+    open_streams, deadline = len(streams), None
+    while open_streams and (deadline is None or time.monotonic() < deadline):
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        for key, _ in sel.select(timeout):
+            if key.data is None:
+                sel.unregister(key.fd)
+                deadline = time.monotonic() + grace
+                continue
+            data = os.read(key.fd, READ_SIZE)
+            if data:
+                key.data.feed(data)
+            else:
+                sel.unregister(key.fd)
+                key.data.close()
+                open_streams -= 1
+    for key in list(sel.get_map().values()):
+        if key.data is not None:
+            key.data.close()
+    sel.close()
+
+
 def main(argv):
+    import subprocess
+    import threading
+    tag = argv[:1] == ["--tag-output"]
+    if tag:
+        argv = argv[1:]
     status_dir, cmd = argv[0], argv[1:]
+    rank = rank_from_env()
     env = dict(os.environ)
+    env["SHOAL_STATUS_DIR"] = status_dir
     bind_gpu(env)
-    child = subprocess.Popen(cmd, close_fds=False, preexec_fn=_die_with_parent, env=env)
+    child = subprocess.Popen(cmd, close_fds=False, preexec_fn=_die_with_parent, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, _f: child.send_signal(s))
+    exited_r, exited_w = os.pipe()
+
+    def wait_child():
+        child.wait()
+        os.write(exited_w, b"x")
+    threading.Thread(target=wait_child, daemon=True).start()
+    streams = [(child.stdout.fileno(), LineForwarder(1, f"[{rank}]<stdout>:".encode() if tag else b"")),
+               (child.stderr.fileno(), LineForwarder(2, f"[{rank}]<stderr>:".encode() if tag else b""))]
+    pump(streams, exited_r)
     status = child.wait()
-    if status != 0:
-        path = os.path.join(status_dir, f"rank{rank_from_env()}.status")
-        with open(path, "w") as f:
-            f.write(f"{time.time():.6f} {rank_from_env()} {status} {describe(status)}\n")
+    if status != 0 and not os.path.exists(status_path(status_dir, rank)):
+        try:
+            write_status(status_dir, rank, status, describe(status))
+        except OSError:
+            pass
     return 128 - status if status < 0 else status
 
 

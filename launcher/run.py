@@ -8,7 +8,9 @@ Flags map onto the MPI launcher (MPICH's Hydra or Open MPI's mpirun). Hosts come
 -H, --hostfile, or a Slurm allocation (SLURM_JOB_NODELIST); remote hosts are checked for
 ssh reachability first. The ranks get this environment except the deny-list below
 (SHOAL_* settings from flags included); OMP_NUM_THREADS is set to cores // ranks when
-ranks outnumber cores and the user set none. If any rank fails, the MPI launcher stops
+ranks outnumber cores and the user set none. Each rank runs under a wrapper (rank.py) that
+forwards its output in whole lines (never spliced with another rank's; --tag-output
+prefixes each with [R]<stdout>: or [R]<stderr>:). If any rank fails, the MPI launcher stops
 the others and shoalrun exits non-zero, naming the rank that failed first and how.
 """
 import argparse
@@ -20,6 +22,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+
+from .rank import read_status
 
 # Never forwarded to the ranks: per-shell state, the terminal's session, and anything
 # that looks like a secret. CUDA_VISIBLE_DEVICES is forwarded when the user set it;
@@ -68,6 +72,8 @@ def parse_args(argv):
     p.add_argument("--log-level", choices=["trace", "debug", "info", "warning", "error"],
                    help="sets SHOAL_LOG_LEVEL")
     p.add_argument("--timeline-filename", help="sets SHOAL_TIMELINE (per-rank trace prefix)")
+    p.add_argument("--tag-output", action="store_true",
+                   help="prefix every output line with its rank: [R]<stdout>: or [R]<stderr>:")
     p.add_argument("--check-build", action="store_true",
                    help="print the MPI, bindings and GPU support of this build, then exit")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
@@ -151,12 +157,11 @@ def check_ssh(hosts):
 
 
 def first_failure(status_dir):
-    """'rank R exited with status S' (or killed by a signal) of the earliest failed rank."""
-    rows = []
-    for name in os.listdir(status_dir):
-        with open(os.path.join(status_dir, name)) as f:
-            t, rank, _status, what = f.read().strip().split(" ", 3)
-            rows.append((float(t), int(rank), what))
+    """'rank R <description>' of the earliest record in status_dir (written by a failing rank
+    itself or by its wrapper, see rank.write_status), or None; unreadable records are skipped."""
+    rows = [read_status(os.path.join(status_dir, name)) for name in os.listdir(status_dir)
+            if name.startswith("rank") and name.endswith(".status")]
+    rows = [row for row in rows if row is not None]
     if not rows:
         return None
     _, rank, what = min(rows)
@@ -187,11 +192,11 @@ def build_command(args, mpiexec, flavor, env, forwarded):
     return cmd + args.command
 
 
-def wrap(command, status_dir):
+def wrap(command, status_dir, tag_output=False):
     # By path, not "-m": "-m" would put the working directory (maybe a checkout) first on
     # the import path of the wrapper. rank.py needs only the standard library.
     return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py"),
-            status_dir, *command]
+            *(["--tag-output"] if tag_output else []), status_dir, *command]
 
 
 def check_build():
@@ -235,7 +240,7 @@ def main(argv=None):
     mpiexec = find_mpiexec()
     env, forwarded = worker_env(args)
     with tempfile.TemporaryDirectory(prefix="shoalrun-") as status_dir:
-        args.command = wrap(args.command, status_dir)
+        args.command = wrap(args.command, status_dir, args.tag_output)
         cmd = build_command(args, mpiexec, mpi_flavor(mpiexec), env, forwarded)
         if args.dry_run or args.verbose:
             print(" ".join(cmd), flush=True)

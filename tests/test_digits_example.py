@@ -31,3 +31,11 @@ def test_digits_trains(tmp_path, args):
     if "--consensus-target" in args:
         assert "extra gossip rounds" in out.stdout
     assert (tmp_path / "digits.png").stat().st_size > 10_000
+    summary = re.findall(r"^summary: optimizer=(\S+) topology=(\S+) partition=(\S+) ranks=4 epochs=4 "
+                         r"test_accuracy=([\d.]+)% consensus_distance=(\S+) time=[\d.]+s$", out.stdout, re.M)
+    assert len(summary) == 1, out.stdout  # rank 0 only
+    optimizer, topo, partition, accuracy, xi = summary[0]
+    expect = dict(zip(args[::2], args[1::2]))
+    assert optimizer == expect.get("--optimizer", "awc") and partition == expect.get("--partition", "iid")
+    assert topo == ("allreduce" if optimizer == "gradient-allreduce" else expect.get("--topology", "one-peer-exp"))
+    assert float(accuracy) == acc[-1] and float(xi) == float(f"{hist['consensus_distance'][-1]:.3e}"), summary

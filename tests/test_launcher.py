@@ -1,4 +1,7 @@
-"""shoalrun: the README's commands, plain mpiexec, flags, --check-build."""
+"""shoalrun: the README's commands, plain mpiexec, flags, --check-build; the rank wrapper's
+whole lines, --tag-output and status records."""
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -6,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import shoalrun_cmd
+from shoal.launcher import rank as rank_wrapper
+from shoal.launcher.run import first_failure
 
 ALLREDUCE = ("import shoal.torch as bf, torch; bf.init(); "
              "print(bf.allreduce(torch.ones(3)*bf.rank(), average=False))")
@@ -64,3 +69,145 @@ def test_flags_reach_the_ranks():
 def test_usage_errors():
     out = _run([sys.executable, "-m", "shoal.launcher.run", "python", "x.py"])
     assert out.returncode != 0 and "-np" in out.stderr
+
+
+# -- whole lines and --tag-output --------------------------------------------------------------
+# Each rank writes a 10,000-byte line (longer than PIPE_BUF) first, then LINES lines in four
+# small writes each (unbuffered: four write calls), even ones to stdout, odd ones to stderr,
+# and a last line without a newline.
+LINES = 2000
+WRITER = r'''
+import os, sys
+r = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+sys.stdout.write(f"long {r} " + "y" * 10000 + f" {r}\n")
+for i in range(int(sys.argv[1])):
+    f = sys.stderr if i % 2 else sys.stdout
+    for piece in (f"rank {r} ", f"line {i} ", "x" * 30, f" rank {r} end {i}\n"):
+        f.write(piece)
+sys.stdout.write(f"tail {r}")
+'''
+LINE = re.compile(r"rank (\d+) line (\d+) x{30} rank \1 end \2")
+TAG = re.compile(r"\[(\d+)\]<(stdout|stderr)>:(.*)")
+
+
+def _lines_by_rank(text, stream, tagged):
+    """{rank: [line, ...]} of one stream; fails on a line that is not one whole line of the
+    writer (spliced, cut, or with a wrong tag)."""
+    got = {}
+    for line in text.splitlines():
+        if tagged:
+            m = TAG.fullmatch(line)
+            assert m and m[2] == stream, f"untagged or wrong stream on {stream}: {line[:200]!r}"
+            tag, line = int(m[1]), m[3]
+        r = (LINE.fullmatch(line) or re.fullmatch(r"(?:long|tail) (\d+).*", line))
+        assert r, f"not a whole line on {stream}: {line[:200]!r}"
+        if tagged:
+            assert int(r[1]) == tag, f"rank {r[1]}'s line tagged [{tag}]: {line[:200]!r}"
+        got.setdefault(int(r[1]), []).append(line)
+    return got
+
+
+@pytest.mark.parametrize("tagged", [False, True])
+def test_lines_of_unbuffered_ranks_arrive_whole_and_once(tagged):
+    ranks = 8
+    cmd = shoalrun_cmd(ranks, *(["--tag-output"] if tagged else []), sys.executable, "-c", WRITER, str(LINES))
+    out = _run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    stdout = _lines_by_rank(out.stdout, "stdout", tagged)
+    stderr = _lines_by_rank(out.stderr, "stderr", tagged)
+    assert sorted(stdout) == sorted(stderr) == list(range(ranks)), (sorted(stdout), sorted(stderr))
+    for r in range(ranks):
+        even = [f"rank {r} line {i} {'x' * 30} rank {r} end {i}" for i in range(0, LINES, 2)]
+        odd = [f"rank {r} line {i} {'x' * 30} rank {r} end {i}" for i in range(1, LINES, 2)]
+        # In order, each exactly once; the long line whole; the partial last line ended.
+        assert stdout[r] == [f"long {r} {'y' * 10000} {r}", *even, f"tail {r}"], r
+        assert stderr[r] == odd, r
+
+
+def _forward(chunks, **kw):
+    writes = []
+    fwd = rank_wrapper.LineForwarder(1, write=lambda fd, data: writes.append(bytes(data)) or len(data), **kw)
+    for c in chunks:
+        fwd.feed(c)
+    fwd.close()
+    return writes
+
+
+def test_forwarder_writes_whole_lines_in_batches_up_to_pipe_buf():
+    lines = [b"line %d %s\n" % (i, b"x" * (i % 50)) for i in range(500)]
+    data = b"".join(lines)
+    pieces = [data[i:i + 7] for i in range(0, len(data), 7)]  # cut everywhere, mid-line too
+    writes = _forward(pieces)
+    assert b"".join(writes) == data
+    assert all(w.endswith(b"\n") and len(w) <= rank_wrapper.PIPE_BUF for w in writes)
+    writes = _forward([data])  # one big read: still batches of whole lines
+    assert b"".join(writes) == data and len(writes) > 1
+    assert all(w.endswith(b"\n") and len(w) <= rank_wrapper.PIPE_BUF for w in writes)
+
+
+def test_forwarder_writes_a_long_line_alone_in_one_call():
+    long = b"y" * 3 * rank_wrapper.PIPE_BUF + b"\n"
+    writes = _forward([b"a\n", long[:5000], long[5000:], b"b\n"])
+    assert writes == [b"a\n", long, b"b\n"]
+    # Beyond max_line a line goes on in pieces, tagged once.
+    writes = _forward([b"z" * 10, b"z" * 10, b"\n"], prefix=b"[3]<stdout>:", max_line=15)
+    assert b"".join(writes) == b"[3]<stdout>:" + b"z" * 20 + b"\n" and len(writes) == 2
+
+
+def test_forwarder_tags_every_line_and_ends_a_partial_one():
+    writes = _forward([b"one\ntw", b"o\r\nbar 10%\rbar 20%\r", b"\rlast"], prefix=b"[1]<stderr>:")
+    assert b"".join(writes) == (b"[1]<stderr>:one\n[1]<stderr>:two\r\n[1]<stderr>:bar 10%\r"
+                                b"[1]<stderr>:bar 20%\r[1]<stderr>:\r[1]<stderr>:last\n")
+    assert _forward([b"no newline"]) == [b"no newline\n"]
+    assert _forward([b"held\r"]) == [b"held\r"]  # "\r" then EOF: no newline added
+    assert _forward([]) == []
+
+
+def test_forwarder_keeps_draining_after_the_reader_is_gone():
+    calls = []
+
+    def broken(fd, data):
+        calls.append(len(data))
+        raise BrokenPipeError
+    fwd = rank_wrapper.LineForwarder(1, write=broken)
+    for _ in range(3):
+        fwd.feed(b"line\n")
+    fwd.close()
+    assert calls == [5] and fwd.broken
+
+
+# -- status records ------------------------------------------------------------------------------
+def test_status_records_are_atomic_lines_and_the_earliest_is_named(tmp_path):
+    path = rank_wrapper.write_status(str(tmp_path), 2, 1, "raised ValueError: bad\n  input")
+    t, r, status, what = Path(path).read_text().split(" ", 3)
+    assert (r, status, what) == ("2", "1", "raised ValueError: bad input\n") and float(t) > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank2.status"]  # no temporary left
+    assert first_failure(str(tmp_path)) == "rank 2 raised ValueError: bad input"
+    # An earlier record wins; partial, empty, temporary and foreign files are skipped.
+    (tmp_path / "rank0.status").write_text(f"{float(t) - 5:.6f} 0 -9 killed by signal 9 (SIGKILL)\n")
+    (tmp_path / "rank1.status").write_text(f"{float(t) - 9:.6f}")
+    (tmp_path / "rank3.status").write_text("")
+    (tmp_path / ".rank4.status.77.tmp").write_text(f"{float(t) - 99:.6f} 4 1 half")
+    (tmp_path / "notes.txt").write_text("1.0 5 1 not a record\n")
+    assert first_failure(str(tmp_path)) == "rank 0 killed by signal 9 (SIGKILL)"
+    (tmp_path / "rank5.status").write_text(f"{float(t) - 7:.6f} 5 3")  # cut before the description
+    assert first_failure(str(tmp_path)) == "rank 5 exited with status 3"
+
+
+def test_the_record_a_rank_writes_itself_is_what_shoalrun_names():
+    # What Shoal's runtime does before it aborts: write the record, then die. The wrapper sees
+    # exit status 5 and must not replace the record with "exited with status 5"; rank 0 fails
+    # after it (its wrapper writes a later record), rank 1 succeeds.
+    code = ("import os, time\n"
+            "from shoal.launcher.rank import write_status\n"
+            "r, d = int(os.environ['PMI_RANK']), os.environ['SHOAL_STATUS_DIR']\n"
+            "if r == 2:\n"
+            "    write_status(d, r, 1, 'raised ValueError: bad input (rank 2)')\n"
+            "    os._exit(5)\n"
+            "if r == 0:\n"
+            "    while not os.path.exists(os.path.join(d, 'rank2.status')):\n"
+            "        time.sleep(0.05)\n"
+            "    os._exit(7)\n")
+    out = _run(shoalrun_cmd(3, sys.executable, "-c", code))
+    assert out.returncode != 0, out.stderr
+    assert "first failure: rank 2 raised ValueError: bad input (rank 2)" in out.stderr, out.stderr

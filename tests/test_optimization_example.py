@@ -47,6 +47,13 @@ def test_exact_methods_reach_minimizer_diffusion_stalls(tmp_path):
         assert rows["logistic", "exact-diffusion", topo][0] < 1e-7
         assert rows["logistic", "diffusion", topo][0] > 1e-4
 
+    verdicts = [v.split(" (")[0] for _, v in rows.values()]
+    line = re.findall(r"^summary: problems=least-squares,logistic ranks=4 iters=300 runs=30 (.*) "
+                      r"time=[\d.]+s$", out.stdout, re.M)
+    assert len(line) == 1, out.stdout
+    counts = dict(item.split("=") for item in line[0].split())
+    assert counts == {v.replace(" ", "_"): str(verdicts.count(v)) for v in set(verdicts)}, (counts, verdicts)
+
     if importlib.util.find_spec("matplotlib"):
         assert plot.stat().st_size > 0
     else:
