@@ -25,8 +25,10 @@ The child finds STATUS_DIR in SHOAL_STATUS_DIR: Shoal's runtime writes its own r
 sees the child end. The wrapper writes one when the child ends non-zero and no record for the
 rank exists. Records are one line, "<unix time> <rank> <status> <description>".
 
-Unless CUDA_VISIBLE_DEVICES is set (by the user) or SHOAL_GPU_BIND=0, the rank sees one GPU:
-local_rank % device_count (several ranks share a GPU when they outnumber the GPUs).
+With SHOAL_GPU_BIND=1 (and CUDA_VISIBLE_DEVICES unset) the rank sees one GPU: local_rank %
+device_count (several ranks share a GPU when they outnumber the GPUs). Off by default, as
+with mpirun and horovodrun: Horovod and BlueFog scripts choose their device themselves with
+torch.cuda.set_device(local_rank()), which fails when only one GPU is visible.
 
 Only the standard library is used, and only os, re, signal, sys and time at import: the
 runtime imports write_status from here on its way out.
@@ -129,8 +131,9 @@ def gpu_count():
 
 
 def bind_gpu(env, count=gpu_count):
-    """Set CUDA_VISIBLE_DEVICES=local_rank % count in env unless the user chose devices."""
-    if "CUDA_VISIBLE_DEVICES" in env or env.get("SHOAL_GPU_BIND") == "0":
+    """With SHOAL_GPU_BIND=1, set CUDA_VISIBLE_DEVICES=local_rank % count in env unless the
+    user chose devices."""
+    if "CUDA_VISIBLE_DEVICES" in env or env.get("SHOAL_GPU_BIND") != "1":
         return None
     local = local_rank_from_env(env)
     n = count() if local is not None else 0
@@ -177,8 +180,9 @@ class LineForwarder:
     the child is never blocked on a full pipe.
     """
 
-    def __init__(self, out, prefix=b"", write=os.write, limit=PIPE_BUF, max_line=MAX_LINE):
+    def __init__(self, out, prefix=b"", write=os.write, limit=PIPE_BUF, max_line=MAX_LINE, watch=None):
         self.out, self.prefix, self._write, self.limit, self.max_line = out, prefix, write, limit, max_line
+        self.watch = watch  # called with each batch of complete lines before they go on
         self.pending = bytearray()
         self.at_line_start = True
         self.broken = False
@@ -192,6 +196,8 @@ class LineForwarder:
         if end:
             complete = bytes(self.pending[:end])
             del self.pending[:end]
+            if self.watch:
+                self.watch(complete)
             self._emit(complete)
 
     def close(self):
@@ -225,6 +231,24 @@ class LineForwarder:
                 view = view[self._write(self.out, view):]  # more than one call only after a signal
             except OSError:  # the launcher's end is gone (EPIPE): keep draining the child
                 self.broken = True
+
+
+# What MPICH and Open MPI print from a process that calls MPI_Abort.
+_ABORT = re.compile(rb"MPI_Abort\(\w+, (-?\d+)\)|MPI_ABORT was invoked on rank \d+ in communicator \S+\s+with errorcode (-?\d+)")
+
+
+def abort_watcher(status_dir, rank):
+    """A LineForwarder watch that records a rank calling MPI_Abort: the launcher then kills
+    every wrapper at once, before this one could see its child end."""
+    def watch(data):
+        m = _ABORT.search(data)
+        if m and not os.path.exists(status_path(status_dir, rank)):
+            code = (m.group(1) or m.group(2)).decode()
+            try:
+                write_status(status_dir, rank, 1, f"called MPI_Abort (error code {code})")
+            except OSError:
+                pass
+    return watch
 
 
 def pump(streams, child_exited_fd, grace=EXIT_GRACE):
@@ -278,7 +302,8 @@ def main(argv):
         os.write(exited_w, b"x")
     threading.Thread(target=wait_child, daemon=True).start()
     streams = [(child.stdout.fileno(), LineForwarder(1, f"[{rank}]<stdout>:".encode() if tag else b"")),
-               (child.stderr.fileno(), LineForwarder(2, f"[{rank}]<stderr>:".encode() if tag else b""))]
+               (child.stderr.fileno(), LineForwarder(2, f"[{rank}]<stderr>:".encode() if tag else b"",
+                                                     watch=abort_watcher(status_dir, rank)))]
     pump(streams, exited_r)
     status = child.wait()
     if status != 0 and not os.path.exists(status_path(status_dir, rank)):

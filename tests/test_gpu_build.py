@@ -36,12 +36,12 @@ def test_cuda_tensor_without_usable_gpu_is_a_value_error():
 
 
 @pytest.mark.parametrize("env,count,want", [
-    ({"OMPI_COMM_WORLD_LOCAL_RANK": "5"}, 4, "1"),
-    ({"MPI_LOCALRANKID": "2"}, 1, "0"),            # ranks share the one GPU
-    ({"MPI_LOCALRANKID": "2", "CUDA_VISIBLE_DEVICES": "3"}, 4, "3"),  # the user's choice wins
-    ({"MPI_LOCALRANKID": "2", "SHOAL_GPU_BIND": "0"}, 4, None),
-    ({"MPI_LOCALRANKID": "2"}, 0, None),           # no GPU: nothing set
-    ({}, 4, None),                                 # not under a launcher
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "5", "SHOAL_GPU_BIND": "1"}, 4, "1"),
+    ({"MPI_LOCALRANKID": "2", "SHOAL_GPU_BIND": "1"}, 1, "0"),            # ranks share the one GPU
+    ({"MPI_LOCALRANKID": "2", "SHOAL_GPU_BIND": "1", "CUDA_VISIBLE_DEVICES": "3"}, 4, "3"),  # the user's choice wins
+    ({"MPI_LOCALRANKID": "2"}, 4, None),            # default: scripts pick their device (set_device(local_rank))
+    ({"MPI_LOCALRANKID": "2", "SHOAL_GPU_BIND": "1"}, 0, None),  # no GPU: nothing set
+    ({"SHOAL_GPU_BIND": "1"}, 4, None),             # not under a launcher
 ])
 def test_rank_gpu_binding(env, count, want):
     env = dict(env)
