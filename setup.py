@@ -170,7 +170,7 @@ def dependencies():
 
 
 setup(
-    packages=["shoal", "shoal.torch", "shoal.tensorflow", "shoal.keras", "shoal.launcher"],
+    packages=["shoal", "shoal.common", "shoal.torch", "shoal.tensorflow", "shoal.keras", "shoal.launcher"],
     package_dir={"shoal": "shoal", "shoal.torch": "bindings/torch",
                  "shoal.tensorflow": "bindings/tensorflow", "shoal.keras": "bindings/tensorflow/keras",
                  "shoal.launcher": "launcher"},

@@ -184,6 +184,16 @@ def test_topology_functions_take_bluefog_keywords():
     assert next(expo) == ([2], [3])
 
 
+def test_topology_util_module_path():
+    # `from bluefog.common import topology_util` migrates by the same import change.
+    from shoal.common import topology_util
+    import shoal.topology
+    assert sorted(topology_util.__all__) == sorted(shoal.topology.BLUEFOG_NAMES)
+    assert topology_util.ExponentialGraph is bf.ExponentialGraph
+    assert topology_util.GetRecvWeights(topo=topology_util.RingGraph(4), rank=0) == bf.GetRecvWeights(
+        bf.RingGraph(4), 0)
+
+
 # ---- single process (plain python = 1 rank) -------------------------------------------------------
 def test_queries_before_init():
     assert not basics.is_initialized()
