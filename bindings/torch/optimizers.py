@@ -14,11 +14,26 @@ The wrapper shares the wrapped optimizer's param_groups and state, so LR schedul
 Per-step attributes (`self_weight`, `src_weights`, `dst_weights`, `src_machine_weights`,
 `dst_machine_weights`, `enable_topo_check`, `communication_type`) are read at every
 communication, so a dynamic schedule just sets them before `step()`/forward.
+
+Loop orders: `zero_grad()` (the wrapper's or `model.zero_grad()`, `set_to_none` either
+way) may come anywhere outside backward..step, also while *parameters* are in flight
+(AWC, window optimizers only read them). Only gradients being averaged (gradient
+allreduce, between backward and step) must not be touched; touching them raises
+`GradientsInFlightError`. `num_steps_per_communication=k` (BlueFog): communicate after k
+forward passes (AWC) or k backward passes (the others), so both gradient accumulation
+(k backward passes, one step) and local steps (k steps of one pass) work.
+`torch.amp.GradScaler`: every wrapper takes GradScaler's scale and overflow flag itself
+(`_step_supports_amp_scaling`), so a rank whose gradients overflowed skips only its local
+update and still communicates (ranks overflow at different steps). Gradient allreduce
+needs the averaged gradients before GradScaler looks at them: `opt.synchronize();
+scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)` (Horovod's form).
 """
 import contextlib
 import enum
+import functools
 import itertools
 import os
+import warnings
 
 import torch
 
@@ -37,6 +52,22 @@ class CommunicationType(enum.Enum):
     empty = "empty"
 
 
+class GradientsInFlightError(RuntimeError, AssertionError):
+    """Gradients were zeroed, replaced or changed while they were being averaged. A
+    RuntimeError, and the AssertionError BlueFog's `zero_grad()` raised in that case."""
+
+
+class CommunicationTypeError(TypeError, AssertionError):
+    """communication_type is not a CommunicationType: a TypeError (Shoal's bad-argument
+    error), and the AssertionError BlueFog's `assert isinstance(...)` raised."""
+
+
+_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() was called after optimizer.synchronize() outside "
+    "`with optimizer.skip_synchronize():`; the communication is not repeated. Call step() "
+    "inside skip_synchronize() after synchronize().")
+
+
 def _named_parameters(model, optimizer):
     modules = model if isinstance(model, (list, tuple)) else [model]
     if not all(isinstance(m, torch.nn.Module) for m in modules):
@@ -53,7 +84,13 @@ def _named_parameters(model, optimizer):
 
 
 class _Distributed(torch.optim.Optimizer):
-    """Shared machinery: delegation to the wrapped optimizer, parameter names, handles."""
+    """Shared machinery: delegation to the wrapped optimizer, parameter names, handles,
+    backward-pass counting, synchronize()/skip_synchronize(), GradScaler, timeline."""
+
+    # torch.amp.GradScaler then sets `grad_scale` (None once unscale_() ran) and
+    # `found_inf` on this object and calls step() even after an overflow: the wrapper
+    # communicates (every rank must) and skips only the local update (_local_step).
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer, model, num_steps_per_communication=1):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -67,17 +104,15 @@ class _Distributed(torch.optim.Optimizer):
         self._opt = optimizer  # from here on param_groups and state are the wrapped optimizer's
         self.num_steps_per_communication = int(num_steps_per_communication)
         self._prefix = f"opt{next(_instances)}"
-        self._handles = {}
+        self._handles = {}       # parameter -> handle of its parameter communication
+        self._grad_handles = {}  # parameter -> (handle, gradient, its _version): gradient allreduce
+        self._passes = {}        # parameter -> backward passes since the last communication
         self._hooks = []
-        if os.environ.get("SHOAL_TIMELINE"):  # framework events on the "model" track
-            def begin(*_):
-                basics.timeline_start_activity("model", "FORWARD")
-
-            def end(*_):
-                basics.timeline_end_activity("model")
-            for m in self._modules:
-                self._hooks.append(m.register_forward_pre_hook(begin))
-                self._hooks.append(m.register_forward_hook(end))
+        self._timeline_hooks = []
+        self._should_synchronize = True
+        self._synchronized = False
+        if os.environ.get("SHOAL_TIMELINE") or os.environ.get("BLUEFOG_TIMELINE"):
+            self.turn_on_timeline()
 
     # Delegated (not copied), also after the wrapped optimizer's load_state_dict replaces them.
     def _delegated(field):
@@ -102,10 +137,94 @@ class _Distributed(torch.optim.Optimizer):
                 if p.requires_grad:
                     yield p
 
+    def _count_passes(self, then=None):
+        """Count backward passes per parameter (after its gradient is accumulated), then
+        call then(p, passes)."""
+        def hook(p):
+            n = self._passes[p] = self._passes.get(p, 0) + 1
+            if then is not None:
+                then(p, n)
+        for p in self._params():
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _communication_due(self):
+        """True (and the count restarts) once k backward passes have been made: the same
+        decision on every rank that runs the same loop."""
+        if max(self._passes.values(), default=0) < self.num_steps_per_communication:
+            return False
+        self._passes.clear()
+        return True
+
+    def step(self, closure=None):
+        """Communicate as the optimizer does and take the wrapped optimizer's step;
+        returns the closure's loss (None without a closure)."""
+        try:
+            return self._step(closure)
+        except BaseException:
+            # GradScaler removes its grad_scale/found_inf only after a step that returns.
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+
+    def _step(self, closure):
+        raise NotImplementedError
+
+    def _local_step(self, closure=None):
+        """The wrapped optimizer's step; with GradScaler's scale and overflow flag (see
+        `_step_supports_amp_scaling`): skipped after an overflow, else on unscaled gradients."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf):
+            return None
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            inv = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+            with torch.no_grad():
+                for p in self._params():
+                    if p.grad is not None:
+                        p.grad.mul_(inv.to(p.grad.device))
+        return self._inner_step(closure)
+
+    def _inner_step(self, closure):
+        return self._opt.step(closure)
+
+    def synchronize(self):
+        """Finish the communication in flight (see each optimizer). After it, call step()
+        inside `with opt.skip_synchronize():` (Horovod/BlueFog pattern, e.g. to clip or
+        unscale gradients in between)."""
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block step() does not call synchronize() (call it before)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def _synchronize_for_step(self):
+        in_flight = bool(self._handles or self._grad_handles)
+        if not self._should_synchronize:
+            if in_flight:  # the local step would race with (and be undone by) the communication
+                raise (GradientsInFlightError if self._grad_handles else RuntimeError)(
+                    "step() inside skip_synchronize() while communication is in flight; "
+                    "call synchronize() first")
+        elif self._synchronized:
+            warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=4)
+            if in_flight:
+                self.synchronize()
+        else:
+            self.synchronize()
+        self._synchronized = False
+
     def zero_grad(self, set_to_none=True):
-        if self._handles:
-            raise RuntimeError("zero_grad() was called while gradients/parameters are still being "
-                               "communicated; call step() (or synchronize()) first")
+        """The wrapped optimizer's zero_grad. Fine while parameters are in flight; raises
+        GradientsInFlightError while gradients are being averaged (after backward and
+        before step()/synchronize() of DistributedGradientAllreduceOptimizer)."""
+        if self._grad_handles:
+            raise GradientsInFlightError(
+                "zero_grad() was called while gradients are being averaged (after backward, "
+                "before step() or synchronize()); zero them before the forward pass or after step()")
         self._opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
@@ -122,10 +241,32 @@ class _Distributed(torch.optim.Optimizer):
     def __repr__(self):
         return f"{type(self).__name__}({self._opt!r})"
 
+    def turn_on_timeline(self):
+        """Record each forward pass of the model(s) as a FORWARD activity of the "model"
+        track on the per-rank timeline (needs SHOAL_TIMELINE). On by default when
+        SHOAL_TIMELINE (or BlueFog's BLUEFOG_TIMELINE) is set."""
+        if self._timeline_hooks:
+            return
+
+        def begin(*_):
+            basics.timeline_start_activity("model", "FORWARD")
+
+        def end(*_):
+            basics.timeline_end_activity("model")
+        for m in self._modules:
+            self._timeline_hooks.append(m.register_forward_pre_hook(begin))
+            self._timeline_hooks.append(m.register_forward_hook(end))
+
+    def turn_off_timeline(self):
+        for h in self._timeline_hooks:
+            h.remove()
+        self._timeline_hooks.clear()
+
     def remove_hooks(self):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self.turn_off_timeline()
 
 
 class _ParameterMixing(_Distributed):
@@ -134,8 +275,6 @@ class _ParameterMixing(_Distributed):
     def __init__(self, optimizer, model, communication_type, num_steps_per_communication,
                  consensus_control):
         super().__init__(optimizer, model, num_steps_per_communication)
-        if not isinstance(communication_type, CommunicationType):
-            raise TypeError("communication_type must be a shoal.torch.CommunicationType")
         if consensus_control is not None and not isinstance(consensus_control, ConsensusControl):
             raise TypeError("consensus_control must be a shoal.torch.ConsensusControl")
         self.communication_type = communication_type
@@ -150,6 +289,18 @@ class _ParameterMixing(_Distributed):
         self.last_consensus_distance = None
         self._spare = {}  # parameter -> output buffer of its next neighbor_allreduce
 
+    @property
+    def communication_type(self):
+        """CommunicationType of the next communication (settable between steps)."""
+        return self._communication_type
+
+    @communication_type.setter
+    def communication_type(self, value):
+        if not isinstance(value, CommunicationType):
+            raise CommunicationTypeError("communication_type must be a shoal.torch.CommunicationType, "
+                                         f"got {value!r}")
+        self._communication_type = value
+
     def _launch(self, p, suffix=""):
         name = f"{self._prefix}.{self._names[p]}{suffix}"
         t = p.data
@@ -161,7 +312,7 @@ class _ParameterMixing(_Distributed):
             if out is None or out.shape != t.shape or out.dtype != t.dtype:
                 out = self._spare[p] = torch.empty_like(t)
             return _ops.neighbor_allreduce(ADAPTER, t, self.self_weight, self.src_weights,
-                                                       self.dst_weights, self.enable_topo_check, name, out=out)
+                                           self.dst_weights, self.enable_topo_check, name, out=out)
         if kind is CommunicationType.hierarchical_neighbor_allreduce:
             return _hierarchical.hierarchical_neighbor_allreduce_nonblocking(
                 ADAPTER, t, self.self_weight, self.src_machine_weights, self.dst_machine_weights,
@@ -199,7 +350,7 @@ class _ParameterMixing(_Distributed):
         rounds = 0
         while cc.method == "gossip" and xi > target and rounds < cc.max_extra_rounds:
             handles = [(p, _ops.neighbor_allreduce(ADAPTER, p.data,
-                                                               name=f"{self._prefix}.cc.{self._names[p]}"))
+                                                   name=f"{self._prefix}.cc.{self._names[p]}"))
                        for p in params]
             with torch.no_grad():
                 for p, h in handles:
@@ -224,17 +375,20 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
 
     The parameters are sent from a forward hook on `model` (training mode, grad enabled)
     every `num_steps_per_communication` forward passes, so the exchange overlaps the
-    backward pass; `step()` waits for it, installs the combined parameters, and applies
-    the wrapped optimizer's update with the gradients computed at the old parameters.
+    backward pass; `step()` (or `synchronize()`) waits for it and installs the combined
+    parameters, then step() applies the wrapped optimizer's update with the gradients
+    computed at the old parameters. zero_grad() may come before or after the forward pass.
 
     Args:
         optimizer: any torch.optim.Optimizer over (a subset of) model's parameters.
         model: the module (or list of modules) whose forward triggers communication.
         communication_type: CommunicationType (default neighbor_allreduce).
-        num_steps_per_communication: communicate every k-th forward pass (local steps between).
+        num_steps_per_communication: communicate every k-th forward pass (gradient
+            accumulation over k passes, or k local steps between communications).
         consensus_control: optional ConsensusControl.
-    Raises: TypeError/ValueError for bad arguments; RuntimeError for zero_grad() with
-        communication in flight or two forward passes that both communicate before step().
+    Raises: TypeError/ValueError for bad arguments (CommunicationTypeError for
+        communication_type); RuntimeError for two forward passes that both communicate
+        before step().
     """
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
@@ -259,9 +413,15 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
         if self._forwards[module] % self.num_steps_per_communication == 0:
             self._launch_all(params)
 
-    def step(self, closure=None):
+    def synchronize(self):
+        """Wait for the parameters sent at the last communicating forward pass and install
+        their combination (nothing if none is in flight)."""
         self._finish_all()
-        loss = self._opt.step(closure)
+        super().synchronize()
+
+    def _step(self, closure):
+        self._synchronize_for_step()
+        loss = self._local_step(closure)
         self.steps += 1
         self._control()
         return loss
@@ -271,24 +431,77 @@ class DistributedAdaptThenCombineOptimizer(_ParameterMixing):
     """ATC: x⁺ = Σ_j w_ij (x_j − γ·update(g_j)) (BlueFog's
     `DistributedAdaptThenCombineOptimizer`; the exp-graph paper's D-SGD).
 
-    `step()` applies the wrapped optimizer's update, then (every
-    `num_steps_per_communication` steps) combines all parameters with the neighbors in one
-    fused exchange. Arguments as for `DistributedAdaptWithCombineOptimizer`.
+    `step()` applies the wrapped optimizer's update, then, once
+    `num_steps_per_communication` backward passes have been made since the last combine
+    (BlueFog counts backward passes), combines all parameters with the neighbors in one
+    fused exchange. Nothing is in flight outside step(): `synchronize()` has nothing to
+    wait for and `skip_synchronize()` changes nothing. Arguments as for
+    `DistributedAdaptWithCombineOptimizer`.
     """
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
                  num_steps_per_communication=1, consensus_control=None):
         super().__init__(optimizer, model, communication_type, num_steps_per_communication,
                          consensus_control)
+        self._step_func = None
+        self._count_passes()
 
-    def step(self, closure=None):
-        loss = self._opt.step(closure)
+    def register_step_function(self, step_func):
+        """BlueFog's per-parameter update for optimizers it could not run itself: once
+        registered, step() calls `step_func(self, p, p.grad, group)` (under no_grad) for
+        every parameter with a gradient instead of the wrapped optimizer's step."""
+        if not callable(step_func):
+            raise TypeError("step_func must be callable as step_func(optimizer, p, grad, group)")
+        self._step_func = functools.partial(step_func, self)
+
+    def _inner_step(self, closure):
+        if self._step_func is None:
+            return self._opt.step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._step_func(p, p.grad, group)
+        return loss
+
+    def synchronize(self):
+        """Wait for a combine still in flight (none: ATC combines inside step())."""
+        self._finish_all()
+        super().synchronize()
+
+    def _step(self, closure):
+        self._synchronized = False
+        loss = self._local_step(closure)
         self.steps += 1
-        if self.steps % self.num_steps_per_communication == 0:
+        if self._communication_due():
             self._launch_all()
             self._finish_all()
         self._control()
         return loss
+
+
+def _deprecated_awc(communication_type, old):
+    def factory(optimizer, model, num_steps_per_communication=1):
+        warnings.warn(f"{old} is deprecated (BlueFog): use DistributedAdaptWithCombineOptimizer(opt, "
+                      f"model, communication_type=CommunicationType.{communication_type.name})",
+                      PendingDeprecationWarning, stacklevel=2)
+        return DistributedAdaptWithCombineOptimizer(optimizer, model, communication_type,
+                                                    num_steps_per_communication)
+    factory.__name__ = factory.__qualname__ = old
+    factory.__doc__ = (f"BlueFog's deprecated `{old}`: `DistributedAdaptWithCombineOptimizer` with "
+                       f"`CommunicationType.{communication_type.name}` (PendingDeprecationWarning).")
+    return factory
+
+
+DistributedAllreduceOptimizer = _deprecated_awc(CommunicationType.allreduce, "DistributedAllreduceOptimizer")
+DistributedNeighborAllreduceOptimizer = _deprecated_awc(
+    CommunicationType.neighbor_allreduce, "DistributedNeighborAllreduceOptimizer")
+DistributedHierarchicalNeighborAllreduceOptimizer = _deprecated_awc(
+    CommunicationType.hierarchical_neighbor_allreduce, "DistributedHierarchicalNeighborAllreduceOptimizer")
 
 
 class DistributedGradientAllreduceOptimizer(_Distributed):
@@ -298,55 +511,83 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
     over k backward passes and are averaged once; a (k+1)-th backward pass before
     `step()` raises RuntimeError. Parameters without a gradient on some rank are averaged
     with zeros. `synchronize()` + `with skip_synchronize(): step()` allow gradient
-    clipping between averaging and the update.
+    clipping or GradScaler's unscale_ between averaging and the update.
+
+    Gradients being averaged must not change: zero_grad() then raises
+    GradientsInFlightError, and a gradient zeroed, replaced or modified in place between
+    backward and synchronize (model.zero_grad(), clipping) makes synchronize()/step()
+    raise it once the averages are in; so does `scaler.step(opt)` of torch.amp.GradScaler
+    without synchronize() first (GradScaler would judge overflow on unaveraged, racing
+    gradients). With GradScaler use `opt.synchronize(); scaler.unscale_(opt);
+    with opt.skip_synchronize(): scaler.step(opt)`; the overflow verdict is then the same
+    on every rank.
     """
 
     def __init__(self, optimizer, model, num_steps_per_communication=1):
         super().__init__(optimizer, model, num_steps_per_communication)
-        self._passes = {}
-        self._skip = False
         self.communications = 0
-        for p in self._params():
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._count_passes(self._on_grad)
+        for p in self._params():  # before accumulation: an in-flight gradient stays untouched
+            self._hooks.append(p.register_hook(lambda grad, p=p: self._before_accumulation(p)))
 
-    def _name(self, p):
-        return f"{self._prefix}.grad.{self._names[p]}"
-
-    def _on_grad(self, p):
-        n = self._passes.get(p, 0) + 1
-        if n > self.num_steps_per_communication:
+    def _before_accumulation(self, p):
+        if p in self._grad_handles:
             raise RuntimeError(f"more than num_steps_per_communication={self.num_steps_per_communication} "
-                               "backward passes before step()")
-        self._passes[p] = n
+                               f"backward passes before step() (the gradient of {self._names[p]!r} "
+                               "is being averaged)")
+
+    def _on_grad(self, p, n):
         if n == self.num_steps_per_communication:
-            self._handles[p] = _ops.allreduce(ADAPTER, p.grad, True, self._name(p), inplace=True)
+            self._launch(p)
+
+    def _launch(self, p):
+        g = p.grad
+        h = _ops.allreduce(ADAPTER, g, True, f"{self._prefix}.grad.{self._names[p]}", inplace=True)
+        self._grad_handles[p] = (h, g, g._version)
 
     def synchronize(self):
-        """Wait for every gradient's average (launching, with zeros, those never produced)."""
+        """Wait for every gradient's average (launching, with zeros, those never produced).
+        Raises GradientsInFlightError (after all averages are in) if a gradient was zeroed,
+        replaced or modified in place while it was being averaged."""
         for p in self._params():
-            if p not in self._handles:
+            if p not in self._grad_handles:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self._handles[p] = _ops.allreduce(ADAPTER, p.grad, True, self._name(p), inplace=True)
-        handles, self._handles = self._handles, {}
-        for h in handles.values():
-            _ops.synchronize(h)
-        self._passes.clear()
+                self._launch(p)
+        touched = self._wait_gradients()
         self.communications += 1
+        if not touched:
+            super().synchronize()
+        else:
+            raise GradientsInFlightError(
+                f"the gradients of {touched} were zeroed, replaced or modified while being averaged "
+                "(model.zero_grad(), clipping or GradScaler between backward and step); call "
+                "opt.synchronize() first, then change them and call step() inside "
+                "`with opt.skip_synchronize():`")
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Inside this context, step() does not synchronize (call synchronize() first)."""
-        self._skip = True
-        try:
-            yield
-        finally:
-            self._skip = False
+    def _wait_gradients(self):
+        """Wait for the averages in flight; names of gradients changed meanwhile."""
+        handles, self._grad_handles = self._grad_handles, {}
+        touched = []
+        for p, (h, g, version) in handles.items():
+            _ops.synchronize(h)
+            if p.grad is not g or g._version != version:
+                touched.append(self._names[p])
+        self._passes.clear()
+        return touched
 
-    def step(self, closure=None):
-        if not self._skip:
-            self.synchronize()
-        return self._opt.step(closure)
+    def _step(self, closure):
+        if self._grad_handles and getattr(self, "found_inf", None) is not None:
+            # GradScaler checked or unscaled the gradients (its kernel leaves no version
+            # trace) while they were still being averaged: its overflow verdict differs
+            # between ranks and the averages are spoiled.
+            self._wait_gradients()
+            raise GradientsInFlightError(
+                "torch.amp.GradScaler looked at the gradients while they were being averaged; "
+                "use opt.synchronize(); scaler.unscale_(opt); with opt.skip_synchronize(): "
+                "scaler.step(opt) (Horovod's form)")
+        self._synchronize_for_step()
+        return self._local_step(closure)
 
 
 DistributedOptimizer = DistributedGradientAllreduceOptimizer

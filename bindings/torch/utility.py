@@ -1,8 +1,15 @@
 """Model/optimizer state utilities over Shoal's ops (BlueFog/Horovod semantics,
 reference/bluefog-semantics.md §3): broadcast and average parameters, broadcast any
-optimizer's state, and move picklable objects between ranks."""
+optimizer's state, and move picklable objects between ranks.
+
+Parameters are written in place through their memory, as BlueFog and Horovod write
+`p.data`: leaf tensors that require grad and `nn.Parameter`s keep their identity,
+`requires_grad` and `.grad`, and autograd records nothing.
+"""
+import collections.abc
 import io
 import pickle
+import types
 
 import numpy as np
 import torch
@@ -13,60 +20,113 @@ from shoal import _ops
 from ._adapter import ADAPTER
 
 
-def _named(params):
+def _named(params, what):
+    """[(name, tensor)] of `params`: a dict such as `state_dict()` (sorted by key, as
+    BlueFog/Horovod), a tensor, or any iterable (list, tuple, generator) of tensors
+    (`parameters()`) or (name, tensor) pairs (`named_parameters()`)."""
     if isinstance(params, dict):
-        return sorted(params.items())
-    if isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
-        out = []
-        for i, p in enumerate(params):
-            out.append(p if isinstance(p, tuple) else (f"param.{i}", p))
-        return out
-    raise ValueError(f"params must be a dict (e.g. state_dict()) or a list of tensors, got {type(params)}")
+        items = sorted(params.items(), key=lambda kv: kv[0])
+    elif torch.is_tensor(params):
+        items = [("0", params)]
+    elif isinstance(params, collections.abc.Iterable) and not isinstance(params, (str, bytes)):
+        items = [tuple(p) if isinstance(p, tuple) and len(p) == 2 else (str(i), p)
+                 for i, p in enumerate(params)]
+    else:
+        raise ValueError(f"{what}: params must be a dict (e.g. state_dict()), a list or generator of "
+                         f"tensors or of (name, tensor) pairs, got {type(params).__name__}")
+    for name, t in items:
+        if not torch.is_tensor(t):
+            raise ValueError(f"{what}: {name!r} is a {type(t).__name__}, not a tensor")
+    return items
+
+
+def _targets(params, what, keep=lambda t: True):
+    """(op name, contiguous tensor the op writes, tensor to copy it back into or None) per
+    distinct memory: a tensor listed twice (tied weights in a state_dict) is sent once."""
+    seen, out = set(), []
+    for i, (name, p) in enumerate(_named(params, what)):
+        t = p.detach()  # the same memory, outside autograd
+        if not keep(t):
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        work = t if t.is_contiguous() else t.contiguous()
+        out.append((f"{i}.{name}", work, None if work is t else t))
+    return out
+
+
+def _run(targets, launch):
+    """Launch every op, wait for all (also when a launch fails), copy back."""
+    handles = []
+    try:
+        for name, work, back in targets:
+            handles.append((launch(name, work), work, back))
+    finally:
+        for h, work, back in handles:
+            _ops.synchronize(h)
+            if back is not None:
+                with torch.no_grad():
+                    back.copy_(work)
 
 
 def broadcast_parameters(params, root_rank):
-    """Overwrite every rank's tensors with `root_rank`'s, in place.
+    """Overwrite every rank's tensors with `root_rank`'s, in place and bit-exact.
 
-    Args: a dict such as `model.state_dict()` (sorted by key) or a list of tensors or
-    (name, tensor) pairs; root_rank in [0, size()). Raises ValueError for other types.
+    Args: params: `model.state_dict()` (sorted by key), `model.parameters()`,
+        `model.named_parameters()` (lists or generators), a list/dict of tensors or
+        (name, tensor) pairs, or one tensor: any dtype the ops take, leaf tensors that
+        require grad included (autograd does not see the write). root_rank in [0, size()).
+    Raises ValueError for other types, non-tensor entries or a bad root; ShoalError when
+    ranks disagree on shapes or dtypes.
     """
-    handles = []
-    for name, p in _named(params):
-        t = p.data if isinstance(p, torch.nn.Parameter) else p
-        if not torch.is_tensor(t):
-            raise ValueError(f"broadcast_parameters: {name} is not a tensor")
-        handles.append(_ops.broadcast(ADAPTER, t, root_rank, name=f"broadcast.param.{name}",
-                                                  inplace=True))
-    for h in handles:
-        _ops.synchronize(h)
+    _run(_targets(params, "broadcast_parameters"),
+         lambda name, t: _ops.broadcast(ADAPTER, t, root_rank, name=f"broadcast.param.{name}",
+                                        inplace=True))
 
 
 def allreduce_parameters(params):
-    """Replace every rank's tensors with their average over ranks, in place."""
-    handles = []
-    for name, p in _named(params):
-        t = p.data if isinstance(p, torch.nn.Parameter) else p
-        if t.is_floating_point():
-            handles.append(_ops.allreduce(ADAPTER, t, True, f"allreduce.param.{name}",
-                                                      inplace=True))
-    for h in handles:
-        _ops.synchronize(h)
+    """Replace every rank's floating-point tensors with their average over all ranks, in
+    place (sum over ranks, then divided by size(): every rank gets the same bits).
+    Integer and bool entries (e.g. BatchNorm's num_batches_tracked) are left alone.
+    Arguments and errors as for `broadcast_parameters`."""
+    _run(_targets(params, "allreduce_parameters", keep=lambda t: t.is_floating_point()),
+         lambda name, t: _ops.allreduce(ADAPTER, t, True, f"allreduce.param.{name}", inplace=True))
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, types.GeneratorType):  # named_parameters(): travels as a list
+            return list, (list(obj),)
+        return NotImplemented
+
+
+def _dumps(obj):
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return np.frombuffer(buf.getbuffer(), dtype=np.uint8)
 
 
 def broadcast_object(obj, root_rank=0, name=None):
-    """Pickle `obj` on root_rank and return the unpickled copy on every rank."""
+    """Pickle `obj` on root_rank and return the unpickled copy on every rank (root too).
+    Tensors keep dtype, requires_grad and Parameter-ness; a generator (also inside
+    containers, e.g. named_parameters()) arrives as a list. Raises what pickle raises for unpicklable objects (on root)."""
     name = name or "broadcast_object"
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if shoal.rank() == root_rank else np.zeros(0, np.uint8)
+    root = shoal.rank() == root_rank
+    data = _dumps(obj) if root else np.zeros(0, np.uint8)
     size = shoal.broadcast(np.array([data.size], np.int64), root_rank, name=name + ".size")
-    buf = data if shoal.rank() == root_rank else np.zeros(int(size[0]), np.uint8)
+    buf = data if root else np.zeros(int(size[0]), np.uint8)
     buf = shoal.broadcast(buf, root_rank, name=name + ".data")
     return pickle.loads(buf.tobytes())
 
 
 def allgather_object(obj, name=None):
-    """Return the list of every rank's `obj` (picklable), in rank order."""
+    """Return the list of every rank's `obj` (picklable; generators as lists, as in
+    `broadcast_object`), in rank order."""
     name = name or "allgather_object"
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    data = _dumps(obj)
     sizes = shoal.allgather(np.array([data.size], np.int64), name=name + ".sizes")
     flat = shoal.allgather(data, name=name + ".data")
     out, at = [], 0
@@ -77,15 +137,30 @@ def allgather_object(obj, name=None):
 
 
 def broadcast_optimizer_state(optimizer, root_rank):
-    """Make every rank's optimizer state (tensors, step counters, hyper-parameters)
-    identical to `root_rank`'s. Works for any torch optimizer (and Shoal's wrappers),
-    including an empty state: the root's state is sent whole and loaded everywhere."""
-    if isinstance(optimizer, torch.optim.LBFGS):
+    """Make every rank's optimizer state identical to `root_rank`'s, bit-exact: state
+    tensors, scalar state (Adam's `step` as a tensor or a float, counters, lists) and
+    hyper-parameters (lr, betas, ...). `optimizer`: any torch.optim.Optimizer or a Shoal
+    distributed optimizer (its state is the wrapped optimizer's).
+
+    The root's `state_dict()` travels whole (torch.save) and is loaded on the other
+    ranks, so nothing needs a tensor form. A root that has not stepped yet makes every
+    rank's state empty (BlueFog instead ran one step with zero gradients). Raises
+    ValueError for LBFGS (as BlueFog) and TypeError for a non-optimizer; ValueError from
+    load_state_dict when the ranks' parameter groups differ.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    inner = getattr(optimizer, "_opt", optimizer)
+    if isinstance(inner, torch.optim.LBFGS):
         raise ValueError("broadcast_optimizer_state does not support LBFGS")
-    state = optimizer.state_dict() if shoal.rank() == root_rank else None
-    buf = io.BytesIO()
-    if state is not None:
-        torch.save(state, buf)
-    blob = broadcast_object(buf.getvalue() if state is not None else None, root_rank,
-                            name="broadcast_optimizer_state")
-    optimizer.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
+    blob = None
+    if shoal.rank() == root_rank:
+        buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), buf)
+        blob = buf.getvalue()
+    blob = broadcast_object(blob, root_rank, name="broadcast_optimizer_state")
+    # The root loads it too: load_state_dict may normalise entries (Adam turns a float
+    # step into a tensor), and every rank must end with the same representation.
+    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state)  # moves state to each parameter's device

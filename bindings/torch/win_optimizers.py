@@ -14,11 +14,14 @@ when it is ready, so a slow rank slows only itself.
   (column-stochastic: 1/(out-degree + 1) each) with win_accumulate, collects what was
   pushed to it, and sets z = x/p. Works on directed, non-regular graphs; Σ p stays n.
 
-Both create one window per parameter at construction (collective) and free them in
-`close()` (collective). The topology cannot change while they exist.
+Both create one window per parameter at construction (collective), named as BlueFog
+names them: `<window_prefix>.<parameter name>`, or the parameter name without a prefix,
+and free them in `close()` / `unregister_window()` (collective; never from `__del__`,
+which runs at a different moment on each rank). The topology cannot change while they
+exist. Both communicate every `num_steps_per_communication` backward passes (gradient
+accumulation or local steps, as the other optimizers), and skip only the local update
+on a step where GradScaler found an overflow (see optimizers.py).
 """
-import itertools
-
 import torch
 
 from shoal import _ops, _win, basics
@@ -26,23 +29,31 @@ from shoal import _ops, _win, basics
 from ._adapter import ADAPTER
 from .optimizers import _Distributed
 
-_instances = itertools.count()
 _WIN = _win.build_win_api(ADAPTER)
 
 
 class _WindowOptimizer(_Distributed):
-    def __init__(self, optimizer, model, num_steps_per_communication=1, zero_init=False):
+    def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None,
+                 zero_init=False):
         super().__init__(optimizer, model, num_steps_per_communication)
-        self._prefix = f"win{next(_instances)}"
+        if window_prefix is not None and (not isinstance(window_prefix, str) or not window_prefix):
+            raise TypeError(f"window_prefix must be a non-empty str or None, got {window_prefix!r}")
+        self.window_prefix = window_prefix + "." if window_prefix is not None else ""  # BlueFog's
+        self.force_barrier = False  # BlueFog: a barrier at the start of every step()
         self.steps = 0
         self.communications = 0
         self._windows = {}
         self._puts = {}  # parameter -> handle of its put in flight (reads p only: zero_grad is fine)
-        bad = [self._names[p] for p in self._params() if not p.data.is_contiguous()]
+        names = {p: self.window_prefix + self._names[p] for p in self._params()}
+        bad = [n for p, n in names.items() if not p.data.is_contiguous()]
         if bad:  # checked before any (collective) window exists
             raise ValueError(f"parameters {bad} are not contiguous")
-        for p in self._params():
-            name = f"{self._prefix}.{self._names[p]}"
+        taken = sorted(set(names.values()) & set(_win.get_current_created_window_names()))
+        if taken:  # every rank has the same windows: the same error everywhere, before any collective
+            raise ValueError(f"windows {taken} exist already (another window optimizer on this model?); "
+                             "close() it or pass window_prefix=")
+        self._count_passes()
+        for p, name in names.items():
             _WIN["win_create"](p.data, name, zero_init=zero_init)
             self._windows[p] = name
 
@@ -55,6 +66,10 @@ class _WindowOptimizer(_Distributed):
             _WIN["win_free"](name)
         self._windows = {}
 
+    def unregister_window(self):
+        """BlueFog's name for `close()`."""
+        self.close()
+
     def _absorb(self):
         """Last use of what neighbours sent, once every rank has stopped."""
 
@@ -63,48 +78,75 @@ class _WindowOptimizer(_Distributed):
         for h in puts.values():
             _win.win_wait(h)
 
+    def _begin_step(self):
+        self._wait_all()  # always: the local step must not change what a put still reads
+        if self.force_barrier:  # after the wait: every put of the last step has landed
+            _ops.barrier()
+
 
 class DistributedWinPutOptimizer(_WindowOptimizer):
     """Asynchronous neighbour averaging by window puts (BlueFog's
     `DistributedWinPutOptimizer`).
 
     step(): wait for this rank's previous puts, combine the parameters with the latest
-    received neighbour values (win_update: uniform, or topology weights), take the wrapped
-    optimizer's step, and start putting the new parameters to every out-neighbour (every
-    `num_steps_per_communication` steps). Per-step `self_weight`/`dst_weights` attributes
-    override the put weights (BlueFog semantics of win_put).
+    received neighbour values (win_update: uniform, or topology weights) if a put was made
+    since the last combine (= `synchronize()`), take the wrapped optimizer's step, and,
+    once `num_steps_per_communication` backward passes have been made, start putting the
+    new parameters to every out-neighbour. Per-step `self_weight`/`dst_weights`
+    attributes override the put weights (BlueFog semantics of win_put); `force_barrier`
+    adds a barrier at the start of each step, once this rank's puts have landed (then
+    every combine sees the values of the step before: synchronous win-put).
 
-    Args: optimizer (any torch.optim.Optimizer), model (module or list), and
-        num_steps_per_communication. Raises TypeError/ValueError for bad arguments.
+    Args: optimizer (any torch.optim.Optimizer), model (module or list),
+        num_steps_per_communication, window_prefix (windows are named
+        `<window_prefix>.<parameter name>`; default the parameter name).
+    Raises TypeError/ValueError for bad arguments or windows that exist already.
     """
 
-    def __init__(self, optimizer, model, num_steps_per_communication=1):
-        super().__init__(optimizer, model, num_steps_per_communication)
+    def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
+        super().__init__(optimizer, model, num_steps_per_communication, window_prefix)
         self.self_weight = None
         self.dst_weights = None
+        self._sent = False  # puts made since the last combine
 
-    def step(self, closure=None):
+    def synchronize(self):
+        """Wait for this rank's puts; combine with the latest neighbour values if a put was
+        made since the last combine."""
         self._wait_all()
-        if self.steps % self.num_steps_per_communication == 0 and self.steps > 0:
-            for p, name in self._windows.items():
+        if self._sent:
+            for name in self._windows.values():
                 _WIN["win_update"](name)
+            self._sent = False
             self.communications += 1
-        loss = self._opt.step(closure)
+        super().synchronize()
+
+    def _step(self, closure):
+        self._begin_step()
+        self._synchronize_for_step()
+        loss = self._local_step(closure)
         self.steps += 1
-        if self.steps % self.num_steps_per_communication == 0:
+        if self._communication_due():
             for p, name in self._windows.items():
                 self._puts[p] = _WIN["win_put_nonblocking"](p.data, name, self.self_weight,
-                                                               self.dst_weights)
+                                                           self.dst_weights)
+            self._sent = True
         return loss
 
 
 class DistributedPushSumOptimizer(_WindowOptimizer):
     """Asynchronous push-sum SGD (SGP; BlueFog's `DistributedPushSumOptimizer`).
 
-    step(): wrapped optimizer's step at the de-biased parameters z, then
-    x = z·p; win_accumulate x and p in shares 1/(out-degree + 1) to self and each
-    out-neighbour; collect (x += Σ buffers, p += Σ p buffers, buffers zeroed);
-    z = x / p. Turns associated p on for all window ops. `p` is this rank's weight.
+    step(): wrapped optimizer's step at the de-biased parameters z, then (once
+    `num_steps_per_communication` backward passes have been made) x = z·p;
+    win_accumulate x and p with weights `dst_weights` to the out-neighbours and keep
+    `self_weight` of them (default 1/(out-degree + 1) each: column-stochastic); collect
+    (x += Σ buffers, p += Σ p buffers, buffers zeroed); z = x / p. Turns associated p on
+    for all window ops. `p` is this rank's weight. Push-sum communicates inside step(),
+    after the local update: `synchronize()` has nothing to wait for. `force_barrier`
+    (default False: push-sum's point is not to wait; BlueFog's default is True) adds a
+    barrier at the start of each step. A rank whose p has fallen below
+    sqrt(smallest normal number of the parameter dtype) (it ran far ahead of its
+    neighbours) keeps its mass instead of pushing until pushes reach it.
 
     Usage (every rank; the constructor and `close()` are collective)::
 
@@ -116,12 +158,14 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
     Raises ValueError for non-contiguous parameters (before any window is created).
     """
 
-    def __init__(self, optimizer, model, num_steps_per_communication=1):
+    def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
         _win.turn_on_win_ops_with_associated_p()
-        super().__init__(optimizer, model, num_steps_per_communication, zero_init=True)
+        super().__init__(optimizer, model, num_steps_per_communication, window_prefix, zero_init=True)
         outs = basics.out_neighbor_ranks()
-        self._share = 1.0 / (len(outs) + 1)
-        self._dst = {d: self._share for d in outs}
+        self.self_weight = 1.0 / (len(outs) + 1)
+        self.dst_weights = {d: self.self_weight for d in outs}
+        # x = z·p stays a normal number for |z| and p above sqrt(smallest normal).
+        self._p_floor = {name: torch.finfo(p.dtype).tiny ** 0.5 for p, name in self._windows.items()}
 
     @property
     def p(self):
@@ -139,18 +183,27 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
                 p.data.div_(_win.win_associated_p(name))
         self.p  # noqa: B018 - remember p before the windows go
 
-    def step(self, closure=None):
-        loss = self._opt.step(closure)
+    def _step(self, closure):
+        self._begin_step()
+        self._synchronized = False
+        loss = self._local_step(closure)
         self.steps += 1
-        if self.steps % self.num_steps_per_communication:
+        if not self._communication_due():
             return loss
+        weights = {name: _win.win_associated_p(name) for name in self._windows.values()}
+        # A rank that ran many steps ahead has pushed most of its mass away and received
+        # none: p shrinks by self_weight per step, and x = z·p would underflow (z lost,
+        # then NaN). Below the floor it keeps its mass (self weight 1: still
+        # column-stochastic) until its neighbours' pushes arrive.
+        push = all(pw >= self._p_floor[name] for name, pw in weights.items())
         with torch.no_grad():
             for p, name in self._windows.items():
-                pw = _win.win_associated_p(name)
-                p.data.mul_(pw)  # z -> x
+                p.data.mul_(weights[name])  # z -> x
                 # No mutexes needed: a value and its p arrive in one MPI access epoch, which
                 # the owner's collect (an exclusive epoch) never splits.
-                _WIN["win_accumulate"](p.data, name, self_weight=self._share, dst_weights=self._dst)
+                if push:
+                    _WIN["win_accumulate"](p.data, name, self_weight=self.self_weight,
+                                           dst_weights=self.dst_weights)
                 _WIN["win_update_then_collect"](name, require_mutex=False)
                 p.data.div_(_win.win_associated_p(name))  # x -> z
         self.communications += 1

@@ -48,10 +48,47 @@ def train(wrapper):
     return ps
 
 
+def push_sum_with_one_rank_far_ahead(solo_steps=300, together=150):
+    """Rank 0 trains alone while the others wait: it pushes its mass away and receives
+    none, so p shrinks geometrically; below the floor it keeps its mass, so x = z·p never
+    underflows (z would become 0, then NaN)."""
+    torch.manual_seed(R)
+    model = torch.nn.Linear(5, 1, bias=False)
+    opt = bf.DistributedPushSumOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(X), Y).backward()
+        opt.step()
+    if R == 0:
+        for _ in range(solo_steps):
+            step()
+        err = (model.weight.t() - W_TRUE).abs().max().item()
+        print(f"[rank 0] push-sum after {solo_steps} steps alone: p {opt.p:.3e}, error {err:.2e}", flush=True)
+        assert 0 < opt.p < 1e-12, f"p {opt.p}: the rank did not run ahead (the check checks nothing)"
+        assert err < 0.05, f"parameters lost while far ahead: error {err}"
+    bf.barrier()
+    # Then in lockstep (BlueFog's force_barrier): the mass rank 0 pushed away carries its
+    # early values, and free-running ranks on shared cores would reshuffle stale mass for
+    # longer than this phase lasts; in lockstep it must converge.
+    opt.force_barrier = True
+    for _ in range(together):
+        step()
+    opt.close()
+    total = bf.allreduce(torch.tensor([opt.p], dtype=torch.float64), average=False).item()
+    with torch.no_grad():
+        loss = torch.nn.functional.mse_loss(model(X), Y).item()
+    assert torch.isfinite(model.weight).all() and loss < 1.5 * NOISE ** 2, (model.weight, loss)
+    assert abs(total - N) < 1e-9 * N, total
+
+
 train(bf.DistributedWinPutOptimizer)
 total_p = train(bf.DistributedPushSumOptimizer)
 if R == 0:
     print(f"sum of p after push-sum: {total_p:.12f} (n = {N})", flush=True)
 assert abs(total_p - N) < 1e-9 * N, total_p
+if N > 1:
+    push_sum_with_one_rank_far_ahead()
+    print(f"[rank {R}] push-sum with a rank far ahead: ok", flush=True)
 bf.shutdown()
 sys.exit(0)
