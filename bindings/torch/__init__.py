@@ -28,9 +28,11 @@ globals().update({_n: getattr(topology, _n) for _n in _TOPOLOGY_NAMES})  # bf.Ex
 from ._ops import allgather, allreduce, broadcast, neighbor_allreduce  # noqa: E402,F401,F811
 
 from .consensus import ConsensusControl, consensus_distance  # noqa: E402
-from .optimizers import (CommunicationType, DistributedAdaptThenCombineOptimizer,  # noqa: E402
-                         DistributedAdaptWithCombineOptimizer, DistributedGradientAllreduceOptimizer,
-                         DistributedOptimizer)
+from .optimizers import (CommunicationType, CommunicationTypeError,  # noqa: E402
+                         DistributedAdaptThenCombineOptimizer, DistributedAdaptWithCombineOptimizer,
+                         DistributedAllreduceOptimizer, DistributedGradientAllreduceOptimizer,
+                         DistributedHierarchicalNeighborAllreduceOptimizer,
+                         DistributedNeighborAllreduceOptimizer, DistributedOptimizer, GradientsInFlightError)
 from .win_optimizers import DistributedPushSumOptimizer, DistributedWinPutOptimizer  # noqa: E402
 from .utility import (allgather_object, allreduce_parameters, broadcast_object,  # noqa: E402
                       broadcast_optimizer_state, broadcast_parameters)
@@ -38,6 +40,8 @@ from .utility import (allgather_object, allreduce_parameters, broadcast_object, 
 __all__ = list(_basics_all) + sorted(_api) + [
     "ConsensusControl", "consensus_distance", "CommunicationType",
     "DistributedAdaptThenCombineOptimizer", "DistributedAdaptWithCombineOptimizer",
+    "DistributedAllreduceOptimizer", "DistributedNeighborAllreduceOptimizer",
+    "DistributedHierarchicalNeighborAllreduceOptimizer", "GradientsInFlightError", "CommunicationTypeError",
     "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "DistributedPushSumOptimizer",
     "DistributedWinPutOptimizer", "allgather_object",
     "allreduce_parameters", "broadcast_object", "broadcast_optimizer_state",
