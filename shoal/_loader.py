@@ -34,6 +34,11 @@ def _preload_mpi():
         candidates = list(_build_info.MPI_LIBRARIES)
     for path in candidates:
         if path and os.path.exists(path):
+            # Local first, so that libshoal.so (which overrides MPI_Abort through MPI's
+            # profiling interface, to record who aborted) comes before libmpi in the
+            # global scope; then global, as MPI's own plugins may expect.
+            ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+            ctypes.CDLL(os.path.join(os.path.dirname(__file__), "libshoal.so"), mode=ctypes.RTLD_GLOBAL)
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             return path
     return None

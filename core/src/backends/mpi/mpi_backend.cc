@@ -2,7 +2,11 @@
 // communicators duplicated from MPI_COMM_WORLD (errors return, never abort).
 #include <mpi.h>
 
+#include <unistd.h>
+
+#include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <list>
 
@@ -275,3 +279,28 @@ std::string MpiLibraryVersion() {
 }
 
 }  // namespace shoal
+
+// MPI's profiling interface: a rank that calls MPI_Abort (mpi4py's Comm.Abort, say) records
+// it for shoalrun first, because the launcher then kills every process of the job at once,
+// before the rank's wrapper can see how it ended. Same record as launcher/rank.py's
+// write_status; an existing record (the exception hook's) is kept.
+extern "C" __attribute__((visibility("default"))) int MPI_Abort(MPI_Comm comm, int errorcode) {
+  const char* dir = std::getenv("SHOAL_STATUS_DIR");
+  int rank = -1, inited = 0, finalized = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (inited && !finalized) PMPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (dir && *dir && rank >= 0) {
+    const std::string path = std::string(dir) + "/rank" + std::to_string(rank) + ".status";
+    const std::string tmp = path + ".tmp." + std::to_string(static_cast<long>(getpid()));
+    if (access(path.c_str(), F_OK) != 0) {
+      if (FILE* f = std::fopen(tmp.c_str(), "w")) {
+        const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+        std::fprintf(f, "%.6f %d 1 called MPI_Abort (error code %d)\n", now, rank, errorcode);
+        std::fclose(f);
+        std::rename(tmp.c_str(), path.c_str());
+      }
+    }
+  }
+  return PMPI_Abort(comm, errorcode);
+}
