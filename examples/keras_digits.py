@@ -16,7 +16,11 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-import keras  # noqa: E402
+try:
+    import keras  # noqa: E402
+except ImportError:
+    raise SystemExit("examples/keras_digits.py needs TensorFlow and Keras 3: "
+                     "pip install tensorflow-cpu==2.21.0") from None
 import numpy as np  # noqa: E402
 
 import shoal  # noqa: E402
