@@ -97,7 +97,7 @@ def worker_env(args, base=None):
     -x VAR[=value] (an explicit -x VAR overrides the deny-list)."""
     base = dict(os.environ if base is None else base)
     explicit = {item.partition("=")[0] for item in args.env}
-    env = {k: v for k, v in base.items() if not denied(k) or k in explicit}
+    env = {k: v for k, v in base.items() if (not denied(k) or k in explicit) and k != "SHOAL_RANK_PID"}
     if args.log_level:
         env["SHOAL_LOG_LEVEL"] = args.log_level
     if args.timeline_filename:

@@ -10,6 +10,7 @@ rank 0 of its neighbor machines; broadcast of the result within the machine.
 import itertools
 
 from . import basics, _ops
+from ._loader import _core
 
 _unnamed = itertools.count()
 
@@ -28,14 +29,20 @@ def hierarchical_neighbor_allreduce_nonblocking(adapter, tensor, self_weight=Non
                                                 src_machine_weights=None,
                                                 dst_machine_weights=None,
                                                 enable_topo_check=False, name=None):
-    if not basics.is_homogeneous():
-        raise ValueError("hierarchical_neighbor_allreduce needs the same number of ranks on "
-                         "every machine, placed contiguously (see SHOAL_RANKS_PER_MACHINE)")
-    args = _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check)
+    name = name or f"hierarchical_neighbor_allreduce.noname.{next(_unnamed)}"
+    try:
+        if not basics.is_homogeneous():
+            raise ValueError("hierarchical_neighbor_allreduce needs the same number of ranks on "
+                             "every machine, placed contiguously (see SHOAL_RANKS_PER_MACHINE)")
+        args = _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check)
+    except (ValueError, TypeError) as exc:
+        # The peers wait in the first stage: they get the same error (shoal_reject).
+        if isinstance(name, str) and "\0" not in name:
+            _core.reject(_ops.ALLREDUCE, name + ".machine_sum", isinstance(exc, TypeError), str(exc))
+        raise
     leader = basics.local_rank() == 0
     if not leader:  # only machine leaders exchange; the others still take part in negotiation
         args = dict(_ops._NO_PEERS)
-    name = name or f"hierarchical_neighbor_allreduce.noname.{next(_unnamed)}"
     first = _ops.allreduce(adapter, tensor, op=_ops.Sum, name=name + ".machine_sum",
                                        scope=_ops.MACHINE)
 

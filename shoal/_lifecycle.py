@@ -39,6 +39,28 @@ def launcher_mismatch(size, env=os.environ):
             "rebuild Shoal against the launcher's MPI (`MPICXX=$(which mpicxx) pip install .`)")
 
 
+RANK_PID = "SHOAL_RANK_PID"  # set by a rank of a multi-rank job, inherited by what it starts
+
+
+def started_by_a_rank(env=os.environ):
+    """A message if this process was started (fork + exec: os.system, subprocess) by a rank
+    of a running job, else None. It inherited the launcher's variables and connection: MPI
+    would join it to the parent's job, which hangs it and can stall the parent."""
+    parent = env.get(RANK_PID)
+    if not parent or parent == str(os.getpid()):
+        return None
+    return (f"shoal.init(): this process was started by a rank of a running job (pid {parent}) and "
+            "inherited its launcher's connection; it cannot join that job. Start Shoal jobs with "
+            f"shoalrun, or remove {RANK_PID} and the launcher's variables (PMI_*, OMPI_*) from its "
+            "environment to run it as a job of its own")
+
+
+def mark_rank(size):
+    """Called once init() succeeded: processes this rank starts can tell (started_by_a_rank)."""
+    if size > 1:
+        os.environ[RANK_PID] = str(os.getpid())
+
+
 def record_failure(description, status=1):
     """Tell `shoalrun` (through its status directory, when it started this rank) that this
     rank failed and how; the earliest record is the 'first failure' it reports."""

@@ -52,11 +52,15 @@ def init(topology_fn=None, is_weighted=False):
     """
     with _lock:
         _compat_env.apply_bluefog_env()  # BLUEFOG_* settings a migrated script sets
+        child = None if _core.forked() else _lifecycle.started_by_a_rank()
+        if child:
+            raise ShoalError(child)
         _core.init()
         mismatch = _lifecycle.launcher_mismatch(_core.size())
         if mismatch:
             _core.shutdown()
             raise ShoalError(mismatch)
+        _lifecycle.mark_rank(_core.size())
         if not _state["atexit"]:
             atexit.register(_lifecycle.at_exit)
             _lifecycle.install_excepthook()

@@ -19,7 +19,7 @@ DURINGS = ["allreduce", "neighbor", "window", "barrier"]
 # and shutdown() during one; SIGKILL three more times (it once left peers waiting 100 s).
 CASES = ([(h, d, 0) for h in HOWS for d in DURINGS] +
          [(h, "allreduce", 0) for h in ("sigterm", "abort", "shutdown")] +
-         [("return", "broadcast", 0)] + [("sigkill", d, k) for d in ("neighbor", "allreduce") for k in (1, 2)])
+         [("return", "broadcast", 0), ("return", "onesided", 0), ("sys_exit", "onesided", 0)] + [("sigkill", d, k) for d in ("neighbor", "allreduce") for k in (1, 2)])
 LIMIT = 30  # seconds, the issue's bound
 
 
@@ -92,10 +92,37 @@ def test_healthy_job_with_uneven_ends_exits_cleanly():
     assert "rror" not in out.stderr and "left the job" not in out.stderr, out.stderr
 
 
+def test_init_shutdown_cycles_on_four_ranks():
+    # A leave notice of one cycle must not reach the next cycle's runtime.
+    code = ("import numpy as np, shoal\n"
+            "for cycle in range(10):\n"
+            "    shoal.init()\n"
+            "    assert shoal.allreduce(np.ones(2), average=False, name='a')[0] == shoal.size()\n"
+            "    shoal.shutdown()\n"
+            "print('cycles done', flush=True)\n")
+    out = subprocess.run(shoalrun_cmd(4, sys.executable, "-c", code), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.count("cycles done") == 4, out.stdout + out.stderr
+    assert "left the job" not in out.stderr, out.stderr
+
+
+def test_process_started_by_a_rank_cannot_join_its_job():
+    code = ("import os, sys, numpy as np, shoal\n"
+            "shoal.init()\n"
+            "child = 'import shoal; shoal.init()'\n"
+            "st = os.system(f'{sys.executable} -c \"{child}\" 2> child{shoal.rank()}.err')\n"
+            "err = open(f'child{shoal.rank()}.err').read()\n"
+            "print('child', st != 0, 'started by a rank' in err, flush=True)\n"
+            "print('sum', shoal.allreduce(np.ones(1), average=False, name='x')[0], flush=True)\n")
+    out = subprocess.run(shoalrun_cmd(4, sys.executable, "-c", code), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("child True True") == 4 and out.stdout.count("sum 4.0") == 4, out.stdout
+
+
 def test_call_refused_on_one_rank_reaches_the_others():
-    rc, out, _ = run_ranks(4, "refused.py", timeout=120)
+    rc, out, _ = run_ranks(4, "refused.py", env={"SHOAL_RANKS_PER_MACHINE": "2"}, timeout=120)
     assert rc == 0, out
-    for case in ("allreduce-int-average", "neighbor-int", "python-check"):
+    for case in ("allreduce-int-average", "neighbor-int", "python-check", "native-weights", "torch-op",
+                 "hierarchical"):
         lines = [line for line in out.splitlines() if line.startswith(case + " ")]
         assert len(lines) == 4, (case, out)
         messages = {line.split(": ", 1)[1].replace(" (raised at the call on rank 1)", "") for line in lines}

@@ -164,7 +164,15 @@ PyObject* Call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject
     }
     if (dtype < 0 || !name) return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
     py::object keep;
-    const NeighborArgs* resolved = Resolve(st, a + 1, &keep);
+    const NeighborArgs* resolved = nullptr;
+    try {
+      resolved = Resolve(st, a + 1, &keep);
+    } catch (py::error_already_set& e) {
+      // Bad arguments: the Python path raises the same error and tells the peers
+      // (shoal_reject), which wait for this call.
+      if (!e.matches(PyExc_ValueError) && !e.matches(PyExc_TypeError)) throw;
+      return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
+    }
     return Run(a[0], dtype, name, *resolved).release().ptr();
   } catch (py::error_already_set& e) {
     e.restore();

@@ -3,6 +3,8 @@
 Each op is an opaque call with a fake (meta) implementation giving its output shape;
 the real implementation enqueues into the core and waits.
 """
+import functools
+
 import torch
 
 from shoal import _ops
@@ -57,6 +59,22 @@ _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, 
         "-> Tensor", _neighbor_impl, lambda tensor, *args: torch.empty_like(tensor))
 
 
+def _told(op):
+    """`shoal._ops._told` for the torch entry points, whose checks run before the op layer's:
+    a refusal here reaches the peers too. Not under torch.compile (nothing to trace)."""
+    def wrap(fn):
+        told = _ops._told(op)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            return told(*args, **kwargs)
+        return call
+    return wrap
+
+
+@_told(_ops.ALLREDUCE)
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
     """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
     (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
@@ -65,18 +83,21 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
     return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, bool(is_hierarchical_local), name or "")
 
 
+@_told(_ops.BROADCAST)
 def broadcast(tensor, root_rank, name=None):
     """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast`."""
     ADAPTER._check(tensor, "broadcast")
     return torch.ops.shoal.broadcast(tensor, root_rank, name or "")
 
 
+@_told(_ops.ALLGATHER)
 def allgather(tensor, name=None):
     """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather`."""
     ADAPTER._check(tensor, "allgather")
     return torch.ops.shoal.allgather(tensor, name or "")
 
 
+@_told(_ops.NEIGHBOR_ALLREDUCE)
 def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
                        enable_topo_check=True, name=None):
     """Blocking neighbor averaging step; semantics as `shoal.neighbor_allreduce`

@@ -14,16 +14,18 @@ constexpr uint32_t kMagic = 0x5348414cu;  // "SHAL"
 constexpr uint32_t kLeaveMagic = 0x4c454156u;  // "LEAV"
 }
 
-Bytes NeighborExchange::LeaveNotice() {
-  auto msg = std::make_shared<ByteVec>(sizeof(kLeaveMagic));
+Bytes NeighborExchange::LeaveNotice(uint64_t generation) {
+  auto msg = std::make_shared<ByteVec>(sizeof(kLeaveMagic) + sizeof(generation));
   std::memcpy(msg->data(), &kLeaveMagic, sizeof(kLeaveMagic));
+  std::memcpy(msg->data() + sizeof(kLeaveMagic), &generation, sizeof(generation));
   return msg;
 }
 
-bool NeighborExchange::IsLeaveNotice(const ByteVec& msg) {
+bool NeighborExchange::IsLeaveNotice(const ByteVec& msg, uint64_t* generation) {
   uint32_t magic = 0;
-  if (msg.size() != sizeof(magic)) return false;
+  if (msg.size() != sizeof(magic) + sizeof(*generation)) return false;
   std::memcpy(&magic, msg.data(), sizeof(magic));
+  std::memcpy(generation, msg.data() + sizeof(magic), sizeof(*generation));
   return magic == kLeaveMagic;
 }
 

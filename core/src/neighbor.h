@@ -47,12 +47,19 @@ class NeighborExchange {
   // Takes the waiting entries that can no longer complete because `rank` left the job:
   // they miss its data, or it will never take theirs (a large send).
   std::vector<EntryPtr> TakeNeeding(int rank);
+  // A piece of `name` from `src` has arrived (or its data is on the way).
+  bool HasPiece(int src, const std::string& name) const {
+    auto s = stash_.find(Key{src, name});
+    return s != stash_.end() && !s->second.empty();
+  }
   // Takes the waiting entries of `name` at `step` (-1: any step).
   std::vector<EntryPtr> TakeNamed(const std::string& name, int64_t step);
   // The message a leaving rank sends each peer on kTag: after all its neighbor data, so a
   // receiver has every piece the leaver sent when it learns that it left.
-  static Bytes LeaveNotice();
-  static bool IsLeaveNotice(const ByteVec& msg);
+  // `generation` tells runtimes apart across shutdown/init: MPI may give a new
+  // communicator the context id of a freed one, so a late notice can reach the next runtime.
+  static Bytes LeaveNotice(uint64_t generation);
+  static bool IsLeaveNotice(const ByteVec& msg, uint64_t* generation);
   std::vector<EntryPtr> TakeAll();
   bool Idle() const { return waiting_.empty(); }
   // (source, name) of stashed pieces older than `age` s that no waiting entry wants,

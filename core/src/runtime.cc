@@ -16,6 +16,8 @@ constexpr int kRequestTag = 1, kResponseTag = 2;
 constexpr int64_t kUnnamed = 1024;
 // Handles are unique for the whole process, across init/shutdown cycles.
 std::atomic<int64_t> g_next_handle{1};
+// Runtimes created in this process; the same sequence on every rank (init is collective).
+std::atomic<uint64_t> g_generations{0};
 
 bool IsHalf(int dtype) { return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16; }
 
@@ -60,7 +62,7 @@ std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ra
 }  // namespace
 
 Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
-    : cfg_(cfg), backend_(std::move(backend)),
+    : cfg_(cfg), backend_(std::move(backend)), generation_(++g_generations),
       neighbors_(backend_.get(), cfg.fusion_threshold, &stats_, !cfg.timeline.empty()) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold);
   if (!cfg_.timeline.empty()) {
@@ -163,7 +165,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
-  if (left_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "this rank has left the job (shoal.shutdown() or exit)");
+  if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
   e->name = NameLocked(d.op, d.name);
   NameState& ns = names_[e->name];
   if (ns.in_flight)
@@ -239,7 +241,7 @@ void Runtime::Leave() {
     for (int r = 0; r < w.size; ++r) {
       if (r == w.rank || (r < static_cast<int>(peer_left_.size()) && peer_left_[r])) continue;
       ++*pending;
-      backend_->Send(r, NeighborExchange::kTag, NeighborExchange::LeaveNotice(),
+      backend_->Send(r, NeighborExchange::kTag, NeighborExchange::LeaveNotice(generation_),
                      [pending](const Status&) { --*pending; });
     }
     // Small messages complete at once; a peer that is gone must not hold this rank here.
@@ -493,8 +495,9 @@ bool Runtime::Cycle(bool start_only) {
     progressed = true;
     Bytes msg = std::move(spare_);
     if (tag == NeighborExchange::kTag) {
-      if (NeighborExchange::IsLeaveNotice(*msg)) OnLeave(src);
-      else neighbors_.Accept(src, std::move(msg));
+      uint64_t generation = 0;
+      if (!NeighborExchange::IsLeaveNotice(*msg, &generation)) neighbors_.Accept(src, std::move(msg));
+      else if (generation == generation_) OnLeave(src);  // else: from a runtime before a shutdown
     } else if (tag == kRequestTag && coordinator_) {
       for (auto& r : DecodeRequests(msg->data(), msg->size())) coordinator_->Add(src, r, Now());
     } else if (tag == kResponseTag && !coordinator_) {
@@ -572,8 +575,14 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
   std::vector<int> gone;
   if (neighbor && negotiated_neighbor_names_.count(e->name) && !e->topo_check) {
-    for (int r : e->recv_ranks) if (peer_left_[r]) gone.push_back(r);
-    for (int r : e->send_ranks) if (peer_left_[r] && std::find(gone.begin(), gone.end(), r) == gone.end()) gone.push_back(r);
+    // A peer that left may have sent its piece before it left: only a missing one is fatal.
+    for (int r : e->recv_ranks) if (peer_left_[r] && !neighbors_.HasPiece(r, e->name)) gone.push_back(r);
+    // Nobody takes what is sent to a rank that left (it needs nothing more): skip it.
+    for (size_t k = e->send_ranks.size(); k-- > 0;) {
+      if (!peer_left_[e->send_ranks[k]]) continue;
+      e->send_ranks.erase(e->send_ranks.begin() + k);
+      if (k < e->send_weights.size()) e->send_weights.erase(e->send_weights.begin() + k);
+    }
   } else {  // every rank takes part in a collective and in a negotiation
     for (size_t r = 0; r < peer_left_.size(); ++r) if (peer_left_[r]) gone.push_back(static_cast<int>(r));
   }
@@ -585,10 +594,13 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
   return true;
 }
 
-std::string Runtime::LeftRanksMessage() const {
+std::string Runtime::LeftRanksMessage(const std::vector<int>* among) const {
   std::lock_guard<std::mutex> lock(left_mu_);
   if (left_ranks_.empty()) return "";
-  std::vector<int> ranks = left_ranks_;
+  std::vector<int> ranks;
+  for (int r : left_ranks_)
+    if (!among || std::find(among->begin(), among->end(), r) != among->end()) ranks.push_back(r);
+  if (ranks.empty()) return "";
   std::sort(ranks.begin(), ranks.end());
   return (ranks.size() == 1 ? "rank " : "ranks ") + Ranks(ranks) +
          " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
