@@ -224,6 +224,9 @@ def check_build():
     built, what = _core.gpu_support()
     # "CUDA kernels: built (...)" is what CI looks for; the plugin loads without a GPU.
     print(f"CUDA kernels: {'built' if built else 'not built'} ({what})")
+    from shoal import _gpu
+    kind = "fake (CPU devices, tests only)" if _gpu.is_fake(what) else "real" if built else "none"
+    print(f"CUDA plugin: {kind}; {_core.gpu_plugin_path()} (SHOAL_CUDA_PLUGIN)")
     nccl = built and "NCCL backend" in what and "no NCCL backend" not in what
     print(f"NCCL backend: {'built' if nccl else 'not built'}")
     print(f"CUDA devices: {'available to torch' if cuda else 'none visible to torch'}")

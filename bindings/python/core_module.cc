@@ -1,5 +1,6 @@
 // pybind11 module shoal._core: a thin layer over the C ABI of libshoal.so.
 // Tensors arrive as (address, dtype code, shape); the Python side keeps them alive.
+#include "cuda_api.h"
 #include "module.h"
 #include <optional>
 
@@ -339,6 +340,12 @@ PYBIND11_MODULE(_core, m) {
     char buf[kErrLen];
     int ok = shoal_gpu_support(buf, kErrLen);
     return py::make_tuple(ok == 1, std::string(buf));
+  });
+  m.attr("CUDA_ABI_VERSION") = SHOAL_CUDA_ABI_VERSION;  // of the plugin table (shoal/_gpu.py)
+  m.def("gpu_plugin_path", [] {
+    char buf[4096];
+    shoal_gpu_plugin_path(buf, sizeof buf);
+    return std::string(buf);
   });
   m.def("timeline_start_activity", [](const std::string& t, const std::string& a) {
     return shoal_timeline_start_activity(t.c_str(), a.c_str()) == 1;

@@ -3,7 +3,14 @@
 CUDA tensors go with the caller's current stream: the core records an event there at
 enqueue (so a producer kernel still running is waited for) and, at completion, makes that
 stream wait for the result (so later work on it is ordered after the op). Work on other
-streams must be ordered with the current stream as usual in torch."""
+streams must be ordered with the current stream as usual in torch.
+
+Test only: SHOAL_FAKE_DEVICE=1 (with SHOAL_CUDA_PLUGIN=fake) describes CPU tensors as CUDA
+tensors of fake device local_rank % device count, on its legacy default stream, so the
+whole GPU code path runs on CPUs in CI (DESIGN decision 12)."""
+import functools
+import os
+
 import torch
 
 from shoal._ops import DTYPE_CODES
@@ -33,7 +40,7 @@ class TorchAdapter:
         """(device type, device ordinal, current stream) of the enqueue: (0, 0, 0) for host
         memory, (1, ordinal, stream) for a CUDA tensor."""
         if not t.is_cuda:
-            return 0, 0, 0
+            return (1, _fake_device(), 0) if _FAKE else (0, 0, 0)
         return 1, t.device.index, torch.cuda.current_stream(t.device).cuda_stream
 
     def prepare(self, tensor, inplace, op, need_output=True):
@@ -86,6 +93,18 @@ class TorchAdapter:
         # Core-allocated results (gathers) are in host memory; a CUDA input gets them back
         # on its device, copied on the current stream.
         return torch.from_numpy(data).view(like.dtype).reshape(shape).to(like.device)
+
+
+_FAKE = os.environ.get("SHOAL_FAKE_DEVICE") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _fake_device():
+    from shoal import _gpu, basics
+    table = _gpu.plugin()
+    if not _gpu.is_fake(table.build):
+        raise ValueError("SHOAL_FAKE_DEVICE=1 needs the fake device plugin (SHOAL_CUDA_PLUGIN=fake)")
+    return basics.local_rank() % table.device_count(None)
 
 
 ADAPTER = TorchAdapter()

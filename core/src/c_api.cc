@@ -359,6 +359,12 @@ int shoal_gpu_support(char* buf, size_t len) {
   return api ? 1 : 0;
 }
 
+int shoal_gpu_plugin_path(char* buf, size_t len) {
+  const std::string path = shoal::CudaPluginPath();
+  Report(Status::Error(0, path), buf, len);
+  return static_cast<int>(path.size() + 1);
+}
+
 void shoal_reset_stats(void) {
   if (auto rt = Current()) rt->stats().Reset();
 }

@@ -16,14 +16,23 @@ struct Loaded {
   std::string why;
 };
 
-std::string PluginPath() {
-  if (const char* p = std::getenv("SHOAL_CUDA_PLUGIN")) return p;
+}  // namespace
+
+// $SHOAL_CUDA_PLUGIN: unset or "real", libshoal_cuda.so beside libshoal.so; "fake", the
+// fake device plugin beside it (tests only); else the path of a plugin.
+std::string CudaPluginPath() {
+  const char* env = std::getenv("SHOAL_CUDA_PLUGIN");
+  const std::string choice = env ? env : "";
+  if (!choice.empty() && choice != "real" && choice != "fake") return choice;
+  const char* name = choice == "fake" ? "libshoal_cuda_fake.so" : "libshoal_cuda.so";
   Dl_info info{};
-  if (!dladdr(reinterpret_cast<void*>(&CudaPlugin), &info) || !info.dli_fname) return "libshoal_cuda.so";
+  if (!dladdr(reinterpret_cast<void*>(&CudaPlugin), &info) || !info.dli_fname) return name;
   std::string self = info.dli_fname;
   auto slash = self.rfind('/');
-  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) + "libshoal_cuda.so";
+  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) + name;
 }
+
+namespace {
 
 size_t Bucket(size_t n) {
   size_t b = 4096;
@@ -42,12 +51,16 @@ const shoal_cuda_api* CudaPlugin(std::string* why) {
   static Loaded loaded;
   static std::once_flag once;
   std::call_once(once, [] {
-    const std::string path = PluginPath();
+    const std::string path = CudaPluginPath();
     void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h) {
       const char* e = dlerror();
-      loaded.why = "this build has no CUDA support (" + path + ": " + (e ? e : "not found") +
-                   "); rebuild Shoal where nvcc is installed";
+      const char* chosen = std::getenv("SHOAL_CUDA_PLUGIN");
+      if (chosen && *chosen && std::string(chosen) != "real")
+        loaded.why = "the CUDA plugin " + path + " (SHOAL_CUDA_PLUGIN) does not load: " + (e ? e : "not found");
+      else
+        loaded.why = "this build has no CUDA support (" + path + ": " + (e ? e : "not found") +
+                     "); rebuild Shoal where nvcc is installed";
       return;
     }
     auto fn = reinterpret_cast<shoal_cuda_plugin_fn>(dlsym(h, SHOAL_CUDA_PLUGIN_SYMBOL));

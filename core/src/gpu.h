@@ -20,9 +20,11 @@
 
 namespace shoal {
 
-// The plugin (libshoal_cuda.so beside libshoal.so, or $SHOAL_CUDA_PLUGIN), loaded once
-// per process; nullptr and *why when it is missing or does not load.
+// The plugin (libshoal_cuda.so beside libshoal.so, or as $SHOAL_CUDA_PLUGIN says), loaded
+// once per process; nullptr and *why when it is missing or does not load.
 const shoal_cuda_api* CudaPlugin(std::string* why);
+// The file CudaPlugin loads (whether or not it is there).
+std::string CudaPluginPath();
 
 // Per-entry GPU state; the device pointers stay here while the entry works on host copies.
 struct GpuOp {

@@ -106,6 +106,25 @@ template <typename Fn> void DispatchFloating(int dtype, Fn&& fn) {
   throw std::invalid_argument("weighted math needs a floating, int32 or int64 dtype");
 }
 
+// Integers for sums: two's-complement wrap-around, computed in uint64_t (no overflow UB).
+template <typename S> struct Wrapping {
+  using Store = S;
+  using Acc = uint64_t;
+  static uint64_t Load(S v) { return static_cast<uint64_t>(v); }
+  static S Save(uint64_t v) { return static_cast<S>(v); }
+};
+
+template <typename Fn> void DispatchSummable(int dtype, Fn&& fn) {
+  switch (dtype) {
+    case SHOAL_INT8: return fn(Wrapping<int8_t>{});
+    case SHOAL_UINT8: return fn(Wrapping<uint8_t>{});
+    case SHOAL_INT16: return fn(Wrapping<int16_t>{});
+    case SHOAL_INT32: return fn(Wrapping<int32_t>{});
+    case SHOAL_INT64: return fn(Wrapping<int64_t>{});
+  }
+  DispatchFloating(dtype, fn);
+}
+
 }  // namespace
 
 void WidenToFloat32(const void* src, int dtype, float* dst, size_t n) {
@@ -190,6 +209,20 @@ void Combine(const void* self, const std::vector<const void*>& srcs, void* out, 
     }
     const A div = static_cast<A>(srcs.size() + 1);
     for (size_t i = 0; i < n; ++i) y[i] = T::Save(uniform ? acc[i] / div : acc[i]);
+  });
+}
+
+void Sum(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n) {
+  DispatchSummable(dtype, [&](auto t) {
+    using T = decltype(t);
+    using S = typename T::Store;
+    auto d = static_cast<S*>(dst);
+    if (srcs.empty()) return;
+    for (size_t i = 0; i < n; ++i) {  // every source read before d[i] is written
+      typename T::Acc acc = T::Load(static_cast<const S*>(srcs[0])[i]);  // keeps -0.0 alone
+      for (size_t j = 1; j < srcs.size(); ++j) acc += T::Load(static_cast<const S*>(srcs[j])[i]);
+      d[i] = T::Save(acc);
+    }
   });
 }
 

@@ -28,4 +28,8 @@ void Scale(const void* src, void* dst, int dtype, size_t n, double w);
 void Combine(const void* self, const std::vector<const void*>& srcs, void* out, int dtype,
              size_t n, bool uniform, double self_weight, const std::vector<double>& weights);
 
+// dst[i] = the sum of srcs[j][i] in the order of srcs (dst may alias a source), for every
+// numeric dtype but bool: half types accumulate in float32, integers wrap like NCCL's.
+void Sum(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n);
+
 }  // namespace shoal

@@ -207,6 +207,19 @@ static void TestHalfConversions() {
   CHECK(out[0] == 2.0 && out[1] == 4.0);
 }
 
+static void TestSum() {
+  // In source order, into an aliased source; integers wrap; halves add in float32.
+  std::vector<int8_t> x = {100, -128, 5}, y = {100, -1, 6};
+  Sum({x.data(), y.data(), x.data()}, x.data(), SHOAL_INT8, 3);
+  CHECK(x[0] == 44 && x[1] == -1 && x[2] == 16);  // 300 - 256, -257 + 256, 5 + 6 + 5
+  std::vector<uint16_t> h = {FloatToHalf(2048.0f)}, one = {FloatToHalf(1.0f)};
+  Sum({h.data(), one.data(), one.data()}, h.data(), SHOAL_FLOAT16, 1);
+  CHECK(HalfToFloat(h[0]) == 2050.0f);  // pairwise float16 adds would stay at 2048
+  std::vector<float> z = {-0.0f};
+  Sum({z.data()}, z.data(), SHOAL_FLOAT32, 1);
+  CHECK(std::signbit(z[0]));
+}
+
 int main() {
   TestOutOfOrderThreads();
   TestMismatches();
@@ -215,6 +228,7 @@ int main() {
   TestHalfConversions();
   TestRefusalReachesEveryRank();
   TestLeftRankFailsPendingAndLater();
+  TestSum();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed ? 1 : 0;
 }

@@ -1,29 +1,41 @@
-"""The CUDA plugin's kernels against torch on the GPU (skip without one): weighted and
-uniform combine in every floating dtype, scaling, fusion pack/unpack with odd offsets."""
+"""The CUDA plugin's kernels against torch (real plugin on the GPU, skip without one; fake
+plugin on CPU tensors, always): weighted and uniform combine in every floating dtype,
+scaling, fusion pack/unpack with odd offsets."""
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
-@pytest.fixture(scope="module")
-def table():
-    from shoal import _gpu
-    return _gpu.plugin()
+@pytest.fixture(scope="module", params=["real", "fake"])
+def plugin(request):
+    """(table, device, stream): the real plugin on cuda, or the fake one on the CPU (its
+    legacy default stream, NULL, is the host: results are there when the call returns)."""
+    if request.param == "real" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHOAL_CUDA_PLUGIN", request.param)
+        from shoal import _gpu
+        table = _gpu.plugin()
+    assert _gpu.is_fake(table.build) == (request.param == "fake"), table.build
+    if request.param == "fake":
+        return table, "cpu", 0
+    return table, "cuda", torch.cuda.current_stream().cuda_stream
 
 
 @pytest.mark.parametrize("dtype", list(CODES))
 @pytest.mark.parametrize("n", [1, 7, 1000, 1 << 20])
 @pytest.mark.parametrize("k", [0, 1, 3])
-def test_combine(table, dtype, n, k):
+def test_combine(plugin, dtype, n, k):
     from shoal import _gpu
-    g = torch.Generator(device="cuda").manual_seed(n + k)
-    x = torch.randn(n, device="cuda", generator=g).to(dtype)
-    srcs = [torch.randn(n, device="cuda", generator=g).to(dtype) for _ in range(k)]
+    table, dev, stream = plugin
+    if dev == "cpu" and n > 1000:
+        pytest.skip("large sizes test the GPU kernels' grid; the fake runs the core's CPU loops")
+    g = torch.Generator(device=dev).manual_seed(n + k)
+    x = torch.randn(n, device=dev, generator=g).to(dtype)
+    srcs = [torch.randn(n, device=dev, generator=g).to(dtype) for _ in range(k)]
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    stream = torch.cuda.current_stream().cuda_stream
     for uniform in (True, False):
         w = [0.25 + j for j in range(k)]
         out = torch.empty_like(x)
@@ -42,26 +54,26 @@ def test_combine(table, dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", list(CODES))
-def test_scale(table, dtype):
+def test_scale(plugin, dtype):
     from shoal import _gpu
-    x = torch.arange(1001, device="cuda").to(dtype)
+    table, dev, stream = plugin
+    x = torch.arange(1001, device=dev).to(dtype)
     out = torch.empty_like(x)
-    stream = torch.cuda.current_stream().cuda_stream
     _gpu.check(table.scale(out.data_ptr(), x.data_ptr(), 4.0, 1, CODES[dtype], x.numel(), stream))
     assert torch.equal(out, (x.double() / 4).to(dtype))
     _gpu.check(table.scale(out.data_ptr(), x.data_ptr(), 0.5, 0, CODES[dtype], x.numel(), stream))
     assert torch.equal(out, (x.double() * 0.5).to(dtype))
 
 
-def test_pack_unpack(table):
+def test_pack_unpack(plugin):
     from shoal import _gpu
-    stream = torch.cuda.current_stream().cuda_stream
-    parts = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda") for n in [3, 16, 1000, 77, 1 << 16] * 20]
+    table, dev, stream = plugin
+    parts = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev) for n in [3, 16, 1000, 77, 1 << 16] * 20]
     offsets, at = [], 0
     for p in parts:
         offsets.append(at)
         at += p.numel() + 5  # odd gaps: unaligned parts take the byte path
-    fused = torch.zeros(at, dtype=torch.uint8, device="cuda")
+    fused = torch.zeros(at, dtype=torch.uint8, device=dev)
     _gpu.pack(table, fused, parts, offsets, False, stream)
     for p, o in zip(parts, offsets):
         assert torch.equal(fused[o:o + p.numel()], p)

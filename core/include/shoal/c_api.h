@@ -197,6 +197,12 @@ void shoal_reset_stats(void);
  * an event the caller recorded after the producer and keeps alive until completion. */
 int shoal_gpu_support(char* buf, size_t len);
 
+/* The CUDA plugin file libshoal.so loads (or would load) for CUDA tensors: beside it,
+ * libshoal_cuda.so, or libshoal_cuda_fake.so (CPU fake devices, tests only) with
+ * SHOAL_CUDA_PLUGIN=fake, or the path SHOAL_CUDA_PLUGIN names. Returns the bytes needed,
+ * with the terminator. */
+int shoal_gpu_plugin_path(char* buf, size_t len);
+
 #if defined(__GNUC__)
 #pragma GCC visibility pop
 #endif

@@ -4,7 +4,9 @@
  * serves CPU-only and GPU machines (DESIGN decision 4): a CPU machine never loads it,
  * and a machine without a driver gets a clear error instead of a failed import. The
  * plugin links the CUDA runtime statically (it needs only the driver, libcuda.so.1) and
- * dlopens libnccl.so.2 on first NCCL use. Plain C only: no C++ type crosses.
+ * dlopens libnccl.so.2 on first NCCL use. Plain C only: no C++ type crosses. A second
+ * implementation, libshoal_cuda_fake.so (fake_plugin.cc), runs the table on the CPU for
+ * tests (SHOAL_CUDA_PLUGIN=fake).
  *
  * Every fallible call returns NULL on success, or an error message owned by the plugin
  * that stays valid until the next call on the same thread. Streams and events are

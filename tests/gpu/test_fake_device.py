@@ -1,0 +1,202 @@
+"""The GPU code path on CPUs, through the fake device plugin (SHOAL_CUDA_PLUGIN=fake; DESIGN
+decision 12): the GPU suite (tests/workers/ops_cuda.py, on CPU tensors marked as device
+tensors with SHOAL_FAKE_DEVICE=1) at 2, 4 and 8 ranks with both GPU backends; the fake's
+NCCL rules (tests/workers/fake_nccl.py); its streams, events and memory, called here.
+
+Each check of a worker is its own test id; one shoalrun job per (worker, ranks, settings)
+runs all of its checks, the first test that needs it starts it."""
+import ctypes
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import WORKERS, run_ranks
+
+
+def _checks(script):
+    return re.findall(r"^@check\ndef (\w+)", (WORKERS / script).read_text(), re.M)
+
+
+_jobs = {}
+
+
+def _job(np_, script, env, timeout):
+    key = (np_, script, tuple(sorted(env.items())))
+    if key not in _jobs:
+        try:
+            rc, out, _ = run_ranks(np_, script, env=env, timeout=timeout)
+        except pytest.fail.Exception as exc:  # hung: every check of the job fails with it
+            rc, out = None, str(exc)
+        _jobs[key] = rc, out
+    return _jobs[key]
+
+
+def _outcome(np_, script, env, name, timeout):
+    """Fails, skips or passes as check `name` did on every rank of the job."""
+    rc, out = _job(np_, script, env, timeout)
+    status = {}
+    for m in re.finditer(r"\[rank (\d+)\] (PASS|SKIP|FAIL) (\w+)(?:: ([^\n\[]*))?", out):
+        if m[3] == name:
+            status[int(m[1])] = (m[2], (m[4] or "").strip())
+    for r, (s, _) in sorted(status.items()):
+        if s == "FAIL":
+            at = out.index(f"[rank {r}] FAIL {name}:")
+            end = out.find("\n[rank ", at + 1)
+            pytest.fail(f"{name} failed on rank {r} of {np_}:\n{out[at:end if end > 0 else None]}")
+    missing = sorted(set(range(np_)) - set(status))
+    if missing:
+        pytest.fail(f"ranks {missing} of {np_} reported nothing for {name} (exit {rc}):\n{out[-6000:]}")
+    skipped = {why for s, why in status.values() if s == "SKIP"}
+    if skipped:
+        assert len(skipped) == 1 and all(s == "SKIP" for s, _ in status.values()), status
+        pytest.skip(skipped.pop())
+    assert rc == 0, f"{script} on {np_} ranks exited {rc} after its checks:\n{out[-6000:]}"
+
+
+@pytest.mark.parametrize("check", _checks("ops_cuda.py"))
+@pytest.mark.parametrize("backend", ["mpi", "nccl"])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_gpu_suite_on_fake_devices(ranks, backend, check):
+    pytest.importorskip("torch")
+    env = {"SHOAL_CUDA_PLUGIN": "fake", "SHOAL_FAKE_DEVICE": "1", "SHOAL_GPU_BACKEND": backend}
+    _outcome(ranks, "ops_cuda.py", env, check, timeout=240)
+
+
+@pytest.mark.parametrize("check", _checks("fake_nccl.py"))
+def test_fake_nccl_rules(check):
+    # The cycle check waits for this timeout; the others fail or pass at once.
+    env = {"SHOAL_CUDA_PLUGIN": "fake", "SHOAL_FAKE_NCCL_TIMEOUT": "4"}
+    _outcome(3, "fake_nccl.py", env, check, timeout=120)
+
+
+def test_check_build_names_the_fake_plugin():
+    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "--check-build"], capture_output=True, text=True,
+                         timeout=120, check=True, env={**os.environ, "SHOAL_CUDA_PLUGIN": "fake"}).stdout
+    assert "CUDA plugin: fake" in out and "libshoal_cuda_fake.so" in out, out
+    assert "CUDA kernels: built (fake CPU devices" in out and "NCCL backend: built" in out, out
+
+
+# ---- The fake's streams, events and memory, in this process ----
+
+DELAY_US = 200_000  # per stream item: a race below is decided by 0.2 s, not by luck
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setenv("SHOAL_CUDA_PLUGIN", "fake")
+    from shoal import _gpu
+    table, lib = _gpu.plugin(), _gpu.library()
+    assert _gpu.is_fake(table.build), table.build
+    prev = lib.shoal_fake_set_stream_delay_us(DELAY_US)
+    yield table
+    lib.shoal_fake_set_stream_delay_us(prev)
+
+
+def ok(err):
+    assert not err, err.decode()
+
+
+def stream(t, device=0):
+    s = ctypes.c_void_p()
+    ok(t.stream_create(device, ctypes.byref(s)))
+    return s.value
+
+
+def event(t, device=0):
+    e = ctypes.c_void_p()
+    ok(t.event_create(device, ctypes.byref(e)))
+    return e.value
+
+
+def done(t, e):
+    d = ctypes.c_int(-1)
+    ok(t.event_query(e, ctypes.byref(d)))
+    return d.value
+
+
+def copy(t, dst, src, s):
+    ok(t.memcpy_async(dst.ctypes.data, src.ctypes.data, src.nbytes, s))
+
+
+def test_worker_stream_is_asynchronous(fake):
+    s, e = stream(fake), event(fake)
+    src, dst = np.arange(1000, dtype=np.float32), np.zeros(1000, np.float32)
+    copy(fake, dst, src, s)
+    ok(fake.event_record(e, s))
+    assert not dst.any(), "a result read without the event wait must be stale"
+    assert done(fake, e) == 0
+    ok(fake.stream_sync(s))
+    assert done(fake, e) == 1 and np.array_equal(dst, src)
+    ok(fake.stream_destroy(s))
+
+
+def test_stream_wait_event_orders_streams(fake):
+    a, b, e = stream(fake), stream(fake), event(fake)
+    x, junk = np.arange(64, dtype=np.int64), np.zeros(64, np.int64)
+    y, z = np.zeros(64, np.int64), np.full(64, -1, np.int64)
+    copy(fake, junk, x, a)  # stream a is busy for two items, b's copy comes after one
+    copy(fake, y, x, a)
+    ok(fake.event_record(e, a))
+    ok(fake.stream_wait_event(b, e))
+    copy(fake, z, y, b)
+    ok(fake.stream_sync(b))
+    assert np.array_equal(z, x), z
+    # The same without the wait: b reads y before a wrote it.
+    y2, z2 = np.zeros(64, np.int64), np.full(64, -1, np.int64)
+    copy(fake, junk, x, a)
+    copy(fake, y2, x, a)
+    copy(fake, z2, y2, b)
+    ok(fake.stream_sync(a))
+    ok(fake.stream_sync(b))
+    assert np.array_equal(y2, x) and not z2.any(), "a missing stream_wait_event must give a stale result"
+
+
+def test_legacy_default_stream_is_the_host(fake):
+    src, dst = np.arange(10, dtype=np.float64), np.zeros(10)
+    copy(fake, dst, src, None)  # NULL: runs on the caller, at once
+    assert np.array_equal(dst, src)
+    s, e = stream(fake), event(fake)
+    late = np.zeros(10)
+    copy(fake, late, src, s)
+    ok(fake.event_record(e, s))
+    ok(fake.stream_wait_event(None, e))  # the host waits, as torch CPU work must
+    assert np.array_equal(late, src) and done(fake, e) == 1
+
+
+def test_events_follow_cuda_rules(fake):
+    s0, s1 = stream(fake, 0), stream(fake, 1)
+    e0, e1 = event(fake, 0), event(fake, 1)
+    assert done(fake, e0) == 1, "an event never recorded is complete"
+    err = fake.event_record(e1, s0)
+    assert err and b"invalid resource handle" in err and b"device 1" in err, err
+    ok(fake.event_record(e1, s1))
+    ok(fake.stream_sync(s1))
+    ok(fake.event_destroy(e0))
+    assert b"invalid resource handle" in fake.event_query(e0, ctypes.byref(ctypes.c_int()))
+    assert b"invalid resource handle" in fake.stream_sync(ctypes.c_void_p(12345))
+    # Capture records on the given device and leaves the caller's current device alone.
+    ok(fake.set_device(2))
+    e = ctypes.c_void_p()
+    ok(fake.capture(1, None, ctypes.byref(e)))
+    assert fake.get_device() == 2 and done(fake, e.value) == 1
+
+
+def test_memory_and_kernel_arguments(fake):
+    n = fake.device_count(None)
+    assert n >= 1 and b"invalid device ordinal" in fake.set_device(n)
+    p = ctypes.c_void_p()
+    ok(fake.device_alloc(0, 1000, ctypes.byref(p)))
+    assert p.value % 256 == 0 and ctypes.string_at(p.value, 4) == b"\xa5" * 4, "fresh memory is a pattern, not zeros"
+    assert b"cudaFreeHost" in fake.host_free(p.value)
+    ok(fake.device_free(p.value))
+    assert b"invalid device pointer" in fake.device_free(p.value)
+    x = np.zeros(4, np.int32)
+    ptrs = (ctypes.c_void_p * 1)(x.ctypes.data)
+    err = fake.combine(x.ctypes.data, x.ctypes.data, ptrs, None, 1, 1, 1.0, 7, 4, None)
+    assert err and b"floating dtypes only" in err, err
+    many = (ctypes.c_void_p * 129)(*[x.ctypes.data] * 129)
+    assert b"at most 128" in fake.combine(x.ctypes.data, x.ctypes.data, many, None, 129, 1, 1.0, 2, 1, None)
