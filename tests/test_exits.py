@@ -19,7 +19,7 @@ DURINGS = ["allreduce", "neighbor", "window", "barrier"]
 # and shutdown() during one; SIGKILL three more times (it once left peers waiting 100 s).
 CASES = ([(h, d, 0) for h in HOWS for d in DURINGS] +
          [(h, "allreduce", 0) for h in ("sigterm", "abort", "shutdown")] +
-         [("return", "broadcast", 0), ("return", "onesided", 0), ("sys_exit", "onesided", 0)] + [("sigkill", d, k) for d in ("neighbor", "allreduce") for k in (1, 2)])
+         [("return", "broadcast", 0)] + [("sigkill", d, k) for d in ("neighbor", "allreduce") for k in (1, 2)])
 LIMIT = 30  # seconds, the bound
 
 

@@ -97,7 +97,7 @@ int shoal_init(char* err, size_t len) {
     g_runtime->AttachWindows(std::make_unique<shoal::WindowQueue>(
         [&](const std::atomic<bool>* stop) { return shoal::CreateMpiWindows(cfg, stats, stop); }));
     Runtime* rt = g_runtime.get();
-    g_runtime->windows()->SetGone([rt](const std::vector<int>* among) { return rt->LeftRanksMessage(among); });
+    g_runtime->windows()->SetGone([rt] { return rt->LeftRanksMessage(); });
   } catch (const std::exception& ex) {
     return Report(Status::Error(SHOAL_INVALID_ARGUMENT, ex.what()), err, len);
   }
@@ -273,10 +273,7 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
     // Puts, gets and updates without mutexes never wait on another rank's choices.
     const bool quick = !a.require_mutex && (d->op == SHOAL_WIN_PUT || d->op == SHOAL_WIN_ACCUMULATE ||
                                             d->op == SHOAL_WIN_GET || d->op == SHOAL_WIN_UPDATE);
-    const bool one_sided = d->op == SHOAL_WIN_PUT || d->op == SHOAL_WIN_ACCUMULATE || d->op == SHOAL_WIN_GET ||
-                           d->op == SHOAL_WIN_LOCK;
-    *handle = rt->windows()->Submit(std::move(job), quick, d->op == SHOAL_WIN_CREATE,
-                                    one_sided ? a.ranks : std::vector<int>{});
+    *handle = rt->windows()->Submit(std::move(job), quick, d->op == SHOAL_WIN_CREATE);
   } catch (const shoal::ArgumentError& ex) {
     return Report(Status::Error(ex.code, ex.what()), err, len);
   }

@@ -594,13 +594,10 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
   return true;
 }
 
-std::string Runtime::LeftRanksMessage(const std::vector<int>* among) const {
+std::string Runtime::LeftRanksMessage() const {
   std::lock_guard<std::mutex> lock(left_mu_);
   if (left_ranks_.empty()) return "";
-  std::vector<int> ranks;
-  for (int r : left_ranks_)
-    if (!among || std::find(among->begin(), among->end(), r) != among->end()) ranks.push_back(r);
-  if (ranks.empty()) return "";
+  std::vector<int> ranks = left_ranks_;
   std::sort(ranks.begin(), ranks.end());
   return (ranks.size() == 1 ? "rank " : "ranks ") + Ranks(ranks) +
          " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";

@@ -76,8 +76,8 @@ class Runtime {
   // This rank takes part in no more ops: tells every peer, so ops that need this rank fail
   // there instead of waiting. Later enqueues are refused. Idempotent; Stop() calls it.
   void Leave();
-  // "rank 1 left the job (...)" once some peer (of `among`, if given) left, else "" (any thread).
-  std::string LeftRanksMessage(const std::vector<int>* among = nullptr) const;
+  // "rank 1 left the job (...)" once some peer left, else "" (any thread).
+  std::string LeftRanksMessage() const;
   int Poll(int64_t handle);
   // 1 while the op's tensors may still be read or written (see shoal_in_use).
   int InUse(int64_t handle);

@@ -23,19 +23,11 @@ void WindowQueue::Stop() {
   done_cv_.notify_all();
 }
 
-int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline_ok, bool needs_all,
-                            std::vector<int> targets) {
+int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline_ok, bool needs_all) {
   auto job = std::make_shared<Job>();
   job->fn = std::move(fn);
   job->inline_ok = inline_ok;
   job->needs_all = needs_all;
-  job->targets = std::move(targets);
-  if (gone_ && !job->targets.empty()) {
-    // A rank that left still serves its windows until it frees them: fail here, or a
-    // loop of one-sided ops would never learn that it is gone.
-    std::string gone = gone_(&job->targets);
-    if (!gone.empty()) throw ArgumentError(SHOAL_ABORTED, "window op: " + gone);
-  }
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shut down");
   int64_t h = next_++;
@@ -95,8 +87,8 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
   while (!job->done) {
     auto until = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
     if (done_cv_.wait_until(lock, until, [&] { return job->done; })) break;
-    if ((job->needs_all || !job->targets.empty()) && gone_) {
-      std::string gone = gone_(job->needs_all ? nullptr : &job->targets);
+    if (job->needs_all && gone_) {
+      std::string gone = gone_();
       if (!gone.empty()) return Status::Error(SHOAL_ABORTED, "window op: " + gone);
     }
     if (std::chrono::steady_clock::now() >= deadline) return Status::Error(SHOAL_TIMEOUT, "window op still running");

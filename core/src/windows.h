@@ -67,12 +67,12 @@ class WindowQueue {
   void Stop();  // pending jobs fail with SHOAL_ABORTED; idempotent
   // `inline_ok`: a waiter may run the job itself (it cannot block for long, so the
   // caller's 200 ms waits, which let Ctrl-C through, keep their rhythm).
-  // `needs_all`: a collective that every rank must join (create); `targets`: the ranks a
-  // one-sided op reaches. Its waiters give up once `gone` (SetGone) says that every rank,
-  // or one of the targets, left the job (the message names them; empty: none).
-  int64_t Submit(std::function<Status(WindowEngine&)> job, bool inline_ok = false, bool needs_all = false,
-                 std::vector<int> targets = {});
-  void SetGone(std::function<std::string(const std::vector<int>* among)> gone) { gone_ = std::move(gone); }
+  // `needs_all`: a collective that every rank must join (create): its waiters give up
+  // once `gone` (SetGone) names ranks that left the job. One-sided ops to a rank that left
+  // still complete: it serves its windows until every rank frees them (asynchronous ranks
+  // finish at different times).
+  int64_t Submit(std::function<Status(WindowEngine&)> job, bool inline_ok = false, bool needs_all = false);
+  void SetGone(std::function<std::string()> gone) { gone_ = std::move(gone); }
   int Poll(int64_t handle);  // 1 done, 0 pending, -SHOAL_UNKNOWN_HANDLE
   Status Wait(int64_t handle, int64_t timeout_ms = -1);
   bool Release(int64_t handle);
@@ -85,7 +85,6 @@ class WindowQueue {
   struct Job {
     std::function<Status(WindowEngine&)> fn;
     bool done = false, inline_ok = false, needs_all = false;
-    std::vector<int> targets;
     Status status;
   };
   std::atomic<bool> stop_{false};
@@ -96,7 +95,7 @@ class WindowQueue {
   std::map<int64_t, std::shared_ptr<Job>> jobs_;
   int64_t next_ = 1;
   bool running_ = false;  // a job is running (on the window thread or a waiter)
-  std::function<std::string(const std::vector<int>* among)> gone_;
+  std::function<std::string()> gone_;
   std::thread thread_;
 };
 

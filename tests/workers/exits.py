@@ -2,7 +2,7 @@
 
     exits.py HOW DURING DIR
     HOW: return | sys_exit | exception | os_exit | sigkill | sigterm | abort | shutdown
-    DURING: allreduce | neighbor | window | onesided | barrier | broadcast
+    DURING: allreduce | neighbor | window | barrier | broadcast
 
 Every rank writes its pid to DIR/pid<rank> first (the test checks no process is left).
 The others print what their op raised, then re-raise it (so the job fails, as a script
@@ -23,7 +23,7 @@ with open(os.path.join(directory, f"pid{shoal.rank()}"), "w") as f:
     f.write(str(os.getpid()))
 shoal.set_topology(shoal.topology.ring_graph(shoal.size()))
 x = np.ones(4)
-if during in ("window", "onesided"):
+if during == "window":
     shoal.win_create(x, "w")
 shoal.barrier()  # everyone is past setup
 
@@ -65,9 +65,6 @@ else:
                 shoal.win_put(x, "w")
                 shoal.win_update("w")
                 shoal.win_create(np.ones(2), f"w{step}")
-            elif during == "onesided":  # no collective at all: the puts must notice
-                shoal.win_put(x, "w")
-                shoal.win_update("w")
     except Exception as exc:
         print(f"rank {shoal.rank()} caught {type(exc).__name__}: {exc}", flush=True)
         raise
