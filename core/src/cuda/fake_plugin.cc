@@ -16,6 +16,7 @@
 
 #include "common.h"
 #include "fake_stream.h"
+#include "plugin_table.h"
 #include "reduce.h"
 
 namespace shoal_fake {
@@ -349,27 +350,7 @@ shoal_cuda_api MakeTable() {
                                    ", SHOAL_FAKE_DEVICES; streams on worker threads, " + std::to_string(delay_us.load()) +
                                    " us per op); NCCL backend faked over MPI, ordering rules checked";
   t.build = build.c_str();
-  t.device_count = DeviceCountApi;
-  t.set_device = SetDevice;
-  t.get_device = GetDevice;
-  t.stream_create = StreamCreate;
-  t.stream_destroy = StreamDestroy;
-  t.stream_sync = StreamSync;
-  t.stream_wait_event = StreamWaitEvent;
-  t.capture = Capture;
-  t.event_create = EventCreate;
-  t.event_destroy = EventDestroy;
-  t.event_record = EventRecord;
-  t.event_query = EventQuery;
-  t.memcpy_async = MemcpyAsync;
-  t.host_alloc = HostAlloc;
-  t.host_free = HostFree;
-  t.device_alloc = DeviceAlloc;
-  t.device_free = DeviceFree;
-  t.combine = Combine;
-  t.scale = Scale;
-  t.pack = Pack;
-  FillNccl(&t);
+  SHOAL_FILL_CUDA_TABLE(t, DeviceCountApi);
   return t;
 }
 

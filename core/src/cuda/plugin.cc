@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "plugin_table.h"
 #include "plugin_util.h"
 
 namespace shoal_cuda {
@@ -109,27 +110,7 @@ shoal_cuda_api MakeTable() {
                                    std::to_string(CUDART_VERSION % 1000 / 10) +
                                    " runtime (static); kernels " SHOAL_CUDA_ARCHS "; " + NcclBuildInfo();
   t.build = build.c_str();
-  t.device_count = DeviceCount;
-  t.set_device = SetDevice;
-  t.get_device = GetDevice;
-  t.stream_create = StreamCreate;
-  t.stream_destroy = StreamDestroy;
-  t.stream_sync = StreamSync;
-  t.stream_wait_event = StreamWaitEvent;
-  t.capture = Capture;
-  t.event_create = EventCreate;
-  t.event_destroy = EventDestroy;
-  t.event_record = EventRecord;
-  t.event_query = EventQuery;
-  t.memcpy_async = MemcpyAsync;
-  t.host_alloc = HostAlloc;
-  t.host_free = HostFree;
-  t.device_alloc = DeviceAlloc;
-  t.device_free = DeviceFree;
-  t.combine = Combine;
-  t.scale = Scale;
-  t.pack = Pack;
-  FillNccl(&t);
+  SHOAL_FILL_CUDA_TABLE(t, DeviceCount);
   return t;
 }
 

@@ -1,0 +1,29 @@
+// Fills a shoal_cuda_api table from functions named as its entries, in the namespace where
+// it is expanded: the real plugin and the fake one implement the same names.
+#pragma once
+#include "cuda_api.h"
+
+#define SHOAL_FILL_CUDA_TABLE(t, device_count_fn) \
+  do {                                      \
+    (t).device_count = device_count_fn;     \
+    (t).set_device = SetDevice;             \
+    (t).get_device = GetDevice;             \
+    (t).stream_create = StreamCreate;       \
+    (t).stream_destroy = StreamDestroy;     \
+    (t).stream_sync = StreamSync;           \
+    (t).stream_wait_event = StreamWaitEvent; \
+    (t).capture = Capture;                  \
+    (t).event_create = EventCreate;         \
+    (t).event_destroy = EventDestroy;       \
+    (t).event_record = EventRecord;         \
+    (t).event_query = EventQuery;           \
+    (t).memcpy_async = MemcpyAsync;         \
+    (t).host_alloc = HostAlloc;             \
+    (t).host_free = HostFree;               \
+    (t).device_alloc = DeviceAlloc;         \
+    (t).device_free = DeviceFree;           \
+    (t).combine = Combine;                  \
+    (t).scale = Scale;                      \
+    (t).pack = Pack;                        \
+    FillNccl(&(t));                         \
+  } while (0)
