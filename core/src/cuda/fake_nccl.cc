@@ -25,6 +25,7 @@
 #include "common.h"
 #include "fake_mpi.h"
 #include "fake_stream.h"
+#include "plugin_table.h"
 #include "reduce.h"
 
 namespace shoal_fake {
@@ -487,17 +488,7 @@ shoal_cuda_error Exchange(const shoal_nccl_peer* sends, int n_send, const shoal_
 
 }  // namespace
 
-void FillNccl(shoal_cuda_api* t) {
-  t->has_nccl = 1;
-  t->nccl_unique_id = UniqueId;
-  t->nccl_comm_init = CommInit;
-  t->nccl_comm_destroy = CommDestroy;
-  t->nccl_check = CheckComm;
-  t->nccl_allreduce = AllReduce;
-  t->nccl_broadcast = Broadcast;
-  t->nccl_allgatherv = Allgatherv;
-  t->nccl_exchange = Exchange;
-}
+void FillNccl(shoal_cuda_api* t) { SHOAL_FILL_NCCL_TABLE(t); }
 
 }  // namespace shoal_fake
 

@@ -27,3 +27,17 @@
     (t).pack = Pack;                        \
     FillNccl(&(t));                         \
   } while (0)
+
+// The NCCL entries, likewise (real NCCL and NCCL faked over MPI).
+#define SHOAL_FILL_NCCL_TABLE(t)              \
+  do {                                        \
+    (t)->has_nccl = 1;                        \
+    (t)->nccl_unique_id = UniqueId;           \
+    (t)->nccl_comm_init = CommInit;           \
+    (t)->nccl_comm_destroy = CommDestroy;     \
+    (t)->nccl_check = CheckComm;              \
+    (t)->nccl_allreduce = AllReduce;          \
+    (t)->nccl_broadcast = Broadcast;          \
+    (t)->nccl_allgatherv = Allgatherv;        \
+    (t)->nccl_exchange = Exchange;            \
+  } while (0)

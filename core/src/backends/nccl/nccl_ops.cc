@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "plugin_table.h"
 #include "plugin_util.h"
 #include "shoal/c_api.h"
 
@@ -179,17 +180,7 @@ shoal_cuda_error Exchange(const shoal_nccl_peer* sends, int n_send, const shoal_
 
 }  // namespace
 
-void FillNccl(shoal_cuda_api* t) {
-  t->has_nccl = 1;
-  t->nccl_unique_id = UniqueId;
-  t->nccl_comm_init = CommInit;
-  t->nccl_comm_destroy = CommDestroy;
-  t->nccl_check = CheckComm;
-  t->nccl_allreduce = AllReduce;
-  t->nccl_broadcast = Broadcast;
-  t->nccl_allgatherv = Allgatherv;
-  t->nccl_exchange = Exchange;
-}
+void FillNccl(shoal_cuda_api* t) { SHOAL_FILL_NCCL_TABLE(t); }
 
 const char* NcclBuildInfo() {
   static const std::string s = "NCCL backend (built against NCCL " + std::to_string(NCCL_MAJOR) + "." +
