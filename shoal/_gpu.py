@@ -51,6 +51,8 @@ _FIELDS = [
     ("nccl_broadcast", _F(_err, _p, _i64, _i, _p, _p)),
     ("nccl_allgatherv", _F(_err, _p, _p, _pi64, _pi64, _i, _p, _p)),
     ("nccl_exchange", _F(_err, ctypes.POINTER(NcclPeer), _i, ctypes.POINTER(NcclPeer), _i, _p, _p)),
+    ("nccl_comm_abort", _F(_err, _p)),
+    ("mpi_cuda_aware", _F(_i, ctypes.POINTER(ctypes.c_char_p))),
 ]
 
 

@@ -43,8 +43,17 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
   return n;
 }
 
+const char* PathName(int32_t path) {
+  switch (path & ~kFakePlugin) {
+    case kPathStaged: return "MPI, staged through host memory";
+    case kPathMpi: return "CUDA-aware MPI";
+    case kPathNccl: return "NCCL";
+  }
+  return "host memory";
+}
+
 bool Signature::CompatibleForNeighbors(const Signature& o) const {
-  if (op != o.op || dtype != o.dtype || device_type != o.device_type) return false;
+  if (op != o.op || dtype != o.dtype || device_type != o.device_type || path != o.path) return false;
   if (op != SHOAL_OP_NEIGHBOR_ALLGATHER) return shape == o.shape;
   return shape.size() == o.shape.size() && !shape.empty() &&
          std::equal(shape.begin() + 1, shape.end(), o.shape.begin() + 1);
@@ -52,7 +61,10 @@ bool Signature::CompatibleForNeighbors(const Signature& o) const {
 
 std::string Signature::ToString() const {
   std::string s = std::string(DtypeName(dtype)) + ShapeString(shape);
-  if (device_type == SHOAL_DEVICE_CUDA) s += " on cuda";
+  if (device_type == SHOAL_DEVICE_CUDA) {
+    s += " on cuda";
+    if (path) s += std::string(" (") + PathName(path) + ((path & kFakePlugin) ? ", fake device plugin)" : ")");
+  }
   return s;
 }
 

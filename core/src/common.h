@@ -46,6 +46,16 @@ std::string ShapeString(const std::vector<int64_t>& shape);
 int64_t NumElements(const std::vector<int64_t>& shape);
 
 // What ranks must agree on for one named op.
+// How a rank moves a CUDA tensor's data (Signature::path).
+enum DataPath : int32_t {
+  kPathHost = 0,    // CPU tensors
+  kPathStaged = 1,  // copied to pinned host memory, moved by MPI (SHOAL_GPU_BACKEND=mpi)
+  kPathMpi = 2,     // device memory handed to a CUDA-aware MPI (neighbor ops)
+  kPathNccl = 3,    // device memory moved by NCCL (SHOAL_GPU_BACKEND=nccl)
+  kFakePlugin = 16,
+};
+const char* PathName(int32_t path);  // "staged through host memory (MPI)", ...
+
 struct Signature {
   int32_t op = 0;
   int32_t dtype = 0;
@@ -53,12 +63,15 @@ struct Signature {
   int32_t reduce_op = 0;
   int32_t root_rank = 0;
   int32_t scope = SHOAL_SCOPE_WORLD;
+  // CUDA tensors: how this rank moves the data (a DataPath, plus kFakePlugin when the fake
+  // device plugin runs it); ranks must agree, so it is part of negotiation.
+  int32_t path = 0;
   std::vector<int64_t> shape;
 
   bool operator==(const Signature& o) const {
     return op == o.op && dtype == o.dtype && device_type == o.device_type &&
            reduce_op == o.reduce_op && root_rank == o.root_rank && scope == o.scope &&
-           shape == o.shape;
+           path == o.path && shape == o.shape;
   }
   // What two ends of a neighbor edge must agree on (gathers: all but the first dim).
   bool CompatibleForNeighbors(const Signature& o) const;

@@ -169,7 +169,11 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
       {"operations", [](const Request& r) { return std::string(OpName(r.sig.op)); }},
       {"dtypes", [](const Request& r) { return std::string(DtypeName(r.sig.dtype)); }},
       {"devices",
-       [](const Request& r) { return std::string(r.sig.device_type ? "cuda" : "cpu"); }}};
+       [](const Request& r) { return std::string(r.sig.device_type ? "cuda" : "cpu"); }},
+      // SHOAL_GPU_BACKEND, CUDA-aware MPI and SHOAL_CUDA_PLUGIN decide it on each rank.
+      {"GPU data paths (SHOAL_GPU_BACKEND, CUDA-aware MPI, SHOAL_CUDA_PLUGIN)", [](const Request& r) {
+         return std::string(PathName(r.sig.path)) + ((r.sig.path & kFakePlugin) ? " (fake plugin)" : "");
+       }}};
   const int op = resp.op;
   if (op == SHOAL_OP_ALLGATHER || op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
     checks.push_back({"ranks (number of dimensions)",

@@ -140,7 +140,7 @@ Status GpuStaging::Start(const EntryPtr& e) {
   const char* err = nullptr;
   void* s = Stream(g.device, &err);
   if (!err) err = api_->stream_wait_event(s, g.ready);
-  if (!g.nccl) {  // NCCL collectives work on the device pointers: only the wait above
+  if (!g.nccl && !g.direct) {  // NCCL and the device plane work on the device pointers: only the wait above
     if (!err) g.host_in = HostBuffer(g.nbytes, &err);
     if (!err) g.host_out = g.dev_out == g.dev_in || !HasTensorOutput(e->sig.op) ? g.host_in : HostBuffer(g.nbytes, &err);
     if (!err && g.nbytes) err = api_->memcpy_async(g.host_in, g.dev_in, g.nbytes, s);
@@ -168,7 +168,7 @@ std::vector<EntryPtr> GpuStaging::Ready(std::vector<std::pair<EntryPtr, Status>>
       ++it;
       continue;
     }
-    if (!g.nccl) {
+    if (!g.nccl && !g.direct) {
       g.on_host = true;
       (*it)->input.data = g.host_in;
       (*it)->output.data = g.host_out;
@@ -194,9 +194,10 @@ Status GpuStaging::Complete(Entry& e, const Status& st) {
   if (!err) err = api_->event_create(g.device, &done);
   if (!err) err = api_->event_record(done, s);
   // Work the caller queues on its stream after this op completes runs after the copy
-  // (or after the NCCL kernels, which ran on the core's stream).
-  const bool nccl_output = st.ok() && g.nccl && HasTensorOutput(e.sig.op);
-  if (!err && (copy_back || nccl_output)) err = api_->stream_wait_event(g.user_stream, done);
+  // (or after the NCCL kernels and combines, which ran on the core's stream), also after
+  // an error: device work may still be queued then.
+  const bool device_work = (g.nccl || g.direct) && (HasTensorOutput(e.sig.op) || !st.ok());
+  if (!err && (copy_back || device_work)) err = api_->stream_wait_event(g.user_stream, done);
   Retiring r{done, {}};
   if (g.host_in) r.buffers.push_back(g.host_in);
   if (g.host_out && g.host_out != g.host_in) r.buffers.push_back(g.host_out);
@@ -233,14 +234,33 @@ GpuStaging::~GpuStaging() {
 
 // ---- The runtime's GPU steps (declared in runtime.h) ----
 
-void Runtime::StageGpu(const EntryPtr& e) {
+void Runtime::StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!gpu_) gpu_ = std::make_unique<GpuStaging>(e->gpu->api);
+  GpuOp& g = *e->gpu;
   const int op = e->sig.op, dt = e->sig.dtype;
-  // NCCL takes the collectives it can (every rank decides alike from the same settings);
-  // neighbor ops, which ranks may order differently, stay on the staged MPI path.
-  e->gpu->nccl = cfg_.gpu_backend == "nccl" && e->gpu->api->has_nccl &&
-                 (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER ||
-                  (op == SHOAL_OP_ALLREDUCE && dt != SHOAL_INT16 && dt != SHOAL_BOOL));
+  // The path follows from this rank's settings alone and is part of the signature, so
+  // ranks that disagree get the same mismatch error. NCCL takes the collectives it can
+  // sum, and neighbor ops (device_plane.h); a CUDA-aware MPI takes neighbor ops.
+  const bool neighbor = op == SHOAL_OP_NEIGHBOR_ALLREDUCE || op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  const bool nccl = cfg_.gpu_backend == "nccl" && g.api->has_nccl;
+  if (neighbor) {
+    g.direct = nccl || g.api->mpi_cuda_aware(nullptr);
+    e->sig.path = !g.direct ? kPathStaged : nccl ? kPathNccl : kPathMpi;
+  } else {
+    g.nccl = nccl && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER ||
+                      (op == SHOAL_OP_ALLREDUCE && dt != SHOAL_INT16 && dt != SHOAL_BOOL));
+    e->sig.path = g.nccl ? kPathNccl : kPathStaged;
+  }
+  if (std::string(g.api->build).rfind("fake", 0) == 0) e->sig.path |= kFakePlugin;
+  std::string why;
+  if (g.direct && !device_plane_.Bind(g.api, g.device, gpu_.get(), &why)) {
+    // Refused like a bad argument at the call: the peers get the same error.
+    e->reject = std::string(OpName(op)) + ": " + why;
+    e->reject_code = SHOAL_INVALID_ARGUMENT;
+    g.direct = false;
+    Route(e, to_coordinator);
+    return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, e->reject));
+  }
   Status st = gpu_->Start(e);
   if (!st.ok()) Finish(e, st);
 }
@@ -252,8 +272,11 @@ bool Runtime::PollGpu(std::vector<Request>* to_coordinator) {
   for (auto& e : ready) Route(e, to_coordinator);
   for (auto& f : failed) Finish(f.first, f.second);
   bool nccl_done = PollNccl();
+  std::vector<std::pair<EntryPtr, Status>> device_done;
+  bool device = device_plane_.Poll(&device_done);
+  for (auto& d : device_done) Finish(d.first, d.second);
   gpu_->Retire();
-  return !ready.empty() || !failed.empty() || nccl_done;
+  return !ready.empty() || !failed.empty() || nccl_done || device;
 }
 
 Status Runtime::CompleteGpu(Entry& e, const Status& st) { return gpu_ ? gpu_->Complete(e, st) : st; }

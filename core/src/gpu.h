@@ -40,7 +40,8 @@ struct GpuOp {
   void* host_out = nullptr;
   void* staged = nullptr;  // recorded after the device->host copy
   bool started = false, on_host = false, finished = false;
-  bool nccl = false;  // a collective run by NCCL on the device pointers (no host copies)
+  bool nccl = false;    // a collective run by NCCL on the device pointers (no host copies)
+  bool direct = false;  // a neighbor op whose data moves from device memory (device_plane.h)
   ~GpuOp();
 };
 
@@ -70,10 +71,12 @@ class GpuStaging {
   void RestoreDevice(int device) const { api_->set_device(device); }
   // The core's stream on `device` (made current); nullptr and *err on failure.
   void* Stream(int device, const char** err);
+  // Pooled pinned host memory of at least n bytes, and giving it back.
+  void* HostBuffer(size_t n, const char** err);
+  void ReturnHostBuffer(void* p) { pool_[sizes_[p]].push_back(p); }
 
  private:
   Status Err(const char* msg) const;
-  void* HostBuffer(size_t n, const char** err);
 
   const shoal_cuda_api* api_;
   std::map<int, void*> streams_;

@@ -1,58 +1,101 @@
 // NCCL collectives of CUDA tensors (SHOAL_GPU_BACKEND=nccl): allreduce, broadcast and
 // allgather run on the device pointers, on the core's stream, after negotiation ordered
 // them identically on every rank. One communicator per (scope, device), created on first
-// use (its unique id travels over MPI) and kept for the runtime's life.
+// use (its unique id travels over MPI, joined on a helper thread) and kept until shutdown.
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "gpu.h"
 #include "runtime.h"
 
 namespace shoal {
 
-void* Runtime::NcclComm(int scope, int device, std::string* err) {
-  auto key = std::make_pair(scope, device);
-  auto it = nccl_comms_.find(key);
-  if (it != nccl_comms_.end()) return it->second;
+// The communicator of (scope, device), set up without blocking the driver: rank 0 of the
+// scope creates the id (or fails to) and broadcasts it, with the error if any, over MPI;
+// every rank then joins on a helper thread. Batches wait in order until it is ready.
+void Runtime::StartNcclComm(NcclComm& c, int scope, int device) {
   const shoal_cuda_api* api = CudaPlugin(nullptr);
   const WorldInfo& w = world();
   const bool machine = scope == SHOAL_SCOPE_MACHINE;
   const int n = machine ? w.local_size : w.size, me = machine ? w.local_rank : w.rank;
-  char id[128] = {0};
-  const char* e = me == 0 ? api->nccl_unique_id(id) : nullptr;
-  // Every rank of the scope reaches this point in the same collective, so a blocking
-  // broadcast of the id is safe here; it happens once per communicator.
-  bool done = false;
-  Status st;
-  backend_->Broadcast(id, sizeof id, SHOAL_UINT8, 0, scope, [&](const Status& s) { st = s; done = true; });
-  while (!done) backend_->Progress();
-  if (!st.ok()) {
-    *err = "NCCL communicator setup: " + st.message;
-    return nullptr;
+  c.started = true;
+  auto buf = std::make_shared<ByteVec>(1 + 128 + 256, 0);  // [ok][id][rank 0's error]
+  if (me == 0) {
+    const char* e = api->nccl_unique_id(buf->data() + 1);
+    (*buf)[0] = e ? 0 : 1;
+    if (e) std::strncpy(buf->data() + 129, e, 255);
   }
-  void* comm = nullptr;
-  if (!e) e = api->nccl_comm_init(device, n, id, me, &comm);
-  if (e) {
-    *err = e;
-    return nullptr;
+  auto setup = std::make_shared<NcclComm::Setup>();
+  c.setup = setup;
+  backend_->Broadcast(buf->data(), buf->size(), SHOAL_UINT8, 0, scope, [api, buf, setup, device, n, me](const Status& st) {
+    if (!st.ok() || (*buf)[0] != 1) {
+      setup->error = !st.ok() ? "broadcasting the NCCL id: " + st.message
+                              : "rank 0 could not create the NCCL id: " + std::string(buf->data() + 129);
+      setup->done = true;
+      return;
+    }
+    setup->thread = std::thread([api, buf, setup, device, n, me] {
+      const char* e = api->nccl_comm_init(device, n, buf->data() + 1, me, &setup->comm);
+      if (e) setup->error = e;
+      setup->done = true;
+    });
+  });
+}
+
+bool Runtime::AdvanceNcclComms() {
+  bool any = false;
+  for (auto& kv : nccl_comms_) {
+    NcclComm& c = kv.second;
+    if (!c.setup || !c.setup->done) continue;
+    if (c.setup->thread.joinable()) c.setup->thread.join();
+    c.comm = c.setup->comm;
+    c.error = c.setup->error.empty() ? "" : "NCCL communicator setup: " + c.setup->error;
+    c.setup.reset();
+    auto parked = std::move(c.parked);
+    c.parked.clear();
+    for (auto& p : parked) RunNccl(p.first, p.second);
+    any = true;
   }
-  nccl_comms_[key] = comm;
-  return comm;
+  return any;
+}
+
+void Runtime::StopNccl() {
+  for (auto& kv : nccl_comms_) {
+    NcclComm& c = kv.second;
+    const shoal_cuda_api* api = CudaPlugin(nullptr);
+    if (c.setup) {  // a rank that never joins leaves the thread blocked in NCCL: let it go
+      auto deadline = Clock::now() + std::chrono::seconds(5);
+      while (!c.setup->done && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (c.setup->done && c.setup->thread.joinable()) c.setup->thread.join();
+      else if (c.setup->thread.joinable()) c.setup->thread.detach();
+      if (c.setup->done) c.comm = c.setup->comm;
+    }
+    if (!c.comm) continue;
+    // Work still queued would keep the caller's streams waiting: abort it, else destroy.
+    bool busy = false;
+    for (auto& b : nccl_in_flight_) busy = busy || b.comm == c.comm;
+    if (busy) api->nccl_comm_abort(c.comm);
+    else api->nccl_comm_destroy(c.comm);
+  }
+  nccl_comms_.clear();
 }
 
 void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
   const shoal_cuda_api* api = batch[0]->gpu->api;
   const int device = batch[0]->gpu->device, scope = batch[0]->sig.scope;
-  std::string why;
-  const char* e = nullptr;
-  void* stream = gpu_->Stream(device, &e);
-  void* comm = e ? nullptr : NcclComm(scope, device, &why);
-  if (e) why = e;
   auto fail = [&](const std::string& msg) {
     for (auto& x : batch) Finish(x, Status::Error(SHOAL_ABORTED, std::string(OpName(r.op)) + " '" + x->name + "': NCCL: " + msg));
   };
-  if (!comm) return fail(why);
-  NcclBatch nb{nullptr, comm, batch, {}};
+  NcclComm& c = nccl_comms_[{scope, device}];
+  if (!c.started) StartNcclComm(c, scope, device);
+  if (!c.error.empty()) return fail(c.error);
+  if (!c.comm) return c.parked.push_back({r, batch});
+  const char* e = nullptr;
+  void* stream = gpu_->Stream(device, &e);
+  void* comm = c.comm;
+  if (e) return fail(e);
+  NcclBatch nb{nullptr, comm, batch, {}, {}};
   for (auto& x : batch) {
     GpuOp& g = *x->gpu;
     if (g.device != device) return fail("tensors of one fused batch are on different devices");
@@ -76,8 +119,11 @@ void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
       if (total > 0 && !e) e = api->device_alloc(device, total, &tmp);
       if (tmp) nb.device_buffers.push_back(tmp);
       if (total > 0 && !e) e = api->nccl_allgatherv(g.dev_in, tmp, nbytes.data(), offsets.data(), w.size, comm, stream);
-      // Gathers hand back host results (as the CPU path does); the binding moves them.
-      if (total > 0 && !e) e = api->memcpy_async(x->result, tmp, total, stream);
+      // Gathers hand back host results (as the CPU path does; the binding moves them),
+      // through pinned memory: a copy to pageable memory would block this thread.
+      void* pinned = total > 0 && !e ? gpu_->HostBuffer(total, &e) : nullptr;
+      if (pinned) nb.host_copies.push_back({pinned, x->result, static_cast<size_t>(total)});
+      if (pinned && !e) e = api->memcpy_async(pinned, tmp, total, stream);
       continue;
     }
     if (g.dev_out != g.dev_in && g.nbytes && !e &&
@@ -100,6 +146,7 @@ void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
     // Nothing may still use the buffers we free: wait for the stream first.
     api->stream_sync(stream);
     for (void* p : nb.device_buffers) api->device_free(p);
+    for (auto& h : nb.host_copies) gpu_->ReturnHostBuffer(std::get<0>(h));
     if (nb.event) api->event_destroy(nb.event);
     return fail(e);
   }
@@ -107,7 +154,7 @@ void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
 }
 
 bool Runtime::PollNccl() {
-  bool any = false;
+  bool any = AdvanceNcclComms();
   for (auto it = nccl_in_flight_.begin(); it != nccl_in_flight_.end();) {
     const shoal_cuda_api* api = it->batch[0]->gpu->api;
     int done = 0;
@@ -119,6 +166,10 @@ bool Runtime::PollNccl() {
     }
     if (!e) api->event_destroy(it->event);  // on error the event may still be pending: leak it
     for (void* p : it->device_buffers) if (!e) api->device_free(p);
+    for (auto& h : it->host_copies) {
+      if (!e) std::memcpy(std::get<1>(h), std::get<0>(h), std::get<2>(h));
+      if (!e) gpu_->ReturnHostBuffer(std::get<0>(h));
+    }
     for (auto& x : it->batch) {
       x->t_comm_end = Clock::now();
       Finish(x, e ? Status::Error(SHOAL_ABORTED, std::string(OpName(x->sig.op)) + " '" + x->name + "': NCCL: " + e)

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "gpu.h"
 #include "reduce.h"
 #include "wire.h"
 
@@ -54,6 +55,19 @@ void NeighborExchange::Start(const std::vector<EntryPtr>& ready) {
 }
 
 void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items) {
+  // Pieces that move from device memory go in messages of their own (headers only).
+  auto path = [](const EntryPtr& e) { return e->gpu && e->gpu->direct ? e->sig.path & ~kFakePlugin : 0; };
+  auto mid = std::stable_partition(items.begin(), items.end(), [&](const auto& it) { return path(it.first) == 0; });
+  if (mid != items.end()) {
+    std::vector<std::pair<EntryPtr, double>> device(mid, items.end());
+    items.erase(mid, items.end());
+    std::stable_sort(device.begin(), device.end(), [&](const auto& a, const auto& b) { return path(a.first) < path(b.first); });
+    for (size_t i = 0, j = 0; i < device.size(); i = j) {
+      std::vector<std::pair<EntryPtr, double>> same;
+      for (j = i; j < device.size() && path(device[j].first) == path(device[i].first); ++j) same.push_back(device[j]);
+      FlushDevice(dst, path(device[i].first), same);
+    }
+  }
   size_t i = 0;
   while (i < items.size()) {
     // One message: as many entries as fit under the threshold (at least one).
@@ -90,6 +104,8 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
       at += e.nbytes();
       if (trace_) e.t_copy_end = Clock::now();
     }
+    for (size_t k = i; k < j; ++k)
+      (items[k].first->gpu ? stats_->neighbor_bytes_sent_staged : stats_->neighbor_bytes_sent_mpi) += items[k].first->nbytes();
     if (j - i > 1) ++stats_->fused_batches;
     stats_->bytes_sent += msg->size() + (direct ? payload : 0);
     std::vector<EntryPtr> in_msg;
@@ -112,6 +128,35 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
   }
 }
 
+void NeighborExchange::FlushDevice(int dst, int path, std::vector<std::pair<EntryPtr, double>>& items) {
+  for (size_t i = 0, j = 0; i < items.size(); i = j) {
+    size_t payload = 0;
+    j = i;
+    do {
+      payload += items[j].first->nbytes();
+      ++j;
+    } while (j < items.size() && threshold_ > 0 &&
+             static_cast<int64_t>(payload + items[j].first->nbytes()) <= threshold_);
+    Writer w(64 * (j - i) + 16);
+    w.Put<uint32_t>(kMagic);
+    w.Put<uint32_t>(static_cast<uint32_t>(j - i));
+    for (size_t k = i; k < j; ++k) {
+      w.PutString(items[k].first->name);
+      w.PutSignature(items[k].first->sig);
+      w.Put<int64_t>(items[k].first->step);
+      w.Put<uint64_t>(items[k].first->nbytes());
+      w.Put<uint8_t>(static_cast<uint8_t>(path));
+    }
+    auto msg = pool_->Get(w.size());
+    std::memcpy(msg->data(), w.buffer().data(), w.size());
+    // First: the edge's first data is preceded by its link message.
+    device_->Send(dst, path, std::vector<std::pair<EntryPtr, double>>(items.begin() + i, items.begin() + j));
+    if (j - i > 1) ++stats_->fused_batches;
+    stats_->bytes_sent += msg->size();
+    backend_->Send(dst, kTag, msg, [](const Status&) {});
+  }
+}
+
 void NeighborExchange::Accept(int src, Bytes msg) {
   stats_->bytes_received += msg->size();
   Reader r(msg->data(), msg->size());
@@ -124,14 +169,28 @@ void NeighborExchange::Accept(int src, Bytes msg) {
     h.sig = r.GetSignature();
     h.step = r.Get<int64_t>();
     h.nbytes = r.Get<uint64_t>();
-    h.direct = r.Get<uint8_t>();
+    h.how = r.Get<uint8_t>();
   }
+  // Device pieces of one message are received together (one grouped NCCL call).
+  std::vector<uint64_t> device_bytes;
+  int path = 0;
+  for (auto& h : headers_) {
+    if (h.how < kPathMpi) continue;
+    if (path && h.how != path) throw std::runtime_error("corrupt neighbor message (mixed device paths)");
+    path = h.how;
+    device_bytes.push_back(h.nbytes);
+  }
+  std::vector<std::shared_ptr<Arrival>> device;
+  if (path) device = device_->Receive(src, path, device_bytes);
+  size_t d = 0;
   for (auto& h : headers_) {
     Piece p;
     p.sig = std::move(h.sig);
     p.step = h.step;
     p.nbytes = h.nbytes;
-    if (h.direct) {
+    if (h.how >= kPathMpi) {
+      p.arrival = device[d++];
+    } else if (h.how) {
       // The data follows on kDataTag; messages from one rank with one tag arrive in
       // order, so receives posted in header order get the matching data.
       p.msg = pool_->Get(h.nbytes);
@@ -168,9 +227,10 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
       q.erase(q.begin());
       if (q.empty()) ++empty_keys_;
     }
-    Status st = Finish(e, got_);
+    bool deferred = false;
+    Status st = Finish(*it, got_, &deferred);
     got_.clear();
-    done.push_back({*it, st});
+    if (!deferred) done.push_back({*it, st});  // else the device plane reports it when done
     it = waiting_.erase(it);
   }
   if (empty_keys_ > 4096) {  // e.g. many one-off names
@@ -180,7 +240,8 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
   return done;
 }
 
-Status NeighborExchange::Finish(Entry& e, std::vector<Piece>& got) {
+Status NeighborExchange::Finish(const EntryPtr& ep, std::vector<Piece>& got, bool* deferred) {
+  Entry& e = *ep;
   // Built only for an error: a successful op allocates nothing here.
   auto op = [&] { return std::string(OpName(e.sig.op)) + " '" + e.name + "': "; };
   if (!e.send_error.ok()) return Status::Error(SHOAL_ABORTED, op() + e.send_error.message);
@@ -195,6 +256,22 @@ Status NeighborExchange::Finish(Entry& e, std::vector<Piece>& got) {
     if (!got[k].sig.CompatibleForNeighbors(e.sig))
       return Status::Error(SHOAL_MISMATCH, op() + "rank " + std::to_string(src) + " sent " + OpName(got[k].sig.op) +
           " " + got[k].sig.ToString() + " but this rank has " + OpName(e.sig.op) + " " + e.sig.ToString());
+  }
+  if (e.gpu && e.gpu->direct) {  // every piece is in device memory (the paths matched)
+    std::vector<std::shared_ptr<Arrival>> pieces;
+    std::vector<size_t> nbytes;
+    if (e.sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
+      e.result_shape = e.sig.shape;
+      e.result_shape[0] = 0;
+    }
+    for (auto& p : got) {
+      pieces.push_back(p.arrival);
+      nbytes.push_back(p.nbytes);
+      if (e.sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER) e.result_shape[0] += p.sig.shape[0];
+    }
+    Status st = device_->Finish(ep, pieces, nbytes, trace_);
+    *deferred = st.ok();
+    return st;
   }
   auto data = [&](size_t k) { return got[k].msg->data() + got[k].offset; };
   if (e.sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE) {

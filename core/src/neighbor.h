@@ -19,6 +19,7 @@
 
 #include "backend.h"
 #include "buffer_pool.h"
+#include "device_plane.h"
 #include "entry.h"
 #include "stats.h"
 
@@ -31,8 +32,9 @@ class NeighborExchange {
   static constexpr size_t kDirectBytes = 64 << 10;
 
   // `trace`: record the timeline's phase times in each entry.
-  NeighborExchange(Backend* backend, int64_t fusion_threshold, Stats* stats, bool trace)
-      : backend_(backend), threshold_(fusion_threshold), stats_(stats), trace_(trace) {}
+  // `device` moves the data of CUDA tensors whose path is NCCL or CUDA-aware MPI.
+  NeighborExchange(Backend* backend, DevicePlane* device, int64_t fusion_threshold, Stats* stats, bool trace)
+      : backend_(backend), device_(device), threshold_(fusion_threshold), stats_(stats), trace_(trace) {}
 
   // Sends each entry's (weighted) tensor to its send ranks; it then awaits its sources.
   void Start(const std::vector<EntryPtr>& ready);
@@ -67,12 +69,8 @@ class NeighborExchange {
   std::vector<std::pair<int, std::string>> Unmatched(Clock::time_point now, double age);
 
  private:
-  struct Arrival {  // data received separately (kDataTag)
-    bool done = false;
-    Status status;
-  };
   struct Piece {
-    std::shared_ptr<Arrival> arrival;  // null: the data is in `msg` already
+    std::shared_ptr<Arrival> arrival;  // null: the data is in `msg` already (else kDataTag or device)
     bool Arrived() const { return !arrival || arrival->done; }
     Bytes msg;
     size_t offset = 0;
@@ -82,18 +80,20 @@ class NeighborExchange {
     Clock::time_point arrived = Clock::now();
     bool reported = false;
   };
-  Status Finish(Entry& e, std::vector<Piece>& got);
+  Status Finish(const EntryPtr& e, std::vector<Piece>& got, bool* deferred);
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);
+  void FlushDevice(int dst, int path, std::vector<std::pair<EntryPtr, double>>& items);
 
   struct Header {  // of one piece of an arrived message
     std::string name;
     Signature sig;
     int64_t step = 0;
     uint64_t nbytes = 0;
-    bool direct = false;
+    uint8_t how = 0;  // 0: data in the message, 1: on kDataTag, else the DataPath of a device piece
   };
 
   Backend* backend_;
+  DevicePlane* device_;
   std::shared_ptr<BufferPool> pool_ = BufferPool::Create();
   int64_t threshold_;
   Stats* stats_;

@@ -63,7 +63,8 @@ std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ra
 
 Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
     : cfg_(cfg), backend_(std::move(backend)), generation_(++g_generations),
-      neighbors_(backend_.get(), cfg.fusion_threshold, &stats_, !cfg.timeline.empty()) {
+      device_plane_(backend_.get(), &stats_),
+      neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold);
   if (!cfg_.timeline.empty()) {
     std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
@@ -88,6 +89,8 @@ void Runtime::Stop() {
     done_cv_.wait(lock, [&] { return !driving_; });
   }
   FailAll("Shoal was shut down before the op completed");
+  device_plane_.Stop();
+  StopNccl();
   timeline_.Close();
 }
 
@@ -324,7 +327,7 @@ std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pac
   auto wait = std::chrono::microseconds(0);
   if (pace) {
     *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
-            (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty();
+            (gpu_ && !gpu_->Idle()) || !nccl_in_flight_.empty() || !device_plane_.Idle();
     wait = pace->Next(progressed, *busy);
     // A waiter whose op is not done yields even after progress (its own send, say): on a
     // shared core the rank it waits for may be the one ready to run.
@@ -358,6 +361,11 @@ bool Runtime::Release(int64_t handle) {
 }
 
 void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
+  if (e->gpu && e->gpu->direct && !st_in.ok() && gpu_) {
+    // Sends of this entry may still be queued on the device plane's streams.
+    const char* err = nullptr;
+    if (void* s = gpu_->Stream(e->gpu->device, &err)) device_plane_.Fence(*e, s);
+  }
   const Status st = e->gpu ? CompleteGpu(*e, st_in) : st_in;
   if (st.ok()) {
     switch (e->sig.op) {
@@ -462,7 +470,7 @@ bool Runtime::Cycle(bool start_only) {
   }
   std::vector<Request> to_coordinator;
   for (auto& e : fresh) {
-    if (e->gpu) StageGpu(e);
+    if (e->gpu) StageGpu(e, &to_coordinator);
     else Route(e, &to_coordinator);
   }
   progressed |= !fresh.empty();
@@ -496,7 +504,8 @@ bool Runtime::Cycle(bool start_only) {
     Bytes msg = std::move(spare_);
     if (tag == NeighborExchange::kTag) {
       uint64_t generation = 0;
-      if (!NeighborExchange::IsLeaveNotice(*msg, &generation)) neighbors_.Accept(src, std::move(msg));
+      if (DevicePlane::IsLinkMessage(*msg)) device_plane_.OnLinkMessage(src, *msg);
+      else if (!NeighborExchange::IsLeaveNotice(*msg, &generation)) neighbors_.Accept(src, std::move(msg));
       else if (generation == generation_) OnLeave(src);  // else: from a runtime before a shutdown
     } else if (tag == kRequestTag && coordinator_) {
       for (auto& r : DecodeRequests(msg->data(), msg->size())) coordinator_->Add(src, r, Now());
@@ -613,6 +622,7 @@ void Runtime::OnLeave(int rank) {
     left_ranks_.push_back(rank);
   }
   Log(LOG_DEBUG, "rank " + std::to_string(rank) + " left the job");
+  device_plane_.OnLeave(rank);
   const std::string why = " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
   for (auto& e : neighbors_.TakeNeeding(rank))
     Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': rank " +

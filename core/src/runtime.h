@@ -20,12 +20,14 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
 #include "backend.h"
 #include "buffer_pool.h"
 #include "coordinator.h"
+#include "device_plane.h"
 #include "entry.h"
 #include "gpu.h"
 #include "neighbor.h"
@@ -110,19 +112,23 @@ class Runtime {
     return std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
   }
   // CUDA tensors (gpu.cc): stage to host, route once staged, copy back at completion.
-  void StageGpu(const EntryPtr& e);
+  void StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator);
   bool PollGpu(std::vector<Request>* to_coordinator);
   Status CompleteGpu(Entry& e, const Status& st);
   // NCCL collectives of CUDA tensors (gpu_nccl.cc).
+  struct NcclComm;
   void RunNccl(const Response& r, const std::vector<EntryPtr>& batch);
   bool PollNccl();
-  void* NcclComm(int scope, int device, std::string* err);
+  void StartNcclComm(NcclComm& c, int scope, int device);
+  bool AdvanceNcclComms();
+  void StopNccl();
 
   Config cfg_;
   std::unique_ptr<Backend> backend_;
   uint64_t generation_;
   Stats stats_;
   Timeline timeline_;
+  DevicePlane device_plane_;  // neighbor data of CUDA tensors from device memory (driver only)
   std::shared_ptr<BufferPool> fusion_pool_ = BufferPool::Create(4);
   Clock::time_point last_flush_ = Clock::now();
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
@@ -166,8 +172,22 @@ class Runtime {
     void* comm;
     std::vector<EntryPtr> batch;
     std::vector<void*> device_buffers;
+    std::vector<std::tuple<void*, void*, size_t>> host_copies;  // (pinned, result, bytes) at completion
   };
-  std::map<std::pair<int, int>, void*> nccl_comms_;  // (scope, device) -> ncclComm_t
+  struct NcclComm {
+    struct Setup {
+      std::thread thread;
+      std::atomic<bool> done{false};
+      void* comm = nullptr;
+      std::string error;
+    };
+    bool started = false;
+    void* comm = nullptr;
+    std::string error;
+    std::shared_ptr<Setup> setup;
+    std::vector<std::pair<Response, std::vector<EntryPtr>>> parked;  // in negotiated order
+  };
+  std::map<std::pair<int, int>, NcclComm> nccl_comms_;  // (scope, device)
   std::vector<NcclBatch> nccl_in_flight_;
   std::set<std::string> stall_warned_;  // coordinator: names already reported
   Clock::time_point start_ = Clock::now(), last_stall_check_ = Clock::now();

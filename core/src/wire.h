@@ -30,7 +30,7 @@ class Writer {
     for (auto x : v) Put<int64_t>(x);
   }
   void PutSignature(const Signature& s) {
-    Put(s.op); Put(s.dtype); Put(s.device_type); Put(s.reduce_op); Put(s.root_rank); Put(s.scope);
+    Put(s.op); Put(s.dtype); Put(s.device_type); Put(s.reduce_op); Put(s.root_rank); Put(s.scope); Put(s.path);
     PutShape(s.shape);
   }
   void PutBytes(const void* p, size_t n) {
@@ -75,7 +75,7 @@ class Reader {
   Signature GetSignature() {
     Signature s;
     s.op = Get<int32_t>(); s.dtype = Get<int32_t>(); s.device_type = Get<int32_t>();
-    s.reduce_op = Get<int32_t>(); s.root_rank = Get<int32_t>(); s.scope = Get<int32_t>();
+    s.reduce_op = Get<int32_t>(); s.root_rank = Get<int32_t>(); s.scope = Get<int32_t>(); s.path = Get<int32_t>();
     s.shape = GetShape();
     return s;
   }

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_CUDA_ABI_VERSION 2
+#define SHOAL_CUDA_ABI_VERSION 3
 
 typedef const char* shoal_cuda_error;
 
@@ -103,6 +103,13 @@ typedef struct {
   shoal_cuda_error (*nccl_exchange)(const shoal_nccl_peer* sends, int n_send,
                                     const shoal_nccl_peer* recvs, int n_recv, void* comm,
                                     void* stream);
+  /* ncclCommAbort: ends the communicator's outstanding work (its streams stop waiting). */
+  shoal_cuda_error (*nccl_comm_abort)(void* comm);
+
+  /* 1 when the MPI library in this process can read and write this plugin's device
+   * memory (CUDA-aware MPI: MPIX_Query_cuda_support() of Open MPI or MPICH), else 0;
+   * *how says what was asked and what it answered. */
+  int (*mpi_cuda_aware)(const char** how);
 } shoal_cuda_api;
 
 /* The plugin's one exported symbol; NULL if abi_version differs from the plugin's. */

@@ -33,7 +33,15 @@ namespace {
 
 enum Kind : int64_t { kAllreduce = 1, kBroadcast, kAllgather, kGroup };
 constexpr int kTagCall = 1, kTagVerdict = 2;                             // a communicator's own (and kTagData)
-constexpr int kTagJoin = 27181, kTagMembers = 27182, kTagCreate = 27183;  // MPI_COMM_WORLD, setup
+// Setup messages on MPI_COMM_WORLD use tags of the id's serial number, so communicators can
+// be set up concurrently (from several threads, as the core sets up its per-edge ones):
+// tags are distinct while a creator has fewer than 1024 setups in flight at once and
+// (MPI_Comm_create_group needs distinct tags for overlapping groups) up to 8 ranks create
+// concurrently; beyond that they may collide, which this test plugin accepts.
+constexpr int kTagJoin = 20000, kTagMembers = 21024, kTagCreate = 22048;
+int SetupTag(int base, uint64_t serial, int creator = 0) {
+  return base + (creator % 8) * 1024 + static_cast<int>(serial % 1024);  // kTagCreate + 8192 < 32767
+}
 
 struct Comm {
   MPI_Comm mpi = MPI_COMM_NULL;
@@ -43,7 +51,13 @@ struct Comm {
   uint64_t issued = 0, finished = 0;
   std::vector<uint64_t> shared;  // per rank: calls issued so far that involve it
   std::string error;             // the first failure; nccl_check reports it from then on
+  bool aborted = false;          // ncclCommAbort: calls stop waiting for peers
 };
+
+bool Aborted(Comm& m) {
+  std::lock_guard<std::mutex> lock(m.mu);
+  return m.aborted;
+}
 
 std::mutex comms_mu;
 std::map<void*, std::shared_ptr<Comm>>& Comms() {
@@ -128,6 +142,7 @@ std::string Agree(Call& c, Clock::time_point deadline) {
       it = pending.erase(it);
     }
     poll_verdicts();
+    if (why.empty() && Aborted(m)) why = "the communicator was aborted (ncclCommAbort)";
     if (why.empty() && !pending.empty() && Clock::now() > deadline)
       why = "rank " + std::to_string(pending.begin()->first) + " has not reached its counterpart of this rank's call #" +
             std::to_string(c.number) + " " + Within() +
@@ -288,7 +303,7 @@ shoal_cuda_error CommInit(int device, int nranks, const void* id, int rank, void
     std::vector<int> joined;
     for (int k = 1; k < nranks; ++k) {
       int from = -1;
-      if (!Receive(MPI_COMM_WORLD, MPI_ANY_SOURCE, kTagJoin, deadline, &msg, &from)) {
+      if (!Receive(MPI_COMM_WORLD, MPI_ANY_SOURCE, SetupTag(kTagJoin, u.serial), deadline, &msg, &from)) {
         why = std::to_string(nranks - k) + " ranks did not join " + Within();
         break;
       }
@@ -308,12 +323,13 @@ shoal_cuda_error CommInit(int device, int nranks, const void* id, int rank, void
       members[j[2]] = j[4];
     }
     const std::string answer = why.empty() ? "L" + Pack64(members) : "E" + why;
-    for (int w : joined) MPI_Send(answer.data(), static_cast<int>(answer.size()), MPI_BYTE, w, kTagMembers, MPI_COMM_WORLD);
+    for (int w : joined)
+      MPI_Send(answer.data(), static_cast<int>(answer.size()), MPI_BYTE, w, SetupTag(kTagMembers, u.serial), MPI_COMM_WORLD);
     if (!why.empty()) return Fail("ncclCommInitRank: " + why);
   } else {
     const std::string j = Pack64(join);
-    MPI_Send(j.data(), static_cast<int>(j.size()), MPI_BYTE, u.creator, kTagJoin, MPI_COMM_WORLD);
-    if (!Receive(MPI_COMM_WORLD, u.creator, kTagMembers, deadline, &msg))
+    MPI_Send(j.data(), static_cast<int>(j.size()), MPI_BYTE, u.creator, SetupTag(kTagJoin, u.serial), MPI_COMM_WORLD);
+    if (!Receive(MPI_COMM_WORLD, u.creator, SetupTag(kTagMembers, u.serial), deadline, &msg))
       return Fail("ncclCommInitRank: the id's creator (MPI rank " + std::to_string(u.creator) + ") did not answer " + Within());
     if (msg.empty() || msg[0] != 'L') return Fail("ncclCommInitRank: " + (msg.empty() ? std::string("setup failed") : msg.substr(1)));
     members = Unpack64(msg.substr(1));
@@ -327,7 +343,7 @@ shoal_cuda_error CommInit(int device, int nranks, const void* id, int rank, void
   MPI_Group all, group;
   MPI_Comm_group(MPI_COMM_WORLD, &all);
   MPI_Group_incl(all, nranks, ranks.data(), &group);
-  const int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, kTagCreate, &c->mpi);
+  const int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, SetupTag(kTagCreate, u.serial, u.creator), &c->mpi);
   MPI_Group_free(&group);
   MPI_Group_free(&all);
   if (rc != MPI_SUCCESS) return Fail("ncclCommInitRank: MPI_Comm_create_group failed");
@@ -349,6 +365,23 @@ shoal_cuda_error CommDestroy(void* comm) {
   std::unique_lock<std::mutex> lock(c->mu);  // NCCL flushes the calls still queued first
   c->cv.wait_until(lock, Deadline(), [&] { return c->finished >= c->issued; });
   MPI_Comm_free(&c->mpi);
+  return nullptr;
+}
+
+// Fails the communicator's queued and running calls at once (their waits end), as
+// ncclCommAbort does; the communicator's MPI resources stay (test plugin: a small leak).
+shoal_cuda_error CommAbort(void* comm) {
+  shoal_cuda_error err = nullptr;
+  auto c = FindComm(comm, "ncclCommAbort", &err);
+  if (!c) return err;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    if (c->error.empty()) c->error = "the communicator was aborted (ncclCommAbort)";
+    c->aborted = true;
+    c->cv.notify_all();
+  }
+  std::lock_guard<std::mutex> lock(comms_mu);
+  Comms().erase(comm);
   return nullptr;
 }
 

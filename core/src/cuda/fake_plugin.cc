@@ -343,6 +343,16 @@ shoal_cuda_error Pack(void* fused, void* const* parts, const int64_t* offsets, c
   });
 }
 
+// Fake devices are host memory, so any MPI moves them: SHOAL_FAKE_CUDA_AWARE_MPI=1 makes the
+// fake say its MPI is CUDA-aware, to test the direct path.
+int MpiCudaAware(const char** how) {
+  const char* env = std::getenv("SHOAL_FAKE_CUDA_AWARE_MPI");
+  const int yes = env && std::string(env) == "1";
+  if (how) *how = yes ? "yes: fake devices are host memory (SHOAL_FAKE_CUDA_AWARE_MPI=1)"
+                      : "no: the fake plugin says so unless SHOAL_FAKE_CUDA_AWARE_MPI=1";
+  return yes;
+}
+
 shoal_cuda_api MakeTable() {
   shoal_cuda_api t{};
   t.abi_version = SHOAL_CUDA_ABI_VERSION;

@@ -1,5 +1,6 @@
 // libshoal_cuda.so: CUDA runtime calls behind the C table of cuda_api.h. libshoal.so
 // loads this library only when a CUDA tensor arrives (see core/src/gpu.cc).
+#include <dlfcn.h>
 #include <cuda_runtime_api.h>
 
 #include <string>
@@ -102,6 +103,19 @@ shoal_cuda_error DeviceAlloc(int device, size_t n, void** p) {
   return Check(cudaMalloc(p, n), "cudaMalloc");
 }
 shoal_cuda_error DeviceFree(void* p) { return Check(cudaFree(p), "cudaFree"); }
+
+// CUDA-aware MPI: Open MPI (mpi-ext.h) and MPICH (4.x) export MPIX_Query_cuda_support; the
+// MPI library is loaded globally before this plugin (shoal/_loader.py), so look it up there.
+int MpiCudaAware(const char** how) {
+  using Query = int (*)();
+  auto q = reinterpret_cast<Query>(dlsym(RTLD_DEFAULT, "MPIX_Query_cuda_support"));
+  const int yes = q ? q() : 0;
+  if (how)
+    *how = !q ? "no: this MPI has no MPIX_Query_cuda_support"
+         : yes ? "yes: MPIX_Query_cuda_support() = 1"
+               : "no: MPIX_Query_cuda_support() = 0";
+  return yes;
+}
 
 shoal_cuda_api MakeTable() {
   shoal_cuda_api t{};

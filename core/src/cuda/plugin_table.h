@@ -25,6 +25,7 @@
     (t).combine = Combine;                  \
     (t).scale = Scale;                      \
     (t).pack = Pack;                        \
+    (t).mpi_cuda_aware = MpiCudaAware;      \
     FillNccl(&(t));                         \
   } while (0)
 
@@ -40,4 +41,5 @@
     (t)->nccl_broadcast = Broadcast;          \
     (t)->nccl_allgatherv = Allgatherv;        \
     (t)->nccl_exchange = Exchange;            \
+    (t)->nccl_comm_abort = CommAbort;         \
   } while (0)

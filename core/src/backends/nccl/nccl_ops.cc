@@ -25,6 +25,7 @@ struct Nccl {
   decltype(&ncclGetUniqueId) GetUniqueId = nullptr;
   decltype(&ncclCommInitRank) CommInitRank = nullptr;
   decltype(&ncclCommDestroy) CommDestroy = nullptr;
+  decltype(&ncclCommAbort) CommAbort = nullptr;
   decltype(&ncclCommGetAsyncError) CommGetAsyncError = nullptr;
   decltype(&ncclGetErrorString) GetErrorString = nullptr;
   decltype(&ncclGetLastError) GetLastError = nullptr;
@@ -67,6 +68,7 @@ const Nccl& Lib() {
     sym(lib.GetUniqueId, "ncclGetUniqueId");
     sym(lib.CommInitRank, "ncclCommInitRank");
     sym(lib.CommDestroy, "ncclCommDestroy");
+    sym(lib.CommAbort, "ncclCommAbort");
     sym(lib.CommGetAsyncError, "ncclCommGetAsyncError");
     sym(lib.GetErrorString, "ncclGetErrorString");
     sym(lib.GetLastError, "ncclGetLastError");
@@ -130,6 +132,11 @@ shoal_cuda_error CommInit(int device, int nranks, const void* id, int rank, void
 shoal_cuda_error CommDestroy(void* comm) {
   SHOAL_NCCL_LOADED();
   return NcclCheck(L, L.CommDestroy(C(comm)), "ncclCommDestroy");
+}
+
+shoal_cuda_error CommAbort(void* comm) {
+  SHOAL_NCCL_LOADED();
+  return NcclCheck(L, L.CommAbort(C(comm)), "ncclCommAbort");
 }
 
 shoal_cuda_error CheckComm(void* comm) {
