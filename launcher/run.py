@@ -229,6 +229,27 @@ def check_build():
     print(f"CUDA plugin: {kind}; {_core.gpu_plugin_path()} (SHOAL_CUDA_PLUGIN)")
     nccl = built and "NCCL backend" in what and "no NCCL backend" not in what
     print(f"NCCL backend: {'built' if nccl else 'not built'}")
+    aware = False
+    if built:
+        import ctypes
+
+        import shoal
+        shoal.init()  # MPI answers only once initialized (a one-rank job here)
+        how = ctypes.c_char_p()
+        aware = bool(_gpu.plugin().mpi_cuda_aware(ctypes.byref(how)))
+        shoal.shutdown()
+        print(f"CUDA-aware MPI: {how.value.decode()}")
+    else:
+        print("CUDA-aware MPI: not asked (no CUDA plugin)")
+    backend = os.environ.get("SHOAL_GPU_BACKEND", "mpi")
+    if not built:
+        paths = "no CUDA tensors (no CUDA plugin)"
+    elif backend == "nccl" and nccl:
+        paths = "collectives and neighbor ops by NCCL from device memory"
+    else:
+        paths = ("neighbor ops from device memory by CUDA-aware MPI" if aware
+                 else "neighbor ops staged through pinned host memory") + "; collectives staged through host memory"
+    print(f"GPU data paths (SHOAL_GPU_BACKEND={backend}): {paths}")
     print(f"CUDA devices: {'available to torch' if cuda else 'none visible to torch'}")
     return 0
 

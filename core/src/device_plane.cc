@@ -71,11 +71,25 @@ void DevicePlane::OnLinkMessage(int src, const ByteVec& msg) {
   Link& l = GetLink(src, false, kPathNccl);
   const char* body = msg.data() + sizeof kLinkMagic + 1;
   const size_t n = msg.size() - sizeof kLinkMagic - 1;
-  if (msg[sizeof kLinkMagic] == 0) return FailLink(l, "rank " + std::to_string(src) + " could not set up NCCL: " + std::string(body, n));
+  if (l.retry) Reset(l);  // the sender starts over after a failed setup
+  if (msg[sizeof kLinkMagic] == 0) {
+    FailLink(l, "rank " + std::to_string(src) + " could not set up NCCL: " + std::string(body, n));
+    l.retry = true;
+    return;
+  }
   if (n != sizeof l.id) return FailLink(l, "corrupt NCCL setup message from rank " + std::to_string(src));
   std::memcpy(l.id, body, sizeof l.id);
   l.have_id = true;
   Advance(l);
+}
+
+void DevicePlane::Reset(Link& l) {
+  Link fresh;
+  fresh.peer = l.peer;
+  fresh.out = l.out;
+  fresh.path = l.path;
+  fresh.stream = l.stream;
+  l = std::move(fresh);
 }
 
 DevicePlane::Link& DevicePlane::GetLink(int peer, bool out, int path) {
@@ -95,6 +109,7 @@ std::string DevicePlane::Describe(const Link& l) const {
 
 void DevicePlane::Send(int dst, int path, const std::vector<std::pair<EntryPtr, double>>& items) {
   Link& l = GetLink(dst, true, path);
+  if (l.retry && l.queued.empty() && l.running.empty()) Reset(l);
   if (path == kPathNccl && !l.have_id && l.error.empty()) {
     // The edge's first data: its NCCL id goes ahead of the header that announces the data.
     char id[128] = {0};
@@ -107,6 +122,7 @@ void DevicePlane::Send(int dst, int path, const std::vector<std::pair<EntryPtr, 
     backend_->Send(dst, NeighborExchange::kTag, msg, [](const Status&) {});
     if (e) {
       FailLink(l, Err("ncclGetUniqueId", e));
+      l.retry = true;
     } else {
       std::memcpy(l.id, id, sizeof id);
       l.have_id = true;
@@ -163,6 +179,7 @@ bool DevicePlane::Advance(Link& l) {
       auto why = "setting up the NCCL communicator with rank " + std::to_string(l.peer) + ": " + l.setup->error;
       l.setup.reset();
       FailLink(l, why);
+      l.retry = true;
       return true;
     }
     l.comm = l.setup->comm;

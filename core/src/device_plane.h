@@ -113,6 +113,7 @@ class DevicePlane {
     void* comm = nullptr;
     void* stream = nullptr;
     std::string error;  // the edge failed: every call on it fails with this
+    bool retry = false;  // it failed in setup, before any data moved: the next data starts over
     std::deque<Call> queued, running;
   };
   using LinkKey = std::tuple<int, bool, int>;  // (peer, out, path)
@@ -124,6 +125,7 @@ class DevicePlane {
   };
 
   Link& GetLink(int peer, bool out, int path);
+  void Reset(Link& l);
   bool Advance(Link& l);
   bool Issue(Link& l, Call& c, std::string* err);
   bool Check(Link& l, Call& c, std::string* err);

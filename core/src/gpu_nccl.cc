@@ -32,6 +32,7 @@ void Runtime::StartNcclComm(NcclComm& c, int scope, int device) {
     if (!st.ok() || (*buf)[0] != 1) {
       setup->error = !st.ok() ? "broadcasting the NCCL id: " + st.message
                               : "rank 0 could not create the NCCL id: " + std::string(buf->data() + 129);
+      setup->retry = st.ok();  // every rank heard of it at this same op: all start over next time
       setup->done = true;
       return;
     }
@@ -51,10 +52,18 @@ bool Runtime::AdvanceNcclComms() {
     if (c.setup->thread.joinable()) c.setup->thread.join();
     c.comm = c.setup->comm;
     c.error = c.setup->error.empty() ? "" : "NCCL communicator setup: " + c.setup->error;
+    c.retry = c.setup->retry;
     c.setup.reset();
     auto parked = std::move(c.parked);
     c.parked.clear();
-    for (auto& p : parked) RunNccl(p.first, p.second);
+    for (auto& p : parked) {
+      if (c.error.empty()) {
+        RunNccl(p.first, p.second);
+        continue;
+      }
+      for (auto& x : p.second)
+        Finish(x, Status::Error(SHOAL_ABORTED, std::string(OpName(p.first.op)) + " '" + x->name + "': NCCL: " + c.error));
+    }
     any = true;
   }
   return any;
@@ -88,6 +97,7 @@ void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
     for (auto& x : batch) Finish(x, Status::Error(SHOAL_ABORTED, std::string(OpName(r.op)) + " '" + x->name + "': NCCL: " + msg));
   };
   NcclComm& c = nccl_comms_[{scope, device}];
+  if (c.retry && c.parked.empty()) c = NcclComm{};
   if (!c.started) StartNcclComm(c, scope, device);
   if (!c.error.empty()) return fail(c.error);
   if (!c.comm) return c.parked.push_back({r, batch});

@@ -180,8 +180,9 @@ class Runtime {
       std::atomic<bool> done{false};
       void* comm = nullptr;
       std::string error;
+      bool retry = false;
     };
-    bool started = false;
+    bool started = false, retry = false;
     void* comm = nullptr;
     std::string error;
     std::shared_ptr<Setup> setup;

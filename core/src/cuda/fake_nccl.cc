@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <random>
@@ -263,6 +264,9 @@ shoal_cuda_error MpiReady(const char* what) {
 
 shoal_cuda_error UniqueId(void* id) {
   if (shoal_cuda_error e = MpiReady("ncclGetUniqueId")) return e;
+  // Tests: a failure where real NCCL can fail (no network interface, say), read at each call.
+  const char* fail = std::getenv("SHOAL_FAKE_NCCL_FAIL_ID");
+  if (fail && std::string(fail) == "1") return Fail("ncclGetUniqueId: unhandled system error (SHOAL_FAKE_NCCL_FAIL_ID=1)");
   static std::atomic<uint64_t> serial{0};
   UniqueIdBytes u{};
   std::memcpy(u.magic, kMagic, sizeof u.magic);

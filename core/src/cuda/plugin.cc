@@ -106,9 +106,18 @@ shoal_cuda_error DeviceFree(void* p) { return Check(cudaFree(p), "cudaFree"); }
 
 // CUDA-aware MPI: Open MPI (mpi-ext.h) and MPICH (4.x) export MPIX_Query_cuda_support; the
 // MPI library is loaded globally before this plugin (shoal/_loader.py), so look it up there.
+// MPICH aborts the process when it is asked before MPI_Init: check that first.
 int MpiCudaAware(const char** how) {
   using Query = int (*)();
+  using Initialized = int (*)(int*);
   auto q = reinterpret_cast<Query>(dlsym(RTLD_DEFAULT, "MPIX_Query_cuda_support"));
+  auto initialized = reinterpret_cast<Initialized>(dlsym(RTLD_DEFAULT, "MPI_Initialized"));
+  int ready = 0;
+  if (q && initialized) initialized(&ready);
+  if (q && !ready) {
+    if (how) *how = "not known: MPI is not initialized yet";
+    return 0;
+  }
   const int yes = q ? q() : 0;
   if (how)
     *how = !q ? "no: this MPI has no MPIX_Query_cuda_support"
