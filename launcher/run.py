@@ -238,7 +238,9 @@ def check_build():
         how = ctypes.c_char_p()
         aware = bool(_gpu.plugin().mpi_cuda_aware(ctypes.byref(how)))
         shoal.shutdown()
-        print(f"CUDA-aware MPI: {how.value.decode()}")
+        off = os.environ.get("SHOAL_CUDA_AWARE_MPI") == "0"
+        print(f"CUDA-aware MPI: {how.value.decode()}" + ("; not used (SHOAL_CUDA_AWARE_MPI=0)" if aware and off else ""))
+        aware = aware and not off
     else:
         print("CUDA-aware MPI: not asked (no CUDA plugin)")
     backend = os.environ.get("SHOAL_GPU_BACKEND", "mpi")

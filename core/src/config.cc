@@ -53,6 +53,11 @@ Config Config::FromEnvironment() {
   if (const char* v = Env("SHOAL_GPU_BACKEND")) c.gpu_backend = v;
   if (c.gpu_backend != "nccl" && c.gpu_backend != "mpi")
     throw std::invalid_argument("SHOAL_GPU_BACKEND must be nccl or mpi, got '" + c.gpu_backend + "'");
+  if (const char* v = Env("SHOAL_CUDA_AWARE_MPI")) {
+    const std::string s = v;
+    if (s != "0" && s != "1") throw std::invalid_argument("SHOAL_CUDA_AWARE_MPI must be 0 or 1, got '" + s + "'");
+    c.cuda_aware_mpi = s == "1";
+  }
   return c;
 }
 
@@ -62,7 +67,8 @@ std::string Config::ToString() const {
     << " SHOAL_STALL_CHECK_TIME=" << stall_check_time
     << " SHOAL_STALL_SHUTDOWN_TIME=" << stall_shutdown_time
     << " SHOAL_RANKS_PER_MACHINE=" << ranks_per_machine
-    << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level] << " SHOAL_TIMELINE=" << timeline << " SHOAL_GPU_BACKEND=" << gpu_backend;
+    << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level] << " SHOAL_TIMELINE=" << timeline << " SHOAL_GPU_BACKEND=" << gpu_backend
+    << " SHOAL_CUDA_AWARE_MPI=" << cuda_aware_mpi;
   return s.str();
 }
 

@@ -15,7 +15,8 @@ struct Config {
   int ranks_per_machine = 0;           // SHOAL_RANKS_PER_MACHINE; 0 = one machine per host
   int log_level = LOG_WARNING;         // SHOAL_LOG_LEVEL
   std::string timeline;                // SHOAL_TIMELINE: per-rank trace prefix; "" = off
-  std::string gpu_backend = "mpi";     // SHOAL_GPU_BACKEND: nccl (collectives of CUDA tensors) or mpi
+  std::string gpu_backend = "mpi";     // SHOAL_GPU_BACKEND: nccl (CUDA tensors' collectives and neighbor ops) or mpi
+  bool cuda_aware_mpi = true;          // SHOAL_CUDA_AWARE_MPI=0: stage neighbor ops even where MPI is CUDA-aware
 
   static Config FromEnvironment();  // throws std::invalid_argument on a malformed value
   std::string ToString() const;

@@ -135,6 +135,21 @@ void* GpuStaging::HostBuffer(size_t n, const char** err) {
   return p;
 }
 
+void* GpuStaging::DeviceBuffer(int device, size_t n, const char** err) {
+  const auto key = std::make_pair(device, Bucket(n));
+  auto& free_list = device_pool_[key];
+  if (!free_list.empty()) {
+    void* p = free_list.back();
+    free_list.pop_back();
+    return p;
+  }
+  void* p = nullptr;
+  *err = api_->device_alloc(device, key.second, &p);
+  if (*err) return nullptr;
+  device_sizes_[p] = key;
+  return p;
+}
+
 Status GpuStaging::Start(const EntryPtr& e) {
   GpuOp& g = *e->gpu;
   const char* err = nullptr;
@@ -229,6 +244,7 @@ GpuStaging::~GpuStaging() {
   for (auto& kv : streams_) api_->stream_sync(kv.second);
   for (auto& r : retiring_) api_->event_destroy(r.event);
   for (auto& kv : sizes_) api_->host_free(kv.first);
+  for (auto& kv : device_sizes_) api_->device_free(kv.first);
   for (auto& kv : streams_) api_->stream_destroy(kv.second);
 }
 
@@ -244,7 +260,7 @@ void Runtime::StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator) 
   const bool neighbor = op == SHOAL_OP_NEIGHBOR_ALLREDUCE || op == SHOAL_OP_NEIGHBOR_ALLGATHER;
   const bool nccl = cfg_.gpu_backend == "nccl" && g.api->has_nccl;
   if (neighbor) {
-    g.direct = nccl || g.api->mpi_cuda_aware(nullptr);
+    g.direct = nccl || (cfg_.cuda_aware_mpi && g.api->mpi_cuda_aware(nullptr));
     e->sig.path = !g.direct ? kPathStaged : nccl ? kPathNccl : kPathMpi;
   } else {
     g.nccl = nccl && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER ||

@@ -74,6 +74,9 @@ class GpuStaging {
   // Pooled pinned host memory of at least n bytes, and giving it back.
   void* HostBuffer(size_t n, const char** err);
   void ReturnHostBuffer(void* p) { pool_[sizes_[p]].push_back(p); }
+  // Pooled device memory likewise: cudaFree would synchronise the device.
+  void* DeviceBuffer(int device, size_t n, const char** err);
+  void ReturnDeviceBuffer(void* p) { device_pool_[device_sizes_[p]].push_back(p); }
 
  private:
   Status Err(const char* msg) const;
@@ -82,6 +85,8 @@ class GpuStaging {
   std::map<int, void*> streams_;
   std::map<size_t, std::vector<void*>> pool_;  // free pinned buffers by power-of-two size
   std::map<void*, size_t> sizes_;             // every pinned buffer and its size
+  std::map<std::pair<int, size_t>, std::vector<void*>> device_pool_;  // by (device, size)
+  std::map<void*, std::pair<int, size_t>> device_sizes_;
   std::vector<EntryPtr> staging_;
   struct Retiring {
     void* event;

@@ -126,7 +126,7 @@ void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
       x->result_nbytes = total;
       x->result = std::malloc(std::max<int64_t>(total, 1));
       void* tmp = nullptr;
-      if (total > 0 && !e) e = api->device_alloc(device, total, &tmp);
+      if (total > 0 && !e) tmp = gpu_->DeviceBuffer(device, total, &e);
       if (tmp) nb.device_buffers.push_back(tmp);
       if (total > 0 && !e) e = api->nccl_allgatherv(g.dev_in, tmp, nbytes.data(), offsets.data(), w.size, comm, stream);
       // Gathers hand back host results (as the CPU path does; the binding moves them),
@@ -155,7 +155,7 @@ void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
   if (e) {
     // Nothing may still use the buffers we free: wait for the stream first.
     api->stream_sync(stream);
-    for (void* p : nb.device_buffers) api->device_free(p);
+    for (void* p : nb.device_buffers) gpu_->ReturnDeviceBuffer(p);
     for (auto& h : nb.host_copies) gpu_->ReturnHostBuffer(std::get<0>(h));
     if (nb.event) api->event_destroy(nb.event);
     return fail(e);
@@ -175,7 +175,7 @@ bool Runtime::PollNccl() {
       continue;
     }
     if (!e) api->event_destroy(it->event);  // on error the event may still be pending: leak it
-    for (void* p : it->device_buffers) if (!e) api->device_free(p);
+    for (void* p : it->device_buffers) if (!e) gpu_->ReturnDeviceBuffer(p);
     for (auto& h : it->host_copies) {
       if (!e) std::memcpy(std::get<1>(h), std::get<0>(h), std::get<2>(h));
       if (!e) gpu_->ReturnHostBuffer(std::get<0>(h));

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Issue 8's GPU checks, on one GPU machine with no network (about 5 minutes on one H200):
+# The GPU checks with the real plugin, on one GPU machine with no network (about 6-8
+# minutes on one H200):
 #   1. build Shoal in place with the machine's python3/torch and its system MPI (MPICXX
 #      or MPI_HOME if set, else the mpicxx on PATH), nvcc and the nvidia-nccl wheel;
-#   2. shoalrun --check-build;
-#   3. pytest tests/gpu (kernels vs torch; 4 ranks sharing the GPU through the MPI path,
-#      every op in float32/bfloat16, stream race 100x; NCCL with one rank);
-#   4. benchmarks/gpu_kernels.py (combine vs device-to-device copy bandwidth).
-# Prints a summary: test counts, the stream-race result, the bandwidth ratio. Logs go to
-# $OUT (or /tmp/shoal-gpu). Usage: bash tests/gpu/run_on_device.sh
+#   2. shoalrun --check-build (plugin, NCCL, CUDA-aware MPI);
+#   3. pytest tests/gpu (kernels vs torch; 4 ranks sharing the GPU through MPI, staged and,
+#      if the MPI is CUDA-aware, direct: every op in float32/bfloat16, stream race 100x;
+#      NCCL with one rank);
+#   4. benchmarks/gpu_kernels.py (combine vs device-to-device copy bandwidth, target >= 0.8);
+#   5. benchmarks/gpu_neighbor.py at 4 ranks, staged and direct: neighbor_allreduce
+#      latency and bandwidth at 4 KiB, 1 MiB, 64 MiB.
+# Prints a summary. Logs go to $OUT (or /tmp/shoal-gpu). Usage: bash tests/gpu/run_on_device.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -39,15 +42,26 @@ echo "== check-build"
 echo "== GPU tests"
 # (the fake-device tests run in CI: no need to spend device time on them)
 "$PY" -m pytest -q -rA -p no:cacheprovider tests/gpu tests/test_gpu_build.py --ignore=tests/gpu/test_fake_device.py \
+  --ignore=tests/gpu/test_gpu_paths.py \
   2>&1 | tee "$LOGS/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== kernel benchmark"
 "$PY" benchmarks/gpu_kernels.py 2>&1 | tee "$LOGS/bench.log"
 
+echo "== neighbor_allreduce: staged vs direct (4 ranks on one GPU)"
+: >"$LOGS/neighbor.log"
+SHOAL_CUDA_AWARE_MPI=0 timeout 240 "$PY" -m shoal.launcher.run -np 4 "$PY" benchmarks/gpu_neighbor.py 2>&1 | tee -a "$LOGS/neighbor.log"
+if grep -q "^CUDA-aware MPI: yes" "$LOGS/check-build.txt"; then
+  SHOAL_CUDA_AWARE_MPI=1 timeout 240 "$PY" -m shoal.launcher.run -np 4 "$PY" benchmarks/gpu_neighbor.py 2>&1 | tee -a "$LOGS/neighbor.log"
+else
+  echo "direct: not run (the MPI is not CUDA-aware)" | tee -a "$LOGS/neighbor.log"
+fi
+
 echo "== summary"
-grep -E "^(CUDA kernels|NCCL backend):" "$LOGS/check-build.txt"
+grep -E "^(CUDA kernels|CUDA plugin|NCCL backend|CUDA-aware MPI|GPU data paths)" "$LOGS/check-build.txt"
 grep -E "[0-9]+ (passed|failed|skipped|error)" "$LOGS/gpu-tests.log" | tail -1
 grep -hoE "stream race: [0-9]+/100 correct" "$LOGS/gpu-tests.log" | sort | uniq -c
 grep -E "ratio \(worst dtype\)" "$LOGS/bench.log"
+grep -E "^(path=|direct: not run)" "$LOGS/neighbor.log"
 exit "$tests_rc"
