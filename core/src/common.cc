@@ -45,7 +45,7 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
 
 const char* PathName(int32_t path) {
   switch (path & ~kFakePlugin) {
-    case kPathStaged: return "MPI, staged through host memory";
+    case kPathStaged: return "MPI staged through host memory";
     case kPathMpi: return "CUDA-aware MPI";
     case kPathNccl: return "NCCL";
   }

@@ -67,6 +67,16 @@ static void TestOutOfOrderThreads() {
   auto enc = EncodeResponses(resps);
   auto dec = DecodeResponses(enc.data(), enc.size());
   CHECK(dec.size() == resps.size() && dec[0].names == resps[0].names);
+  // Requests keep the GPU data path on the wire.
+  Request q = Req("p", SHOAL_OP_NEIGHBOR_ALLGATHER, SHOAL_FLOAT32, {2, 3});
+  q.sig.device_type = SHOAL_DEVICE_CUDA;
+  q.sig.path = kPathNccl | kFakePlugin;
+  auto qenc = EncodeRequests({q});
+  auto qdec = DecodeRequests(qenc.data(), qenc.size());
+  CHECK(qdec.size() == 1 && qdec[0].sig == q.sig);
+  Signature other = q.sig;
+  other.path = kPathNccl;
+  CHECK(!other.CompatibleForNeighbors(q.sig) && q.sig.CompatibleForNeighbors(q.sig));
 }
 
 static void TestMismatches() {
@@ -92,6 +102,18 @@ static void TestMismatches() {
         Req("f", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {3}, 0, 0)},
        "mismatched reduce ops"},
   };
+  // CUDA tensors: a rank moving the data by NCCL and ranks staging it cannot meet.
+  auto gpu = [](const std::string& name, int path) {
+    Request r = Req(name, SHOAL_OP_NEIGHBOR_ALLREDUCE, SHOAL_FLOAT32, {3});
+    r.sig.device_type = SHOAL_DEVICE_CUDA;
+    r.sig.path = path;
+    return r;
+  };
+  cases.push_back({{gpu("g", kPathNccl), gpu("g", kPathStaged), gpu("g", kPathStaged)},
+                   "neighbor_allreduce 'g': mismatched GPU data paths (SHOAL_GPU_BACKEND, CUDA-aware MPI, "
+                   "SHOAL_CUDA_PLUGIN) across ranks: NCCL on rank 0; MPI staged through host memory on ranks 1, 2"});
+  cases.push_back({{gpu("h", kPathMpi | kFakePlugin), gpu("h", kPathMpi), gpu("h", kPathMpi)},
+                   "CUDA-aware MPI (fake plugin) on rank 0"});
   for (auto& cs : cases) {
     Coordinator c(n, 0);
     for (int r = n - 1; r >= 0; --r) c.Add(r, cs.reqs[r], 0);
