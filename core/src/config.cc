@@ -1,3 +1,4 @@
+#include <atomic>
 #include "config.h"
 
 #include <chrono>
@@ -35,8 +36,9 @@ int ParseLogLevel(const char* v) {
                               "' is not one of trace, debug, info, warning, error");
 }
 
-int g_rank = -1;
-int g_level = LOG_WARNING;
+// Set at init and by the progress thread, read by any thread that logs.
+std::atomic<int> g_rank{-1};
+std::atomic<int> g_level{LOG_WARNING};
 std::mutex g_log_mu;
 
 }  // namespace
@@ -87,9 +89,11 @@ void Log(int level, const std::string& msg) {
   int ms = static_cast<int>(
       std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
   char ts[32];
-  std::strftime(ts, sizeof ts, "%H:%M:%S", std::localtime(&t));
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  std::strftime(ts, sizeof ts, "%H:%M:%S", &tm);
   std::lock_guard<std::mutex> lock(g_log_mu);
-  std::fprintf(stderr, "[shoal %s.%03d rank %d %s] %s\n", ts, ms, g_rank, tags[level], msg.c_str());
+  std::fprintf(stderr, "[shoal %s.%03d rank %d %s] %s\n", ts, ms, g_rank.load(), tags[level], msg.c_str());
   std::fflush(stderr);
 }
 

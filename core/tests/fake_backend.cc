@@ -1,0 +1,208 @@
+#include "fake_backend.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "reduce.h"
+
+namespace shoal {
+namespace testing {
+
+enum { kAllreduce = 1, kBroadcast, kAllgather, kBarrier };
+
+FakeWorld::FakeWorld(int size, uint64_t seed, int max_delay_us)
+    : size_(size), rng_(seed), max_delay_us_(max_delay_us), inbox_(size), dead_(size, 0) {}
+
+void FakeWorld::Kill(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  dead_[rank] = 1;
+  inbox_[rank].clear();
+  for (auto& box : inbox_)  // what it sent and nobody took yet vanishes with it
+    box.erase(std::remove_if(box.begin(), box.end(), [&](const Msg& m) { return m.src == rank; }), box.end());
+}
+
+FakeWorld::Clock::time_point FakeWorld::Due(int src, int dst, int tag) {
+  auto due = Clock::now();
+  if (max_delay_us_ > 0) due += std::chrono::microseconds(rng_() % (max_delay_us_ + 1));
+  auto& last = last_due_[{src, dst, tag}];
+  due = std::max(due, last);  // MPI keeps the order per (source, destination, tag)
+  last = due;
+  return due;
+}
+
+void FakeWorld::Finish(Coll& c) {
+  const size_t n = c.count * DtypeSize(c.dtype);
+  if (c.kind == kAllreduce) {
+    std::vector<const void*> srcs(c.bufs.begin(), c.bufs.end());
+    ByteVec sum(std::max<size_t>(n, 1));
+    Sum(srcs, sum.data(), c.dtype, static_cast<size_t>(c.count));
+    for (void* b : c.bufs) std::memcpy(b, sum.data(), n);
+  } else if (c.kind == kBroadcast) {
+    for (int r = 0; r < size_; ++r)
+      if (r != c.root) std::memcpy(c.bufs[r], c.bufs[c.root], n);
+  } else if (c.kind == kAllgather) {
+    const size_t es = DtypeSize(c.dtype);
+    for (int r = 0; r < size_; ++r) {
+      size_t at = 0;
+      for (int q = 0; q < size_; ++q) {
+        std::memcpy(static_cast<char*>(c.bufs[r]) + at, c.sends[q], c.counts[q] * es);
+        at += c.counts[q] * es;
+      }
+    }
+  }
+}
+
+FakeBackend::FakeBackend(std::shared_ptr<FakeWorld> world, int rank) : w_(std::move(world)) {
+  info_.rank = rank;
+  info_.size = w_->size();
+  info_.local_rank = rank;
+  info_.local_size = w_->size();
+}
+
+void FakeBackend::Send(int dst, int tag, Bytes msg, Callback done) {
+  SendFrom(dst, tag, msg->data(), msg->size(), [msg, done](const Status& st) { done(st); });
+}
+
+void FakeBackend::SendFrom(int dst, int tag, const void* data, size_t n, Callback done) {
+  Status st;
+  {
+    std::lock_guard<std::mutex> lock(w_->mu_);
+    if (w_->dead_[dst]) {
+      st = Status::Error(SHOAL_ABORTED, "fake backend: rank " + std::to_string(dst) + " is dead");
+    } else if (!w_->dead_[info_.rank]) {
+      const char* p = static_cast<const char*>(data);
+      w_->inbox_[dst].push_back({info_.rank, tag, ByteVec(p, p + n), w_->Due(info_.rank, dst, tag)});
+    }
+  }
+  sent_.push_back({std::move(done), st});
+}
+
+void FakeBackend::ReceiveInto(int src, int tag, void* data, size_t n, Callback done) {
+  posted_.push_back({src, tag, data, n, std::move(done)});
+}
+
+bool FakeBackend::Receive(const std::vector<int>& tags, int* tag, int* src, ByteVec* msg, Status* st) {
+  *st = Status::Ok();
+  std::lock_guard<std::mutex> lock(w_->mu_);
+  auto& box = w_->inbox_[info_.rank];
+  const auto now = FakeWorld::Clock::now();
+  for (int t : tags) {
+    for (auto it = box.begin(); it != box.end(); ++it) {
+      if (it->tag != t || it->due > now) continue;
+      *tag = t;
+      *src = it->src;
+      msg->swap(it->data);
+      box.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
+void FakeBackend::Collective(FakeWorld::Coll mine, Callback done) {
+  const uint64_t seq = next_coll_++;  // every rank issues its collectives in the same order
+  pending_colls_.push_back({seq, std::move(done)});
+  std::lock_guard<std::mutex> lock(w_->mu_);
+  auto& c = w_->colls_[seq];
+  if (c.arrived == 0) {
+    c.kind = mine.kind;
+    c.dtype = mine.dtype;
+    c.count = mine.count;
+    c.root = mine.root;
+    c.bufs.assign(info_.size, nullptr);
+    c.sends.assign(info_.size, nullptr);
+    c.counts.assign(info_.size, 0);
+  }
+  c.bufs[info_.rank] = mine.bufs.empty() ? nullptr : mine.bufs[0];
+  c.sends[info_.rank] = mine.sends.empty() ? nullptr : mine.sends[0];
+  c.counts[info_.rank] = mine.count;
+  if (++c.arrived == info_.size) {
+    w_->Finish(c);  // the last to arrive computes every rank's result
+    c.complete = true;
+  }
+}
+
+void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int, Callback done) {
+  FakeWorld::Coll c;
+  c.kind = kAllreduce;
+  c.bufs = {buf};
+  c.count = count;
+  c.dtype = dtype;
+  Collective(std::move(c), std::move(done));
+}
+
+void FakeBackend::Broadcast(void* buf, int64_t count, int dtype, int root, int, Callback done) {
+  FakeWorld::Coll c;
+  c.kind = kBroadcast;
+  c.bufs = {buf};
+  c.count = count;
+  c.dtype = dtype;
+  c.root = root;
+  Collective(std::move(c), std::move(done));
+}
+
+void FakeBackend::Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>&, int dtype,
+                             Callback done) {
+  FakeWorld::Coll c;
+  c.kind = kAllgather;
+  c.bufs = {recv};
+  c.sends = {send};
+  c.count = count;
+  c.dtype = dtype;
+  Collective(std::move(c), std::move(done));
+}
+
+void FakeBackend::Barrier(Callback done) {
+  FakeWorld::Coll c;
+  c.kind = kBarrier;
+  Collective(std::move(c), std::move(done));
+}
+
+bool FakeBackend::Progress() {
+  std::vector<std::pair<Callback, Status>> run;
+  run.swap(sent_);
+  {
+    std::lock_guard<std::mutex> lock(w_->mu_);
+    auto& box = w_->inbox_[info_.rank];
+    const auto now = FakeWorld::Clock::now();
+    // Posted receives match in posting order, each the oldest message of its (source, tag).
+    for (auto p = posted_.begin(); p != posted_.end();) {
+      auto m = std::find_if(box.begin(), box.end(), [&](const FakeWorld::Msg& x) {
+        return x.src == p->src && x.tag == p->tag;
+      });
+      if (m == box.end() || m->due > now) {
+        if (w_->dead_[p->src]) {
+          run.push_back({std::move(p->done), Status::Error(SHOAL_ABORTED, "fake backend: rank " +
+                                                                             std::to_string(p->src) + " is dead")});
+          p = posted_.erase(p);
+        } else {
+          ++p;
+        }
+        continue;
+      }
+      Status st = m->data.size() == p->n ? Status::Ok()
+                                         : Status::Error(SHOAL_ABORTED, "fake backend: message of another size");
+      std::memcpy(p->data, m->data.data(), std::min(p->n, m->data.size()));
+      box.erase(m);
+      run.push_back({std::move(p->done), st});
+      p = posted_.erase(p);
+    }
+    for (auto c = pending_colls_.begin(); c != pending_colls_.end();) {
+      auto it = w_->colls_.find(c->first);
+      if (!it->second.complete) {
+        ++c;
+        continue;
+      }
+      if (++it->second.seen == info_.size) w_->colls_.erase(it);
+      run.push_back({std::move(c->second), Status::Ok()});
+      c = pending_colls_.erase(c);
+    }
+  }
+  for (auto& r : run) r.first(r.second);
+  return !run.empty();
+}
+
+size_t FakeBackend::num_in_flight() const { return sent_.size() + posted_.size() + pending_colls_.size(); }
+
+}  // namespace testing
+}  // namespace shoal

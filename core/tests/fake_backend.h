@@ -1,0 +1,92 @@
+// A Backend of N fake ranks in one process, for unit tests of the Runtime without MPI:
+// each rank's Runtime gets a FakeBackend of one shared FakeWorld. Messages keep MPI's
+// order per (source, destination, tag) but may be delayed at random (so arrival order
+// across sources and tags varies with the seed); collectives rendezvous in issue order.
+// Faults: Kill(rank) makes a rank vanish mid-run (its messages are dropped, sends to it
+// fail), as a crashed process does.
+#pragma once
+#include <chrono>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "backend.h"
+
+namespace shoal {
+namespace testing {
+
+class FakeWorld {
+ public:
+  // Each message is delivered after 0..max_delay_us (0: at once).
+  FakeWorld(int size, uint64_t seed, int max_delay_us);
+  int size() const { return size_; }
+  void Kill(int rank);
+
+ private:
+  friend class FakeBackend;
+  using Clock = std::chrono::steady_clock;
+  struct Msg {
+    int src, tag;
+    ByteVec data;
+    Clock::time_point due;
+  };
+  struct Coll {  // one collective, as issued by each rank
+    int kind = 0, arrived = 0, seen = 0;
+    bool complete = false;
+    std::vector<void*> bufs;
+    std::vector<const void*> sends;
+    std::vector<int64_t> counts;
+    int64_t count = 0;
+    int dtype = 0, root = 0;
+  };
+  Clock::time_point Due(int src, int dst, int tag);  // mu_ held
+  void Finish(Coll& c);                              // mu_ held: computes every rank's result
+
+  const int size_;
+  std::mutex mu_;
+  std::mt19937_64 rng_;
+  const int max_delay_us_;
+  std::vector<std::deque<Msg>> inbox_;  // by destination, in send order
+  std::vector<char> dead_;
+  std::map<std::tuple<int, int, int>, Clock::time_point> last_due_;
+  std::map<uint64_t, Coll> colls_;
+};
+
+class FakeBackend : public Backend {
+ public:
+  FakeBackend(std::shared_ptr<FakeWorld> world, int rank);
+  const WorldInfo& world() const override { return info_; }
+  void Send(int dst, int tag, Bytes msg, Callback done) override;
+  void SendFrom(int dst, int tag, const void* data, size_t n, Callback done) override;
+  void ReceiveInto(int src, int tag, void* data, size_t n, Callback done) override;
+  bool Receive(const std::vector<int>& tags, int* tag, int* src, ByteVec* msg, Status* st) override;
+  void Allreduce(void* buf, int64_t count, int dtype, int scope, Callback done) override;
+  void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override;
+  void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts, int dtype,
+                  Callback done) override;
+  void Barrier(Callback done) override;
+  bool Progress() override;
+  size_t num_in_flight() const override;
+
+ private:
+  void Collective(FakeWorld::Coll mine, Callback done);
+  struct Posted {
+    int src, tag;
+    void* data;
+    size_t n;
+    Callback done;
+  };
+  std::shared_ptr<FakeWorld> w_;
+  WorldInfo info_;
+  uint64_t next_coll_ = 0;
+  std::vector<std::pair<Callback, Status>> sent_;  // completions of sends, run in Progress
+  std::deque<Posted> posted_;
+  std::vector<std::pair<uint64_t, Callback>> pending_colls_;  // (sequence number, completion)
+};
+
+}  // namespace testing
+}  // namespace shoal

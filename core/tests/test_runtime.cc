@@ -1,0 +1,302 @@
+// Unit tests of the Runtime (negotiation, neighbor exchange with fusion, stalls, dead
+// peers, dynamic weights) with N ranks as threads in one process over the fake backend
+// (fake_backend.h), at 2, 4 and 8 ranks. tests/test_runtime_cpp.py also runs them under
+// ThreadSanitizer. Exit status 0 = all passed.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fake_backend.h"
+#include "runtime.h"
+
+using namespace shoal;
+using shoal::testing::FakeBackend;
+using shoal::testing::FakeWorld;
+
+static std::atomic<int> g_failed{0}, g_passed{0};  // rank threads count
+#define CHECK(cond, ...)                                                               \
+  do {                                                                                 \
+    if (cond) {                                                                        \
+      ++g_passed;                                                                      \
+    } else {                                                                           \
+      ++g_failed;                                                                      \
+      std::printf("FAILED %s:%d (%s): %s\n", __FILE__, __LINE__, g_case.c_str(), #cond); \
+      std::printf("  " __VA_ARGS__);                                                   \
+      std::printf("\n");                                                               \
+    }                                                                                  \
+  } while (0)
+
+static std::string g_case;
+
+// N runtimes over one fake world; Run() calls fn(rank, runtime) on one thread per rank.
+struct Job {
+  std::shared_ptr<FakeWorld> world;
+  std::vector<std::unique_ptr<Runtime>> rt;
+  Job(int n, const Config& cfg, uint64_t seed, int delay_us) : world(std::make_shared<FakeWorld>(n, seed, delay_us)) {
+    for (int r = 0; r < n; ++r) rt.push_back(std::make_unique<Runtime>(cfg, std::make_unique<FakeBackend>(world, r)));
+  }
+  ~Job() {
+    std::vector<std::thread> t;  // every rank leaves at once, as processes end
+    for (auto& r : rt) t.emplace_back([&r] { r->Stop(); });
+    for (auto& x : t) x.join();
+  }
+  void Run(const std::function<void(int, Runtime&)>& fn) {
+    std::vector<std::thread> t;
+    for (int r = 0; r < static_cast<int>(rt.size()); ++r) t.emplace_back([&, r] { fn(r, *rt[r]); });
+    for (auto& x : t) x.join();
+  }
+};
+
+static Config TestConfig(int64_t fusion) {
+  Config c;
+  c.fusion_threshold = fusion;
+  c.cycle_time_ms = 0.5;
+  c.stall_check_time = 0.3;
+  c.stall_shutdown_time = 1.0;
+  c.log_level = LOG_ERROR;
+  return c;
+}
+
+// One op: the arrays and rank lists must outlive the op (they are read at enqueue).
+struct Op {
+  std::string name;
+  int op = SHOAL_OP_NEIGHBOR_ALLREDUCE, dtype = SHOAL_FLOAT64;
+  std::vector<double> x, out;
+  std::vector<int64_t> shape;
+  std::vector<int32_t> recv, send;
+  std::vector<double> recv_w, send_w;
+  double self_w = 1.0;
+  bool uniform = true;
+  int64_t handle = 0;
+
+  int64_t Enqueue(Runtime& rt) {
+    shoal_op_desc d{};
+    d.op = op;
+    d.name = name.c_str();
+    shape = {static_cast<int64_t>(x.size())};
+    out.assign(x.size(), 0.0);
+    d.input = {x.data(), dtype, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+    d.output = d.input;
+    d.output.data = out.data();
+    d.reduce_op = SHOAL_REDUCE_SUM;
+    d.n_recv = static_cast<int32_t>(recv.size());
+    d.recv_ranks = recv.data();
+    d.recv_weights = recv_w.empty() ? nullptr : recv_w.data();
+    d.self_weight = self_w;
+    d.uniform = uniform;
+    d.n_send = static_cast<int32_t>(send.size());
+    d.send_ranks = send.data();
+    d.send_weights = send_w.empty() ? nullptr : send_w.data();
+    return handle = rt.Enqueue(d);
+  }
+  Status Wait(Runtime& rt) {
+    Status st = rt.Wait(handle);
+    rt.Release(handle);
+    return st;
+  }
+};
+
+static std::vector<double> Data(int r, int k, size_t len) {
+  std::vector<double> v(len);
+  for (size_t i = 0; i < len; ++i) v[i] = r * 1000.0 + k * 10.0 + static_cast<double>(i % 7);
+  return v;
+}
+
+static std::vector<int32_t> Ring(int r, int n) {
+  if (n == 2) return {1 - r};
+  return {(r + n - 1) % n, (r + 1) % n};
+}
+
+// Ranks submit 12 named ops in their own random orders and wait in other random orders:
+// every result is the exact uniform average of its ring neighbours. Twice: the second
+// round goes straight to the neighbours (names negotiated), with no coordinator round.
+static void TestNeighborOrders(int n, int64_t fusion, int delay_us) {
+  g_case = "neighbor orders n=" + std::to_string(n) + " fusion=" + std::to_string(fusion);
+  Job job(n, TestConfig(fusion), 7 + n, delay_us);
+  const int k_ops = 12;
+  for (int round = 0; round < 2; ++round) {
+    job.Run([&](int r, Runtime& rt) {
+      std::vector<Op> ops(k_ops);
+      std::vector<int> order(k_ops);
+      for (int k = 0; k < k_ops; ++k) order[k] = k;
+      std::mt19937 rng(r * 31 + round);
+      std::shuffle(order.begin(), order.end(), rng);
+      const int64_t rounds_before = rt.stats().coordinator_rounds;
+      for (int k : order) {
+        ops[k].name = "nb." + std::to_string(k);
+        ops[k].x = Data(r, k, 1 + 37 * k);  // several sizes, so fusion packs different mixes
+        ops[k].recv = ops[k].send = Ring(r, n);
+        ops[k].Enqueue(rt);
+      }
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int k : order) {
+        Status st = ops[k].Wait(rt);
+        CHECK(st.ok(), "rank %d op %d: %s", r, k, st.message.c_str());
+        if (!st.ok()) continue;
+        bool exact = true;
+        for (size_t i = 0; i < ops[k].x.size(); ++i) {
+          double sum = ops[k].x[i];
+          for (int src : ops[k].recv) sum += Data(src, k, ops[k].x.size())[i];
+          exact = exact && ops[k].out[i] == sum / static_cast<double>(ops[k].recv.size() + 1);
+        }
+        CHECK(exact, "rank %d op %d: not the uniform average", r, k);
+      }
+      if (round == 1) CHECK(rt.stats().coordinator_rounds == rounds_before, "rank %d asked the coordinator", r);
+    });
+  }
+}
+
+// Ranks that disagree get the same error, naming what differs, on every rank.
+static void TestMismatch(int n) {
+  g_case = "mismatch n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 3, 50);
+  std::vector<std::string> errors(n);
+  job.Run([&](int r, Runtime& rt) {
+    Op a;
+    a.name = "mm.shape";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, r == 0 ? 3 : 4);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find("mismatched shapes") != std::string::npos, "rank %d: %s", r,
+          st.message.c_str());
+    errors[r] = st.message;
+    Op b;  // a neighbor op: negotiated at its first call
+    b.name = "mm.nbr";
+    b.x = Data(r, 1, 5);
+    b.recv = b.send = Ring(r, n);
+    b.dtype = r == n - 1 ? SHOAL_FLOAT32 : SHOAL_FLOAT64;  // the buffer is large enough for either
+    b.Enqueue(rt);
+    st = b.Wait(rt);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find("mismatched dtypes") != std::string::npos, "rank %d: %s", r,
+          st.message.c_str());
+  });
+  for (int r = 1; r < n; ++r) CHECK(errors[r] == errors[0], "rank %d: %s vs %s", r, errors[r].c_str(), errors[0].c_str());
+}
+
+// A rank that never submits: the collective and the neighbor exchange both end in a stall
+// error that names it (SHOAL_STALL_SHUTDOWN_TIME), not a hang.
+static void TestStall(int n) {
+  g_case = "stall n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 5, 50);
+  const int last = n - 1;
+  job.Run([&](int r, Runtime& rt) {
+    Op warm;  // negotiate the neighbor name while everyone takes part
+    warm.name = "st.nbr";
+    warm.x = Data(r, 0, 3);
+    warm.recv = warm.send = Ring(r, n);
+    warm.Enqueue(rt);
+    CHECK(warm.Wait(rt).ok(), "rank %d: warm-up failed", r);
+  });
+  job.Run([&](int r, Runtime& rt) {
+    if (r == last) return;  // this rank never submits either op
+    Op a;
+    a.name = "st.ar";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, 3);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(!st.ok() && st.message.find("missing ranks " + std::to_string(last)) != std::string::npos, "rank %d: %s", r,
+          st.message.c_str());
+    Op b;
+    b.name = "st.nbr";
+    b.x = Data(r, 1, 3);
+    b.recv = b.send = Ring(r, n);
+    const bool needs_last = std::count(b.recv.begin(), b.recv.end(), last) > 0;
+    b.Enqueue(rt);
+    st = b.Wait(rt);
+    if (needs_last)
+      CHECK(!st.ok() && st.message.find("stalled") != std::string::npos &&
+                st.message.find("ranks " + std::to_string(last)) != std::string::npos,
+            "rank %d: %s", r, st.message.c_str());
+    else
+      CHECK(st.ok(), "rank %d: %s", r, st.message.c_str());
+  });
+}
+
+// A rank dies (its messages vanish) right after submitting: each neighbour either got
+// its data before (exact result) or ends in an error naming it; none hangs.
+static void TestDeadPeer(int n, int delay_us) {
+  g_case = "dead peer n=" + std::to_string(n);
+  Op left;  // the dead rank's op: its memory stays until its runtime stops (after the job)
+  Job job(n, TestConfig(8 << 20), 11, delay_us);
+  const int dead = n - 1;
+  for (int round = 0; round < 2; ++round) {
+    job.Run([&](int r, Runtime& rt) {
+      Op mine;
+      Op& a = r == dead && round == 1 ? left : mine;
+      a.name = "dp";
+      a.x = Data(r, round, 1000);
+      a.recv = a.send = Ring(r, n);
+      a.Enqueue(rt);
+      if (r == dead && round == 1) {
+        job.world->Kill(dead);
+        return;
+      }
+      Status st = a.Wait(rt);
+      if (round == 0 || std::count(a.recv.begin(), a.recv.end(), dead) == 0) {
+        CHECK(st.ok(), "rank %d round %d: %s", r, round, st.message.c_str());
+        return;
+      }
+      if (st.ok()) {
+        double sum = a.x[5];
+        for (int src : a.recv) sum += Data(src, round, 1000)[5];
+        CHECK(a.out[5] == sum / static_cast<double>(a.recv.size() + 1), "rank %d: wrong data", r);
+      } else {
+        CHECK(st.message.find("ranks " + std::to_string(dead)) != std::string::npos, "rank %d: %s", r,
+              st.message.c_str());
+      }
+    });
+  }
+}
+
+// The one-peer exponential schedule with dynamic weights (0.5 self, 0.5 from the peer):
+// after log2(n) steps of one op name every rank holds the exact average (Ying et al. 2021).
+static void TestDynamicWeights(int n) {
+  g_case = "dynamic weights n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 13, 100);
+  job.Run([&](int r, Runtime& rt) {
+    std::vector<double> x = Data(r, 0, 9);
+    for (int step = 0; (1 << step) < n; ++step) {
+      Op a;
+      a.name = "dyn";
+      a.x = x;
+      a.send = {(r + (1 << step)) % n};
+      a.recv = {(r - (1 << step) + n) % n};
+      a.uniform = false;
+      a.self_w = 0.5;
+      a.recv_w = {0.5};
+      a.send_w = {1.0};
+      a.Enqueue(rt);
+      Status st = a.Wait(rt);
+      CHECK(st.ok(), "rank %d step %d: %s", r, step, st.message.c_str());
+      x = a.out;
+    }
+    bool exact = true;
+    for (size_t i = 0; i < x.size(); ++i) {
+      double mean = 0;
+      for (int q = 0; q < n; ++q) mean += Data(q, 0, 9)[i];
+      exact = exact && x[i] == mean / n;
+    }
+    CHECK(exact, "rank %d: not the exact average after the schedule", r);
+  });
+}
+
+int main() {
+  for (int n : {2, 4, 8}) {
+    TestNeighborOrders(n, 8 << 20, 200);  // fused
+    TestNeighborOrders(n, 0, 200);        // one message per tensor
+    TestMismatch(n);
+    TestStall(n);
+    TestDeadPeer(n, 300);
+    TestDynamicWeights(n);
+  }
+  std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
+  return g_failed ? 1 : 0;
+}
