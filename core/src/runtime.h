@@ -89,6 +89,7 @@ class Runtime {
   bool Release(int64_t handle);
 
  private:
+  static constexpr int kRequestTag = 1, kResponseTag = 2;  // to and from the coordinator
   void Loop();
   // Runs one cycle as the progress driver (mu_ held on entry and exit, released during
   // the cycle); returns how long to wait before the next. Without a pacer, only starts

@@ -1,0 +1,317 @@
+// The runtime's schedule: routing ops to the coordinator or the neighbors, applying the
+// coordinator's responses, running collectives, and the failure paths (stalls, ranks
+// that left). Driver only, like the rest of the cycle (runtime.cc).
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "reduce.h"
+#include "runtime.h"
+
+namespace shoal {
+namespace {
+
+bool IsHalf(int dtype) { return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16; }
+
+std::string Seconds(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+std::string Ranks(const std::vector<int>& r) {
+  std::ostringstream s;
+  for (size_t i = 0; i < r.size(); ++i) s << (i ? ", " : "") << r[i];
+  return s.str();
+}
+
+}  // namespace
+
+void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
+  if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
+    Request req{e->name, e->sig, e->step, e->reject, e->reject_code, false, {}, {}};
+    if (coordinator_) coordinator_->Add(0, req, Now());
+    else to_coordinator->push_back(std::move(req));
+    return;
+  }
+  if (FailIfUnreachable(e)) return;
+  const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  if (neighbor && !e->topo_check && negotiated_neighbor_names_.count(e->name)) {
+    ++stats_.cache_hits;
+    neighbor_ready_.push_back(e);
+    return;
+  }
+  awaiting_response_[e->name] = e;
+  Request req{e->name, e->sig, e->step, {}, 0, e->topo_check, {}, {}};
+  if (e->topo_check) {
+    req.send = e->send_ranks;
+    req.recv = e->recv_ranks;
+  }
+  to_coordinator->push_back(std::move(req));
+}
+
+bool Runtime::FailIfUnreachable(const EntryPtr& e) {
+  if (!rejections_.empty()) {
+    auto it = rejections_.find(e->name);
+    if (it != rejections_.end() && it->second.step == e->step) {
+      const Status st = Status::Error(it->second.code, it->second.error);
+      rejections_.erase(it);
+      Finish(e, st);
+      return true;
+    }
+  }
+  if (!any_left_) return false;
+  const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  std::vector<int> gone;
+  if (neighbor && negotiated_neighbor_names_.count(e->name) && !e->topo_check) {
+    // A peer that left may have sent its piece before it left: only a missing one is fatal.
+    for (int r : e->recv_ranks) if (peer_left_[r] && !neighbors_.HasPiece(r, e->name)) gone.push_back(r);
+    // Nobody takes what is sent to a rank that left (it needs nothing more): skip it.
+    for (size_t k = e->send_ranks.size(); k-- > 0;) {
+      if (!peer_left_[e->send_ranks[k]]) continue;
+      e->send_ranks.erase(e->send_ranks.begin() + k);
+      if (k < e->send_weights.size()) e->send_weights.erase(e->send_weights.begin() + k);
+    }
+  } else {  // every rank takes part in a collective and in a negotiation
+    for (size_t r = 0; r < peer_left_.size(); ++r) if (peer_left_[r]) gone.push_back(static_cast<int>(r));
+  }
+  if (gone.empty()) return false;
+  Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " +
+                                             (gone.size() == 1 ? "rank " : "ranks ") + Ranks(gone) +
+                                             " left the job (script ended, sys.exit or shoal.shutdown()) "
+                                             "before taking part in this op"));
+  return true;
+}
+
+std::string Runtime::LeftRanksMessage() const {
+  std::lock_guard<std::mutex> lock(left_mu_);
+  if (left_ranks_.empty()) return "";
+  std::vector<int> ranks = left_ranks_;
+  std::sort(ranks.begin(), ranks.end());
+  return (ranks.size() == 1 ? "rank " : "ranks ") + Ranks(ranks) +
+         " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
+}
+
+void Runtime::OnLeave(int rank) {
+  if (peer_left_.empty()) peer_left_.assign(world().size, 0);
+  if (peer_left_[rank]) return;
+  peer_left_[rank] = 1;
+  any_left_ = true;
+  {
+    std::lock_guard<std::mutex> lock(left_mu_);
+    left_ranks_.push_back(rank);
+  }
+  Log(LOG_DEBUG, "rank " + std::to_string(rank) + " left the job");
+  device_plane_.OnLeave(rank);
+  const std::string why = " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
+  for (auto& e : neighbors_.TakeNeeding(rank))
+    Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': rank " +
+                                               std::to_string(rank) + why));
+  if (coordinator_) {
+    std::vector<Response> resps = coordinator_->Leave(rank);
+    if (resps.empty()) return;
+    auto msg = std::make_shared<ByteVec>(EncodeResponses(resps));
+    for (int q = 1; q < world().size; ++q)
+      if (!peer_left_[q]) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
+    for (auto& r : resps) Apply(r);
+  } else if (rank == 0) {  // no coordinator any more: nothing waiting for it can complete
+    std::vector<EntryPtr> waiting;
+    for (auto& kv : awaiting_response_) waiting.push_back(kv.second);
+    awaiting_response_.clear();
+    for (auto& e : waiting)
+      Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': rank 0" + why));
+  }
+}
+
+void Runtime::Apply(const Response& r) {
+  std::vector<EntryPtr> batch;
+  const auto now = Clock::now();
+  for (auto& name : r.names) {
+    stall_warned_.erase(name);
+    auto it = awaiting_response_.find(name);
+    if (it == awaiting_response_.end() || (r.step >= 0 && it->second->step != r.step))
+      continue;  // e.g. an abort for an op this rank never sent
+    it->second->t_negotiated = now;
+    batch.push_back(it->second);
+    awaiting_response_.erase(it);
+  }
+  if (r.kind != Response::EXECUTE) {
+    const int code = r.kind == Response::REJECTED ? r.code
+                     : r.kind == Response::LEFT   ? SHOAL_ABORTED
+                                                  : SHOAL_MISMATCH;
+    if (r.kind == Response::REJECTED) {
+      for (auto& name : r.names) {
+        for (auto& e : neighbors_.TakeNamed(name, r.step)) batch.push_back(e);
+        if (!batch.empty()) continue;
+        // Remember it for when this rank submits that step, unless it is past it already.
+        std::lock_guard<std::mutex> lock(mu_);
+        auto ns = names_.find(name);
+        if ((ns == names_.end() || ns->second.calls <= r.step) && rejections_.size() < 1024)
+          rejections_[name] = r;
+      }
+    }
+    for (auto& e : batch) Finish(e, Status::Error(code, r.error));
+    return;
+  }
+  if (batch.size() != r.names.size()) {
+    Log(LOG_ERROR, "coordinator scheduled an op this rank does not have: " + r.names[0]);
+    for (auto& e : batch) Finish(e, Status::Error(SHOAL_ABORTED, "internal error: inconsistent schedule"));
+    return;
+  }
+  if (r.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || r.op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
+    for (auto& e : batch) {
+      negotiated_neighbor_names_.insert(e->name);
+      neighbor_ready_.push_back(e);
+    }
+    return;
+  }
+  RunCollective(r, std::move(batch));
+}
+
+void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
+  const WorldInfo& w = world();
+  ++stats_.global_collectives;
+  const auto t0 = Clock::now();
+  for (auto& e : batch) e->t_comm_start = t0;
+  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return RunNccl(r, batch);
+  // Completion of the communication itself (the timeline's COMMUNICATE phase).
+  auto communicated = [](const EntryPtr& e) { e->t_comm_end = Clock::now(); };
+  if (r.op == SHOAL_OP_BARRIER) {
+    backend_->Barrier([this, communicated, e = batch[0]](const Status& st) { communicated(e); Finish(e, st); });
+    return;
+  }
+  if (r.op == SHOAL_OP_BROADCAST) {
+    EntryPtr e = batch[0];
+    if (w.rank == e->sig.root_rank && e->output.data != e->input.data)
+      std::memcpy(e->output.data, e->input.data, e->nbytes());
+    if (e->count() == 0) return Finish(e, Status::Ok());
+    backend_->Broadcast(e->output.data, e->count(), e->sig.dtype, e->sig.root_rank, e->sig.scope,
+                        [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
+    return;
+  }
+  if (r.op == SHOAL_OP_ALLGATHER) {
+    EntryPtr e = batch[0];
+    int64_t row = 1;
+    for (size_t i = 1; i < e->sig.shape.size(); ++i) row *= e->sig.shape[i];
+    std::vector<int64_t> counts;
+    int64_t rows = 0;
+    for (int64_t d : r.first_dims[0]) {
+      counts.push_back(d * row);
+      rows += d;
+    }
+    e->result_shape = e->sig.shape;
+    e->result_shape[0] = rows;
+    e->result_nbytes = rows * row * DtypeSize(e->sig.dtype);
+    e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
+    if (e->result_nbytes == 0) return Finish(e, Status::Ok());
+    backend_->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype,
+                         [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
+    return;
+  }
+  // Allreduce: a batch (fused when > 1 or half precision) reduced in one call.
+  const int dtype = batch[0]->sig.dtype;
+  const bool average = batch[0]->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
+  const int scope = batch[0]->sig.scope;
+  const int n = scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
+  int64_t total = 0;
+  for (auto& e : batch) total += e->count();
+  if (total == 0) {
+    for (auto& e : batch) Finish(e, Status::Ok());
+    return;
+  }
+  if (batch.size() == 1 && !IsHalf(dtype)) {
+    EntryPtr e = batch[0];
+    if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
+    backend_->Allreduce(e->output.data, e->count(), dtype, scope, [this, communicated, e, average, n](const Status& st) {
+      communicated(e);
+      e->t_reduce_start = Clock::now();
+      if (st.ok() && average) Divide(e->output.data, e->output.data, e->sig.dtype, e->count(), n);
+      e->t_reduce_end = Clock::now();
+      Finish(e, st);
+    });
+    return;
+  }
+  // Half types are widened: the sum accumulates in float32 and is rounded once.
+  const int wire = IsHalf(dtype) ? SHOAL_FLOAT32 : dtype;
+  const size_t wsize = DtypeSize(wire);
+  auto fused = fusion_pool_->Get(total * wsize);
+  size_t off = 0;
+  for (auto& e : batch) {
+    e->t_copy_start = Clock::now();
+    if (IsHalf(dtype)) WidenToFloat32(e->input.data, dtype, reinterpret_cast<float*>(fused->data() + off), e->count());
+    else std::memcpy(fused->data() + off, e->input.data, e->nbytes());
+    off += e->count() * wsize;
+    e->t_copy_end = Clock::now();
+  }
+  if (batch.size() > 1) ++stats_.fused_batches;
+  backend_->Allreduce(fused->data(), total, wire, scope, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
+    size_t at = 0;
+    for (auto& e : batch) {
+      communicated(e);
+      e->t_reduce_start = Clock::now();
+      if (st.ok()) {
+        char* p = fused->data() + at;
+        if (average) Divide(p, p, wire, e->count(), n);
+        if (wire != dtype) NarrowFromFloat32(reinterpret_cast<float*>(p), dtype, e->output.data, e->count());
+        else std::memcpy(e->output.data, p, e->nbytes());
+      }
+      at += e->count() * wsize;
+      e->t_reduce_end = Clock::now();
+      Finish(e, st);
+    }
+  });
+}
+
+void Runtime::CheckStalls() {
+  if (cfg_.stall_check_time <= 0 && cfg_.stall_shutdown_time <= 0) return;
+  auto now_tp = Clock::now();
+  if (now_tp - last_stall_check_ < std::chrono::milliseconds(200)) return;
+  last_stall_check_ = now_tp;
+  const double kill = cfg_.stall_shutdown_time;
+  const double warn = cfg_.stall_check_time > 0 ? cfg_.stall_check_time : kill;
+  if (coordinator_) {
+    for (auto& s : coordinator_->Stalled(Now(), std::min(warn, kill > 0 ? kill : warn))) {
+      std::string what = "'" + s.name + "' waited " + std::to_string(static_cast<int>(s.waited)) +
+                         " s: submitted by ranks " + Ranks(s.ready) + "; missing ranks " + Ranks(s.missing);
+      if (kill > 0 && s.waited >= kill) {
+        ++stats_.stalls;
+        Response r = coordinator_->Abort(
+            s.name, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME=" + Seconds(kill) + " s)");
+        auto msg = std::make_shared<ByteVec>(EncodeResponses({r}));
+        for (int q = 1; q < world().size; ++q)
+          if (!any_left_ || !peer_left_[q]) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
+        Apply(r);
+      } else if (s.waited >= warn && stall_warned_.insert(s.name).second) {
+        ++stats_.stalls;
+        Log(LOG_WARNING, "stall: " + what);
+      }
+    }
+  }
+  for (auto& wt : neighbors_.Waiting()) {
+    const EntryPtr& e = wt.first;
+    double waited = std::chrono::duration<double>(now_tp - e->enqueued).count();
+    std::string what = std::string(OpName(e->sig.op)) + " '" + e->name + "' waited " + std::to_string(static_cast<int>(waited)) +
+                       (wt.second.empty() ? " s for ranks " + Ranks(e->send_ranks) + " to take its data"
+                                          : " s for ranks " + Ranks(wt.second));
+    if (kill > 0 && waited >= kill) {
+      ++stats_.stalls;
+      neighbors_.Drop(e);
+      Finish(e, Status::Error(SHOAL_ABORTED, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME)"));
+    } else if (waited >= warn && !e->stall_warned) {
+      e->stall_warned = true;
+      ++stats_.stalls;
+      Log(LOG_WARNING, "stall: " + what);
+    }
+  }
+  // Ops waiting for the coordinator are not given up locally: a coordinator that never
+  // answers is a dead (or stopped) rank 0, which the launcher handles; giving up here
+  // would make this rank skip a collective that the others then run.
+  // Neighbor data that nobody here wants: the senders' lists disagree with ours.
+  for (auto& w : neighbors_.Unmatched(now_tp, warn))
+    Log(LOG_WARNING, "rank " + std::to_string(w.first) + " sent '" + w.second +
+                         "' to this rank, which has not used it for " + std::to_string(static_cast<int>(warn)) +
+                         " s (send and receive lists disagree?)");
+}
+
+}  // namespace shoal
