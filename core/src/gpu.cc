@@ -287,7 +287,7 @@ bool Runtime::PollGpu(std::vector<Request>* to_coordinator) {
   auto ready = gpu_->Ready(&failed);
   for (auto& e : ready) Route(e, to_coordinator);
   for (auto& f : failed) Finish(f.first, f.second);
-  bool nccl_done = PollNccl();
+  bool nccl_done = nccl_.Poll();
   std::vector<std::pair<EntryPtr, Status>> device_done;
   bool device = device_plane_.Poll(&device_done);
   for (auto& d : device_done) Finish(d.first, d.second);

@@ -28,6 +28,7 @@
 #include "buffer_pool.h"
 #include "coordinator.h"
 #include "device_plane.h"
+#include "nccl_collectives.h"
 #include "entry.h"
 #include "gpu.h"
 #include "neighbor.h"
@@ -116,13 +117,6 @@ class Runtime {
   void StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator);
   bool PollGpu(std::vector<Request>* to_coordinator);
   Status CompleteGpu(Entry& e, const Status& st);
-  // NCCL collectives of CUDA tensors (gpu_nccl.cc).
-  struct NcclComm;
-  void RunNccl(const Response& r, const std::vector<EntryPtr>& batch);
-  bool PollNccl();
-  void StartNcclComm(NcclComm& c, int scope, int device);
-  bool AdvanceNcclComms();
-  void StopNccl();
 
   Config cfg_;
   std::unique_ptr<Backend> backend_;
@@ -130,6 +124,7 @@ class Runtime {
   Stats stats_;
   Timeline timeline_;
   DevicePlane device_plane_;  // neighbor data of CUDA tensors from device memory (driver only)
+  NcclCollectives nccl_;      // collectives of CUDA tensors by NCCL (driver only)
   std::shared_ptr<BufferPool> fusion_pool_ = BufferPool::Create(4);
   Clock::time_point last_flush_ = Clock::now();
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
@@ -168,29 +163,6 @@ class Runtime {
   std::map<std::string, Response> rejections_;
   std::vector<EntryPtr> neighbor_ready_;
   std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
-  struct NcclBatch {
-    void* event;
-    void* comm;
-    std::vector<EntryPtr> batch;
-    std::vector<void*> device_buffers;
-    std::vector<std::tuple<void*, void*, size_t>> host_copies;  // (pinned, result, bytes) at completion
-  };
-  struct NcclComm {
-    struct Setup {
-      std::thread thread;
-      std::atomic<bool> done{false};
-      void* comm = nullptr;
-      std::string error;
-      bool retry = false;
-    };
-    bool started = false, retry = false;
-    void* comm = nullptr;
-    std::string error;
-    std::shared_ptr<Setup> setup;
-    std::vector<std::pair<Response, std::vector<EntryPtr>>> parked;  // in negotiated order
-  };
-  std::map<std::pair<int, int>, NcclComm> nccl_comms_;  // (scope, device)
-  std::vector<NcclBatch> nccl_in_flight_;
   std::set<std::string> stall_warned_;  // coordinator: names already reported
   Clock::time_point start_ = Clock::now(), last_stall_check_ = Clock::now();
   std::thread thread_;

@@ -174,7 +174,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   ++stats_.global_collectives;
   const auto t0 = Clock::now();
   for (auto& e : batch) e->t_comm_start = t0;
-  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return RunNccl(r, batch);
+  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return nccl_.Run(r, batch, gpu_.get());
   // Completion of the communication itself (the timeline's COMMUNICATE phase).
   auto communicated = [](const EntryPtr& e) { e->t_comm_end = Clock::now(); };
   if (r.op == SHOAL_OP_BARRIER) {

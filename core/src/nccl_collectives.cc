@@ -1,22 +1,17 @@
-// NCCL collectives of CUDA tensors (SHOAL_GPU_BACKEND=nccl): allreduce, broadcast and
-// allgather run on the device pointers, on the core's stream, after negotiation ordered
-// them identically on every rank. One communicator per (scope, device), created on first
-// use (its unique id travels over MPI, joined on a helper thread) and kept until shutdown.
 #include <cstdlib>
 #include <cstring>
 #include <thread>
 
-#include "gpu.h"
-#include "runtime.h"
+#include "nccl_collectives.h"
 
 namespace shoal {
 
 // The communicator of (scope, device), set up without blocking the driver: rank 0 of the
 // scope creates the id (or fails to) and broadcasts it, with the error if any, over MPI;
 // every rank then joins on a helper thread. Batches wait in order until it is ready.
-void Runtime::StartNcclComm(NcclComm& c, int scope, int device) {
+void NcclCollectives::StartComm(Comm& c, int scope, int device) {
   const shoal_cuda_api* api = CudaPlugin(nullptr);
-  const WorldInfo& w = world();
+  const WorldInfo& w = backend_->world();
   const bool machine = scope == SHOAL_SCOPE_MACHINE;
   const int n = machine ? w.local_size : w.size, me = machine ? w.local_rank : w.rank;
   c.started = true;
@@ -26,7 +21,7 @@ void Runtime::StartNcclComm(NcclComm& c, int scope, int device) {
     (*buf)[0] = e ? 0 : 1;
     if (e) std::strncpy(buf->data() + 129, e, 255);
   }
-  auto setup = std::make_shared<NcclComm::Setup>();
+  auto setup = std::make_shared<Comm::Setup>();
   c.setup = setup;
   backend_->Broadcast(buf->data(), buf->size(), SHOAL_UINT8, 0, scope, [api, buf, setup, device, n, me](const Status& st) {
     if (!st.ok() || (*buf)[0] != 1) {
@@ -44,10 +39,10 @@ void Runtime::StartNcclComm(NcclComm& c, int scope, int device) {
   });
 }
 
-bool Runtime::AdvanceNcclComms() {
+bool NcclCollectives::AdvanceComms() {
   bool any = false;
-  for (auto& kv : nccl_comms_) {
-    NcclComm& c = kv.second;
+  for (auto& kv : comms_) {
+    Comm& c = kv.second;
     if (!c.setup || !c.setup->done) continue;
     if (c.setup->thread.joinable()) c.setup->thread.join();
     c.comm = c.setup->comm;
@@ -58,20 +53,20 @@ bool Runtime::AdvanceNcclComms() {
     c.parked.clear();
     for (auto& p : parked) {
       if (c.error.empty()) {
-        RunNccl(p.first, p.second);
+        Run(p.first, p.second, gpu_);
         continue;
       }
       for (auto& x : p.second)
-        Finish(x, Status::Error(SHOAL_ABORTED, std::string(OpName(p.first.op)) + " '" + x->name + "': NCCL: " + c.error));
+        finish_(x, Status::Error(SHOAL_ABORTED, std::string(OpName(p.first.op)) + " '" + x->name + "': NCCL: " + c.error));
     }
     any = true;
   }
   return any;
 }
 
-void Runtime::StopNccl() {
-  for (auto& kv : nccl_comms_) {
-    NcclComm& c = kv.second;
+void NcclCollectives::Stop() {
+  for (auto& kv : comms_) {
+    Comm& c = kv.second;
     const shoal_cuda_api* api = CudaPlugin(nullptr);
     if (c.setup) {  // a rank that never joins leaves the thread blocked in NCCL: let it go
       auto deadline = Clock::now() + std::chrono::seconds(5);
@@ -83,34 +78,35 @@ void Runtime::StopNccl() {
     if (!c.comm) continue;
     // Work still queued would keep the caller's streams waiting: abort it, else destroy.
     bool busy = false;
-    for (auto& b : nccl_in_flight_) busy = busy || b.comm == c.comm;
+    for (auto& b : in_flight_) busy = busy || b.comm == c.comm;
     if (busy) api->nccl_comm_abort(c.comm);
     else api->nccl_comm_destroy(c.comm);
   }
-  nccl_comms_.clear();
+  comms_.clear();
 }
 
-void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
+void NcclCollectives::Run(const Response& r, const std::vector<EntryPtr>& batch, GpuStaging* gpu) {
   const shoal_cuda_api* api = batch[0]->gpu->api;
   const int device = batch[0]->gpu->device, scope = batch[0]->sig.scope;
+  gpu_ = gpu;
   auto fail = [&](const std::string& msg) {
-    for (auto& x : batch) Finish(x, Status::Error(SHOAL_ABORTED, std::string(OpName(r.op)) + " '" + x->name + "': NCCL: " + msg));
+    for (auto& x : batch) finish_(x, Status::Error(SHOAL_ABORTED, std::string(OpName(r.op)) + " '" + x->name + "': NCCL: " + msg));
   };
-  NcclComm& c = nccl_comms_[{scope, device}];
-  if (c.retry && c.parked.empty()) c = NcclComm{};
-  if (!c.started) StartNcclComm(c, scope, device);
+  Comm& c = comms_[{scope, device}];
+  if (c.retry && c.parked.empty()) c = Comm{};
+  if (!c.started) StartComm(c, scope, device);
   if (!c.error.empty()) return fail(c.error);
   if (!c.comm) return c.parked.push_back({r, batch});
   const char* e = nullptr;
   void* stream = gpu_->Stream(device, &e);
   void* comm = c.comm;
   if (e) return fail(e);
-  NcclBatch nb{nullptr, comm, batch, {}, {}};
+  Batch nb{nullptr, comm, batch, {}, {}};
   for (auto& x : batch) {
     GpuOp& g = *x->gpu;
     if (g.device != device) return fail("tensors of one fused batch are on different devices");
     if (r.op == SHOAL_OP_ALLGATHER) {
-      const WorldInfo& w = world();
+      const WorldInfo& w = backend_->world();
       int64_t row = DtypeSize(x->sig.dtype);
       for (size_t i = 1; i < x->sig.shape.size(); ++i) row *= x->sig.shape[i];
       std::vector<int64_t> nbytes, offsets;
@@ -138,14 +134,14 @@ void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
     }
     if (g.dev_out != g.dev_in && g.nbytes && !e &&
         (r.op == SHOAL_OP_ALLREDUCE ||
-         (scope == SHOAL_SCOPE_MACHINE ? world().local_rank : world().rank) == x->sig.root_rank))
+         (scope == SHOAL_SCOPE_MACHINE ? backend_->world().local_rank : backend_->world().rank) == x->sig.root_rank))
       e = api->memcpy_async(g.dev_out, g.dev_in, g.nbytes, stream);
     if (x->count() == 0 || e) continue;
     if (r.op == SHOAL_OP_BROADCAST) {
       e = api->nccl_broadcast(g.dev_out, g.nbytes, x->sig.root_rank, comm, stream);
     } else {
       e = api->nccl_allreduce(g.dev_out, x->count(), x->sig.dtype, comm, stream);
-      const int n = scope == SHOAL_SCOPE_MACHINE ? world().local_size : world().size;
+      const int n = scope == SHOAL_SCOPE_MACHINE ? backend_->world().local_size : backend_->world().size;
       if (!e && x->sig.reduce_op == SHOAL_REDUCE_AVERAGE)  // sum, then divide: as the CPU path
         e = api->scale(g.dev_out, g.dev_out, n, 1, x->sig.dtype, x->count(), stream);
     }
@@ -160,12 +156,17 @@ void Runtime::RunNccl(const Response& r, const std::vector<EntryPtr>& batch) {
     if (nb.event) api->event_destroy(nb.event);
     return fail(e);
   }
-  nccl_in_flight_.push_back(std::move(nb));
+  in_flight_.push_back(std::move(nb));
 }
 
-bool Runtime::PollNccl() {
-  bool any = AdvanceNcclComms();
-  for (auto it = nccl_in_flight_.begin(); it != nccl_in_flight_.end();) {
+bool NcclCollectives::Idle() const {
+  for (auto& kv : comms_) if (kv.second.setup || !kv.second.parked.empty()) return false;
+  return in_flight_.empty();
+}
+
+bool NcclCollectives::Poll() {
+  bool any = AdvanceComms();
+  for (auto it = in_flight_.begin(); it != in_flight_.end();) {
     const shoal_cuda_api* api = it->batch[0]->gpu->api;
     int done = 0;
     const char* e = api->event_query(it->event, &done);
@@ -182,10 +183,10 @@ bool Runtime::PollNccl() {
     }
     for (auto& x : it->batch) {
       x->t_comm_end = Clock::now();
-      Finish(x, e ? Status::Error(SHOAL_ABORTED, std::string(OpName(x->sig.op)) + " '" + x->name + "': NCCL: " + e)
+      finish_(x, e ? Status::Error(SHOAL_ABORTED, std::string(OpName(x->sig.op)) + " '" + x->name + "': NCCL: " + e)
                   : Status::Ok());
     }
-    it = nccl_in_flight_.erase(it);
+    it = in_flight_.erase(it);
     any = true;
   }
   return any;
