@@ -208,6 +208,8 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
       if (!d.empty()) return fail(c.first, d);
     }
     ++negotiations_;
+    // A cache only (a name missing is validated again): bounded, for scripts that invent names.
+    if (validated_.size() >= kValidatedNames) validated_.clear();
     if (op != SHOAL_OP_ALLGATHER && op != SHOAL_OP_NEIGHBOR_ALLGATHER) validated_[name] = p.req[0].sig;
   }
   std::string edges = CheckEdges(p);

@@ -81,7 +81,8 @@ class Coordinator {
   int64_t fusion_threshold_;
   std::map<std::string, Pending> pending_;
   std::vector<std::string> complete_;  // in order of completion
-  std::map<std::string, Signature> validated_;  // first-sight cache
+  static constexpr size_t kValidatedNames = 1 << 16;
+  std::map<std::string, Signature> validated_;  // first-sight cache (at most kValidatedNames)
   // Calls rejected at the call on some rank, by name: (step, error). Ranks that submit
   // that step later get the error at once. Bounded: the oldest are forgotten.
   std::map<std::string, Response> rejected_;
