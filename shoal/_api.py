@@ -178,8 +178,7 @@ def build_api(adapter):
         # Blocking neighbor_allreduce in one C function; it calls the Python one for
         # anything but plain float arrays (bindings/python/neighbor_native.cc).
         doc = f"neighbor_allreduce{inspect.signature(neighbor_allreduce)}\n--\n\n{neighbor_allreduce.__doc__}"
-        api["neighbor_allreduce"] = _core.native_neighbor_allreduce(
-            neighbor_allreduce, _ops._native_args, doc, adapter.module)
+        api["neighbor_allreduce"] = _core.native_neighbor_allreduce(neighbor_allreduce, doc, adapter.module)
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
                barrier=_ops.barrier)
     return api

@@ -1,6 +1,9 @@
 """ctypes view of the CUDA plugin's function table (core/src/cuda/cuda_api.h), for the GPU
 tests and benchmarks/gpu_kernels.py, which call its entries directly, and for the torch
-adapter's test-only fake-device switch. The field order and types must match the header.
+adapter's test-only fake-device switch. The field order and types follow the header;
+`_core` exports the header's field offsets and size (`CUDA_API_FIELDS`, `CUDA_API_SIZE`,
+`NCCL_PEER_FIELDS`), and this module checks its view against them at import, so a field
+added, removed or reordered there fails here at once instead of calling the wrong entry.
 
 The table is the one of the plugin file libshoal.so loads (`_core.gpu_plugin_path()`:
 the real plugin, or the fake one with SHOAL_CUDA_PLUGIN=fake), so it is the same loaded
@@ -58,6 +61,19 @@ _FIELDS = [
 
 class Table(ctypes.Structure):
     _fields_ = _FIELDS
+
+
+def _verify(struct, offsets, size=None):
+    """Raise ImportError unless `struct`'s fields are the header's (names and offsets)."""
+    mine = {name: getattr(struct, name).offset for name, _ in struct._fields_}
+    if mine != dict(offsets) or (size is not None and ctypes.sizeof(struct) != size):
+        differ = sorted(n for n in set(mine) | set(offsets) if mine.get(n) != offsets.get(n))
+        raise ImportError(f"shoal._gpu: {struct.__name__} does not match core/src/cuda/cuda_api.h "
+                          f"(fields {differ}); update its _fields_")
+
+
+_verify(Table, _core.CUDA_API_FIELDS, _core.CUDA_API_SIZE)
+_verify(NcclPeer, _core.NCCL_PEER_FIELDS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,53 +5,72 @@ tensors of machine m's ranks and L ranks per machine,
     y = (self_weight·S_self + Σ_m src_machine_weights[m]·dst_w(m→self)·S_m) / L
 (uniform: (S_self + Σ_m S_m) / (L·(n_in + 1))), the same on every rank of a machine.
 Stages: sum within the machine; the machine's local rank 0 exchanges with the local
-rank 0 of its neighbor machines; broadcast of the result within the machine.
+rank 0 of its neighbor machines; broadcast of the result within the machine; divide by L.
+
+Written once: `resolve` (checks, names, weights) and `run` (the stages) serve every
+binding; a binding passes its own three stage functions (TensorFlow: its kernels; numpy
+and torch: `_ops` over their adapter, where the op is one handle: its first stage's).
 """
-import itertools
-
-from . import basics, _ops
+from . import _ops, _process
 from ._loader import _core
+from ._process import STATE
 
-_unnamed = itertools.count()
+_OP = "hierarchical_neighbor_allreduce"
 
 
 def _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check):
     # Dynamic mode (machine weights given) needs no machine topology.
-    plan, weighted = (None, None) if dst_machine_weights is not None else basics._machine_plan()
+    plan, weighted = (None, None) if dst_machine_weights is not None else _process.machine_plan()
     a = _ops.neighbor_args(self_weight, src_machine_weights, dst_machine_weights,
                            enable_topo_check, plan=plan, weighted=weighted)
-    lead = basics.local_size()  # machine m's leader is rank m * L
-    return dict(a, recv_ranks=[m * lead for m in a["recv_ranks"]],
+    lead = _process.local_size()  # machine m's leader is rank m * L
+    return dict(a, native=None, recv_ranks=[m * lead for m in a["recv_ranks"]],
                 send_ranks=[m * lead for m in a["send_ranks"]])
 
 
-def hierarchical_neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None,
-                                                src_machine_weights=None,
-                                                dst_machine_weights=None,
-                                                enable_topo_check=False, name=None):
-    name = name or f"hierarchical_neighbor_allreduce.noname.{next(_unnamed)}"
+def resolve(self_weight=None, src_machine_weights=None, dst_machine_weights=None, enable_topo_check=False,
+            name=None):
+    """(name, peers) of one call: `name` (generated, bounded, when None) and the lists of
+    the exchange stage (a dict as `_ops.neighbor_args` returns; no peers off the machine
+    leaders). An argument error is told to the peers, which wait in the first stage."""
+    name = name or STATE.unnamed(_OP + ".noname")
     try:
-        if not basics.is_homogeneous():
-            raise ValueError("hierarchical_neighbor_allreduce needs the same number of ranks on "
-                             "every machine, placed contiguously (see SHOAL_RANKS_PER_MACHINE)")
+        if not _process.is_homogeneous():
+            raise ValueError(f"{_OP} needs the same number of ranks on every machine, placed "
+                             "contiguously (see SHOAL_RANKS_PER_MACHINE)")
         args = _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check)
     except (ValueError, TypeError) as exc:
-        # The peers wait in the first stage: they get the same error (shoal_reject).
         if isinstance(name, str) and "\0" not in name:
             _core.reject(_ops.ALLREDUCE, name + ".machine_sum", isinstance(exc, TypeError), str(exc))
         raise
-    leader = basics.local_rank() == 0
-    if not leader:  # only machine leaders exchange; the others still take part in negotiation
-        args = dict(_ops._NO_PEERS)
-    first = _ops.allreduce(adapter, tensor, op=_ops.Sum, name=name + ".machine_sum",
-                                       scope=_ops.MACHINE)
+    if _process.local_rank() != 0:  # only machine leaders exchange; the others still negotiate
+        args = {"recv_ranks": [], "recv_weights": [], "self_weight": 1.0, "uniform": True,
+                "send_ranks": [], "send_weights": [], "topo_check": False}
+    return name, args
 
-    def finish():
-        total = _ops.synchronize(first)
-        mixed = _ops.synchronize(_ops.neighbor_allreduce_submit(adapter, total, name + ".exchange", args))
-        out = _ops.synchronize(_ops.broadcast(adapter, mixed, 0, name + ".share",
-                                                          inplace=True, scope=_ops.MACHINE))
-        out /= basics.local_size()
-        return out
 
-    return _ops.composite(first, finish)
+def run(total, name, args, exchange, share, divide):
+    """The stages after the machine sum `total`: exchange(x, name, args) between leaders,
+    share(x, name) from local rank 0, divide(x, L)."""
+    mixed = exchange(total, name + ".exchange", args)
+    return divide(share(mixed, name + ".share"), _process.local_size())
+
+
+def hierarchical_neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_machine_weights=None,
+                                                dst_machine_weights=None, enable_topo_check=False, name=None):
+    """The op over `adapter`'s tensors: one handle (the machine sum's) whose later stages run
+    in `synchronize`."""
+    name, args = resolve(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check, name)
+    first = _ops.allreduce(adapter, tensor, op=_ops.Sum, name=name + ".machine_sum", scope=_ops.MACHINE)
+
+    def exchange(x, stage, peers):
+        return _ops.neighbor_allreduce_submit(adapter, x, stage, peers, block=True)
+
+    def share(x, stage):
+        return _ops.broadcast(adapter, x, 0, stage, inplace=True, scope=_ops.MACHINE, block=True)
+
+    def divide(x, n):
+        x /= n
+        return x
+
+    return _ops.then(first, lambda total: run(total, name, args, exchange, share, divide))

@@ -2,27 +2,27 @@
 `InferSourceFromDestinationRanks` / `InferDestinationFromSourceRanks`)."""
 import numpy as np
 
-from . import basics, _ops
+from . import _ops
 from ._numpy import ADAPTER
-
-_calls = {"n": 0}
+from ._process import rank, size
 
 
 def _adjacency(ranks, what):
     """Allgather every rank's list into A[i, j] = 1 iff rank i listed rank j."""
-    n, me = basics.size(), basics.rank()
+    n, me = size(), rank()
     ranks = _ops._rank_list(ranks, what)
     bad = [r for r in ranks if not 0 <= r < n or r == me]
     if bad:
         raise ValueError(f"{what}: ranks {bad} are outside [0, {n}) or this rank itself")
     row = np.zeros((1, n), np.uint8)
     row[0, ranks] = 1
-    _calls["n"] += 1
-    return _ops.synchronize(_ops.allgather(ADAPTER, row, name=f"shoal.infer.{_calls['n']}"))
+    # One name for every call: blocking and collective, so calls never overlap, and the
+    # core's per-name tables gain one entry, not one per call.
+    return _ops.synchronize(_ops.allgather(ADAPTER, row, name="shoal.infer"))
 
 
 def _result(a, construct_adjacency_matrix):
-    me = basics.rank()
+    me = rank()
     others = [int(i) for i in np.flatnonzero(a[:, me])]
     if not construct_adjacency_matrix:
         return others
@@ -44,7 +44,7 @@ def InferDestinationFromSourceRanks(src_ranks, construct_adjacency_matrix=False)
     (sorted); the optional W is as in `InferSourceFromDestinationRanks` for the edges
     source→this rank. Raises ValueError as there."""
     listed = _adjacency(src_ranks, "src_ranks")  # listed[j, i] = 1 iff j receives from i
-    me = basics.rank()
+    me = rank()
     dsts = [int(j) for j in np.flatnonzero(listed[:, me])]
     if not construct_adjacency_matrix:
         return dsts

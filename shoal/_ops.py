@@ -7,18 +7,19 @@ Semantics follow BlueFog's ops (reference/bluefog-semantics.md §1.4–1.5).
 """
 import functools
 import inspect
-import math
 import operator
-import threading
 
-from . import basics
+from . import _process
 from ._loader import _core
+from ._process import STATE
 
-# Op and dtype codes of the C ABI (core/include/shoal/c_api.h).
-ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER = range(6)
-WORLD, MACHINE = 0, 1  # scope of allreduce/broadcast
-DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4,
-               "uint8": 5, "int16": 6, "int32": 7, "int64": 8, "bool": 9}
+# Codes of the C ABI, as the core exports them (core/include/shoal/c_api.h).
+OP_NAMES = {code: name for name, code in _core.OPS.items()}
+ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER = (
+    _core.OPS[n] for n in ("allreduce", "broadcast", "allgather", "barrier", "neighbor_allreduce",
+                           "neighbor_allgather"))
+WORLD, MACHINE = _core.SCOPES["world"], _core.SCOPES["machine"]  # scope of allreduce/broadcast
+DTYPE_CODES = dict(_core.DTYPES)
 
 
 class ReduceOp:
@@ -31,15 +32,8 @@ class ReduceOp:
         return f"shoal.{self.name}"
 
 
-Sum = ReduceOp("Sum", 0)
-Average = ReduceOp("Average", 1)
-OP_NAMES = ["allreduce", "broadcast", "allgather", "barrier", "neighbor_allreduce",
-            "neighbor_allgather"]
-
-_lock = threading.Lock()
-_pending = {}  # handle -> (objects kept alive, finish() -> result)
-_lingering = {}  # failed ops whose tensors the core may still read: handle -> objects
-_composite = {"next": -1}  # handles of multi-stage ops are negative
+Sum = ReduceOp("Sum", _core.REDUCE_OPS["sum"])
+Average = ReduceOp("Average", _core.REDUCE_OPS["average"])
 
 
 def reduce_op(average, op):
@@ -53,9 +47,6 @@ def reduce_op(average, op):
     return Average if average is None or average else Sum
 
 
-_calls = threading.local()  # per thread: inside an op entry point; reached the core
-
-
 def _told(op):
     """Decorates an op entry point: an argument error raised before the call reaches the
     core (which tells its peers itself) is told to the core, so every rank that submits
@@ -65,13 +56,14 @@ def _told(op):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if getattr(_calls, "inside", False):
+            calls = STATE.calls  # per thread: inside an op entry point; reached the core
+            if getattr(calls, "inside", False):
                 return fn(*args, **kwargs)
-            _calls.inside, _calls.reached = True, False
+            calls.inside, calls.reached = True, False
             try:
                 return fn(*args, **kwargs)
             except (ValueError, TypeError) as exc:
-                if not _calls.reached and _core.is_initialized():
+                if not calls.reached and _core.is_initialized():
                     try:
                         name = sig.bind(*args, **kwargs).arguments.get("name")
                     except TypeError:
@@ -80,40 +72,41 @@ def _told(op):
                         _core.reject(op, name or None, isinstance(exc, TypeError), str(exc))
                 raise
             finally:
-                _calls.inside = False
+                calls.inside = False
         return call
     return wrap
 
 
-_NO_PEERS = {"recv_ranks": (), "recv_weights": (), "self_weight": 1.0, "uniform": True,
-             "send_ranks": (), "send_weights": (), "topo_check": False}
+def peers_of(a):
+    """The core's described form of a neighbor op's lists (a dict as `neighbor_args` returns)."""
+    native = a.get("native")
+    if native is None:
+        native = _core.NeighborArgs(a["recv_ranks"], a["send_ranks"], a["recv_weights"], a["send_weights"],
+                                    a["self_weight"], a["uniform"], a["topo_check"])
+    return native
 
 
 def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce_op=0, root=0,
-            scope=WORLD, peers=_NO_PEERS):
+            scope=WORLD, peers=None):
     """Enqueue one op; returns its handle, or with `block` waits and returns finish().
-    `peers`: the lists of a neighbor op, as `neighbor_args` returns them."""
+    `peers`: a neighbor op's lists (`_core.NeighborArgs`, see `peers_of`)."""
     if name is None:
         name = ""
     elif not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     elif "\0" in name:
         raise ValueError("op names cannot contain NUL characters")
-    if _lingering:
-        _release_lingering()
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
     device_type, device_id, stream = adapter.device(tensor)
-    _calls.reached = True
-    # Positional: pybind11 matches keyword arguments far more slowly.
-    handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, reduce_op, root, peers["recv_ranks"],
-                           peers["recv_weights"], peers["self_weight"], peers["uniform"],
-                           peers["send_ranks"], peers["send_weights"], scope, peers["topo_check"],
-                           device_type, device_id, stream, block, keep)
+    STATE.calls.reached = True
+    handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, peers=peers, reduce_op=reduce_op, root=root,
+                           scope=scope, device_type=device_type, device_id=device_id, stream=stream,
+                           block=block, keep=keep)
     if block:  # waited for and released by the core already
         return finish()
-    with _lock:
-        _pending[handle] = (keep, finish)
+    with STATE.lock:
+        STATE.pending[handle] = (keep, finish)
     return handle
 
 
@@ -130,14 +123,13 @@ def _submit_gather(op, name, adapter, tensor, **kw):
     return holder["h"]
 
 
-def composite(first, finish):
-    """A handle for a multi-stage op: `first` is the handle of its first stage and
-    `finish()` runs the remaining stages (at synchronize) and returns the result."""
-    with _lock:
-        h = _composite["next"]
-        _composite["next"] -= 1
-        _pending[h] = ((first,), finish)
-    return h
+def then(handle, fn):
+    """Continue the op behind `handle` with `fn(result)` at `synchronize`: a multi-stage op
+    (hierarchical) is its first stage's handle, and its later stages run in `fn`."""
+    with STATE.lock:
+        keep, finish = STATE.pending[handle]
+        STATE.pending[handle] = (keep, lambda: fn(finish()))
+    return handle
 
 
 # Each op below enqueues and returns a handle for `synchronize`, or with block=True waits
@@ -159,7 +151,7 @@ def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD,
         root_rank = operator.index(root_rank)  # int, numpy integers, 0-d int tensors
     except TypeError:
         raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}") from None
-    n = basics.local_size() if scope == MACHINE else basics.size()
+    n = _process.local_size() if scope == MACHINE else _process.size()
     if not 0 <= root_rank < n:
         raise ValueError(f"broadcast: root rank {root_rank} is outside [0, {n})")
     src, out = adapter.prepare(tensor, inplace, "broadcast")
@@ -201,63 +193,47 @@ def _weights_dict(arg, what):
     raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks")
 
 
-_resolved = {}  # dynamic-mode arguments -> neighbor_args' result (schedules repeat)
-
-
 def neighbor_args(self_weight=None, src_weights=None, dst_weights=None, enable_topo_check=True,
                   plan=None, weighted=None, remember=True):
     """Resolve BlueFog's neighbor_allreduce weights into explicit per-call lists: a dict
     {recv_ranks, recv_weights, self_weight, uniform, send_ranks, send_weights, topo_check}.
-    Callers must not modify it (dynamic results are reused across calls; their lists are
-    tuples).
+    Callers must not modify it (remembered results are reused across calls; their lists
+    are tuples, and their "native" entry is the core's `NeighborArgs` of the lists).
 
     `plan`/`weighted` default to the static topology (`set_topology`); the hierarchical
     op passes the machine topology's plan instead. Runs every step: a one-peer schedule
-    repeats a few argument sets, so dynamic results with plain int ranks and float weights
-    are remembered (resolving them costs more than the rest of a small op's Python path);
-    `remember=False` (code traced by torch.compile) skips that.
+    repeats a few argument sets, so results for plain int ranks and float weights are
+    remembered, in the core's one cache (`_core.neighbor_args`, which the native
+    neighbor_allreduce uses too); `remember=False` (code traced by torch.compile) and an
+    explicit `plan` resolve afresh, in pure Python.
     """
-    key = _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check) if remember else None
-    if key is None:
-        return _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
-    hit = _resolved.get(key)
-    if hit is None:
-        a = _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
-        hit = {k: tuple(v) if type(v) is list else v for k, v in a.items()}
-        if len(_resolved) >= 1024:
-            _resolved.clear()
-        _resolved[key] = hit
-    return hit
+    if remember and plan is None:
+        return _core.neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check)
+    return _resolve(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted)
 
 
-def _dynamic_key(self_weight, src_weights, dst_weights, enable_topo_check):
-    """A key for dynamic-mode arguments made only of plain ints and floats, else None.
-    Negative zero weights are not keyed: they compare equal to 0.0 but scale signs."""
-    if dst_weights is None or type(self_weight) is not float or type(src_weights) is not dict:
-        return None
-    if self_weight == 0.0 and math.copysign(1.0, self_weight) < 0:
-        return None
-    src = tuple(src_weights.items())
-    for r, w in src:
-        if type(r) is not int or type(w) is not float or (w == 0.0 and math.copysign(1.0, w) < 0):
-            return None
-    kind = type(dst_weights)
-    if kind is dict:
-        dst = tuple(dst_weights.items())
-        for r, w in dst:
-            if type(r) is not int or type(w) is not float or (w == 0.0 and math.copysign(1.0, w) < 0):
-                return None
-    elif kind is list or kind is tuple:
-        dst = tuple(dst_weights)
-        for r in dst:
-            if type(r) is not int:
-                return None
-    else:
-        return None
-    return self_weight, bool(enable_topo_check), src, kind is dict, dst
+def _with_native(a, freeze):
+    out = {k: tuple(v) if freeze and type(v) is list else v for k, v in a.items()}
+    out["native"] = peers_of(a)
+    return out
 
 
-def _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted):
+def _remembered(self_weight, src_weights, dst_weights, enable_topo_check, kept):
+    """The core cache's resolver: `neighbor_args`' result with its "native" lists, frozen
+    (tuples) when the cache keeps it; the static topology's is kept with its plan."""
+    if self_weight is None and src_weights is None and dst_weights is None:
+        plan, weighted = _process.static_plan()
+        frozen = plan.get(("frozen", weighted))
+        if frozen is None:
+            frozen = plan[("frozen", weighted)] = _with_native(_resolve(None, None, None, False, plan, weighted), True)
+        return frozen
+    return _with_native(_resolve(self_weight, src_weights, dst_weights, enable_topo_check, None, None), kept)
+
+
+_core.set_neighbor_resolver(_remembered)
+
+
+def _resolve(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted):
     if self_weight is not None and not isinstance(self_weight, (int, float)):
         raise TypeError(f"self_weight must be a number, got {type(self_weight).__name__}")
     if dst_weights is not None:
@@ -280,7 +256,7 @@ def _neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, pla
     # Static: receive from every in-neighbor, send to every out-neighbor. The graph was
     # checked across ranks by set_topology, so no per-call check is needed.
     if plan is None:
-        plan, weighted = basics._static_plan()
+        plan, weighted = _process.static_plan()
     recv = plan["recv"]
     args = {"recv_ranks": list(recv), "recv_weights": [], "self_weight": 1.0, "uniform": True,
             "send_ranks": list(plan["send"]), "send_weights": [], "topo_check": False}
@@ -305,7 +281,7 @@ def neighbor_allreduce_submit(adapter, tensor, name, peers, out=None, block=Fals
     src_t, fresh = adapter.prepare(tensor, False, "neighbor_allreduce", need_output=out is None)
     out = fresh if out is None else out
     return _submit(NEIGHBOR_ALLREDUCE, name, adapter, src_t, out, (tensor, src_t, out),
-                   lambda: out, block, peers=peers)
+                   lambda: out, block, peers=peers_of(peers))
 
 
 @_told(NEIGHBOR_ALLREDUCE)
@@ -316,30 +292,13 @@ def neighbor_allreduce(adapter, tensor, self_weight=None, src_weights=None, dst_
         adapter, tensor, name, neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check), out, block)
 
 
-def _native_args(self_weight, src_weights, dst_weights, enable_topo_check):
-    """`neighbor_args` as a core object for the numpy binding's native neighbor_allreduce,
-    converted once: kept with the static plan (static mode) or the remembered dynamic result."""
-    if dst_weights is None and self_weight is None and src_weights is None:
-        plan, weighted = basics._static_plan()
-        holder, key = plan, ("native", weighted)
-    else:
-        holder, key = neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check), "native"
-    native = holder.get(key)
-    if native is None:
-        a = holder if key == "native" else neighbor_args()
-        native = holder[key] = _core.NeighborArgs(
-            a["recv_ranks"], a["send_ranks"], a["recv_weights"], a["send_weights"], a["self_weight"],
-            a["uniform"], a["topo_check"])
-    return native
-
-
 def neighbor_allgather_args(src_ranks=None, dst_ranks=None, enable_topo_check=True):
     """(recv_ranks, send_ranks, topo_check) of a neighbor_allgather: the static topology's
     neighbors, or the given lists (dynamic mode, checked if asked)."""
     if (src_ranks is None) != (dst_ranks is None):
         raise ValueError("neighbor_allgather: give both src_ranks and dst_ranks, or neither")
     if src_ranks is None:
-        plan, _ = basics._static_plan()
+        plan, _ = _process.static_plan()
         return plan["recv"], plan["send"], False
     return _rank_list(src_ranks, "src_ranks"), _rank_list(dst_ranks, "dst_ranks"), bool(enable_topo_check)
 
@@ -350,7 +309,7 @@ def neighbor_allgather(adapter, tensor, src_ranks=None, dst_ranks=None, enable_t
     """See `shoal.neighbor_allgather` for the semantics."""
     recv, send, check = neighbor_allgather_args(src_ranks, dst_ranks, enable_topo_check)
     return _submit_gather(NEIGHBOR_ALLGATHER, name, adapter, tensor,
-                          peers=dict(_NO_PEERS, recv_ranks=recv, send_ranks=send, topo_check=check))
+                          peers=_core.NeighborArgs(recv, send, [], [], 1.0, True, check))
 
 
 @_told(NEIGHBOR_ALLREDUCE)
@@ -359,7 +318,7 @@ def pair_gossip(adapter, tensor, target_rank, self_weight=None, pair_weight=None
     """See `shoal.pair_gossip` for the semantics."""
     if (self_weight is None) != (pair_weight is None):
         raise ValueError("pair_gossip: give both self_weight and pair_weight, or neither")
-    if target_rank == basics.rank():
+    if target_rank == _process.rank():
         raise ValueError("pair_gossip: target_rank is this rank")
     sw, pw = (0.5, 0.5) if self_weight is None else (float(self_weight), float(pair_weight))
     peers = {"recv_ranks": [target_rank], "recv_weights": [pw], "self_weight": sw,
@@ -371,10 +330,6 @@ def pair_gossip(adapter, tensor, target_rank, self_weight=None, pair_weight=None
 def poll(handle):
     """True when the op behind `handle` has completed (the handle stays valid).
     For a multi-stage op (hierarchical), True once its first stage has completed."""
-    with _lock:
-        entry = _pending.get(handle)
-    if handle < 0 and entry is not None:
-        return _core.poll(entry[0][0])
     return _core.poll(handle)
 
 
@@ -385,24 +340,24 @@ def synchronize(handle):
     shutdown) and ValueError for an unknown handle. A KeyboardInterrupt leaves the op
     running and its handle valid (synchronize it again, or let shutdown fail it).
     """
-    with _lock:
-        if handle not in _pending:
+    with STATE.lock:
+        if handle not in STATE.pending:
             raise ValueError(f"unknown handle {handle}")
     try:
-        if handle >= 0:
-            _core.wait(handle)
+        _core.wait(handle)
     except BaseException:
-        if handle >= 0 and not _core.poll(handle):
+        if not _core.poll(handle):
             raise  # interrupted (Ctrl-C) while the op runs on: it keeps its tensors and handle
-        if handle >= 0 and _core.in_use(handle):  # failed with a send from its memory in flight
-            with _lock:
-                _lingering[handle] = _pending.pop(handle, None)
-            raise
-        _forget(handle)
+        with STATE.lock:
+            entry = STATE.pending.pop(handle, None)
+        if _core.in_use(handle):  # failed with a send from its memory in flight
+            _core.linger(handle, entry)  # the core releases it when the send is done
+        else:
+            _core.release(handle)
         raise
     try:
-        with _lock:
-            entry = _pending.get(handle)
+        with STATE.lock:
+            entry = STATE.pending.get(handle)
         if entry is None:  # another thread synchronized it meanwhile
             raise ValueError(f"handle {handle} was already synchronized")
         return entry[1]()
@@ -410,20 +365,10 @@ def synchronize(handle):
         _forget(handle)
 
 
-def _release_lingering():
-    with _lock:
-        done = [h for h in _lingering if not _core.in_use(h)]
-        for h in done:
-            del _lingering[h]
-    for h in done:
-        _core.release(h)
-
-
 def _forget(handle):
-    with _lock:
-        _pending.pop(handle, None)
-    if handle >= 0:
-        _core.release(handle)
+    with STATE.lock:
+        STATE.pending.pop(handle, None)
+    _core.release(handle)
 
 
 def barrier():

@@ -20,20 +20,18 @@ consistent; errors raise instead of returning False.
 import contextlib
 import math
 import operator
-import threading
 import warnings
 
-from . import basics
+from . import _process
 from ._loader import _core
+from ._process import STATE
 
-CREATE, FREE, PUT, ACCUMULATE, GET, UPDATE, LOCK, UNLOCK = range(8)
-WIN_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
-
-_lock = threading.Lock()
-_windows = {}  # name -> the tensor win_create registered (win_update writes into it)
-_mirrors = {}  # name -> host copy the core works on, for a device (CUDA) tensor
-_pending = {}  # window handle -> (objects kept alive, finish() run by win_wait or None)
-_state = {"with_p": False}
+# Window op codes, as the core exports them (shoal_win_op of core/include/shoal/c_api.h).
+CREATE, FREE, PUT, ACCUMULATE, GET, UPDATE, LOCK, UNLOCK = (
+    _core.WIN_OPS[n] for n in ("create", "free", "put", "accumulate", "get", "update", "lock", "unlock"))
+# State (STATE): windows: name -> the tensor win_create registered (win_update writes into
+# it); mirrors: name -> host copy the core works on, for a device (CUDA) tensor;
+# win_pending: window handle -> (objects kept alive, finish() run by win_wait or None).
 
 
 def _check_name(name):
@@ -65,7 +63,7 @@ def _weights(arg, allowed, what, kind):
         out[k] = float(v)
     bad = sorted(set(out) - set(allowed))
     if bad:
-        raise ValueError(f"{what}: ranks {bad} are not {kind} of rank {basics.rank()} "
+        raise ValueError(f"{what}: ranks {bad} are not {kind} of rank {_process.rank()} "
                          f"({kind}: {sorted(allowed)})")
     return out
 
@@ -77,10 +75,10 @@ class UnknownWindowError(ValueError, KeyError):
 
 
 def _registered(name, op):
-    with _lock:
-        if name not in _windows:
+    with STATE.lock:
+        if name not in STATE.windows:
             raise UnknownWindowError(f"{op}: no window named {name!r}; create it with win_create")
-        return _windows[name]
+        return STATE.windows[name]
 
 
 def _wait(handle):
@@ -98,24 +96,21 @@ def _wait(handle):
 
 def _forget(handle):
     _core.win_release(handle)
-    with _lock:
-        return _pending.pop(handle, ((), None))[1]
+    with STATE.lock:
+        return STATE.win_pending.pop(handle, ((), None))[1]
 
 
 def _submit(op, name, keep=(), finish=None, **kw):
-    h = _core.win_enqueue(op, name, with_p=_state["with_p"], **kw)
-    with _lock:
-        _pending[h] = (keep, finish)
+    h = _core.win_enqueue(op, name, with_p=STATE.with_p, **kw)
+    with STATE.lock:
+        STATE.win_pending[h] = (keep, finish)
     return h
 
 
 def build_win_api(adapter):
     """Return {name: function} of the window API over `adapter`'s tensor type."""
 
-    def tensor_args(t, op):
-        if adapter.dtype_name(t) not in WIN_DTYPES:
-            raise ValueError(f"{op}: dtype {adapter.dtype_name(t)} is not supported by window ops; "
-                             f"use one of {', '.join(WIN_DTYPES)}")
+    def tensor_args(t, op):  # the core checks the dtype (window ops support fewer)
         ptr, dtype, shape = adapter.describe(t)
         return dict(data=ptr, dtype=dtype, shape=list(shape))
 
@@ -134,13 +129,13 @@ def build_win_api(adapter):
         # Device tensors: the window lives in host memory (staged copies, as BlueFog does).
         host = adapter.to_host(tensor) if adapter.is_device(tensor) else tensor
         args = tensor_args(host, "win_create")
-        h = _submit(CREATE, name, (tensor, host), ranks=basics.in_neighbor_ranks(),
-                    send_ranks=basics.out_neighbor_ranks(), zero_init=bool(zero_init), **args)
+        h = _submit(CREATE, name, (tensor, host), ranks=_process.in_neighbor_ranks(),
+                    send_ranks=_process.out_neighbor_ranks(), zero_init=bool(zero_init), **args)
         _wait(h)
-        with _lock:
-            _windows[name] = tensor
+        with STATE.lock:
+            STATE.windows[name] = tensor
             if host is not tensor:
-                _mirrors[name] = host
+                STATE.mirrors[name] = host
         return True
 
     def win_free(name=None):
@@ -149,27 +144,27 @@ def build_win_api(adapter):
         rank, ShoalError when ranks disagree."""
         if name is not None:
             _check_name(name)
-        with _lock:
-            unknown = name is not None and name not in _windows
+        with STATE.lock:
+            unknown = name is not None and name not in STATE.windows
         try:
             _wait(_submit(FREE, name or ""))  # submitted even then: the peers are in it too
         except ValueError as e:
             if unknown:
                 raise UnknownWindowError(str(e)) from None
             raise
-        with _lock:
+        with STATE.lock:
             if name is None:
-                _windows.clear()
-                _mirrors.clear()
+                STATE.windows.clear()
+                STATE.mirrors.clear()
             else:
-                _windows.pop(name, None)
-                _mirrors.pop(name, None)
+                STATE.windows.pop(name, None)
+                STATE.mirrors.pop(name, None)
         return True
 
     def _put(op, what, tensor, name, self_weight, dst_weights, require_mutex):
         _check_name(name)
         _registered(name, what)
-        dst = _weights(dst_weights, basics.out_neighbor_ranks(), f"{what}: dst_weights", "out-neighbours")
+        dst = _weights(dst_weights, _process.out_neighbor_ranks(), f"{what}: dst_weights", "out-neighbours")
         sw = 1.0 if self_weight is None else float(self_weight)
         finish = None
         if adapter.is_device(tensor):
@@ -212,7 +207,7 @@ def build_win_api(adapter):
         {rank: w} or [ranks] ⊆ in-neighbours; default every in-neighbour with 1.0."""
         _check_name(name)
         _registered(name, "win_get")
-        src = _weights(src_weights, basics.in_neighbor_ranks(), "win_get: src_weights", "in-neighbours")
+        src = _weights(src_weights, _process.in_neighbor_ranks(), "win_get: src_weights", "in-neighbours")
         return _submit(GET, name, ranks=list(src), weights=list(src.values()),
                        require_mutex=bool(require_mutex))
 
@@ -248,19 +243,19 @@ def build_win_api(adapter):
         """
         _check_name(name)
         t = _registered(name, "win_update")
-        recv = basics.in_neighbor_ranks()
+        recv = _process.in_neighbor_ranks()
         if (self_weight is None) != (neighbor_weights is None):
             raise ValueError("win_update: give both self_weight and neighbor_weights, or neither")
         uniform = False
         if neighbor_weights is not None:
             nbr, sw = _weights(neighbor_weights, recv, "win_update: neighbor_weights", "in-neighbours"), float(self_weight)
-        elif basics.is_topo_weighted():
-            plan, _ = basics._static_plan()
+        elif STATE.weighted:
+            plan, _ = _process.static_plan()
             nbr, sw = dict(zip(plan["recv"], plan["recv_weights"])), plan["self_weight"]
         else:
             nbr, sw, uniform = {r: 1.0 for r in recv}, 1.0, True
-        with _lock:
-            host = _mirrors.get(name)
+        with STATE.lock:
+            host = STATE.mirrors.get(name)
         if host is not None:
             adapter.copy_into(host, t)  # the device tensor may have changed since
         base = t if host is None else host
@@ -278,7 +273,7 @@ def build_win_api(adapter):
     def win_update_then_collect(name, require_mutex=True):
         """Push-sum "collect": x ← x + Σ_j buf_j over every in-neighbour, then zero the
         buffers (p likewise). Returns the registered tensor."""
-        return win_update(name, 1.0, {r: 1.0 for r in basics.in_neighbor_ranks()}, reset=True,
+        return win_update(name, 1.0, {r: 1.0 for r in _process.in_neighbor_ranks()}, reset=True,
                           require_mutex=require_mutex)
 
     api = {f.__name__: f for f in (
@@ -308,8 +303,8 @@ def win_wait(handle):
     """Wait for a window op; returns True or raises its error (ShoalError, ValueError).
     A handle that is unknown (or already waited for) gives a warning and False, as in
     BlueFog."""
-    with _lock:
-        known = handle in _pending
+    with STATE.lock:
+        known = handle in STATE.win_pending
     if not known:
         warnings.warn(f"win_wait: unknown window handle {handle!r} (already waited for?)",
                       RuntimeWarning, stacklevel=2)
@@ -329,7 +324,7 @@ def win_mutex(name, for_self=False, ranks=None):
     """
     _check_name(name)
     _registered(name, "win_mutex")
-    default = basics.in_neighbor_ranks() if for_self else basics.out_neighbor_ranks()
+    default = _process.in_neighbor_ranks() if for_self else _process.out_neighbor_ranks()
     rs = default if ranks is None else [int(r) for r in ranks]
     _wait(_submit(LOCK, name, ranks=rs, for_self=bool(for_self)))
     try:
@@ -371,11 +366,11 @@ def win_associated_p(name):
 
 def turn_on_win_ops_with_associated_p():
     """From now on, put/accumulate/get/update also move and combine the weight p."""
-    _state["with_p"] = True
+    STATE.with_p = True
 
 
 def turn_off_win_ops_with_associated_p():
-    _state["with_p"] = False
+    STATE.with_p = False
 
 
 def free_all_at_exit():
@@ -392,13 +387,13 @@ def free_all_at_exit():
 
 
 def windows_exist():
-    with _lock:
-        return bool(_windows)
+    with STATE.lock:
+        return bool(STATE.windows)
 
 
 def forget_all():
     """Drop the registry (shutdown: the core's windows are gone with its runtime)."""
-    with _lock:
-        _windows.clear()
-        _mirrors.clear()
-        _pending.clear()
+    with STATE.lock:
+        STATE.windows.clear()
+        STATE.mirrors.clear()
+        STATE.win_pending.clear()

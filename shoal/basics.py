@@ -9,14 +9,16 @@ import atexit
 import contextlib
 import hashlib
 import sys
-import threading
 import time
 
 import numpy as np
 
-from . import _compat_env, _lifecycle
+from . import _compat_env, _lifecycle, _ops, _win
 from . import topology as _topo
 from ._loader import _core
+from ._numpy import ADAPTER
+from ._process import (STATE, in_neighbor_ranks, is_homogeneous, local_rank, local_size, machine_rank,
+                       machine_size, out_neighbor_ranks, rank, require_init as _require_init, size)
 
 ShoalError = _core.ShoalError
 
@@ -24,17 +26,6 @@ ShoalError = _core.ShoalError
 class TopologySizeError(ValueError, TypeError):
     """A graph whose node count is not the number of ranks (or machines). A ValueError,
     like Shoal's other argument errors, and a TypeError, as BlueFog raised it."""
-
-_lock = threading.Lock()
-_state = {"topology": None, "weighted": False, "plan": None, "atexit": False,
-          "machine_topology": None, "machine_weighted": False, "machine_plan": None,
-          "topology_version": 0, "suspended": False, "skip_negotiate": False}
-
-
-def _require_init():
-    if not _core.is_initialized():
-        raise ValueError("Shoal is not initialized; call shoal.init() first")
-
 
 def init(topology_fn=None, is_weighted=False):
     """Start the runtime (idempotent, thread-safe) and set the topology.
@@ -50,7 +41,7 @@ def init(topology_fn=None, is_weighted=False):
     what MPI reports (a Shoal built for another MPI); ValueError for a malformed SHOAL_*
     variable.
     """
-    with _lock:
+    with STATE.lock:
         _compat_env.apply_bluefog_env()  # BLUEFOG_* settings a migrated script sets
         child = None if _core.forked() else _lifecycle.started_by_a_rank()
         if child:
@@ -61,10 +52,10 @@ def init(topology_fn=None, is_weighted=False):
             _core.shutdown()
             raise ShoalError(mismatch)
         _lifecycle.mark_rank(_core.size())
-        if not _state["atexit"]:
+        if not STATE.atexit_registered:
             atexit.register(_lifecycle.at_exit)
             _lifecycle.install_excepthook()
-            _state["atexit"] = True
+            STATE.atexit_registered = True
     topo = topology_fn(size()) if topology_fn is not None else _topo.exponential_two_graph(size())
     set_topology(topo, is_weighted)
 
@@ -73,63 +64,20 @@ def shutdown():
     """Stop the runtime; pending ops fail with ShoalError. `init()` may be called again.
     Peers learn at once that this rank left: their ops that need it fail (ShoalError
     naming it). Windows still open are freed next, which is collective (every rank shuts
-    down). Does nothing in a process forked after init()."""
-    from . import _win
+    down). Does nothing in a process forked after init(). Resets every piece of the Python
+    side's per-process state (`shoal._process.STATE`)."""
     if _core.forked():
         return  # the runtime belongs to the parent
     _core.leave()  # first: peers waiting for this rank fail instead of waiting
     _win.free_all_at_exit()  # collective, like BlueFog's windows at shutdown
-    with _lock:
+    with STATE.lock:
         _core.shutdown()
-        _win.forget_all()
-        _state.update(topology=None, weighted=False, plan=None, machine_topology=None,
-                      machine_weighted=False, machine_plan=None)
+        _core.forget_neighbor_args()
+        STATE.reset()
 
 
 def is_initialized():
     return _core.is_initialized()
-
-
-def _checked(value):
-    if value < 0:
-        raise ValueError("Shoal is not initialized; call shoal.init() first")
-    return value
-
-
-def rank():
-    """This process's rank in [0, size())."""
-    return _checked(_core.rank())
-
-
-def size():
-    """Number of processes in the job."""
-    return _checked(_core.size())
-
-
-def local_rank():
-    """Rank among the processes of this machine (see SHOAL_RANKS_PER_MACHINE)."""
-    return _checked(_core.local_rank())
-
-
-def local_size():
-    """Number of processes on this machine (see SHOAL_RANKS_PER_MACHINE)."""
-    return _checked(_core.local_size())
-
-
-def machine_rank():
-    """Index of this process's machine: rank() // local_size() on a homogeneous job."""
-    return _checked(_core.machine_rank())
-
-
-def machine_size():
-    """Number of machines: size() // local_size() on a homogeneous job."""
-    return _checked(_core.machine_size())
-
-
-def is_homogeneous():
-    """True when every machine has the same number of ranks, placed contiguously."""
-    _require_init()
-    return _core.is_homogeneous()
 
 
 def mpi_threads_supported():
@@ -167,16 +115,16 @@ def suspend():
     already sleeps between polls (at most SHOAL_CYCLE_TIME ms apart; peers' messages
     need those polls), so `suspend()`/`resume()` only set `is_suspended()`, and ops keep
     working in between. Returns None."""
-    _state["suspended"] = True
+    STATE.suspended = True
 
 
 def resume():
     """End `suspend()`. Returns None."""
-    _state["suspended"] = False
+    STATE.suspended = False
 
 
 def is_suspended():
-    return _state["suspended"]
+    return STATE.suspended
 
 
 def set_skip_negotiate_stage(value):
@@ -190,12 +138,12 @@ def set_skip_negotiate_stage(value):
     if not _core.is_initialized():
         sys.stderr.write("[shoal] set_skip_negotiate_stage before init() is ignored\n")
         return
-    _state["skip_negotiate"] = bool(value)
+    STATE.skip_negotiate = bool(value)
 
 
 def get_skip_negotiate_stage():
     """The value last given to `set_skip_negotiate_stage` (False by default)."""
-    return _state["skip_negotiate"]
+    return STATE.skip_negotiate
 
 
 def _plan(graph, me):
@@ -208,14 +156,11 @@ def _plan(graph, me):
 
 def _check_same_everywhere(graph, is_weighted, what):
     """Collective: every rank must pass the same graph (else each rank's neighbor lists
-    would disagree with its neighbors'). Compares a digest with one allgather."""
-    from . import _ops
-    from ._numpy import ADAPTER
+    would disagree with its neighbors'). Compares a digest with one allgather (under one
+    name per `what`: the call is blocking and collective)."""
     w = np.ascontiguousarray(_topo.mixing_matrix(graph), dtype=np.float64)
     digest = np.frombuffer(hashlib.sha256(w.tobytes() + bytes([bool(is_weighted)])).digest(), np.uint8)
-    _state["topology_version"] += 1
-    name = f"shoal.{what}.{_state['topology_version']}"
-    every = _ops.synchronize(_ops.allgather(ADAPTER, digest[None, :], name=name))
+    every = _ops.synchronize(_ops.allgather(ADAPTER, digest[None, :], name=f"shoal.{what}"))
     differ = [r for r in range(every.shape[0]) if not np.array_equal(every[r], every[0])]
     if differ:
         raise ValueError(f"{what}: ranks {differ} passed a different graph (or is_weighted) than rank 0; "
@@ -240,7 +185,6 @@ def set_topology(topology=None, is_weighted=False):
         as in BlueFog): wrong number of nodes. ValueError: ranks passed different graphs.
     """
     _require_init()
-    from . import _win
     if _win.windows_exist():
         if local_rank() == 0:
             names = _win.get_current_created_window_names()
@@ -251,8 +195,8 @@ def set_topology(topology=None, is_weighted=False):
     if graph.number_of_nodes() != size():
         raise TopologySizeError(f"topology has {graph.number_of_nodes()} nodes but there are {size()} ranks")
     _check_same_everywhere(graph, is_weighted, "set_topology")  # always: it is collective
-    with _lock:
-        _state.update(topology=graph, weighted=bool(is_weighted), plan=_plan(graph, rank()))
+    with STATE.lock:
+        STATE.topology, STATE.weighted, STATE.plan = graph, bool(is_weighted), _plan(graph, rank())
     return True
 
 
@@ -272,66 +216,40 @@ def set_machine_topology(topology, is_weighted=False):
         raise TopologySizeError(f"machine topology has {graph.number_of_nodes()} nodes but there are "
                          f"{machine_size()} machines")
     _check_same_everywhere(graph, is_weighted, "set_machine_topology")
-    with _lock:
-        _state.update(machine_topology=graph, machine_weighted=bool(is_weighted),
-                      machine_plan=_plan(graph, machine_rank()))
+    with STATE.lock:
+        STATE.machine_topology, STATE.machine_weighted = graph, bool(is_weighted)
+        STATE.machine_plan = _plan(graph, machine_rank())
     return True
 
 
 def load_machine_topology():
     """The machine topology (`networkx.DiGraph`), or None if unset."""
-    return _state["machine_topology"]
+    return STATE.machine_topology
 
 
 def is_machine_topo_weighted():
-    return _state["machine_weighted"]
+    return STATE.machine_weighted
 
 
 def in_neighbor_machine_ranks():
     """Machines this machine receives from in the machine topology ([] if unset)."""
-    return list(_state["machine_plan"]["recv"]) if _state["machine_plan"] else []
+    plan = STATE.machine_plan
+    return list(plan["recv"]) if plan else []
 
 
 def out_neighbor_machine_ranks():
     """Machines this machine sends to in the machine topology ([] if unset)."""
-    return list(_state["machine_plan"]["send"]) if _state["machine_plan"] else []
-
-
-def _machine_plan():
-    if _state["machine_plan"] is None:
-        raise RuntimeError("hierarchical_neighbor_allreduce in static mode needs "
-                           "set_machine_topology(...) first")
-    return _state["machine_plan"], _state["machine_weighted"]
+    plan = STATE.machine_plan
+    return list(plan["send"]) if plan else []
 
 
 def load_topology():
     """The current topology (`networkx.DiGraph`), or None before init()."""
-    return _state["topology"]
+    return STATE.topology
 
 
 def is_topo_weighted():
-    return _state["weighted"]
-
-
-def in_neighbor_ranks():
-    """Ranks this rank receives from in the current topology (sorted, self excluded);
-    [] when there is no topology (before init() or after shutdown(), as in BlueFog)."""
-    plan = _state["plan"]
-    return list(plan["recv"]) if plan else []
-
-
-def out_neighbor_ranks():
-    """Ranks this rank sends to in the current topology (sorted, self excluded); [] when
-    there is no topology."""
-    plan = _state["plan"]
-    return list(plan["send"]) if plan else []
-
-
-def _static_plan():
-    # Pure Python (no call into the core) so torch.compile can trace through it.
-    if _state["plan"] is None:
-        raise ValueError("Shoal is not initialized; call shoal.init() first")
-    return _state["plan"], _state["weighted"]
+    return STATE.weighted
 
 
 def stats():

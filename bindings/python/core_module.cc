@@ -84,6 +84,8 @@ void ReleaseLingering() {
   }
 }
 
+void Linger(int64_t handle, py::object keep) { g_lingering->emplace_back(handle, std::move(keep)); }
+
 // Enqueues `d`; with `block`, also waits for it and releases its handle (one call and one
 // GIL release for a blocking op whose result is its output tensor) and returns 0.
 // `keep`: the objects owning the tensors' memory, held if the wait is interrupted.
@@ -102,7 +104,7 @@ int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep) {
   try {
     WaitInterruptibly([handle](char* e) { return shoal_wait_for(handle, 200, e, kErrLen); }, wait_rc, err);
   } catch (...) {
-    if (shoal_in_use(handle) == 1) g_lingering->emplace_back(handle, keep);
+    if (shoal_in_use(handle) == 1) Linger(handle, keep);
     else shoal_release(handle);
     throw;
   }
@@ -110,27 +112,23 @@ int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep) {
   return 0;
 }
 
-void SetPeers(shoal_op_desc* d, const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
-              double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
-              const std::vector<double>& send_weights, bool topo_check) {
-  d->n_recv = static_cast<int32_t>(recv_ranks.size());
-  d->recv_ranks = recv_ranks.data();
-  d->recv_weights = recv_weights.empty() ? nullptr : recv_weights.data();
-  d->self_weight = self_weight;
-  d->uniform = uniform;
-  d->n_send = static_cast<int32_t>(send_ranks.size());
-  d->send_ranks = send_ranks.data();
-  d->send_weights = send_weights.empty() ? nullptr : send_weights.data();
-  d->topo_check = topo_check;
+void SetPeers(shoal_op_desc* d, const NeighborArgs& a) {
+  d->n_recv = static_cast<int32_t>(a.recv_ranks.size());
+  d->recv_ranks = a.recv_ranks.data();
+  d->recv_weights = a.recv_weights.empty() ? nullptr : a.recv_weights.data();
+  d->self_weight = a.self_weight;
+  d->uniform = a.uniform;
+  d->n_send = static_cast<int32_t>(a.send_ranks.size());
+  d->send_ranks = a.send_ranks.data();
+  d->send_weights = a.send_weights.empty() ? nullptr : a.send_weights.data();
+  d->topo_check = a.topo_check;
 }
 
-// Any op, from its parts (the shoal._ops path).
-int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype,
-                const std::vector<int64_t>& shape, py::handle output, int reduce_op, int root,
-                const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
-                double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
-                const std::vector<double>& send_weights, int scope, bool topo_check, int device_type,
+// Any op, from its parts (the shoal._ops path); `peers`: a neighbor op's lists (None: no peers).
+int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, const std::vector<int64_t>& shape,
+                py::handle output, const NeighborArgs* peers, int reduce_op, int root, int scope, int device_type,
                 int device_id, uintptr_t stream, bool block, py::object keep) {
+  static const NeighborArgs kNoPeers{};
   shoal_op_desc d{};
   d.op = op;
   d.name = name.c_str();
@@ -143,7 +141,7 @@ int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype,
   d.reduce_op = reduce_op;
   d.root_rank = root;
   d.scope = scope;
-  SetPeers(&d, recv_ranks, recv_weights, self_weight, uniform, send_ranks, send_weights, topo_check);
+  SetPeers(&d, peers ? *peers : kNoPeers);
   return Submit(d, block, keep.is_none() ? py::object(py::make_tuple(input, output)) : keep);
 }
 
@@ -173,6 +171,61 @@ int64_t WinEnqueue(int op, const std::string& name, py::handle data, int dtype,
   char err[kErrLen];
   Check(shoal_win_enqueue(&d, &handle, err, kErrLen), err);
   return handle;
+}
+
+// `poll(h)` (True once done; ValueError for an unknown handle) and `wait(h)` (Ctrl-C aware)
+// over the C ABI's functions for op or window handles.
+void DefinePollWait(py::module_& m, const char* poll_name, const char* wait_name, const char* what,
+                    int (*poll)(int64_t), int (*wait_for)(int64_t, int64_t, char*, size_t)) {
+  const std::string unknown = std::string("unknown ") + what + " ";
+  m.def(poll_name, [poll, unknown](int64_t h) {
+    int r = poll(h);
+    if (r < 0) Raise(-r, (unknown + std::to_string(h)).c_str());
+    return r == 1;
+  });
+  m.def(wait_name, [wait_for](int64_t h) {
+    WaitInterruptibly([h, wait_for](char* err) { return wait_for(h, 200, err, kErrLen); });
+  });
+}
+
+// The C ABI's codes and the CUDA plugin table's layout, so Python never restates them.
+void DefineConstants(py::module_& m) {
+  using namespace pybind11::literals;
+  m.attr("OPS") = py::dict("allreduce"_a = int(SHOAL_OP_ALLREDUCE), "broadcast"_a = int(SHOAL_OP_BROADCAST),
+                           "allgather"_a = int(SHOAL_OP_ALLGATHER), "barrier"_a = int(SHOAL_OP_BARRIER),
+                           "neighbor_allreduce"_a = int(SHOAL_OP_NEIGHBOR_ALLREDUCE),
+                           "neighbor_allgather"_a = int(SHOAL_OP_NEIGHBOR_ALLGATHER));
+  m.attr("DTYPES") = py::dict("float16"_a = int(SHOAL_FLOAT16), "bfloat16"_a = int(SHOAL_BFLOAT16),
+                              "float32"_a = int(SHOAL_FLOAT32), "float64"_a = int(SHOAL_FLOAT64),
+                              "int8"_a = int(SHOAL_INT8), "uint8"_a = int(SHOAL_UINT8), "int16"_a = int(SHOAL_INT16),
+                              "int32"_a = int(SHOAL_INT32), "int64"_a = int(SHOAL_INT64), "bool"_a = int(SHOAL_BOOL));
+  m.attr("REDUCE_OPS") = py::dict("sum"_a = int(SHOAL_REDUCE_SUM), "average"_a = int(SHOAL_REDUCE_AVERAGE));
+  m.attr("SCOPES") = py::dict("world"_a = int(SHOAL_SCOPE_WORLD), "machine"_a = int(SHOAL_SCOPE_MACHINE));
+  m.attr("DEVICE_TYPES") = py::dict("cpu"_a = int(SHOAL_DEVICE_CPU), "cuda"_a = int(SHOAL_DEVICE_CUDA));
+  m.attr("WIN_OPS") = py::dict("create"_a = int(SHOAL_WIN_CREATE), "free"_a = int(SHOAL_WIN_FREE),
+                               "put"_a = int(SHOAL_WIN_PUT), "accumulate"_a = int(SHOAL_WIN_ACCUMULATE),
+                               "get"_a = int(SHOAL_WIN_GET), "update"_a = int(SHOAL_WIN_UPDATE),
+                               "lock"_a = int(SHOAL_WIN_LOCK), "unlock"_a = int(SHOAL_WIN_UNLOCK));
+  m.attr("CUDA_ABI_VERSION") = SHOAL_CUDA_ABI_VERSION;  // of the plugin table (shoal/_gpu.py)
+  // {field: byte offset} and the size of shoal_cuda_api: shoal/_gpu.py checks its ctypes
+  // view against them, so a reordered or resized header fails at import, not in a call.
+  py::dict fields;
+#define SHOAL_FIELD(f) fields[#f] = offsetof(shoal_cuda_api, f)
+  SHOAL_FIELD(abi_version); SHOAL_FIELD(build); SHOAL_FIELD(has_nccl); SHOAL_FIELD(device_count);
+  SHOAL_FIELD(set_device); SHOAL_FIELD(get_device); SHOAL_FIELD(stream_create); SHOAL_FIELD(stream_destroy);
+  SHOAL_FIELD(stream_sync); SHOAL_FIELD(stream_wait_event); SHOAL_FIELD(capture); SHOAL_FIELD(event_create);
+  SHOAL_FIELD(event_destroy); SHOAL_FIELD(event_record); SHOAL_FIELD(event_query); SHOAL_FIELD(memcpy_async);
+  SHOAL_FIELD(host_alloc); SHOAL_FIELD(host_free); SHOAL_FIELD(device_alloc); SHOAL_FIELD(device_free);
+  SHOAL_FIELD(combine); SHOAL_FIELD(scale); SHOAL_FIELD(pack); SHOAL_FIELD(nccl_unique_id);
+  SHOAL_FIELD(nccl_comm_init); SHOAL_FIELD(nccl_comm_destroy); SHOAL_FIELD(nccl_check); SHOAL_FIELD(nccl_allreduce);
+  SHOAL_FIELD(nccl_broadcast); SHOAL_FIELD(nccl_allgatherv); SHOAL_FIELD(nccl_exchange); SHOAL_FIELD(nccl_comm_abort);
+  SHOAL_FIELD(mpi_cuda_aware);
+#undef SHOAL_FIELD
+  m.attr("CUDA_API_FIELDS") = fields;
+  m.attr("CUDA_API_SIZE") = sizeof(shoal_cuda_api);
+  m.attr("NCCL_PEER_FIELDS") = py::dict("peer"_a = offsetof(shoal_nccl_peer, peer),
+                                        "buf"_a = offsetof(shoal_nccl_peer, buf),
+                                        "count"_a = offsetof(shoal_nccl_peer, count));
 }
 
 }  // namespace shoal_py
@@ -232,38 +285,24 @@ PYBIND11_MODULE(_core, m) {
     shoal_mpi_library_version(buf, sizeof buf);
     return std::string(buf);
   });
+  DefineConstants(m);
   m.def("enqueue", &Enqueue, py::arg("op"), py::arg("name"), py::arg("input"), py::arg("dtype"),
-        py::arg("shape"), py::arg("output"), py::arg("reduce_op") = 0, py::arg("root") = 0,
-        py::arg("recv_ranks") = std::vector<int32_t>{}, py::arg("recv_weights") = std::vector<double>{},
-        py::arg("self_weight") = 1.0, py::arg("uniform") = true,
-        py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("send_weights") = std::vector<double>{},
-        py::arg("scope") = 0, py::arg("topo_check") = false, py::arg("device_type") = 0,
-        py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false,
-        py::arg("keep") = py::none());
+        py::arg("shape"), py::arg("output"), py::kw_only(), py::arg("peers") = py::none(),
+        py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("scope") = 0, py::arg("device_type") = 0,
+        py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false, py::arg("keep") = py::none());
+  // Keeps `keep` referenced until the core no longer uses `handle`'s memory (a failed op
+  // with a send in flight), then releases the handle: the one registry of such tensors.
+  m.def("linger", &Linger);
   DefineNeighborNative(m);
   m.def("in_use", [](int64_t h) { return shoal_in_use(h) == 1; });
-  m.def("poll", [](int64_t h) {
-    int r = shoal_poll(h);
-    if (r < 0) Raise(-r, ("unknown handle " + std::to_string(h)).c_str());
-    return r == 1;
-  });
-  m.def("wait", [](int64_t h) {
-    WaitInterruptibly([h](char* err) { return shoal_wait_for(h, 200, err, kErrLen); });
-  });
+  DefinePollWait(m, "poll", "wait", "handle", &shoal_poll, &shoal_wait_for);
   m.def("win_enqueue", &WinEnqueue, py::arg("op"), py::arg("name"), py::arg("data") = py::int_(0),
-        py::arg("dtype") = 2, py::arg("shape") = std::vector<int64_t>{},
+        py::arg("dtype") = int(SHOAL_FLOAT32), py::arg("shape") = std::vector<int64_t>{},
         py::arg("ranks") = std::vector<int32_t>{}, py::arg("weights") = std::vector<double>{},
         py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("self_weight") = 1.0,
         py::arg("uniform") = false, py::arg("zero_init") = false, py::arg("require_mutex") = false,
         py::arg("reset") = false, py::arg("with_p") = false, py::arg("for_self") = false, py::arg("clone") = false);
-  m.def("win_poll", [](int64_t h) {
-    int r = shoal_win_poll(h);
-    if (r < 0) Raise(-r, ("unknown window handle " + std::to_string(h)).c_str());
-    return r == 1;
-  });
-  m.def("win_wait", [](int64_t h) {
-    WaitInterruptibly([h](char* err) { return shoal_win_wait_for(h, 200, err, kErrLen); });
-  });
+  DefinePollWait(m, "win_poll", "win_wait", "window handle", &shoal_win_poll, &shoal_win_wait_for);
   m.def("win_release", [](int64_t h) { shoal_win_release(h); });
   m.def("win_versions", [](const std::string& name) {
     char err[kErrLen];
@@ -341,7 +380,6 @@ PYBIND11_MODULE(_core, m) {
     int ok = shoal_gpu_support(buf, kErrLen);
     return py::make_tuple(ok == 1, std::string(buf));
   });
-  m.attr("CUDA_ABI_VERSION") = SHOAL_CUDA_ABI_VERSION;  // of the plugin table (shoal/_gpu.py)
   m.def("gpu_plugin_path", [] {
     char buf[4096];
     shoal_gpu_plugin_path(buf, sizeof buf);

@@ -23,10 +23,17 @@ void Check(int code, const char* msg);
 shoal_tensor MakeTensor(py::handle data, int dtype, const std::vector<int64_t>& shape, bool writable);
 // Enqueues `d`; with `block` waits (Ctrl-C aware), releases the handle and returns 0.
 int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep);
-void SetPeers(shoal_op_desc* d, const std::vector<int32_t>& recv_ranks, const std::vector<double>& recv_weights,
-              double self_weight, bool uniform, const std::vector<int32_t>& send_ranks,
-              const std::vector<double>& send_weights, bool topo_check);
-// Adds NeighborArgs and native_neighbor_allreduce (neighbor_native.cc).
+
+// A neighbor op's resolved lists (shoal._ops.neighbor_args' "native" entry): the one
+// described form of a neighbor op's peers that enqueue and the native path take.
+struct NeighborArgs {
+  std::vector<int32_t> recv_ranks, send_ranks;
+  std::vector<double> recv_weights, send_weights;
+  double self_weight = 1.0;
+  bool uniform = true, topo_check = false;
+};
+void SetPeers(shoal_op_desc* d, const NeighborArgs& a);
+// Adds NeighborArgs, the remembered neighbor_args and native_neighbor_allreduce (neighbor_native.cc).
 void DefineNeighborNative(py::module_& m);
 
 }  // namespace shoal_py

@@ -12,21 +12,21 @@
 namespace shoal_py {
 namespace {
 
-// A neighbor op's resolved lists (shoal._ops.neighbor_args), converted once and reused.
-struct NeighborArgs {
-  std::vector<int32_t> recv_ranks, send_ranks;
-  std::vector<double> recv_weights, send_weights;
-  double self_weight;
-  bool uniform, topo_check;
+// The one cache of resolved neighbor_allreduce arguments (shoal._ops.neighbor_args and
+// the native path both use it): the resolver's result by key, for arguments made only of
+// plain ints and floats (a one-peer schedule repeats log2(n) sets). Never destroyed: it
+// holds Python objects at interpreter exit.
+struct Remembered {
+  py::object resolve;  // shoal._ops._remembered(self_weight, src, dst, check, kept) -> dict
+  std::unordered_map<std::string, std::pair<py::object, const NeighborArgs*>> by_key;
 };
-
-// The state of one native function: its Python fallback and weight resolver, and the
-// resolved dynamic-mode arguments by key (a one-peer schedule repeats log2(n) sets).
-struct Native {
-  py::object fallback, resolve;
-  std::unordered_map<std::string, std::pair<py::object, const NeighborArgs*>> resolved;
-};
+auto* g_remembered = new Remembered();
 constexpr size_t kMaxResolved = 1024;
+
+// The state of one native function: its Python fallback.
+struct Native {
+  py::object fallback;
+};
 
 // The core's dtype code of `x` if the one-call path can take it (an ndarray, not a
 // subclass: the general path returns the input's type; C-contiguous, aligned, native byte
@@ -60,7 +60,7 @@ py::object Run(PyObject* x, int dtype, const char* name, const NeighborArgs& a) 
   d.input.shape = shape.data();
   d.output = d.input;
   d.output.data = out.mutable_data();
-  SetPeers(&d, a.recv_ranks, a.recv_weights, a.self_weight, a.uniform, a.send_ranks, a.send_weights, a.topo_check);
+  SetPeers(&d, a);
   Submit(d, true, py::make_tuple(py::handle(x), out));
   return out;
 }
@@ -113,23 +113,27 @@ bool DynamicKey(PyObject* self_weight, PyObject* src, PyObject* dst, PyObject* c
   return true;
 }
 
-const NeighborArgs* Resolve(Native* st, PyObject* const* w, py::object* keep) {
+// The resolver's dict for (self_weight, src_weights, dst_weights, enable_topo_check) in
+// `*dict`, remembered when the arguments are plain; returns its "native" NeighborArgs.
+const NeighborArgs* Resolve(PyObject* const* w, py::object* dict) {
+  auto& st = *g_remembered;
+  if (!st.resolve) throw std::runtime_error("shoal._ops has not registered its neighbor_args resolver");
   std::string key;
   const bool plain = DynamicKey(w[0], w[1], w[2], w[3], &key);
   if (plain) {
-    auto it = st->resolved.find(key);
-    if (it != st->resolved.end()) {
+    auto it = st.by_key.find(key);
+    if (it != st.by_key.end()) {
       // Held for the call: another thread may clear the cache while this one, without
       // the GIL, enqueues from these lists.
-      *keep = it->second.first;
+      *dict = it->second.first;
       return it->second.second;
     }
   }
-  *keep = st->resolve(py::handle(w[0]), py::handle(w[1]), py::handle(w[2]), py::handle(w[3]));
-  const auto* args = keep->cast<const NeighborArgs*>();
+  *dict = st.resolve(py::handle(w[0]), py::handle(w[1]), py::handle(w[2]), py::handle(w[3]), plain);
+  const auto* args = (*dict)["native"].cast<const NeighborArgs*>();
   if (plain) {
-    if (st->resolved.size() >= kMaxResolved) st->resolved.clear();
-    st->resolved.emplace(std::move(key), std::make_pair(*keep, args));
+    if (st.by_key.size() >= kMaxResolved) st.by_key.clear();
+    st.by_key.emplace(std::move(key), std::make_pair(*dict, args));
   }
   return args;
 }
@@ -166,7 +170,7 @@ PyObject* Call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject
     py::object keep;
     const NeighborArgs* resolved = nullptr;
     try {
-      resolved = Resolve(st, a + 1, &keep);
+      resolved = Resolve(a + 1, &keep);
     } catch (py::error_already_set& e) {
       // Bad arguments: the Python path raises the same error and tells the peers
       // (shoal_reject), which wait for this call.
@@ -188,14 +192,33 @@ PyObject* Call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject
 
 void DefineNeighborNative(py::module_& m) {
   py::class_<NeighborArgs>(m, "NeighborArgs")
-      .def(py::init<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, std::vector<double>,
-                    double, bool, bool>(),
+      .def(py::init<>())
+      .def(py::init([](std::vector<int32_t> recv, std::vector<int32_t> send, std::vector<double> recv_w,
+                       std::vector<double> send_w, double self_weight, bool uniform, bool topo_check) {
+             return NeighborArgs{std::move(recv), std::move(send), std::move(recv_w), std::move(send_w),
+                                 self_weight, uniform, topo_check};
+           }),
            py::arg("recv_ranks"), py::arg("send_ranks"), py::arg("recv_weights"), py::arg("send_weights"),
-           py::arg("self_weight"), py::arg("uniform"), py::arg("topo_check"));
+           py::arg("self_weight"), py::arg("uniform"), py::arg("topo_check"))
+      .def_readonly("recv_ranks", &NeighborArgs::recv_ranks)
+      .def_readonly("send_ranks", &NeighborArgs::send_ranks)
+      .def_readonly("recv_weights", &NeighborArgs::recv_weights)
+      .def_readonly("send_weights", &NeighborArgs::send_weights)
+      .def_readonly("self_weight", &NeighborArgs::self_weight)
+      .def_readonly("uniform", &NeighborArgs::uniform)
+      .def_readonly("topo_check", &NeighborArgs::topo_check);
+  m.def("set_neighbor_resolver", [](py::object fn) { g_remembered->resolve = std::move(fn); });
+  m.def("neighbor_args", [](py::object self_weight, py::object src, py::object dst, py::object check) {
+    PyObject* w[4] = {self_weight.ptr(), src.ptr(), dst.ptr(), check.ptr()};
+    py::object dict;
+    Resolve(w, &dict);
+    return dict;
+  });
+  m.def("forget_neighbor_args", [] { g_remembered->by_key.clear(); });
   // The function's state is a module object (so it prints as a built-in function) whose
   // C state is a Native. Both live as long as the process: they may hold Python objects at
   // interpreter exit, so they are never destroyed.
-  m.def("native_neighbor_allreduce", [](py::object fallback, py::object resolve, const std::string& doc,
+  m.def("native_neighbor_allreduce", [](py::object fallback, const std::string& doc,
                                         const std::string& module) {
     auto* def = new PyMethodDef{"neighbor_allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Call)),
                                 METH_FASTCALL | METH_KEYWORDS, strdup(doc.c_str())};
@@ -203,7 +226,7 @@ void DefineNeighborNative(py::module_& m) {
                                  nullptr, nullptr, nullptr, nullptr, nullptr};
     auto self = py::reinterpret_steal<py::object>(PyModule_Create(mdef));
     if (!self) throw py::error_already_set();
-    *static_cast<Native**>(PyModule_GetState(self.ptr())) = new Native{std::move(fallback), std::move(resolve), {}};
+    *static_cast<Native**>(PyModule_GetState(self.ptr())) = new Native{std::move(fallback)};
     auto name = py::str(module);
     PyObject* f = PyCFunction_NewEx(def, self.ptr(), name.ptr());
     if (!f) throw py::error_already_set();

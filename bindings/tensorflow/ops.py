@@ -1,21 +1,16 @@
 """TensorFlow wrappers of the Shoal kernels, their gradients, and training helpers."""
-import itertools
 import re
-import weakref
 
-import numpy as np
 import tensorflow as tf
 
 import shoal
-from shoal import _ops, basics
+from shoal import _gradients, _hierarchical, _metrics, _ops
+from shoal._gradients import grad_name
+from shoal._process import STATE
 
 from . import _build
 
 _lib = _build.load()
-_unnamed = itertools.count()
-
-
-_graph_ops = weakref.WeakKeyDictionary()  # traced graph -> ops named in it so far
 
 
 def _name(op, name):
@@ -27,10 +22,11 @@ def _name(op, name):
             raise ValueError("op names cannot contain NUL characters")
         return name
     if tf.executing_eagerly():
-        return f"tf.{op}.{next(_unnamed) % 1024}"  # bounded, like the core's unnamed ops
+        return STATE.unnamed(f"tf.{op}")  # bounded, like the core's unnamed ops
     graph = tf.compat.v1.get_default_graph()
-    k = _graph_ops.get(graph, 0)
-    _graph_ops[graph] = k + 1
+    with STATE.lock:
+        k = STATE.traced.get(graph, 0)  # ops named in this traced graph so far
+        STATE.traced[graph] = k + 1
     fn = re.sub(r"^__inference_|_\d+$", "", getattr(graph, "name", "graph"))
     return f"tf.{fn}.{op}.{k}"
 
@@ -65,10 +61,8 @@ def _run(op, fn):
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
     """Sum or average of `tensor` over all ranks (or this machine's ranks); semantics of
     `shoal.allreduce` (sum then divide; half types accumulate in float32)."""
-    rop = _ops.reduce_op(average, op)
+    rop = _ops.reduce_op(average, op)  # an average of integers: the core's ValueError
     tensor = tf.convert_to_tensor(tensor)
-    if rop is Average and not tensor.dtype.is_floating:
-        raise ValueError(f"allreduce: average of {tensor.dtype.name} is not representable; use op=Sum")
     return _run("allreduce", lambda: _lib.shoal_allreduce(
         tensor, op_name=_name("allreduce", name), reduce_op=rop.code, scope=int(bool(is_hierarchical_local))))
 
@@ -114,27 +108,25 @@ def neighbor_allgather(tensor, src_ranks=None, dst_ranks=None, enable_topo_check
 def hierarchical_neighbor_allreduce(tensor, self_weight=None, src_machine_weights=None,
                                     dst_machine_weights=None, enable_topo_check=False, name=None):
     """Sum within each machine, gossip between machine leaders, share within the machine,
-    divide by local_size(); semantics of `shoal.hierarchical_neighbor_allreduce`."""
-    from shoal._hierarchical import _machine_args
-    if not basics.is_homogeneous():
-        raise ValueError("hierarchical_neighbor_allreduce needs a homogeneous job")
-    a = _machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check)
-    if basics.local_rank() != 0:
-        a = dict(a, recv_ranks=[], send_ranks=[], recv_weights=[], send_weights=[], uniform=True, self_weight=1.0)
-    name = _name("hierarchical_neighbor_allreduce", name)
+    divide by local_size(); semantics of `shoal.hierarchical_neighbor_allreduce`
+    (shoal/_hierarchical.py, run here with the TensorFlow kernels)."""
+    op = "hierarchical_neighbor_allreduce"
+    name, peers = _hierarchical.resolve(self_weight, src_machine_weights, dst_machine_weights,
+                                        enable_topo_check, _name(op, name))
     total = allreduce(tensor, op=Sum, is_hierarchical_local=True, name=name + ".machine_sum")
-    mixed = _run("hierarchical_neighbor_allreduce", lambda: _neighbor(total, a, name + ".exchange"))
-    shared = broadcast(mixed, 0, name=name + ".share", is_hierarchical_local=True)
-    return shared / tf.cast(basics.local_size(), shared.dtype)
+    return _hierarchical.run(
+        total, name, peers, lambda x, stage, a: _run(op, lambda: _neighbor(x, a, stage)),
+        lambda x, stage: broadcast(x, 0, name=stage, is_hierarchical_local=True),
+        lambda x, n: x / tf.cast(n, x.dtype))
 
 
 Sum, Average = _ops.Sum, _ops.Average
 
 
-# ---- gradients: the same formulas as shoal.torch (see bindings/torch/_ops.py) ----
+# ---- gradients: shoal/_gradients.py's formulas, run with the TensorFlow kernels ----
 def _grad_name(op):
     name = op.get_attr("op_name")
-    return (name.decode() if isinstance(name, bytes) else name) + ".grad"
+    return grad_name(name.decode() if isinstance(name, bytes) else name)
 
 
 @tf.RegisterGradient("ShoalAllreduce")
@@ -146,32 +138,28 @@ def _allreduce_grad(op, grad):
 @tf.RegisterGradient("ShoalBroadcast")
 def _broadcast_grad(op, grad):
     total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=op.get_attr("scope"))
-    me = basics.local_rank() if op.get_attr("scope") else basics.rank()
-    return total if me == op.get_attr("root_rank") else tf.zeros_like(total)
+    keeps = _gradients.broadcast_keeps(op.get_attr("root_rank"), op.get_attr("scope"))
+    return total if keeps else tf.zeros_like(total)
 
 
 @tf.RegisterGradient("ShoalAllgather")
 def _allgather_grad(op, grad):
-    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=0)
+    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=_ops.WORLD)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
     every = _lib.shoal_allgather(rows, op_name=_grad_name(op) + ".rows")
-    start = tf.reduce_sum(every[:basics.rank()])
+    start = _gradients.allgather_start(every, tf.reduce_sum)
     return total[start:start + rows[0]]
 
 
 @tf.RegisterGradient("ShoalNeighborAllreduce")
 def _neighbor_grad(op, grad):
-    # Transposed mixing: receive from the forward destinations, send to the forward sources.
-    _, self_w, recv, recv_w, send, send_w = op.inputs
-    n = tf.size(recv)
-    uniform = op.get_attr("uniform")
-    k = tf.cast(n + 1, tf.float64)
-    sw = 1.0 / k if uniform else self_w
-    rw = tf.fill([n], 1.0 / k) if uniform else recv_w
-    dw = tf.cond(tf.size(send_w) > 0, lambda: send_w, lambda: tf.ones(tf.shape(send), tf.float64))
-    g = _lib.shoal_neighbor_allreduce(grad, sw, send, dw, recv, rw, op_name=_grad_name(op),
-                                      uniform=False, topo_check=False)
-    return [g, None, None, None, None, None]
+    # The lists are constants `_neighbor` made from resolved Python values.
+    lists = [tf.get_static_value(t) for t in op.inputs[1:]]
+    if any(v is None for v in lists):
+        raise ValueError("the gradient of shoal.tensorflow.neighbor_allreduce needs constant weights and ranks")
+    self_w, recv, recv_w, send, send_w = lists
+    p = _gradients.neighbor_peers(self_w, recv, recv_w, send, send_w, op.get_attr("uniform"))
+    return [_neighbor(grad, p, _grad_name(op)), None, None, None, None, None]
 
 
 # ---- training helpers ----
@@ -184,9 +172,7 @@ def broadcast_variables(variables, root_rank):
 def consensus_distance(variables, name="consensus_distance"):
     """Ξ = sqrt((1/n) Σ_i ‖x_i − x̄‖²) over the given variables, in float64, as a float
     (eager; collective). See `shoal.torch.consensus_distance`."""
-    x = np.concatenate([np.asarray(v.numpy(), dtype=np.float64).ravel() for v in variables])
-    mean = shoal.allreduce(x, name=name + ".mean")
-    return float(np.sqrt(shoal.allreduce(np.array(np.sum((x - mean) ** 2)), name=name + ".sq")))
+    return _metrics.consensus_distance(_metrics.flat_float64(v.numpy() for v in variables), name)
 
 
 class DistributedGradientTape:

@@ -57,9 +57,6 @@ class TorchAdapter:
 
     # Window ops (shoal/_win.py): the registered tensor is written in place (through its
     # memory, so autograd does not see it: BlueFog's `.data` semantics).
-    def dtype_name(self, t):
-        return str(t.dtype).replace("torch.", "")
-
     def check_window_tensor(self, t, op):
         self._check(t, op)
         if not t.is_contiguous():

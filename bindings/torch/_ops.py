@@ -7,7 +7,8 @@ import functools
 
 import torch
 
-from shoal import _ops
+from shoal import _gradients, _ops
+from shoal._gradients import grad_name
 
 from ._adapter import ADAPTER
 
@@ -35,7 +36,7 @@ def _allgather_impl(tensor, name):
 
 
 def _allgather_fake(tensor, name):
-    from shoal.basics import size
+    from shoal._process import size
     rows = torch.library.get_ctx().new_dynamic_size()
     return tensor.new_empty((rows,) + tuple(tensor.shape[1:])) if size() > 1 else tensor.new_empty(tensor.shape)
 
@@ -111,17 +112,13 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
 
 
 # ---- Autograd (the blocking ops are differentiable; the nonblocking forms are not) ----
-def _grad_name(name):
-    return name + ".grad" if name else ""
-
-
+# The formulas are shoal/_gradients.py's; here they run as the registered torch ops.
 def _allreduce_setup(ctx, inputs, output):
     ctx.average, ctx.local, ctx.name = inputs[1], inputs[2], inputs[3]
 
 
 def _allreduce_backward(ctx, grad):
-    # d(sum_j x_j)/dx_i = 1 on every rank: the gradient is the same allreduce of the grads.
-    return torch.ops.shoal.allreduce(grad.contiguous(), ctx.average, ctx.local, _grad_name(ctx.name)), None, None, None
+    return torch.ops.shoal.allreduce(grad.contiguous(), ctx.average, ctx.local, grad_name(ctx.name)), None, None, None
 
 
 def _broadcast_setup(ctx, inputs, output):
@@ -129,9 +126,8 @@ def _broadcast_setup(ctx, inputs, output):
 
 
 def _broadcast_backward(ctx, grad):
-    from shoal.basics import rank
-    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, _grad_name(ctx.name))
-    return (total if rank() == ctx.root else torch.zeros_like(total)), None, None
+    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, grad_name(ctx.name))
+    return (total if _gradients.broadcast_keeps(ctx.root, _ops.WORLD) else torch.zeros_like(total)), None, None
 
 
 def _allgather_setup(ctx, inputs, output):
@@ -139,11 +135,10 @@ def _allgather_setup(ctx, inputs, output):
 
 
 def _allgather_backward(ctx, grad):
-    from shoal.basics import rank
-    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, _grad_name(ctx.name))
+    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, grad_name(ctx.name))
     rows = torch.ops.shoal.allgather(torch.tensor([ctx.rows], dtype=torch.int64),
-                                     _grad_name(ctx.name) + ".rows" if ctx.name else "")
-    start = int(rows[:rank()].sum())
+                                     grad_name(ctx.name) + ".rows" if ctx.name else "")
+    start = int(_gradients.allgather_start(rows, torch.sum))
     return total[start:start + ctx.rows], None
 
 
@@ -152,16 +147,9 @@ def _neighbor_setup(ctx, inputs, output):
 
 
 def _neighbor_backward(ctx, grad):
-    # y_k = sw_k x_k + sum_{j in recv_k} rw_kj d_jk x_j, so
-    # dL/dx_i = sw_i g_i + sum_{k: i in recv_k} rw_ki d_ik g_k: the transposed mixing step.
-    # Rank i receives g_k from its forward destinations, weighting by its own d_ik, and
-    # sends g_i to its forward sources, scaled by the weight each gave it.
-    n = len(ctx.recv)
-    sw = 1.0 / (n + 1) if ctx.uniform else ctx.self_weight
-    rw = [1.0 / (n + 1)] * n if ctx.uniform else list(ctx.recv_w)
-    dw = list(ctx.send_w) if len(ctx.send_w) else [1.0] * len(ctx.send)
-    g = torch.ops.shoal.neighbor_allreduce(grad.contiguous(), sw, list(ctx.send), dw, list(ctx.recv), rw,
-                                           False, False, _grad_name(ctx.name))
+    p = _gradients.neighbor_peers(ctx.self_weight, ctx.recv, ctx.recv_w, ctx.send, ctx.send_w, ctx.uniform)
+    g = torch.ops.shoal.neighbor_allreduce(grad.contiguous(), p["self_weight"], p["recv_ranks"], p["recv_weights"],
+                                           p["send_ranks"], p["send_weights"], False, False, grad_name(ctx.name))
     return (g,) + (None,) * 8
 
 

@@ -8,7 +8,7 @@ first learning-rate decay); `ConsensusControl` keeps Ξ at or below a target the
 """
 import torch
 
-from shoal import _ops
+from shoal import _metrics
 
 from ._adapter import ADAPTER
 
@@ -33,11 +33,7 @@ def consensus_distance(model_or_tensors, name="consensus_distance"):
         parameters, then one scalar allreduce of ‖x_i − x̄‖² (exact up to float64
         rounding, no cancellation). Collective.
     """
-    x = _flat_params(model_or_tensors)
-    mean = _ops.synchronize(_ops.allreduce(ADAPTER, x, True, name + ".mean"))
-    local = torch.sum((x - mean) ** 2).reshape(1)
-    total = _ops.synchronize(_ops.allreduce(ADAPTER, local, True, name + ".sq"))
-    return float(total[0].sqrt())
+    return _metrics.consensus_distance(_flat_params(model_or_tensors), name, ADAPTER)
 
 
 class ConsensusControl:

@@ -27,7 +27,7 @@ import torch
 from shoal import _ops, _win, basics
 
 from ._adapter import ADAPTER
-from .optimizers import _Distributed
+from ._optimizer_base import _Distributed
 
 _WIN = _win.build_win_api(ADAPTER)
 

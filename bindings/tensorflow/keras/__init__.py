@@ -17,7 +17,7 @@ import keras
 import numpy as np
 
 import shoal
-from shoal import topology
+from shoal import _metrics, topology
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
            "NeighborAveragingCallback", "ConsensusDistanceCallback", "consensus_distance"]
@@ -29,9 +29,7 @@ def _arrays(variables):
 
 def consensus_distance(variables, name="keras.consensus_distance"):
     """Ξ = sqrt((1/n) Σ_i ‖x_i − x̄‖²) of the given variables over all ranks (float64)."""
-    x = np.concatenate([a.astype(np.float64).ravel() for a in _arrays(variables)])
-    mean = shoal.allreduce(x, name=name + ".mean")
-    return float(np.sqrt(shoal.allreduce(np.array(np.sum((x - mean) ** 2)), name=name + ".sq")))
+    return _metrics.consensus_distance(_metrics.flat_float64(_arrays(variables)), name)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

@@ -1,0 +1,120 @@
+"""This process's place in the job (rank, size, machine) and the one object that holds
+every piece of per-process state of Shoal's Python side.
+
+`STATE` is the only mutable module-level object of the package: `shutdown()` calls
+`STATE.reset()`, so a later `init()` starts from nothing. Every other module reads and
+writes its state through it (its `lock` guards compound updates). This module imports
+nothing of Shoal but `_core`, so any module may use it without an import cycle.
+"""
+import threading
+import weakref
+
+from ._loader import _core
+
+UNNAMED_LIMIT = 1024  # generated op names cycle through this many (like the core's own)
+
+
+class ProcessState:
+    """Per-process state of the Python side (see the module docstring).
+
+    topology/weighted/plan: the static topology, its weighting and this rank's plan
+    ({"recv", "send", "self_weight", "recv_weights"}); machine_*: the same for the graph
+    over machines. pending: op handle -> (objects kept alive, finish() -> result).
+    windows: window name -> registered tensor; mirrors: name -> host copy of a device
+    tensor; win_pending: window handle -> (kept objects, finish or None); with_p: window
+    ops carry push-sum weights. suspended/skip_negotiate: BlueFog switches (recorded).
+    counters: generated-name counters by prefix (bounded, see `unnamed`); traced: the
+    same per traced TensorFlow graph (dropped with the graph).
+    `atexit_registered` survives reset (an at-exit hook is registered once per process).
+    """
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.atexit_registered = False
+        self.calls = threading.local()  # per thread: inside an op entry point (shoal._ops._told)
+        self.reset()
+
+    def reset(self):
+        with self.lock:
+            self.topology, self.weighted, self.plan = None, False, None
+            self.machine_topology, self.machine_weighted, self.machine_plan = None, False, None
+            self.pending = {}
+            self.windows, self.mirrors, self.win_pending = {}, {}, {}
+            self.with_p = False
+            self.suspended = self.skip_negotiate = False
+            self.counters = {}
+            self.traced = weakref.WeakKeyDictionary()  # traced TF graph -> ops named in it
+
+    def unnamed(self, prefix):
+        """A generated op name "<prefix>.<k>", k cycling through UNNAMED_LIMIT values: ranks
+        that issue unnamed ops in one order get the same names, and the names (and the
+        core's per-name tables) stay bounded however long the run."""
+        with self.lock:
+            k = self.counters.get(prefix, 0)
+            self.counters[prefix] = (k + 1) % UNNAMED_LIMIT
+        return f"{prefix}.{k}"
+
+
+STATE = ProcessState()
+
+
+def require_init():
+    if not _core.is_initialized():
+        raise ValueError("Shoal is not initialized; call shoal.init() first")
+
+
+def _accessor(name, doc):
+    query = getattr(_core, name)
+
+    def get():
+        value = query()
+        if value < 0:
+            raise ValueError("Shoal is not initialized; call shoal.init() first")
+        return value
+    get.__name__ = get.__qualname__ = name
+    get.__doc__ = doc
+    return get
+
+
+rank = _accessor("rank", "This process's rank in [0, size()).")
+size = _accessor("size", "Number of processes in the job.")
+local_rank = _accessor("local_rank", "Rank among the processes of this machine (see SHOAL_RANKS_PER_MACHINE).")
+local_size = _accessor("local_size", "Number of processes on this machine (see SHOAL_RANKS_PER_MACHINE).")
+machine_rank = _accessor("machine_rank", "Index of this process's machine: rank() // local_size() on a "
+                                         "homogeneous job.")
+machine_size = _accessor("machine_size", "Number of machines: size() // local_size() on a homogeneous job.")
+
+
+def is_homogeneous():
+    """True when every machine has the same number of ranks, placed contiguously."""
+    require_init()
+    return _core.is_homogeneous()
+
+
+def static_plan():
+    """(plan, weighted) of the static topology. Pure Python (no call into the core) so
+    torch.compile can trace through it."""
+    if STATE.plan is None:
+        raise ValueError("Shoal is not initialized; call shoal.init() first")
+    return STATE.plan, STATE.weighted
+
+
+def machine_plan():
+    if STATE.machine_plan is None:
+        raise RuntimeError("hierarchical_neighbor_allreduce in static mode needs "
+                           "set_machine_topology(...) first")
+    return STATE.machine_plan, STATE.machine_weighted
+
+
+def in_neighbor_ranks():
+    """Ranks this rank receives from in the current topology (sorted, self excluded);
+    [] when there is no topology (before init() or after shutdown(), as in BlueFog)."""
+    plan = STATE.plan
+    return list(plan["recv"]) if plan else []
+
+
+def out_neighbor_ranks():
+    """Ranks this rank sends to in the current topology (sorted, self excluded); [] when
+    there is no topology."""
+    plan = STATE.plan
+    return list(plan["send"]) if plan else []

@@ -1,0 +1,115 @@
+"""The import graph of the package (shoal/ and the bindings and launcher setup.py maps
+into it) has no cycle, counting imports inside functions too (read with ast, nothing is
+imported); and the Python side keeps no mutable module-level state outside
+shoal._process.STATE."""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# setup.py's package_dir: package -> folder.
+PACKAGES = {"shoal": "shoal", "shoal.common": "shoal/common", "shoal.torch": "bindings/torch",
+            "shoal.tensorflow": "bindings/tensorflow", "shoal.keras": "bindings/tensorflow/keras",
+            "shoal.launcher": "launcher"}
+
+
+def modules():
+    """{module name: path} of every Python file of the package."""
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return out
+
+
+def _package_of(name, path):
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def imports(name, path, known):
+    """The package's modules that module `name` imports, anywhere in its body."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = _package_of(name, path).split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:
+                    found.add(sub)  # `from pkg import submodule`
+                elif base in known:
+                    found.add(base)  # a name defined in module `base`
+    found.discard(name)
+    # Importing a submodule runs its parent packages' __init__ first; that is not an
+    # edge of the cycle kind (the parent is already being imported), so drop it.
+    return {m for m in found if not name.startswith(m + ".")}
+
+
+def graph():
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycle(g):
+    """One cycle of `g` as a list of modules, or None."""
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(g.get(n, ())):
+            if state.get(m) == "open":
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = "done"
+        return None
+
+    for n in sorted(g):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_graph_is_read():
+    g = graph()
+    assert "shoal._ops" in g["shoal.basics"] and "shoal._process" in g["shoal._ops"]
+    assert "shoal._ops" in g["shoal.torch._ops"] and "shoal._hierarchical" in g["shoal.tensorflow.ops"]
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycle():
+    found = cycle(graph())
+    assert found is None, "import cycle: " + " -> ".join(found)
+
+
+def _mutable(value):
+    return isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+        isinstance(value, ast.Call) and getattr(value.func, "attr", getattr(value.func, "id", "")) in (
+            "dict", "list", "set", "count", "local", "WeakKeyDictionary", "WeakValueDictionary",
+            "defaultdict", "OrderedDict", "deque"))
+
+
+def test_no_module_level_mutable_state():
+    # Module-level containers are allowed when they are constants (ALL_CAPS, or __all__);
+    # anything else that can change lives in shoal._process.STATE, which shutdown() resets.
+    offenders = []
+    for name, path in modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and _mutable(node.value):
+                for t in node.targets:
+                    if isinstance(t, ast.Name) and not (t.id.isupper() or t.id.lstrip("_").isupper()
+                                                         or t.id == "__all__"):
+                        offenders.append(f"{name}.{t.id} (line {node.lineno})")
+    assert not offenders, "module-level mutable state outside shoal._process.STATE: " + ", ".join(offenders)
