@@ -1,6 +1,6 @@
 """Synthetic training throughput: Shoal's torch optimizers against PyTorch DDP (gloo), same run.
 
-    shoalrun -np 4 python benchmarks/torch_training.py [--model mlp25m|resnet]
+    shoalrun -np 4 python benchmarks/torch_training.py [--model mlp25m|resnet|tiny160]
         [--batch-size 32] [--steps 10] [--rounds 3] [--warmup 3]
 
 Horovod-style: each rank trains on one fixed random batch (inputs and labels drawn once,
@@ -25,7 +25,8 @@ rank 0 prints it with the range over rounds and the ratio to DDP-gloo.
 `--model mlp25m` (default): MLP 1024-4096-4096-1000, 25.1M parameters (96 MiB of float32
 per model copy), so communication matters. `--model resnet`: a small CIFAR-style ResNet
 (32x32 inputs, widths 16/32/64, 2 basic blocks per stage, 0.18M parameters), so compute
-dominates.
+dominates. `--model tiny160`: 80 linear layers of 16x16 (160 parameter tensors, 21k
+parameters): the per-tensor cost of the optimizers' hooks against DDP's buckets.
 """
 import argparse
 import os
@@ -76,7 +77,16 @@ class ResNet(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
-MODELS = {"mlp25m": (mlp25m, (1024,), 1000), "resnet": (ResNet, (3, 32, 32), 10)}
+def tiny160():
+    # 80 tiny layers, 160 parameter tensors of 16x16 and 16 floats: communication (one
+    # op per tensor) dominates, as the per-op cost of the optimizer hooks does on GPUs.
+    layers = []
+    for _ in range(79):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(16, 16))
+
+
+MODELS = {"mlp25m": (mlp25m, (1024,), 1000), "resnet": (ResNet, (3, 32, 32), 10), "tiny160": (tiny160, (16,), 16)}
 
 
 def train_step(model, opt, data, target, before_forward=None):
