@@ -435,9 +435,11 @@ void DevicePlane::Fence(const Entry& e, void* stream) {
 }
 
 void DevicePlane::OnLeave(int rank) {
-  for (auto& kv : links_)
-    if (kv.second.peer == rank && !kv.second.running.empty())
-      FailLink(kv.second, "rank " + std::to_string(rank) + " left the job before this data moved");
+  for (auto& kv : links_) {
+    Link& l = kv.second;
+    if (l.peer == rank && (!l.running.empty() || !l.queued.empty()))
+      FailLink(l, "rank " + std::to_string(rank) + " left the job before this data moved");
+  }
 }
 
 void DevicePlane::Stop() {
