@@ -86,16 +86,23 @@ def peers_of(a):
     return native
 
 
+def op_name(name):
+    """The core's form of an op's `name` argument ("" for None: a generated name);
+    TypeError for a non-str, ValueError for a NUL character."""
+    if name is None:
+        return ""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if "\0" in name:
+        raise ValueError("op names cannot contain NUL characters")
+    return name
+
+
 def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce_op=0, root=0,
             scope=WORLD, peers=None):
     """Enqueue one op; returns its handle, or with `block` waits and returns finish().
     `peers`: a neighbor op's lists (`_core.NeighborArgs`, see `peers_of`)."""
-    if name is None:
-        name = ""
-    elif not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
-    elif "\0" in name:
-        raise ValueError("op names cannot contain NUL characters")
+    name = op_name(name)
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
     device_type, device_id, stream = adapter.device(tensor)

@@ -18,9 +18,7 @@ def _name(op, name):
     # traced function, the function's name and a count that restarts for every trace, so a
     # retrace on one rank only (e.g. an uneven last batch) yields the same names.
     if name:
-        if "\0" in name:
-            raise ValueError("op names cannot contain NUL characters")
-        return name
+        return _ops.op_name(name)
     if tf.executing_eagerly():
         return STATE.unnamed(f"tf.{op}")  # bounded, like the core's unnamed ops
     graph = tf.compat.v1.get_default_graph()

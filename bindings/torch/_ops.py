@@ -81,21 +81,21 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
     (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
     ADAPTER._check(tensor, "allreduce")
     rop = _ops.reduce_op(average, op)
-    return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, bool(is_hierarchical_local), name or "")
+    return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, bool(is_hierarchical_local), _ops.op_name(name))
 
 
 @_told(_ops.BROADCAST)
 def broadcast(tensor, root_rank, name=None):
     """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast`."""
     ADAPTER._check(tensor, "broadcast")
-    return torch.ops.shoal.broadcast(tensor, root_rank, name or "")
+    return torch.ops.shoal.broadcast(tensor, root_rank, _ops.op_name(name))
 
 
 @_told(_ops.ALLGATHER)
 def allgather(tensor, name=None):
     """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather`."""
     ADAPTER._check(tensor, "allgather")
-    return torch.ops.shoal.allgather(tensor, name or "")
+    return torch.ops.shoal.allgather(tensor, _ops.op_name(name))
 
 
 @_told(_ops.NEIGHBOR_ALLREDUCE)
@@ -108,7 +108,7 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
     a = _ops.neighbor_args(self_weight, src_weights, dst_weights, enable_topo_check, remember=False)
     return torch.ops.shoal.neighbor_allreduce(
         tensor, a["self_weight"], a["recv_ranks"], a["recv_weights"], a["send_ranks"],
-        a["send_weights"], a["uniform"], a["topo_check"], name or "")
+        a["send_weights"], a["uniform"], a["topo_check"], _ops.op_name(name))
 
 
 # ---- Autograd (the blocking ops are differentiable; the nonblocking forms are not) ----
