@@ -107,6 +107,13 @@ def rank_from_env():
     return -1
 
 
+def size_from_env():
+    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 1
+
+
 def local_rank_from_env(env):
     for key in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"):
         if env.get(key, "").isdigit():
@@ -280,6 +287,19 @@ def pump(streams, child_exited_fd, grace=EXIT_GRACE):
     sel.close()
 
 
+def tee(path):
+    """A write for LineForwarder that also appends what it writes to the file `path`
+    (shoalrun --output-filename: <dir>/rank.<R>/stdout and stderr)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    f = open(path, "ab", buffering=0)  # noqa: SIM115 - open until the process ends
+
+    def write(fd, data):
+        n = os.write(fd, data)
+        f.write(data[:n])
+        return n
+    return write
+
+
 def main(argv):
     import subprocess
     import threading
@@ -301,9 +321,13 @@ def main(argv):
         child.wait()
         os.write(exited_w, b"x")
     threading.Thread(target=wait_child, daemon=True).start()
-    streams = [(child.stdout.fileno(), LineForwarder(1, f"[{rank}]<stdout>:".encode() if tag else b"")),
+    out_dir = os.environ.get("SHOAL_OUTPUT_DIR")
+    writes = {name: tee(os.path.join(out_dir, f"rank.{rank:0{len(str(max(size_from_env() - 1, 0)))}d}", name))
+              if out_dir else os.write for name in ("stdout", "stderr")}
+    streams = [(child.stdout.fileno(), LineForwarder(1, f"[{rank}]<stdout>:".encode() if tag else b"",
+                                                     write=writes["stdout"])),
                (child.stderr.fileno(), LineForwarder(2, f"[{rank}]<stderr>:".encode() if tag else b"",
-                                                     watch=abort_watcher(status_dir, rank)))]
+                                                     write=writes["stderr"], watch=abort_watcher(status_dir, rank)))]
     pump(streams, exited_r)
     status = child.wait()
     if status != 0 and not os.path.exists(status_path(status_dir, rank)):

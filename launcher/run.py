@@ -17,6 +17,7 @@ import argparse
 import fnmatch
 import importlib.metadata
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -66,12 +67,22 @@ def parse_args(argv):
         prog="shoalrun", description="Launch a Shoal job (decentralized training) with MPI.")
     p.add_argument("-np", "-n", dest="np", type=int, help="number of ranks")
     p.add_argument("-H", "--hosts", help="host:slots,host:slots,...")
-    p.add_argument("--hostfile", help="file of 'host slots=N' or 'host:N' lines")
+    p.add_argument("--hostfile", "-hostfile", help="file of 'host slots=N' or 'host:N' lines")
     p.add_argument("-x", dest="env", action="append", default=[],
                    help="forward VAR (or set VAR=value) to every rank; repeatable")
     p.add_argument("--log-level", choices=["trace", "debug", "info", "warning", "error"],
                    help="sets SHOAL_LOG_LEVEL")
     p.add_argument("--timeline-filename", help="sets SHOAL_TIMELINE (per-rank trace prefix)")
+    # horovodrun's and bfrun's flags, so their job scripts run unchanged.
+    p.add_argument("--fusion-threshold-mb", type=float, help="sets SHOAL_FUSION_THRESHOLD (MiB; 0 disables fusion)")
+    p.add_argument("--cycle-time-ms", type=float, help="sets SHOAL_CYCLE_TIME (ms)")
+    p.add_argument("--stall-check-warning-time-seconds", type=float, help="sets SHOAL_STALL_CHECK_TIME (s)")
+    p.add_argument("--stall-check-shutdown-time-seconds", type=float, help="sets SHOAL_STALL_SHUTDOWN_TIME (s)")
+    p.add_argument("--mpi-args", "--extra-mpi-flags", dest="mpi_args", default="",
+                   help="extra arguments for the MPI launcher (one string, split like a shell)")
+    p.add_argument("--output-filename", help="also write each rank's output to DIR/rank.R/stdout and stderr")
+    p.add_argument("--network-interface", help="network interface(s) for MPI and NCCL, e.g. eth0 (comma-separated)")
+    p.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
     p.add_argument("--tag-output", action="store_true",
                    help="prefix every output line with its rank: [R]<stdout>: or [R]<stderr>:")
     p.add_argument("--check-build", action="store_true",
@@ -102,6 +113,17 @@ def worker_env(args, base=None):
         env["SHOAL_LOG_LEVEL"] = args.log_level
     if args.timeline_filename:
         env["SHOAL_TIMELINE"] = args.timeline_filename
+    for flag, var, scale in (("fusion_threshold_mb", "SHOAL_FUSION_THRESHOLD", 1 << 20),
+                             ("cycle_time_ms", "SHOAL_CYCLE_TIME", 1),
+                             ("stall_check_warning_time_seconds", "SHOAL_STALL_CHECK_TIME", 1),
+                             ("stall_check_shutdown_time_seconds", "SHOAL_STALL_SHUTDOWN_TIME", 1)):
+        value = getattr(args, flag, None)
+        if value is not None:
+            env[var] = str(int(value * scale)) if scale > 1 else str(value)
+    if getattr(args, "output_filename", None):
+        env["SHOAL_OUTPUT_DIR"] = os.path.abspath(args.output_filename)
+    if getattr(args, "network_interface", None):
+        env["NCCL_SOCKET_IFNAME"] = args.network_interface
     cores = os.cpu_count() or 1
     if "OMP_NUM_THREADS" not in env and args.np > cores:
         env["OMP_NUM_THREADS"] = str(max(1, cores // args.np))
@@ -112,6 +134,8 @@ def worker_env(args, base=None):
             env[key] = value
         forwarded.append(key)
     forwarded += [k for k in env if k.startswith("SHOAL_") or k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")]
+    if getattr(args, "network_interface", None):
+        forwarded.append("NCCL_SOCKET_IFNAME")
     return env, sorted(set(forwarded))
 
 
@@ -143,13 +167,14 @@ def host_names(args):
     return names
 
 
-def check_ssh(hosts):
+def check_ssh(hosts, port=None):
     """Exit with a clear message if a remote host cannot be reached with ssh."""
     local = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
     for host in dict.fromkeys(hosts):
         if host in local:
             continue
-        res = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"],
+        res = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+                              *(["-p", str(port)] if port else []), host, "true"],
                              capture_output=True, text=True)
         if res.returncode != 0:
             sys.exit(f"shoalrun: cannot reach host {host} with ssh (non-interactive): "
@@ -186,6 +211,14 @@ def build_command(args, mpiexec, flavor, env, forwarded):
         cmd += [hosts_flag, args.hosts]
     if args.hostfile:
         cmd += [hostfile_flag, args.hostfile]
+    if args.network_interface:
+        cmd += (["--mca", "btl_tcp_if_include", args.network_interface] if flavor == "openmpi"
+                else ["-iface", args.network_interface])
+    if args.ssh_port:
+        # Hydra takes a launcher executable, not arguments: a two-line wrapper carries the port.
+        cmd += (["--mca", "plm_rsh_args", f"-p {args.ssh_port}"] if flavor == "openmpi"
+                else ["-launcher", "ssh", "-launcher-exec", args.ssh_wrapper])
+    cmd += shlex.split(args.mpi_args)
     for k in forwarded:
         if k in env:
             cmd += pass_var(k, env[k])
@@ -262,11 +295,16 @@ def main(argv=None):
         return check_build()
     if not args.hosts and not args.hostfile:
         args.hosts = slurm_hosts()
-    check_ssh(host_names(args))
+    check_ssh(host_names(args), args.ssh_port)
     mpiexec = find_mpiexec()
     env, forwarded = worker_env(args)
     with tempfile.TemporaryDirectory(prefix="shoalrun-") as status_dir:
         args.command = wrap(args.command, status_dir, args.tag_output)
+        if args.ssh_port:
+            args.ssh_wrapper = os.path.join(status_dir, "ssh")
+            with open(args.ssh_wrapper, "w") as f:
+                f.write(f'#!/bin/sh\nexec ssh -p {args.ssh_port} "$@"\n')
+            os.chmod(args.ssh_wrapper, 0o755)
         cmd = build_command(args, mpiexec, mpi_flavor(mpiexec), env, forwarded)
         if args.dry_run or args.verbose:
             print(" ".join(cmd), flush=True)

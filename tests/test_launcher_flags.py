@@ -1,0 +1,59 @@
+"""shoalrun accepts horovodrun's and bfrun's flags (issue 17): each maps onto a Shoal
+setting or the MPI launcher, checked in the command it would run (--dry-run) and, for
+--output-filename, in a real 2-rank job."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_ranks
+
+
+def dry_run(*flags):
+    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", *flags, "--dry-run", "python", "x.py"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return out.split()
+
+
+def value_after(words, key):
+    return words[words.index(key) + 1]
+
+
+def test_horovodrun_tuning_flags_set_shoal_settings():
+    words = dry_run("--fusion-threshold-mb", "2", "--cycle-time-ms", "0.5", "--stall-check-warning-time-seconds",
+                    "30", "--stall-check-shutdown-time-seconds", "90")
+    assert value_after(words, "SHOAL_FUSION_THRESHOLD") == str(2 << 20)
+    assert value_after(words, "SHOAL_CYCLE_TIME") == "0.5"
+    assert float(value_after(words, "SHOAL_STALL_CHECK_TIME")) == 30
+    assert float(value_after(words, "SHOAL_STALL_SHUTDOWN_TIME")) == 90
+
+
+@pytest.mark.parametrize("flag", ["--mpi-args", "--extra-mpi-flags"])
+def test_extra_mpi_arguments_reach_the_launcher(flag):
+    words = dry_run(flag, "-genv FOO bar -l")
+    at = words.index("-genv")
+    assert words[at + 1:at + 4] == ["FOO", "bar", "-l"] and words.index("python") > at
+
+
+def test_network_interface_and_ssh_port():
+    words = dry_run("--network-interface", "eth7", "-p", "2222")
+    assert value_after(words, "-iface") == "eth7" and value_after(words, "NCCL_SOCKET_IFNAME") == "eth7"
+    wrapper = value_after(words, "-launcher-exec")
+    assert wrapper.endswith("/ssh")  # a script that runs ssh -p 2222 (removed with the job's temp dir)
+
+
+def test_bfrun_hostfile_spelling(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    assert value_after(dry_run("-hostfile", str(hosts)), "-f") == str(hosts)
+
+
+def test_output_filename_writes_each_rank_s_streams(tmp_path):
+    out_dir = tmp_path / "logs"
+    assert value_after(dry_run("--output-filename", str(out_dir)), "SHOAL_OUTPUT_DIR") == str(out_dir)
+    rc, out, _ = run_ranks(2, "hello.py", env={"SHOAL_OUTPUT_DIR": str(out_dir)}, timeout=120)
+    assert rc == 0, out
+    for r in range(2):  # in the files, and on the terminal as before
+        assert (out_dir / f"rank.{r}" / "stdout").read_text() == f"rank {r} ok\n"
+        assert (out_dir / f"rank.{r}" / "stderr").read_text() == f"rank {r} err\n"
+        assert f"rank {r} ok" in out
