@@ -1,4 +1,4 @@
-"""BlueFog's environment variables, mapped onto Shoal's SHOAL_* settings.
+"""BlueFog's and Horovod's environment variables, mapped onto Shoal's SHOAL_* settings.
 
 A BlueFog script (or its job file) may set `BLUEFOG_TIMELINE`, `BLUEFOG_LOG_LEVEL`, ...;
 the core reads only SHOAL_* variables, once, at `init()` (core/src/config.cc). `init()`
@@ -6,7 +6,9 @@ calls `apply_bluefog_env()` just before starting the core: each BLUEFOG_X that i
 gives its SHOAL_X, unless SHOAL_X is set too (the Shoal name wins). Values are read the
 way BlueFog read them (it never rejected a malformed number or log level), so a job that
 ran under BlueFog does not fail here. Table and reasons: reference/bluefog-semantics.md
-§4.11 and "Shoal's differences".
+§4.11 and "Shoal's differences". Horovod's HOROVOD_* tuning variables map the same way
+(a BLUEFOG_X wins over a HOROVOD_X); HOROVOD_TIMELINE names one file in Horovod but a
+per-rank prefix here (<prefix><rank>.json).
 """
 import math
 import os
@@ -60,6 +62,13 @@ _MAP = (
     ("BLUEFOG_CYCLE_TIME", "SHOAL_CYCLE_TIME", lambda v: _number(_strtod(v))),  # ms in both
     ("BLUEFOG_FUSION_THRESHOLD", "SHOAL_FUSION_THRESHOLD", lambda v: _number(_strtol(v))),  # bytes
     ("BLUEFOG_NODES_PER_MACHINE", "SHOAL_RANKS_PER_MACHINE", _ranks_per_machine),
+    ("HOROVOD_TIMELINE", "SHOAL_TIMELINE", str),
+    ("HOROVOD_LOG_LEVEL", "SHOAL_LOG_LEVEL", _log_level),
+    ("HOROVOD_CYCLE_TIME", "SHOAL_CYCLE_TIME", lambda v: _number(_strtod(v))),  # ms in both
+    ("HOROVOD_FUSION_THRESHOLD", "SHOAL_FUSION_THRESHOLD", lambda v: _number(_strtol(v))),  # bytes
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "SHOAL_STALL_CHECK_TIME", lambda v: _number(_strtod(v))),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "SHOAL_STALL_SHUTDOWN_TIME", lambda v: _number(_strtod(v))),
+    ("HOROVOD_GPU_OPERATIONS", "SHOAL_GPU_BACKEND", lambda v: "nccl" if v.strip().upper() == "NCCL" else "mpi"),
 )
 
 
@@ -71,9 +80,9 @@ def bluefog_settings(environ):
         return bool(environ.get(key))  # the core treats an empty variable as unset
 
     out = {}
-    for bluefog, shoal, convert in _MAP:
-        if given(bluefog) and not given(shoal):
-            out[shoal] = convert(environ[bluefog])
+    for other, shoal, convert in _MAP:  # BLUEFOG_* first: the first one given wins
+        if given(other) and not given(shoal) and shoal not in out:
+            out[shoal] = convert(environ[other])
     # BlueFog's "=1 forces MPI for GPU tensors" (per op) / "stage through the host": Shoal's
     # `mpi` GPU backend stages every op of a CUDA tensor through host memory.
     if any(environ.get(k, "").startswith("1") for k in _BY_MPI) and not given("SHOAL_GPU_BACKEND"):
