@@ -1,7 +1,9 @@
 """The GPU code path on CPUs, through the fake device plugin (SHOAL_CUDA_PLUGIN=fake; DESIGN
 decision 12): the GPU suite (tests/workers/ops_cuda.py, on CPU tensors marked as device
 tensors with SHOAL_FAKE_DEVICE=1) at 2, 4 and 8 ranks with both GPU backends; the fake's
-NCCL rules (tests/workers/fake_nccl.py); its streams, events and memory, called here.
+NCCL rules (tests/workers/fake_nccl.py); the CPU neighbor suite (tests/workers/neighbor.py)
+on fake-device tensors with every GPU backend (tests/workers/neighbor_device.py); the fake's
+streams, events and memory, called here.
 
 Each check of a worker is its own test id; one shoalrun job per (worker, ranks, settings)
 runs all of its checks, the first test that needs it starts it."""
@@ -64,6 +66,29 @@ def test_gpu_suite_on_fake_devices(ranks, backend, check):
     pytest.importorskip("torch")
     env = {"SHOAL_CUDA_PLUGIN": "fake", "SHOAL_FAKE_DEVICE": "1", "SHOAL_GPU_BACKEND": backend}
     _outcome(ranks, "ops_cuda.py", env, check, timeout=240)
+
+
+# tests/workers/neighbor.py's checks on fake-device tensors (tests/workers/neighbor_device.py
+# routes its numpy ops through shoal.torch), then that worker's own two: ranks submitting
+# the same ops in different orders, and which backend carried the data. mpi-direct:
+# SHOAL_GPU_BACKEND=mpi with the fake plugin claiming a CUDA-aware MPI. A job is mostly its
+# ranks importing torch (2 cores, measured: about 6 s at 2 ranks, 10-17 s at 4, 20-36 s at
+# 8), so NCCL, the backend with ordering rules of its own, runs at 2, 4 and 8 ranks and the
+# MPI backends at 4, which has the 2-rank cases too (a peer that is both source and
+# destination, pairs for pair_gossip). A hang costs the timeout, about 3x the slowest job.
+NEIGHBOR_SETTINGS = [(2, "nccl"), (4, "nccl"), (8, "nccl"), (4, "mpi"), (4, "mpi-direct")]
+
+
+@pytest.mark.parametrize("check", _checks("neighbor.py") + _checks("neighbor_device.py"))
+@pytest.mark.parametrize("ranks,backend", NEIGHBOR_SETTINGS)
+def test_neighbor_suite_on_fake_devices(ranks, backend, check):
+    pytest.importorskip("torch")
+    env = {"SHOAL_CUDA_PLUGIN": "fake", "SHOAL_FAKE_DEVICE": "1", "SHOAL_GPU_BACKEND": backend.split("-")[0]}
+    if backend == "mpi-direct":
+        env["SHOAL_FAKE_CUDA_AWARE_MPI"] = "1"
+    if ranks >= 4:
+        env["SHOAL_RANKS_PER_MACHINE"] = "2"  # hierarchical ops across 2-rank "machines", as the CPU suite
+    _outcome(ranks, "neighbor_device.py", env, check, timeout=120)
 
 
 @pytest.mark.parametrize("check", _checks("fake_nccl.py"))

@@ -96,6 +96,34 @@ def neighbor_allreduce_uniform_and_weighted():
 
 
 @check
+def neighbor_bytes_counted_per_backend():
+    # shoal.stats() says which backend carried the neighbor data (issue 16): bytes of
+    # neighbor ops sent by NCCL, handed to a CUDA-aware MPI from device memory, or staged
+    # through host memory into MPI. Only the backend in use counts, at least the payload.
+    if N == 1:
+        raise Skip("one rank has no neighbors")
+    names = ("neighbor_bytes_sent_nccl", "neighbor_bytes_sent_mpi", "neighbor_bytes_sent_staged")
+    bf.barrier()
+    bf.reset_stats()
+    x = torch.ones(1000, device=DEV)  # float32: 4000 bytes to each out-neighbor
+    bf.neighbor_allreduce(x, name="g.nbr.bytes")
+    st = bf.stats()
+    missing = [k for k in names if k not in st]
+    assert not missing, f"shoal.stats() has no {missing}: {sorted(st)}"
+    backend = os.environ.get("SHOAL_GPU_BACKEND", "mpi")
+    if backend == "nccl":
+        want = {"nccl"}
+    elif FAKE:
+        want = {"mpi"} if os.environ.get("SHOAL_FAKE_CUDA_AWARE_MPI") == "1" else {"staged"}
+    else:  # a real MPI: direct if it is CUDA-aware, staged otherwise
+        want = {"mpi", "staged"}
+    used = {k.rsplit("_", 1)[1] for k in names if st[k]}
+    assert len(used) == 1 and used <= want, (backend, want, {k: st[k] for k in names})
+    payload = 4000 * len(bf.out_neighbor_ranks())
+    assert st[f"neighbor_bytes_sent_{used.pop()}"] >= payload, (payload, {k: st[k] for k in names})
+
+
+@check
 def neighbor_allgather_and_pair_gossip():
     ins = bf.in_neighbor_ranks()
     got = on_device(bf.neighbor_allgather(torch.full((1, 2), float(R), device=DEV), name="g.nag"))
