@@ -295,8 +295,13 @@ shoal_cuda_error CommInit(int device, int nranks, const void* id, int rank, void
   const auto deadline = Deadline();
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
+  // Machines that SHOAL_RANKS_PER_MACHINE simulates on this host are hosts of their own
+  // (as the ranks' fake devices are picked per machine, by local rank).
+  const char* rpm = std::getenv("SHOAL_RANKS_PER_MACHINE");
+  const int per_machine = rpm ? std::max(0, std::atoi(rpm)) : 0;
+  const std::string where = std::string(host) + (per_machine > 0 ? "#" + std::to_string(me / per_machine) : "");
   const Body join{static_cast<int64_t>(u.serial), static_cast<int64_t>(u.nonce), rank, nranks, me, device,
-                  static_cast<int64_t>(std::hash<std::string>()(host))};
+                  static_cast<int64_t>(std::hash<std::string>()(where))};
   Body members(nranks, -1);
   std::map<std::pair<int64_t, int64_t>, int64_t> used{{{join[6], device}, rank}};  // (host, device) -> rank
   std::string msg;
