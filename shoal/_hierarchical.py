@@ -52,8 +52,21 @@ def resolve(self_weight=None, src_machine_weights=None, dst_machine_weights=None
 def run(total, name, args, exchange, share, divide):
     """The stages after the machine sum `total`: exchange(x, name, args) between leaders,
     share(x, name) from local rank 0, divide(x, L)."""
-    mixed = exchange(total, name + ".exchange", args)
+    try:
+        mixed = exchange(total, name + ".exchange", args)
+    except BaseException as exc:
+        refuse_later_stages(name, exc, exchange_too=False)
+        raise
     return divide(share(mixed, name + ".share"), _process.local_size())
+
+
+def refuse_later_stages(name, exc, exchange_too=True):
+    """A stage failed here: the ranks that wait for this one in the later stages (the other
+    machines' leaders in the exchange, this machine's ranks in the share) fail with it."""
+    why = f"{_OP} '{name}': an earlier stage failed on rank {_process.rank()}: {exc}"
+    if exchange_too:
+        _core.reject(_ops.NEIGHBOR_ALLREDUCE, name + ".exchange", False, why, failed=True)
+    _core.reject(_ops.BROADCAST, name + ".share", False, why, failed=True)
 
 
 def hierarchical_neighbor_allreduce_nonblocking(adapter, tensor, self_weight=None, src_machine_weights=None,
@@ -73,4 +86,5 @@ def hierarchical_neighbor_allreduce_nonblocking(adapter, tensor, self_weight=Non
         x /= n
         return x
 
-    return _ops.then(first, lambda total: run(total, name, args, exchange, share, divide))
+    return _ops.then(first, lambda total: run(total, name, args, exchange, share, divide),
+                     on_failure=lambda exc: refuse_later_stages(name, exc))

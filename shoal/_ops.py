@@ -130,12 +130,15 @@ def _submit_gather(op, name, adapter, tensor, **kw):
     return holder["h"]
 
 
-def then(handle, fn):
+def then(handle, fn, on_failure=None):
     """Continue the op behind `handle` with `fn(result)` at `synchronize`: a multi-stage op
-    (hierarchical) is its first stage's handle, and its later stages run in `fn`."""
+    (hierarchical) is its first stage's handle, and its later stages run in `fn`; if the
+    first stage fails, `on_failure(exc)` runs (to tell peers waiting in later stages)."""
     with STATE.lock:
         keep, finish = STATE.pending[handle]
         STATE.pending[handle] = (keep, lambda: fn(finish()))
+        if on_failure is not None:
+            STATE.on_failure[handle] = on_failure
     return handle
 
 
@@ -352,11 +355,14 @@ def synchronize(handle):
             raise ValueError(f"unknown handle {handle}")
     try:
         _core.wait(handle)
-    except BaseException:
+    except BaseException as exc:
         if not _core.poll(handle):
             raise  # interrupted (Ctrl-C) while the op runs on: it keeps its tensors and handle
         with STATE.lock:
             entry = STATE.pending.pop(handle, None)
+            failed = STATE.on_failure.pop(handle, None)
+        if failed is not None:
+            failed(exc)
         if _core.in_use(handle):  # failed with a send from its memory in flight
             _core.linger(handle, entry)  # the core releases it when the send is done
         else:
@@ -375,6 +381,7 @@ def synchronize(handle):
 def _forget(handle):
     with STATE.lock:
         STATE.pending.pop(handle, None)
+        STATE.on_failure.pop(handle, None)
     _core.release(handle)
 
 

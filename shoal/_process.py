@@ -39,6 +39,7 @@ class ProcessState:
             self.topology, self.weighted, self.plan = None, False, None
             self.machine_topology, self.machine_weighted, self.machine_plan = None, False, None
             self.pending = {}
+            self.on_failure = {}  # handle -> fn(exc): a multi-stage op's first stage failed
             self.windows, self.mirrors, self.win_pending = {}, {}, {}
             self.with_p = False
             self.suspended = self.skip_negotiate = False

@@ -265,11 +265,13 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     shoal_leave();
   });
-  m.def("reject", [](int op, std::optional<std::string> name, bool type_error, const std::string& message) {
+  // `failed`: not an argument error but a failure of an earlier stage (ShoalError on the peers).
+  m.def("reject", [](int op, std::optional<std::string> name, bool type_error, const std::string& message,
+                     bool failed) {
     py::gil_scoped_release nogil;
-    shoal_reject(op, name ? name->c_str() : nullptr, type_error ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT,
-                 message.c_str());
-  });
+    shoal_reject(op, name ? name->c_str() : nullptr,
+                 failed ? SHOAL_ABORTED : type_error ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT, message.c_str());
+  }, py::arg("op"), py::arg("name"), py::arg("type_error"), py::arg("message"), py::arg("failed") = false);
   m.def("forked", [] { return shoal_forked() != 0; });
   m.def("is_initialized", [] { return shoal_is_initialized() != 0; });
   m.def("rank", &shoal_rank);

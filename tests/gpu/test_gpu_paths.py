@@ -21,3 +21,8 @@ def test_gpu_error_paths(ranks, check):
 def test_ranks_that_disagree_on_the_gpu_backend_get_one_error():
     pytest.importorskip("torch")
     Job(4, "gpu_errors.py", "split", env=FAKE, timeout=180).check("ranks_that_disagree_on_the_gpu_path_get_one_error")
+
+
+def test_failed_machine_exchange_reaches_the_whole_machine():
+    pytest.importorskip("torch")
+    Job(4, "gpu_errors.py", "machines", env=FAKE, timeout=180).check("failed_machine_exchange_reaches_the_whole_machine")

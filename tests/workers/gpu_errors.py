@@ -3,7 +3,9 @@ SHOAL_GPU_BACKEND=nccl): a failure creating an NCCL id reaches every rank that n
 ranks that disagree on the GPU data path get one error, and a rank that leaves while its
 peers' NCCL transfers wait for it ends them in an error, not a hang.
 
-`split` as argument: rank 0 runs with SHOAL_GPU_BACKEND=nccl, the others with mpi."""
+`split` as argument: rank 0 runs with SHOAL_GPU_BACKEND=nccl, the others with mpi.
+`machines`: 2 ranks per machine; a failed exchange between machine leaders reaches the
+machines' other ranks (hierarchical_neighbor_allreduce)."""
 import os
 import re
 import sys
@@ -17,8 +19,11 @@ import shoal.torch as bf
 from checks import check, run_all
 
 SPLIT = "split" in sys.argv[1:]
+MACHINES = "machines" in sys.argv[1:]
 if SPLIT:  # before init: the backend is read then
     os.environ["SHOAL_GPU_BACKEND"] = "nccl" if os.environ.get("PMI_RANK") == "0" else "mpi"
+if MACHINES:
+    os.environ["SHOAL_RANKS_PER_MACHINE"] = "2"
 bf.init()
 R, N = bf.rank(), bf.size()
 
@@ -37,7 +42,26 @@ def same_on_every_rank(text, name):
     return len(set(got.tolist())) == 1
 
 
-if not SPLIT:
+if MACHINES:
+    @check
+    def failed_machine_exchange_reaches_the_whole_machine():
+        # Rank 0 (machine 0's leader) cannot create NCCL ids: machine 0's sum (its first
+        # NCCL collective) fails there, and every later stage that waits for machine 0
+        # (machine 1's exchange, then its share) fails with it instead of waiting.
+        bf.set_machine_topology(shoal.topology.fully_connected_graph(bf.machine_size()))
+        if R == 0:
+            os.environ["SHOAL_FAKE_NCCL_FAIL_ID"] = "1"
+        err = error_of(lambda: bf.hierarchical_neighbor_allreduce(torch.full((3,), float(R)), name="h.fail"))
+        os.environ.pop("SHOAL_FAKE_NCCL_FAIL_ID", None)
+        assert err, "no error"
+        if bf.machine_rank() == 0:
+            assert "rank 0 could not create the NCCL id" in err, err
+        else:
+            assert "an earlier stage failed on rank" in err, err
+        # The edge is set up again with the next call: machine sums averaged exactly.
+        got = bf.hierarchical_neighbor_allreduce(torch.full((3,), float(R)), name="h.fail")
+        assert torch.equal(got, torch.full((3,), sum(range(N)) / N)), got
+elif not SPLIT:
     @check
     def nccl_id_failure_on_rank_0_reaches_every_rank():
         # The first NCCL collective creates the world communicator: rank 0's id fails.
