@@ -7,18 +7,16 @@ common/topology_util.py, torch/topology_util.py); deliberate differences are lis
 docs/reference/bluefog-semantics.md ("Where Shoal differs")."""
 import inspect
 import os
-import re
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
-import torch
 
-import shoal.torch as bf
-from shoal import _compat_env, basics
-from conftest import run_ranks
+torch = pytest.importorskip("torch")
+import shoal.torch as bf  # noqa: E402
+from shoal import _compat_env, basics  # noqa: E402
+from conftest import Job, worker_checks  # noqa: E402
 
 # ---- BlueFog's public surface, from its source --------------------------------------------------
 # Every name `bluefog.torch` exports except the optimizer classes (tested with the optimizers),
@@ -347,6 +345,7 @@ RANKS = 4
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
+    """(the one job of every item, its directory); it runs when the first item asks."""
     tmp = tmp_path_factory.mktemp("bluefog_api")
     probe = _init_env_probe(tmp)
     wired = probe[:2] != ["None", "None"]
@@ -356,35 +355,27 @@ def job(tmp_path_factory):
     for k in ("SHOAL_RANKS_PER_MACHINE", "SHOAL_LOG_LEVEL", "SHOAL_CYCLE_TIME", "SHOAL_FUSION_THRESHOLD",
               "SHOAL_TIMELINE"):
         env[k] = ""  # empty = unset for the core and for the mapping
-    rc, out, _ = run_ranks(RANKS, "bluefog_api.py", *([] if wired else ["--explicit-env"]), env=env,
-                           timeout=240)
-    return rc, out, tmp
+    return Job(RANKS, "bluefog_api.py", *([] if wired else ["--explicit-env"]), env=env, timeout=240), tmp
 
 
 @pytest.mark.parametrize("name", WORKER_ITEMS)
 def test_multi_rank(job, name):
-    rc, out, _ = job
-    lines = [ln for ln in out.splitlines() if ln.startswith(f"BFAPI {name} rank ")]
-    ok = {int(ln.split()[3]) for ln in lines if ln.endswith(" OK")}
-    failures = [ln for ln in lines if not ln.endswith(" OK")]
-    assert not failures, "\n".join(failures)
-    assert ok == set(range(RANKS)), f"{name}: OK from ranks {sorted(ok)} only (exit {rc}):\n{out[-3000:]}"
+    job[0].check(name)
 
 
 def test_multi_rank_job_exit_code(job):
-    rc, out, _ = job
-    assert rc == 0, out[-3000:]
+    out = job[0].output()
     assert out.count("BFAPI done") == RANKS, out[-3000:]
 
 
 def test_multi_rank_timeline_files(job):
     # BLUEFOG_TIMELINE=prefix: BlueFog's file names, <prefix><rank>.json, with the user's spans.
-    _, _, tmp = job
+    job[0].output()
+    tmp = job[1]
     for r in range(RANKS):
         text = (tmp / f"timeline{r}.json").read_text()
         assert "USER_SPAN" in text and "CONTEXT_SPAN" in text, (r, text[-500:])
 
 
 def test_every_worker_item_has_a_test_id():
-    source = (Path(__file__).parent / "workers" / "bluefog_api.py").read_text()
-    assert re.findall(r"^@item\ndef (\w+)\(", source, re.M) == WORKER_ITEMS
+    assert worker_checks("bluefog_api.py") == WORKER_ITEMS

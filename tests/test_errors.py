@@ -8,12 +8,18 @@ import numpy as np
 import pytest
 
 import shoal
-from conftest import run_ok, run_ranks, shoalrun_cmd
+from conftest import Job, run_ok, run_ranks, shoalrun_cmd, worker_checks
+
+
+@pytest.mark.parametrize("check", worker_checks("mismatch.py"))
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_mismatches_raise_on_every_rank(ranks, check):
+    Job(ranks, "mismatch.py").check(check)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_mismatches_raise_on_every_rank(ranks):
-    out = run_ok(ranks, "mismatch.py")
+def test_mismatches_job(ranks):
+    out = Job(ranks, "mismatch.py").output()
     assert out.count("checks passed, 0 failed") == ranks, out
 
 

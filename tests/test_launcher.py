@@ -1,5 +1,6 @@
 """shoalrun: the README's commands, plain mpiexec, flags, --check-build; the rank wrapper's
 whole lines, --tag-output and status records."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -24,7 +25,7 @@ def test_check_build_reports_mpich_from_pypi_and_torch():
     out = _run([sys.executable, "-m", "shoal.launcher.run", "--check-build"])
     assert out.returncode == 0, out.stderr
     assert "MPICH" in out.stdout and "from PyPI" in out.stdout, out.stdout
-    if pytest.importorskip("torch"):
+    if importlib.util.find_spec("torch") is not None:  # without torch the rest still counts
         assert "torch binding: usable" in out.stdout, out.stdout
 
 

@@ -1,19 +1,31 @@
-"""Neighbor ops equal W @ X (numpy) at 1-8 ranks, with and without fusion."""
+"""Neighbor ops equal W @ X (numpy) at 1-8 ranks, with and without fusion: each check of
+tests/workers/neighbor.py is its own item, one job per (ranks, fusion)."""
 import math
 
 import numpy as np
 import pytest
 
-from conftest import run_ok
+from conftest import Job, worker_checks
+
+SETTINGS = [(ranks, fusion) for ranks in (1, 2, 4, 8) for fusion in ("fusion", "nofusion")]
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-@pytest.mark.parametrize("fusion", ["default", "off"])
-def test_neighbor_ops_match_numpy(ranks, fusion):
-    env = {"SHOAL_FUSION_THRESHOLD": "0"} if fusion == "off" else {}
+def neighbor_job(ranks, fusion):
+    env = {"SHOAL_FUSION_THRESHOLD": "0"} if fusion == "nofusion" else {}
     if ranks >= 4:
         env["SHOAL_RANKS_PER_MACHINE"] = "2"  # hierarchical ops across 2-rank "machines"
-    out = run_ok(ranks, "neighbor.py", env=env)
+    return Job(ranks, "neighbor.py", env=env)
+
+
+@pytest.mark.parametrize("check", worker_checks("neighbor.py"))
+@pytest.mark.parametrize("ranks,fusion", SETTINGS)
+def test_neighbor(ranks, fusion, check):
+    neighbor_job(ranks, fusion).check(check)
+
+
+@pytest.mark.parametrize("ranks,fusion", SETTINGS)
+def test_neighbor_job(ranks, fusion):
+    out = neighbor_job(ranks, fusion).output()
     assert out.count("checks passed, 0 failed") == ranks, out
     assert "'global_collectives': 0" in out and "'coordinator_rounds': 0" in out
 

@@ -1,21 +1,44 @@
-"""Exact results of every op and dtype at 1, 2, 4 and 8 ranks, with and without fusion."""
+"""Exact results of every op and dtype at 1, 2, 4 and 8 ranks, with and without fusion: each
+check of tests/workers/ops_numpy.py and ops_torch.py is its own item, one job per setting."""
 import pytest
 
-from conftest import run_ok
+from conftest import Job, worker_checks
+
+RANKS = [1, 2, 4, 8]
+NUMPY_SETTINGS = [(ranks, fusion) for ranks in RANKS for fusion in ("fusion", "nofusion")]
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-@pytest.mark.parametrize("fusion", ["default", "off"])
-def test_numpy_ops_exact(ranks, fusion):
-    env = {"SHOAL_FUSION_THRESHOLD": "0"} if fusion == "off" else {}
+def numpy_job(ranks, fusion):
+    env = {"SHOAL_FUSION_THRESHOLD": "0"} if fusion == "nofusion" else {}
     if ranks >= 4:
         env["SHOAL_RANKS_PER_MACHINE"] = "2"  # exercise the multi-machine grouping
-    out = run_ok(ranks, "ops_numpy.py", env=env)
+    return Job(ranks, "ops_numpy.py", env=env)
+
+
+@pytest.mark.parametrize("check", worker_checks("ops_numpy.py"))
+@pytest.mark.parametrize("ranks,fusion", NUMPY_SETTINGS)
+def test_numpy_ops_exact(ranks, fusion, check):
+    numpy_job(ranks, fusion).check(check)
+
+
+@pytest.mark.parametrize("ranks,fusion", NUMPY_SETTINGS)
+def test_numpy_ops_job(ranks, fusion):
+    out = numpy_job(ranks, fusion).output()
     assert out.count("checks passed, 0 failed") == ranks, out
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-def test_torch_ops_exact(ranks):
+def torch_job(ranks):
     pytest.importorskip("torch")
-    out = run_ok(ranks, "ops_torch.py", timeout=300)
+    return Job(ranks, "ops_torch.py", timeout=300)
+
+
+@pytest.mark.parametrize("check", worker_checks("ops_torch.py"))
+@pytest.mark.parametrize("ranks", RANKS)
+def test_torch_ops_exact(ranks, check):
+    torch_job(ranks).check(check)
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_torch_ops_job(ranks):
+    out = torch_job(ranks).output()
     assert out.count("checks passed, 0 failed") == ranks, out

@@ -6,16 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ok, shoalrun_cmd
+from conftest import Job, shoalrun_cmd, worker_checks
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "keras_digits.py"
 
 
+@pytest.mark.parametrize("check", worker_checks("tf_ops.py"))
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_tf_ops_callbacks_and_mixed_frameworks(ranks):
-    out = run_ok(ranks, "tf_ops.py", timeout=400)
+def test_tf_ops_callbacks_and_mixed_frameworks(ranks, check):
+    Job(ranks, "tf_ops.py", timeout=400).check(check)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tf_ops_job(ranks):
+    out = Job(ranks, "tf_ops.py", timeout=400).output()
     assert out.count("checks passed, 0 failed") == ranks, out
 
 

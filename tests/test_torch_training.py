@@ -2,31 +2,48 @@
 BlueFog-compatible surface of the optimizers (loop orders: tests/test_loop_orders.py)."""
 import pytest
 
-from conftest import run_ok
+from conftest import Job, run_ok, worker_checks
 
 pytest.importorskip("torch")
 
 
-def test_optimizers_and_consensus():
-    out = run_ok(4, "optimizers.py", env={"SHOAL_RANKS_PER_MACHINE": "2"}, timeout=400)
-    assert out.count("checks passed, 0 failed") == 4, out
+# One job per worker: (worker, ranks, env, timeout); each check of it is an item.
+JOBS = {"optimizers": ("optimizers.py", 4, {"SHOAL_RANKS_PER_MACHINE": "2"}, 400),
+        # 3 ranks: an average divided by 3 differs from one multiplied by 1/3
+        "param_utils": ("param_utils.py", 3, {}, 240),
+        "optimizer_compat": ("optimizer_compat.py", 4, {}, 240)}
+
+
+def job(which):
+    script, ranks, env, timeout = JOBS[which]
+    return Job(ranks, script, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("check", worker_checks("optimizers.py"))
+def test_optimizers_and_consensus(check):
+    job("optimizers").check(check)
+
+
+@pytest.mark.parametrize("check", worker_checks("param_utils.py"))
+def test_parameter_and_state_utilities_take_any_tensor(check):
+    job("param_utils").check(check)
+
+
+@pytest.mark.parametrize("check", worker_checks("optimizer_compat.py"))
+def test_optimizers_keep_bluefogs_surface(check):
+    job("optimizer_compat").check(check)
+
+
+@pytest.mark.parametrize("which", list(JOBS))
+def test_training_job(which):
+    out = job(which).output()
+    assert out.count("checks passed, 0 failed") == JOBS[which][1], out
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_autograd_matches_manual_gradients(ranks):
     out = run_ok(ranks, "autograd.py", timeout=200)
     assert out.count("autograd ok") == ranks, out
-
-
-def test_parameter_and_state_utilities_take_any_tensor():
-    # 3 ranks: an average divided by 3 differs from one multiplied by 1/3
-    out = run_ok(3, "param_utils.py", timeout=240)
-    assert out.count("checks passed, 0 failed") == 3, out
-
-
-def test_optimizers_keep_bluefogs_surface():
-    out = run_ok(4, "optimizer_compat.py", timeout=240)
-    assert out.count("checks passed, 0 failed") == 4, out
 
 
 BLUEFOG_OPTIMIZER_NAMES = ["CommunicationType", "DistributedAdaptThenCombineOptimizer",

@@ -9,54 +9,17 @@ Each check of a worker is its own test id; one shoalrun job per (worker, ranks, 
 runs all of its checks, the first test that needs it starts it."""
 import ctypes
 import os
-import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import WORKERS, run_ranks
-
-
-def _checks(script):
-    return re.findall(r"^@check\ndef (\w+)", (WORKERS / script).read_text(), re.M)
-
-
-_jobs = {}
-
-
-def _job(np_, script, env, timeout):
-    key = (np_, script, tuple(sorted(env.items())))
-    if key not in _jobs:
-        try:
-            rc, out, _ = run_ranks(np_, script, env=env, timeout=timeout)
-        except pytest.fail.Exception as exc:  # hung: every check of the job fails with it
-            rc, out = None, str(exc)
-        _jobs[key] = rc, out
-    return _jobs[key]
+from conftest import Job, worker_checks as _checks
 
 
 def _outcome(np_, script, env, name, timeout):
-    """Fails, skips or passes as check `name` did on every rank of the job."""
-    rc, out = _job(np_, script, env, timeout)
-    status = {}
-    for m in re.finditer(r"\[rank (\d+)\] (PASS|SKIP|FAIL) (\w+)(?:: ([^\n\[]*))?", out):
-        if m[3] == name:
-            status[int(m[1])] = (m[2], (m[4] or "").strip())
-    for r, (s, _) in sorted(status.items()):
-        if s == "FAIL":
-            at = out.index(f"[rank {r}] FAIL {name}:")
-            end = out.find("\n[rank ", at + 1)
-            pytest.fail(f"{name} failed on rank {r} of {np_}:\n{out[at:end if end > 0 else None]}")
-    missing = sorted(set(range(np_)) - set(status))
-    if missing:
-        pytest.fail(f"ranks {missing} of {np_} reported nothing for {name} (exit {rc}):\n{out[-6000:]}")
-    skipped = {why for s, why in status.values() if s == "SKIP"}
-    if skipped:
-        assert len(skipped) == 1 and all(s == "SKIP" for s, _ in status.values()), status
-        pytest.skip(skipped.pop())
-    assert rc == 0, f"{script} on {np_} ranks exited {rc} after its checks:\n{out[-6000:]}"
+    Job(np_, script, env=env, timeout=timeout).check(name)
 
 
 @pytest.mark.parametrize("check", _checks("ops_cuda.py"))

@@ -1,16 +1,15 @@
 """What a BlueFog script observes, on 4 ranks grouped 2 per machine by BLUEFOG_NODES_PER_MACHINE:
-`import shoal.torch as bf` in place of `import bluefog.torch as bf`. One line per item and rank,
-`BFAPI <item> rank <r> OK` or `... FAIL <reason>`; tests/test_bluefog_api.py asserts each item.
+`import shoal.torch as bf` in place of `import bluefog.torch as bf`. Each check is an item of
+tests/test_bluefog_api.py (checks.run_all: one PASS or FAIL line per check and rank).
 Expected values are BlueFog 0.3.0's (docs/reference/bluefog-semantics.md)."""
 import os
 import sys
-import traceback
 
 import torch
 
 import shoal.torch as bf
 from shoal import _compat_env
-from checks import raises
+from checks import check, raises, run_all
 
 if "--explicit-env" in sys.argv:  # until init() maps BLUEFOG_* itself
     _compat_env.apply_bluefog_env()
@@ -19,38 +18,30 @@ R, N = bf.rank(), bf.size()
 assert N == 4, "this worker expects 4 ranks"
 EXP2_IN = sorted({(R - 1) % N, (R - 2) % N})
 EXP2_OUT = sorted({(R + 1) % N, (R + 2) % N})
-ITEMS = []
-
-
-def item(fn):
-    ITEMS.append(fn)
-    return fn
-
-
 def x_of(r, dtype=torch.float64):
     return torch.arange(4, dtype=dtype) + 8 * r  # small integers: sums are exact
 
 
 # ---- environment ---------------------------------------------------------------------------------
-@item
+@check
 def env_nodes_per_machine():
     assert os.environ.get("SHOAL_RANKS_PER_MACHINE") == "2", os.environ.get("SHOAL_RANKS_PER_MACHINE")
     assert (bf.local_size(), bf.local_rank(), bf.machine_size(), bf.machine_rank()) == (2, R % 2, 2, R // 2)
     assert bf.is_homogeneous() is True
 
 
-@item
+@check
 def env_log_level_fatal():
     assert os.environ.get("SHOAL_LOG_LEVEL") == "error"  # BlueFog's "fatal": init() did not reject it
 
 
-@item
+@check
 def env_cycle_time_and_fusion():
     got = os.environ.get("SHOAL_CYCLE_TIME"), os.environ.get("SHOAL_FUSION_THRESHOLD")
     assert got == ("0.5", "1048576"), got
 
 
-@item
+@check
 def env_timeline():
     assert os.environ.get("SHOAL_TIMELINE") == os.environ["BLUEFOG_TIMELINE"]
     assert bf.timeline_start_activity("bfapi", "USER_SPAN") is True
@@ -60,14 +51,14 @@ def env_timeline():
 
 
 # ---- basics --------------------------------------------------------------------------------------
-@item
+@check
 def init_default_topology():
     assert bf.IsTopologyEquivalent(bf.load_topology(), bf.ExponentialGraph(N))
     assert bf.is_topo_weighted() is False
     assert (bf.in_neighbor_ranks(), bf.out_neighbor_ranks()) == (EXP2_IN, EXP2_OUT)
 
 
-@item
+@check
 def init_again_resets_topology():
     assert bf.set_topology(bf.RingGraph(N)) is True
     bf.init()  # BlueFog: every init() sets the topology again (exponential-2 by default)
@@ -79,29 +70,29 @@ def init_again_resets_topology():
     assert bf.is_topo_weighted() is False
 
 
-@item
+@check
 def rank_queries_are_ints():
     for f in (bf.size, bf.rank, bf.local_size, bf.local_rank, bf.machine_size, bf.machine_rank):
         assert type(f()) is int, f
 
 
-@item
+@check
 def mpi_threads_supported_int():
     v = bf.mpi_threads_supported()
     assert type(v) is int and v in (0, 1), repr(v)
 
 
-@item
+@check
 def unified_mpi_window_model_supported_bool():
     assert bf.unified_mpi_window_model_supported() is True
 
 
-@item
+@check
 def nccl_built_bool():
     assert type(bf.nccl_built()) is bool
 
 
-@item
+@check
 def set_topology_returns_and_errors():
     assert bf.set_topology(bf.RingGraph(N)) is True
     assert bf.set_topology(bf.RingGraph(N)) is True  # equivalent: still True
@@ -111,7 +102,7 @@ def set_topology_returns_and_errors():
     assert bf.IsTopologyEquivalent(bf.load_topology(), bf.ExponentialGraph(N))
 
 
-@item
+@check
 def set_machine_topology_errors_and_neighbors():
     raises(ValueError, bf.set_machine_topology, None)
     raises(TypeError, bf.set_machine_topology, bf.RingGraph(3))
@@ -123,14 +114,14 @@ def set_machine_topology_errors_and_neighbors():
     assert bf.is_machine_topo_weighted() is False
 
 
-@item
+@check
 def suspend_resume():
     assert bf.suspend() is None
     assert bf.resume() is None
     assert torch.equal(bf.allreduce(torch.ones(2), name="bfapi.after_resume"), torch.ones(2))
 
 
-@item
+@check
 def skip_negotiate_stage():
     assert bf.get_skip_negotiate_stage() is False
     assert bf.set_skip_negotiate_stage(True) is None
@@ -139,7 +130,7 @@ def skip_negotiate_stage():
     assert bf.get_skip_negotiate_stage() is False
 
 
-@item
+@check
 def barrier_returns_none():
     assert bf.barrier() is None
 
@@ -148,7 +139,7 @@ def barrier_returns_none():
 MEAN = sum(x_of(r) for r in range(N)) / N
 
 
-@item
+@check
 def allreduce_average_default_and_sum():
     x = x_of(R)
     y = bf.allreduce(x, name="bfapi.ar")
@@ -159,7 +150,7 @@ def allreduce_average_default_and_sum():
     assert torch.equal(loc, (x_of(2 * m) + x_of(2 * m + 1)) / 2), loc
 
 
-@item
+@check
 def allreduce_inplace_returns_tensor():
     x = x_of(R)
     assert bf.allreduce_(x, name="bfapi.ar_") is x and torch.equal(x, MEAN)
@@ -168,7 +159,7 @@ def allreduce_inplace_returns_tensor():
     assert bf.synchronize(h) is x and torch.equal(x, MEAN * N)
 
 
-@item
+@check
 def nonblocking_handles_poll_wait():
     h = bf.allreduce_nonblocking(x_of(R), name="bfapi.nb")
     assert type(h) is int
@@ -180,7 +171,7 @@ def nonblocking_handles_poll_wait():
     raises(ValueError, bf.poll, 10 ** 9)
 
 
-@item
+@check
 def broadcast_forms():
     x = x_of(R)
     assert torch.equal(bf.broadcast(x, 2, name="bfapi.bc"), x_of(2)) and torch.equal(x, x_of(R))
@@ -190,7 +181,7 @@ def broadcast_forms():
     assert torch.equal(bf.synchronize(h), x_of(0))
 
 
-@item
+@check
 def allgather_variable_first_dim():
     x = torch.full((R + 1, 2), float(R))
     y = bf.allgather(x, name="bfapi.ag")
@@ -199,7 +190,7 @@ def allgather_variable_first_dim():
     assert torch.equal(bf.synchronize(bf.allgather_nonblocking(x, name="bfapi.ag_nb")), want)
 
 
-@item
+@check
 def neighbor_allgather_static_and_dynamic():
     x = torch.full((1, 3), float(R))
     y = bf.neighbor_allgather(x, name="bfapi.nag")
@@ -210,7 +201,7 @@ def neighbor_allgather_static_and_dynamic():
     raises(ValueError, bf.neighbor_allgather, x, src_ranks=src)
 
 
-@item
+@check
 def neighbor_allreduce_static():
     x = x_of(R)
     y = bf.neighbor_allreduce(x, name="bfapi.nar")
@@ -222,7 +213,7 @@ def neighbor_allreduce_static():
     raises(ValueError, bf.neighbor_allreduce, x, self_weight=0.5, src_weights={not_a_source: 0.5})
 
 
-@item
+@check
 def neighbor_allreduce_dynamic_dst_weights():
     # Each rank sends to R+1 with weight 2 and to R+2 with weight 1 (the sender scales).
     x = x_of(R)
@@ -237,14 +228,14 @@ def neighbor_allreduce_dynamic_dst_weights():
     raises(ValueError, bf.neighbor_allreduce, x, dst_weights=[(R + 1) % N])  # needs both weights
 
 
-@item
+@check
 def neighbor_allreduce_deprecated_kwargs():
     raises(TypeError, bf.neighbor_allreduce, x_of(R), neighbor_weights={})
     raises(TypeError, bf.neighbor_allreduce, x_of(R), send_neighbors=[])
     raises(TypeError, bf.hierarchical_neighbor_allreduce, x_of(R), neighbor_machine_weights={})
 
 
-@item
+@check
 def one_peer_dynamic_loop_with_bluefog_keywords():
     # BlueFog's canonical dynamic loop; on exp-2 with 4 ranks, two one-peer steps average exactly.
     gen = bf.GetDynamicOnePeerSendRecvRanks(topo=bf.load_topology(), self_rank=bf.rank())
@@ -257,7 +248,7 @@ def one_peer_dynamic_loop_with_bluefog_keywords():
     assert torch.equal(x, MEAN), x
 
 
-@item
+@check
 def hierarchical_neighbor_allreduce():
     x = x_of(R)
     bf.set_machine_topology(bf.RingGraph(2))
@@ -270,7 +261,7 @@ def hierarchical_neighbor_allreduce():
     assert torch.equal(y, (0.75 * s[m] + 0.25 * s[1 - m]) / 2), y
 
 
-@item
+@check
 def pair_gossip():
     x = x_of(R)
     peer = R ^ 1
@@ -280,7 +271,7 @@ def pair_gossip():
     raises(ValueError, bf.pair_gossip, x, peer, self_weight=0.5)
 
 
-@item
+@check
 def infer_ranks():
     dst = [(R + 1) % N]
     assert bf.InferSourceFromDestinationRanks(dst_ranks=dst) == [(R - 1) % N]
@@ -288,7 +279,7 @@ def infer_ranks():
 
 
 # ---- windows -------------------------------------------------------------------------------------
-@item
+@check
 def win_create_names_and_set_topology_refused():
     x = x_of(R)
     assert bf.win_create(x, "bfapi.w") is True
@@ -299,14 +290,14 @@ def win_create_names_and_set_topology_refused():
     assert bf.get_current_created_window_names() == ["bfapi.w"]
 
 
-@item
+@check
 def win_aliases_are_the_same_functions():
     for n in ("win_put", "win_get", "win_accumulate"):
         for suffix in ("", "_nonblocking"):
             assert getattr(bf, n + suffix) is getattr(bf, "neighbor_" + n + suffix), n + suffix
 
 
-@item
+@check
 def win_put_versions_update_returns_registered_tensor():
     x = bf.win_update("bfapi.w")  # registered tensor: no puts yet, buffers hold x itself
     assert torch.equal(x, x_of(R))
@@ -322,7 +313,7 @@ def win_put_versions_update_returns_registered_tensor():
     bf.barrier()
 
 
-@item
+@check
 def win_put_self_weight_scales_in_place_and_handles():
     x = x_of(R)
     assert bf.win_create(x, "bfapi.s") is True
@@ -341,7 +332,7 @@ def win_put_self_weight_scales_in_place_and_handles():
     assert bf.win_free("bfapi.s") is True
 
 
-@item
+@check
 def win_get_and_accumulate_versions():
     assert bf.win_create(x_of(R), "bfapi.g") is True
     assert bf.win_get("bfapi.g", src_weights={EXP2_IN[0]: 0.5}) is True
@@ -359,7 +350,7 @@ def win_get_and_accumulate_versions():
     assert bf.win_free("bfapi.g") is True
 
 
-@item
+@check
 def push_sum_associated_p():
     # A push-sum step with unequal weights: p moves with the same weights as the data.
     x = torch.cat([x_of(R), torch.ones(1, dtype=torch.float64)])
@@ -385,7 +376,7 @@ def push_sum_associated_p():
     assert bf.win_free("bfapi.ps") is True
 
 
-@item
+@check
 def win_mutex_and_win_lock():
     with bf.win_mutex("bfapi.w"):
         pass
@@ -398,7 +389,7 @@ def win_mutex_and_win_lock():
     bf.barrier()
 
 
-@item
+@check
 def win_free_unknown_and_all():
     raises(KeyError, bf.win_free, "bfapi.nope")  # every rank calls it: the same error everywhere
     assert bf.win_free() is True
@@ -406,14 +397,7 @@ def win_free_unknown_and_all():
     assert bf.set_topology(bf.ExponentialGraph(N)) is True
 
 
-failed = 0
-for fn in ITEMS:
-    try:
-        fn()
-        print(f"BFAPI {fn.__name__} rank {R} OK", flush=True)
-    except Exception as e:  # noqa: BLE001 - report every item, keep going
-        failed += 1
-        reason = traceback.format_exc().strip().splitlines()
-        print(f"BFAPI {fn.__name__} rank {R} FAIL {type(e).__name__}: {' | '.join(reason[-3:])}", flush=True)
+failed = run_all(R)
 bf.shutdown()
 print(f"BFAPI done rank {R} failed {failed}", flush=True)
+sys.exit(1 if failed else 0)

@@ -9,7 +9,7 @@ import numpy as np
 
 import shoal
 from shoal import topology as T
-from checks import check, raises, run_all
+from checks import Skip, check, raises, run_all
 
 shoal.init()
 R, N = shoal.rank(), shoal.size()
@@ -76,7 +76,7 @@ def one_peer_schedule_matches_and_averages_exactly():
 @check
 def dst_weights_scale_on_the_sender():
     if N == 1:
-        return
+        raise Skip("needs 2 or more ranks")
     rng = np.random.default_rng(3)
     dw = rng.random(N)  # rank j scales what it sends by dw[j]
     sw, pw = 0.3, 0.7
@@ -91,7 +91,7 @@ def large_tensors_sent_from_their_memory():
     # >= 64 KiB leaves straight from the tensor (header and data as separate messages);
     # the op completes only once its data has left, so overwriting it at once is safe.
     if N == 1:
-        return
+        raise Skip("needs 2 or more ranks")
     big = lambda r: ((np.arange(50_000) * (r + 1)) % 11).astype("float64")  # 400 KB, integers
     nxt, prv = (R + 1) % N, (R - 1) % N
     x = big(R)
@@ -122,7 +122,7 @@ def any_numpy_layout_same_result():
     # Plain float arrays take a one-call path into the core; every other layout or type is
     # converted first. Both must give the same values and keep the input's shape.
     if N == 1:
-        return
+        raise Skip("needs 2 or more ranks")
     nxt, prv = (R + 1) % N, (R - 1) % N
     kw = dict(self_weight=0.5, src_weights={prv: 0.5}, dst_weights=[nxt], name="layout")
     base = lambda r: (np.arange(24).reshape(4, 6) * (r + 1)) % 5
@@ -145,7 +145,7 @@ def native_entry_same_as_general_path():
     # every argument form must give what the Python path (nonblocking + synchronize) gives,
     # on first sight and when remembered, and bad arguments must raise every time.
     if N == 1:
-        return
+        raise Skip("needs 2 or more ranks")
     nxt, prv = (R + 1) % N, (R - 1) % N
     w = np.array(0.25)
     forms = [((0.5, {prv: 0.5}, [nxt]), {}), ((0.5, {prv: 0.25}, [nxt]), {}), ((), dict(self_weight=0.5, src_weights={prv: 0.5}, dst_weights=(nxt,))),
@@ -179,7 +179,7 @@ def interrupted_wait_leaves_the_op_running():
     # Ctrl-C in a blocking op or in synchronize: the op runs on with its tensors kept alive;
     # a nonblocking handle stays valid.
     if N == 1:
-        return
+        raise Skip("needs 2 or more ranks")
     import gc
     import signal
 
@@ -238,7 +238,7 @@ def neighbor_allgather_static_and_dynamic():
 def hierarchical_dynamic_needs_no_machine_topology():
     L, M = shoal.local_size(), shoal.machine_size()
     if L < 2 or M < 2:
-        return
+        raise Skip(f"needs 2 or more machines of 2 or more ranks (here: {M} of {L})")
     m = shoal.machine_rank()
     nxt, prv = (m + 1) % M, (m - 1) % M
     got = shoal.hierarchical_neighbor_allreduce(data(R), self_weight=0.5, src_machine_weights={prv: 0.5},
@@ -251,7 +251,7 @@ def hierarchical_dynamic_needs_no_machine_topology():
 def hierarchical_over_machine_ring():
     L, M = shoal.local_size(), shoal.machine_size()
     if L < 2 or M < 2:
-        return
+        raise Skip(f"needs 2 or more machines of 2 or more ranks (here: {M} of {L})")
     shoal.set_machine_topology(T.ring_graph(M))
     got = shoal.hierarchical_neighbor_allreduce(data(R), name="hier")
     S = [sum(data(m * L + l) for l in range(L)) for m in range(M)]
@@ -270,7 +270,7 @@ def hierarchical_over_machine_ring():
 @check
 def pair_gossip_pairs_up():
     if N % 2:
-        return
+        raise Skip("needs an even number of ranks")
     peer = R ^ 1
     got = shoal.pair_gossip(data(R), peer, name="pair")
     assert np.array_equal(got, (data(R) + data(peer)) / 2), got
@@ -325,7 +325,7 @@ def expect_error(fn, *needles):
 @check
 def mismatched_dynamic_topology_names_the_edge():
     if N < 2:
-        return
+        raise Skip("needs 2 or more ranks")
     # Rank 0 sends to rank 1, which does not list rank 0 as a source.
     dst = [1] if R == 0 else []
     expect_error(lambda: shoal.neighbor_allreduce(data(R), self_weight=1.0, src_weights={}, dst_weights=dst,
@@ -336,7 +336,7 @@ def mismatched_dynamic_topology_names_the_edge():
 @check
 def unchecked_mismatch_is_an_error_not_mixing():
     if N < 2:
-        return
+        raise Skip("needs 2 or more ranks")
     kw = dict(self_weight=0.5, enable_topo_check=False, name="unchecked")
     # Step 0: rank 0 sends to 1, but rank 1 does not receive. Step 1: both agree.
     shoal.neighbor_allreduce(data(R), src_weights={}, dst_weights=[1] if R == 0 else [], **kw)
@@ -351,7 +351,7 @@ def unchecked_mismatch_is_an_error_not_mixing():
 @check
 def different_topologies_across_ranks_rejected():
     if N < 2:
-        return
+        raise Skip("needs 2 or more ranks")
     g = T.ring_graph(N) if R == 0 else T.exponential_two_graph(N)
     try:
         shoal.set_topology(g)

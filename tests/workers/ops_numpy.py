@@ -5,12 +5,11 @@ Run on 1, 2, 4, 8 ranks, with and without fusion (SHOAL_FUSION_THRESHOLD).
 import os
 import random
 import sys
-import time
 
 import numpy as np
 
 import shoal
-from checks import check, run_all
+from checks import Skip, check, run_all
 
 shoal.init()
 R, N = shoal.rank(), shoal.size()
@@ -184,28 +183,31 @@ def fusion_mixed_dtypes_random_order():
             handles[name] = shoal.allreduce_nonblocking(np.full(n, R + 1, dt), op=op, name=name)
     for name, dt, n in specs:
         got = shoal.synchronize(handles[name])
-        if name.endswith("7"):
-            continue
-        want = N * (N + 1) // 2 if dt == "int32" else (N + 1) / 2
-        assert np.array_equal(got, np.full(n, want, dt)), (name, got)
+        if name.endswith("7"):  # neighbor_allreduce of R + 1: sum over self and in-neighbours, then divide
+            want = neighbor_expected(lambda r: np.full(n, r + 1.0, dt), dt)
+        else:
+            want = np.full(n, N * (N + 1) // 2 if dt == "int32" else (N + 1) / 2, dt)
+        assert got.dtype == np.dtype(dt) and np.array_equal(got, want), (name, got, want)
 
 
 @check
 def duplicate_in_flight_name_raises():
-    # Deterministic only while the first op cannot finish: rank 0 checks while the
-    # others hold back their submission.
+    # An ordering, not a head start: the other ranks submit "dup" only after rank 0 has
+    # tried the duplicate, so rank 0's first "dup" cannot have finished by then.
     if N == 1:
-        return
-    if R != 0:
-        time.sleep(0.5)
-    h = shoal.allreduce_nonblocking(np.ones(2), name="dup")
+        raise Skip("needs 2 or more ranks (alone, the first op may finish before the second)")
     if R == 0:
+        h = shoal.allreduce_nonblocking(np.ones(2), name="dup")
         try:
             shoal.allreduce_nonblocking(np.ones(2), name="dup")
         except ValueError as e:
             assert "already in flight" in str(e)
         else:
             raise AssertionError("duplicate name accepted")
+        shoal.barrier()  # only now do the others submit "dup"
+    else:
+        shoal.barrier()
+        h = shoal.allreduce_nonblocking(np.ones(2), name="dup")
     assert np.array_equal(shoal.synchronize(h), np.ones(2))
     shoal.barrier()
 

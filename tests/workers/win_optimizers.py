@@ -1,5 +1,6 @@
 """Asynchronous window optimizers train linear regression to the noise floor while rank 0
-is 3x slower; the fast ranks' step rate shows they do not wait for it."""
+is 3x slower; they do not wait for it: while rank 0 holds still after its first step,
+every other rank takes HELD_STEPS steps (an ordering, not a step rate)."""
 import sys
 import time
 
@@ -11,7 +12,7 @@ from linreg import NOISE, problem
 bf.init()
 R, N = bf.rank(), bf.size()
 W_TRUE, X, Y = problem(R)
-SECONDS, DELAY = 3.0, 0.01
+SECONDS, DELAY, HELD_STEPS = 3.0, 0.01, 50
 SLOW = 0
 
 
@@ -19,12 +20,23 @@ def train(wrapper):
     torch.manual_seed(R)
     model = torch.nn.Linear(5, 1, bias=False)
     opt = wrapper(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5), model)
-    bf.barrier()
-    start, steps = time.monotonic(), 0
-    while time.monotonic() - start < SECONDS:  # the same wall time on every rank
+
+    def step():
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(X), Y).backward()
         opt.step()
+    bf.barrier()
+    step()
+    # The slow rank waits in a barrier that the others join only after HELD_STEPS steps of
+    # their own: ranks whose steps waited for it would never join (a stall error).
+    if R != SLOW:
+        for _ in range(HELD_STEPS):
+            step()
+            time.sleep(DELAY)
+    bf.barrier()
+    start, steps = time.monotonic(), 0
+    while time.monotonic() - start < SECONDS:  # the same wall time on every rank
+        step()
         steps += 1
         time.sleep(DELAY * (3 if R == SLOW else 1))  # rank 0 computes 3x slower
     rate = steps / (time.monotonic() - start)
@@ -38,13 +50,11 @@ def train(wrapper):
           f"{NOISE**2:.0e}), p {p:.4f}", flush=True)
     assert loss < 1.5 * NOISE ** 2, loss
     assert torch.allclose(model.weight.t(), W_TRUE, atol=0.01), model.weight
-    if N > 1:
+    if N > 1 and R == 0:
         fast = [rates[r].item() for r in range(N) if r != SLOW]
-        # In lockstep every rank would run at the slow rank's rate (ratio 1).
-        assert min(fast) > 1.5 * rates[SLOW].item(), f"fast ranks waited for the slow one: {rates.tolist()}"
-        if R == 0:
-            print(f"step rates (steps/s): slow rank {rates[SLOW].item():.1f}, fast ranks "
-                  f"{', '.join(f'{r:.1f}' for r in fast)}", flush=True)
+        print(f"{HELD_STEPS} steps of every fast rank while the slow one held still; then step rates "
+              f"(steps/s): slow rank {rates[SLOW].item():.1f}, fast ranks {', '.join(f'{r:.1f}' for r in fast)}",
+              flush=True)
     return ps
 
 

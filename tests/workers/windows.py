@@ -8,7 +8,7 @@ import numpy as np
 
 import shoal
 from shoal import topology as T
-from checks import check, run_all
+from checks import Skip, check, run_all
 
 shoal.init()
 R, N = shoal.rank(), shoal.size()
@@ -171,22 +171,25 @@ def nonblocking_forms_and_poll():
 
 @check
 def mutex_excludes_a_put_until_released():
+    # An ordering, not a duration: no put with require_mutex lands (its version moves with
+    # its data) while rank 0 holds its mutex; every one has landed once it released it.
     if N < 2:
-        return
+        raise Skip("needs 2 or more ranks")
     x = fresh("mx", "float64")
     shoal.barrier()
     if R == 0:
         with shoal.win_mutex("mx", for_self=True):
             shoal.barrier()
-            time.sleep(0.5)
+            time.sleep(0.5)  # the in-neighbours' puts try meanwhile, and must wait
+            early = {j: v for j, v in shoal.get_win_version("mx").items() if v}
+        assert not early, f"puts with require_mutex landed while rank 0 held its mutex: {early}"
         shoal.barrier()
+        got = shoal.get_win_version("mx")
+        assert got == {j: 1 for j in shoal.in_neighbor_ranks()}, f"puts missing after the release: {got}"
     else:
         shoal.barrier()
-        start = time.monotonic()
         if 0 in shoal.out_neighbor_ranks():
             shoal.win_put(x, "mx", dst_weights=[0], require_mutex=True)
-            waited = time.monotonic() - start
-            assert waited > 0.3, f"put with require_mutex did not wait for the mutex ({waited:.3f} s)"
         shoal.barrier()
     with shoal.win_mutex("mx"):  # every out-neighbour's mutex for this rank
         pass
@@ -274,7 +277,10 @@ def bad_input_errors():
 
 @check
 def torch_half_types():
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise Skip("torch is not installed") from None
     import shoal.torch as bft
     for dt in (torch.bfloat16, torch.float16):
         shoal.win_free()
@@ -293,7 +299,7 @@ def torch_half_types():
 @check
 def no_leaks_over_200_cycles():
     if "--cycles" not in sys.argv:
-        return
+        raise Skip("runs in a job of its own, with --cycles (test_200_create_put_update_free_cycles_leak_nothing)")
     shoal.win_free()
     x = data(R, "float32").repeat(1000)
     rss = []
