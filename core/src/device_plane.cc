@@ -121,7 +121,7 @@ void DevicePlane::Send(int dst, int path, const std::vector<std::pair<EntryPtr, 
     std::memcpy(msg->data() + sizeof kLinkMagic + 1, body.data(), body.size());
     backend_->Send(dst, NeighborExchange::kTag, msg, [](const Status&) {});
     if (e) {
-      FailLink(l, Err("ncclGetUniqueId", e));
+      FailLink(l, e);
       l.retry = true;
     } else {
       std::memcpy(l.id, id, sizeof id);
@@ -188,6 +188,10 @@ bool DevicePlane::Advance(Link& l) {
   }
   if (!l.error.empty() || device_ < 0) return any;
   if (l.path == kPathNccl && !l.comm) {
+    if (l.peer_left != Clock::time_point{} && !l.queued.empty()) {  // it will never join
+      FailLink(l, "rank " + std::to_string(l.peer) + " left the job before this data moved");
+      return true;
+    }
     if (l.have_id && !l.setup) StartSetup(l);
     return any;
   }
@@ -232,6 +236,8 @@ bool DevicePlane::Advance(Link& l) {
   while (!l.running.empty()) {
     Call& c = l.running.front();
     if (!Check(l, c, &err)) {
+      if (err.empty() && l.peer_left != Clock::time_point{} && Clock::now() - l.peer_left > std::chrono::seconds(5))
+        err = "rank " + std::to_string(l.peer) + " left the job before this data moved";
       if (err.empty()) break;
       FailLink(l, err);
       return true;
@@ -437,8 +443,23 @@ void DevicePlane::Fence(const Entry& e, void* stream) {
 void DevicePlane::OnLeave(int rank) {
   for (auto& kv : links_) {
     Link& l = kv.second;
-    if (l.peer == rank && (!l.running.empty() || !l.queued.empty()))
-      FailLink(l, "rank " + std::to_string(rank) + " left the job before this data moved");
+    if (l.peer != rank) continue;
+    l.peer_left = Clock::now();
+    Advance(l);
+    if (!l.queued.empty()) FailLink(l, "rank " + std::to_string(rank) + " left the job before this data moved");
+  }
+}
+
+void DevicePlane::Abandon(const Entry& e, const std::string& why) {
+  for (auto& kv : links_) {
+    Link& l = kv.second;
+    if (!l.out) continue;
+    auto uses = [&](const std::deque<Call>& calls) {
+      for (auto& c : calls)
+        for (auto& x : c.entries) if (x.get() == &e) return true;
+      return false;
+    };
+    if (uses(l.queued) || uses(l.running)) FailLink(l, why);
   }
 }
 
@@ -448,9 +469,12 @@ void DevicePlane::Stop() {
     Link& l = kv.second;
     if (!l.queued.empty() || !l.running.empty()) FailLink(l, "Shoal was shut down");
     if (l.setup) {
-      // A peer that never joins leaves the setup thread blocked in NCCL: let it go.
+      // A peer that never joins leaves the setup thread blocked in NCCL: let it go after a
+      // while. The fake plugin's setup gives up by itself (SHOAL_FAKE_NCCL_TIMEOUT) and uses
+      // MPI, which is finalized next: wait for it.
+      const bool fake = std::string(api_->build).rfind("fake", 0) == 0;
       auto deadline = Clock::now() + std::chrono::seconds(5);
-      while (!l.setup->done && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      while (!l.setup->done && (fake || Clock::now() < deadline)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       if (l.setup->done) {
         l.setup->thread.join();
         if (l.setup->comm) api_->nccl_comm_destroy(l.setup->comm);

@@ -78,8 +78,12 @@ class DevicePlane {
   // Orders `stream` after every call this rank issued that may still use e's memory
   // (its sends): on error completions, whose sends may still be queued.
   void Fence(const Entry& e, void* stream);
-  // `rank` left the job: its edges fail (their NCCL communicators are aborted).
+  // `rank` left the job: its edges' calls that cannot complete fail at once (setups it
+  // will never join), the others after a grace period unless they complete (it may have
+  // taken or sent the data before it left); NCCL communicators are then aborted.
   void OnLeave(int rank);
+  // Fails e's sends still queued or running (their receiver will not take them).
+  void Abandon(const Entry& e, const std::string& why);
   // Aborts communicators with work outstanding, destroys the others, frees the pools.
   void Stop();
 
@@ -114,6 +118,7 @@ class DevicePlane {
     void* stream = nullptr;
     std::string error;  // the edge failed: every call on it fails with this
     bool retry = false;  // it failed in setup, before any data moved: the next data starts over
+    Clock::time_point peer_left{};  // set: the peer left; running calls fail after a grace period
     std::deque<Call> queued, running;
   };
   using LinkKey = std::tuple<int, bool, int>;  // (peer, out, path)

@@ -213,11 +213,17 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
   std::vector<std::pair<EntryPtr, Status>> done;
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     Entry& e = **it;
-    bool all = (!e.direct_sends || e.sends_pending == 0) &&
-               std::all_of(e.recv_ranks.begin(), e.recv_ranks.end(), [&](int src) {
-                 auto s = stash_.find(Key{src, e.name});
-                 return s != stash_.end() && !s->second.empty() && s->second.front().Arrived();
-               });
+    // A piece that does not match this entry (another GPU data path, dtype, shape) fails it
+    // at once: its data may never arrive (a device piece for a rank that has no device).
+    bool mismatch = false;
+    bool all = std::all_of(e.recv_ranks.begin(), e.recv_ranks.end(), [&](int src) {
+      auto s = stash_.find(Key{src, e.name});
+      if (s == stash_.end() || s->second.empty()) return false;
+      const Piece& p = s->second.front();
+      if (!p.sig.CompatibleForNeighbors(e.sig)) mismatch = true;
+      return p.Arrived() || !p.sig.CompatibleForNeighbors(e.sig);
+    });
+    all = all && (mismatch || !e.direct_sends || e.sends_pending == 0);
     if (!all) { ++it; continue; }
     if (trace_) e.t_peers_ready = Clock::now();
     got_.clear();
@@ -229,6 +235,8 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
     }
     bool deferred = false;
     Status st = Finish(*it, got_, &deferred);
+    if (mismatch && e.sends_pending > 0 && e.gpu && e.gpu->direct)  // nobody will take its sends
+      device_->Abandon(e, "abandoned after a mismatch with a neighbor: " + st.message);
     got_.clear();
     if (!deferred) done.push_back({*it, st});  // else the device plane reports it when done
     it = waiting_.erase(it);
@@ -247,8 +255,6 @@ Status NeighborExchange::Finish(const EntryPtr& ep, std::vector<Piece>& got, boo
   if (!e.send_error.ok()) return Status::Error(SHOAL_ABORTED, op() + e.send_error.message);
   for (size_t k = 0; k < got.size(); ++k) {
     const int src = e.recv_ranks[k];
-    if (got[k].arrival && !got[k].arrival->status.ok())
-      return Status::Error(SHOAL_ABORTED, op() + got[k].arrival->status.message);
     if (got[k].step != e.step)
       return Status::Error(SHOAL_MISMATCH, op() + "send and receive ranks disagree: rank " + std::to_string(src) +
           " sent to this rank at its step " + std::to_string(got[k].step) + " but this rank receives from rank " +
@@ -257,6 +263,8 @@ Status NeighborExchange::Finish(const EntryPtr& ep, std::vector<Piece>& got, boo
       return Status::Error(SHOAL_MISMATCH, op() + "rank " + std::to_string(src) + " sent " + OpName(got[k].sig.op) +
           " " + got[k].sig.ToString() + " but this rank has " + OpName(e.sig.op) + " " + e.sig.ToString());
   }
+  for (auto& p : got)  // after the headers' checks: a mismatch is the error to report
+    if (p.arrival && !p.arrival->status.ok()) return Status::Error(SHOAL_ABORTED, op() + p.arrival->status.message);
   if (e.gpu && e.gpu->direct) {  // every piece is in device memory (the paths matched)
     std::vector<std::shared_ptr<Arrival>> pieces;
     std::vector<size_t> nbytes;
@@ -336,7 +344,9 @@ std::vector<EntryPtr> NeighborExchange::TakeNeeding(int rank) {
   auto has = [](const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); };
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     const Entry& e = **it;
-    bool stuck = e.direct_sends && e.sends_pending > 0 && has(e.send_ranks, rank);
+    // Device sends to a leaver fail through the device plane, after a grace period: the
+    // leaver may have taken them (its op completed) before the transfer is polled here.
+    bool stuck = e.direct_sends && e.sends_pending > 0 && has(e.send_ranks, rank) && !(e.gpu && e.gpu->direct);
     if (!stuck && has(e.recv_ranks, rank)) {
       auto s = stash_.find(Key{rank, e.name});
       stuck = s == stash_.end() || s->second.empty();

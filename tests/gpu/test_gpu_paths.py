@@ -26,3 +26,9 @@ def test_ranks_that_disagree_on_the_gpu_backend_get_one_error():
 def test_failed_machine_exchange_reaches_the_whole_machine():
     pytest.importorskip("torch")
     Job(4, "gpu_errors.py", "machines", env=FAKE, timeout=180).check("failed_machine_exchange_reaches_the_whole_machine")
+
+
+def test_device_piece_for_a_rank_without_device_ops_fails_at_once():
+    pytest.importorskip("torch")
+    Job(3, "gpu_errors.py", "mixed", env={**FAKE, "SHOAL_FAKE_NCCL_TIMEOUT": "5"}, timeout=120).check(
+        "device_piece_for_a_rank_without_device_ops_fails_at_once")

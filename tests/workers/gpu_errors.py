@@ -4,11 +4,13 @@ ranks that disagree on the GPU data path get one error, and a rank that leaves w
 peers' NCCL transfers wait for it ends them in an error, not a hang.
 
 `split` as argument: rank 0 runs with SHOAL_GPU_BACKEND=nccl, the others with mpi.
+`mixed`: rank 0 sends a device tensor to ranks that have never used one (no device bound);
 `machines`: 2 ranks per machine; a failed exchange between machine leaders reaches the
 machines' other ranks (hierarchical_neighbor_allreduce)."""
 import os
 import re
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -20,6 +22,7 @@ from checks import check, run_all
 
 SPLIT = "split" in sys.argv[1:]
 MACHINES = "machines" in sys.argv[1:]
+MIXED = "mixed" in sys.argv[1:]
 if SPLIT:  # before init: the backend is read then
     os.environ["SHOAL_GPU_BACKEND"] = "nccl" if os.environ.get("PMI_RANK") == "0" else "mpi"
 if MACHINES:
@@ -42,7 +45,19 @@ def same_on_every_rank(text, name):
     return len(set(got.tolist())) == 1
 
 
-if MACHINES:
+if MIXED:
+    @check
+    def device_piece_for_a_rank_without_device_ops_fails_at_once():
+        # The receivers cannot take NCCL data (no device, no communicator): both ends get
+        # the mismatch error at once instead of waiting for a transfer that never starts.
+        bf.set_topology(shoal.topology.ring_graph(N))
+        x = np.arange(4, dtype=np.float32) + R
+        shoal.neighbor_allreduce(x, name="m.mix")  # negotiated on host: later calls go straight to peers
+        t0 = time.monotonic()
+        err = error_of(lambda: bf.neighbor_allreduce(torch.from_numpy(x), name="m.mix") if R == 0
+                       else shoal.neighbor_allreduce(x, name="m.mix"))
+        assert err and "on cuda (NCCL" in err and time.monotonic() - t0 < 5, (err, time.monotonic() - t0)
+elif MACHINES:
     @check
     def failed_machine_exchange_reaches_the_whole_machine():
         # Rank 0 (machine 0's leader) cannot create NCCL ids: machine 0's sum (its first

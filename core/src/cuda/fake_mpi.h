@@ -66,8 +66,13 @@ inline bool TryReceive(MPI_Comm comm, int peer, int tag, std::string* out, int* 
 }
 
 // The same, waiting until the deadline.
+// Gives up once MPI is finalized: a setup the core left behind at shutdown (a peer never
+// joined) must not call MPI after MPI_Finalize (a check between sleeps: rare races remain).
 inline bool Receive(MPI_Comm comm, int peer, int tag, Clock::time_point deadline, std::string* out, int* from = nullptr) {
   for (Backoff b;; b.Pause()) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return false;
     if (TryReceive(comm, peer, tag, out, from)) return true;
     if (Clock::now() > deadline) return false;
   }
