@@ -34,6 +34,21 @@ std::string CudaPluginPath() {
 
 namespace {
 
+// A free buffer of `free_list`, else a new one from `alloc` (then `track` records it).
+template <typename Alloc, typename Track>
+void* Pooled(std::vector<void*>& free_list, Alloc alloc, Track track, const char** err) {
+  if (!free_list.empty()) {
+    void* p = free_list.back();
+    free_list.pop_back();
+    return p;
+  }
+  void* p = nullptr;
+  *err = alloc(&p);
+  if (*err) return nullptr;
+  track(p);
+  return p;
+}
+
 size_t Bucket(size_t n) {
   size_t b = 4096;
   while (b < n) b <<= 1;
@@ -121,33 +136,14 @@ void* GpuStaging::Stream(int device, const char** err) {
 }
 
 void* GpuStaging::HostBuffer(size_t n, const char** err) {
-  const size_t b = Bucket(n);
-  auto& free_list = pool_[b];
-  if (!free_list.empty()) {
-    void* p = free_list.back();
-    free_list.pop_back();
-    return p;
-  }
-  void* p = nullptr;
-  *err = api_->host_alloc(b, &p);
-  if (*err) return nullptr;
-  sizes_[p] = b;
-  return p;
+  return Pooled(pool_[Bucket(n)], [&](void** p) { return api_->host_alloc(Bucket(n), p); },
+                [&](void* p) { sizes_[p] = Bucket(n); }, err);
 }
 
 void* GpuStaging::DeviceBuffer(int device, size_t n, const char** err) {
   const auto key = std::make_pair(device, Bucket(n));
-  auto& free_list = device_pool_[key];
-  if (!free_list.empty()) {
-    void* p = free_list.back();
-    free_list.pop_back();
-    return p;
-  }
-  void* p = nullptr;
-  *err = api_->device_alloc(device, key.second, &p);
-  if (*err) return nullptr;
-  device_sizes_[p] = key;
-  return p;
+  return Pooled(device_pool_[key], [&](void** p) { return api_->device_alloc(device, key.second, p); },
+                [&](void* p) { device_sizes_[p] = key; }, err);
 }
 
 Status GpuStaging::Start(const EntryPtr& e) {

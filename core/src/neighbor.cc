@@ -54,6 +54,36 @@ void NeighborExchange::Start(const std::vector<EntryPtr>& ready) {
   items_.clear();
 }
 
+// The end of the message that starts at items[i]: as many entries as fit under the
+// fusion threshold (at least one); *payload gets their bytes.
+size_t NeighborExchange::MessageEnd(const std::vector<std::pair<EntryPtr, double>>& items, size_t i,
+                                    size_t* payload) const {
+  size_t j = i;
+  *payload = 0;
+  do {
+    *payload += items[j].first->nbytes();
+    ++j;
+  } while (j < items.size() && threshold_ > 0 &&
+           static_cast<int64_t>(*payload + items[j].first->nbytes()) <= threshold_);
+  return j;
+}
+
+// The headers of items[i, j), each saying how its data travels (`how`).
+Writer NeighborExchange::Headers(const std::vector<std::pair<EntryPtr, double>>& items, size_t i, size_t j,
+                                 uint8_t how) {
+  Writer w(64 * (j - i) + 16);
+  w.Put<uint32_t>(kMagic);
+  w.Put<uint32_t>(static_cast<uint32_t>(j - i));
+  for (size_t k = i; k < j; ++k) {
+    w.PutString(items[k].first->name);
+    w.PutSignature(items[k].first->sig);
+    w.Put<int64_t>(items[k].first->step);
+    w.Put<uint64_t>(items[k].first->nbytes());
+    w.Put<uint8_t>(how);
+  }
+  return w;
+}
+
 void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items) {
   // Pieces that move from device memory go in messages of their own (headers only).
   auto path = [](const EntryPtr& e) { return e->gpu && e->gpu->direct ? e->sig.path & ~kFakePlugin : 0; };
@@ -70,28 +100,14 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
   }
   size_t i = 0;
   while (i < items.size()) {
-    // One message: as many entries as fit under the threshold (at least one).
-    size_t j = i, payload = 0;
-    do {
-      payload += items[j].first->nbytes();
-      ++j;
-    } while (j < items.size() && threshold_ > 0 &&
-             static_cast<int64_t>(payload + items[j].first->nbytes()) <= threshold_);
+    size_t payload = 0;
+    const size_t j = MessageEnd(items, i, &payload);
     // A large tensor sent unscaled leaves from its own memory, after a header message
     // (copying 16 MiB into a message costs a third of the exchange on busy cores).
     EntryPtr first = items[i].first;
     const bool direct = j == i + 1 && payload >= kDirectBytes &&
                         (items[i].second == 1.0 || first->sig.op != SHOAL_OP_NEIGHBOR_ALLREDUCE);
-    Writer w(64 * (j - i) + 16);
-    w.Put<uint32_t>(kMagic);
-    w.Put<uint32_t>(static_cast<uint32_t>(j - i));
-    for (size_t k = i; k < j; ++k) {
-      w.PutString(items[k].first->name);
-      w.PutSignature(items[k].first->sig);
-      w.Put<int64_t>(items[k].first->step);
-      w.Put<uint64_t>(items[k].first->nbytes());
-      w.Put<uint8_t>(direct);
-    }
+    Writer w = Headers(items, i, j, direct);
     auto msg = pool_->Get(w.size() + (direct ? 0 : payload));
     std::memcpy(msg->data(), w.buffer().data(), w.size());
     size_t at = w.size();
@@ -131,22 +147,8 @@ void NeighborExchange::Flush(int dst, std::vector<std::pair<EntryPtr, double>>& 
 void NeighborExchange::FlushDevice(int dst, int path, std::vector<std::pair<EntryPtr, double>>& items) {
   for (size_t i = 0, j = 0; i < items.size(); i = j) {
     size_t payload = 0;
-    j = i;
-    do {
-      payload += items[j].first->nbytes();
-      ++j;
-    } while (j < items.size() && threshold_ > 0 &&
-             static_cast<int64_t>(payload + items[j].first->nbytes()) <= threshold_);
-    Writer w(64 * (j - i) + 16);
-    w.Put<uint32_t>(kMagic);
-    w.Put<uint32_t>(static_cast<uint32_t>(j - i));
-    for (size_t k = i; k < j; ++k) {
-      w.PutString(items[k].first->name);
-      w.PutSignature(items[k].first->sig);
-      w.Put<int64_t>(items[k].first->step);
-      w.Put<uint64_t>(items[k].first->nbytes());
-      w.Put<uint8_t>(static_cast<uint8_t>(path));
-    }
+    j = MessageEnd(items, i, &payload);
+    Writer w = Headers(items, i, j, static_cast<uint8_t>(path));
     auto msg = pool_->Get(w.size());
     std::memcpy(msg->data(), w.buffer().data(), w.size());
     // First: the edge's first data is preceded by its link message.

@@ -22,6 +22,7 @@
 #include "device_plane.h"
 #include "entry.h"
 #include "stats.h"
+#include "wire.h"
 
 namespace shoal {
 
@@ -83,6 +84,8 @@ class NeighborExchange {
   Status Finish(const EntryPtr& e, std::vector<Piece>& got, bool* deferred);
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);
   void FlushDevice(int dst, int path, std::vector<std::pair<EntryPtr, double>>& items);
+  size_t MessageEnd(const std::vector<std::pair<EntryPtr, double>>& items, size_t i, size_t* payload) const;
+  static Writer Headers(const std::vector<std::pair<EntryPtr, double>>& items, size_t i, size_t j, uint8_t how);
 
   struct Header {  // of one piece of an arrived message
     std::string name;
