@@ -66,6 +66,20 @@ def test_check_build_names_the_fake_plugin():
                          timeout=120, check=True, env={**os.environ, "SHOAL_CUDA_PLUGIN": "fake"}).stdout
     assert "CUDA plugin: fake" in out and "libshoal_cuda_fake.so" in out, out
     assert "CUDA kernels: built (fake CPU devices" in out and "NCCL backend: built" in out, out
+    assert "CUDA-aware MPI: no: the fake plugin says so" in out, out
+    assert "GPU data paths (SHOAL_GPU_BACKEND=mpi): neighbor ops staged through pinned host memory" in out, out
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"SHOAL_FAKE_CUDA_AWARE_MPI": "1"}, "GPU data paths (SHOAL_GPU_BACKEND=mpi): neighbor ops from device memory by "
+                                         "CUDA-aware MPI"),
+    ({"SHOAL_FAKE_CUDA_AWARE_MPI": "1", "SHOAL_CUDA_AWARE_MPI": "0"}, "not used (SHOAL_CUDA_AWARE_MPI=0)"),
+    ({"SHOAL_GPU_BACKEND": "nccl"}, "GPU data paths (SHOAL_GPU_BACKEND=nccl): collectives and neighbor ops by NCCL"),
+])
+def test_check_build_reports_the_gpu_data_path(env, line):
+    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "--check-build"], capture_output=True, text=True,
+                         timeout=120, check=True, env={**os.environ, "SHOAL_CUDA_PLUGIN": "fake", **env}).stdout
+    assert line in out, out
 
 
 # ---- The fake's streams, events and memory, in this process ----
