@@ -21,11 +21,7 @@
 
 namespace shoal_fake {
 
-shoal_cuda_error Fail(std::string msg) {
-  static thread_local std::string last;
-  last = std::move(msg);
-  return last.c_str();
-}
+shoal_cuda_error Fail(std::string msg) { return KeepError(std::move(msg)); }
 
 namespace {
 

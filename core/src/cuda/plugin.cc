@@ -10,11 +10,7 @@
 
 namespace shoal_cuda {
 
-shoal_cuda_error Fail(std::string msg) {
-  static thread_local std::string last;
-  last = std::move(msg);
-  return last.c_str();
-}
+shoal_cuda_error Fail(std::string msg) { return KeepError(std::move(msg)); }
 
 namespace {
 

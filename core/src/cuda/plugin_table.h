@@ -1,7 +1,18 @@
 // Fills a shoal_cuda_api table from functions named as its entries, in the namespace where
 // it is expanded: the real plugin and the fake one implement the same names.
 #pragma once
+#include <string>
+#include <utility>
+
 #include "cuda_api.h"
+
+// The table's error convention: `msg` kept in a per-thread buffer, returned as a C string
+// (valid until the next error on this thread). Each plugin's Fail() is this.
+inline shoal_cuda_error KeepError(std::string msg) {
+  static thread_local std::string last;
+  last = std::move(msg);
+  return last.c_str();
+}
 
 #define SHOAL_FILL_CUDA_TABLE(t, device_count_fn) \
   do {                                      \
