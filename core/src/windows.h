@@ -39,7 +39,7 @@ struct WinArgs {
   bool clone = false;  // update: writes a copy; the published value stays
 };
 
-// The communication engine of windows (MPI: core/src/backends/mpi/mpi_windows.cc).
+// The communication engine of windows (MPI: core/src/backends/mpi/mpi_windows.h).
 // Every call is made from the window thread.
 class WindowEngine {
  public:
