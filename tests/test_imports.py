@@ -6,10 +6,21 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# setup.py's package_dir: package -> folder.
-PACKAGES = {"shoal": "shoal", "shoal.common": "shoal/common", "shoal.torch": "bindings/torch",
-            "shoal.tensorflow": "bindings/tensorflow", "shoal.keras": "bindings/tensorflow/keras",
-            "shoal.launcher": "launcher"}
+
+
+def _packages():
+    """setup.py's packages, each with its folder (package_dir, else below its parent's)."""
+    call = next(n for n in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("packages", "package_dir")}
+    out = {}
+    for package in kw["packages"]:
+        parent, _, last = package.rpartition(".")
+        out[package] = kw["package_dir"].get(package) or f"{out[parent]}/{last}"
+    return out
+
+
+PACKAGES = _packages()  # package -> folder
 
 
 def modules():
@@ -87,6 +98,9 @@ def test_the_graph_is_read():
     assert "shoal._ops" in g["shoal.basics"] and "shoal._process" in g["shoal._ops"]
     assert "shoal._ops" in g["shoal.torch._ops"] and "shoal._hierarchical" in g["shoal.tensorflow.ops"]
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    # Every Python file below the package folders is a module of the graph.
+    files = {p for folder in set(PACKAGES.values()) for p in (ROOT / folder).rglob("*.py")}
+    assert files == set(modules().values()), sorted(map(str, files - set(modules().values())))
 
 
 def test_no_import_cycle():
