@@ -7,9 +7,11 @@ import functools
 
 import torch
 
+import shoal as _numpy_api
 from shoal import _gradients, _ops
 from shoal._gradients import grad_name
 
+from . import _adapter
 from ._adapter import ADAPTER
 
 _register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
@@ -60,22 +62,50 @@ _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, 
         "-> Tensor", _neighbor_impl, lambda tensor, *args: torch.empty_like(tensor))
 
 
-def _told(op):
-    """`shoal._ops._told` for the torch entry points, whose checks run before the op layer's:
-    a refusal here reaches the peers too. Not under torch.compile (nothing to trace)."""
+# ---- The eager fast path ----
+# A plain CPU tensor that autograd need not record goes to the numpy entry points as a
+# numpy view of its memory (one C call for neighbor_allreduce): the same op layer and
+# error messages, without the torch.library dispatch and argument rebuilding that cost
+# several times the exchange itself for a small tensor. Anything else, and everything
+# traced by torch.compile, takes the registered ops.
+_FLOATS = frozenset((torch.float16, torch.float32, torch.float64))
+_NUMPY_DTYPES = _FLOATS | {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool}
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(t, dtypes):
+    """`t`'s numpy view if a blocking op can take the numpy entry, else None."""
+    if type(t) not in _PLAIN_TYPES or t.dtype not in dtypes or not t.is_cpu or t.layout is not torch.strided \
+            or _adapter._FAKE or torch.compiler.is_compiling():
+        return None
+    if t.requires_grad:
+        if torch.is_grad_enabled():
+            return None
+        t = t.detach()
+    return t.numpy()
+
+
+def _told(op, numpy_fn, dtypes):
+    """The torch entry point of `op`: plain tensors take `numpy_fn` (the numpy entry point
+    of the same name and signature), the others `shoal._ops._told(op)(fn)`, whose checks
+    run before the op layer's (so a refusal here reaches the peers too); traced code calls
+    `fn` directly (nothing to tell at trace time)."""
     def wrap(fn):
         told = _ops._told(op)(fn)
 
         @functools.wraps(fn)
-        def call(*args, **kwargs):
+        def call(tensor, *args, **kwargs):
+            a = _plain(tensor, dtypes)
+            if a is not None:
+                return torch.from_numpy(numpy_fn(a, *args, **kwargs))
             if torch.compiler.is_compiling():
-                return fn(*args, **kwargs)
-            return told(*args, **kwargs)
+                return fn(tensor, *args, **kwargs)
+            return told(tensor, *args, **kwargs)
         return call
     return wrap
 
 
-@_told(_ops.ALLREDUCE)
+@_told(_ops.ALLREDUCE, _numpy_api.allreduce, _NUMPY_DTYPES)
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
     """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
     (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
@@ -84,21 +114,21 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
     return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, bool(is_hierarchical_local), _ops.op_name(name))
 
 
-@_told(_ops.BROADCAST)
+@_told(_ops.BROADCAST, _numpy_api.broadcast, _NUMPY_DTYPES)
 def broadcast(tensor, root_rank, name=None):
     """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast`."""
     ADAPTER._check(tensor, "broadcast")
     return torch.ops.shoal.broadcast(tensor, root_rank, _ops.op_name(name))
 
 
-@_told(_ops.ALLGATHER)
+@_told(_ops.ALLGATHER, _numpy_api.allgather, _NUMPY_DTYPES)
 def allgather(tensor, name=None):
     """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather`."""
     ADAPTER._check(tensor, "allgather")
     return torch.ops.shoal.allgather(tensor, _ops.op_name(name))
 
 
-@_told(_ops.NEIGHBOR_ALLREDUCE)
+@_told(_ops.NEIGHBOR_ALLREDUCE, _numpy_api.neighbor_allreduce, _FLOATS)
 def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
                        enable_topo_check=True, name=None):
     """Blocking neighbor averaging step; semantics as `shoal.neighbor_allreduce`
