@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 import shoal  # noqa: E402
 import shoal.keras as sk  # noqa: E402
-from digits_data import split  # noqa: E402
+from digits_data import split, summary  # noqa: E402
 from shoal import topology  # noqa: E402
 
 
@@ -89,9 +89,8 @@ def main():
     if r == 0:
         seconds = time.perf_counter() - start
         print(f"done in {seconds:.1f} s on {n} ranks")
-        print(f"summary: topology={args.topology} every_k={args.every_k} partition={args.partition} ranks={n} "
-              f"epochs={args.epochs} test_accuracy={100 * hist['val_accuracy'][-1]:.2f}% "
-              f"consensus_distance={hist['consensus_distance'][-1]:.3e} time={seconds:.1f}s", flush=True)
+        print(summary(f"topology={args.topology} every_k={args.every_k} partition={args.partition} ranks={n}",
+                      args.epochs, hist["val_accuracy"][-1], hist["consensus_distance"][-1], seconds), flush=True)
     shoal.shutdown()
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal.torch as bf
-from digits_data import split
+from digits_data import split, summary
 from shoal import topology
 
 
@@ -209,9 +209,9 @@ def main():
               f"consensus distance {hist['consensus_distance'][-1]:.3e}, {hist['seconds']:.1f} s"
               + (f"; plot: {path}" if path else ""))
         topo = "allreduce" if args.optimizer == "gradient-allreduce" else args.topology
-        print(f"summary: optimizer={args.optimizer} topology={topo} partition={args.partition} ranks={n} "
-              f"epochs={args.epochs} test_accuracy={100 * hist['test_accuracy'][-1]:.2f}% "
-              f"consensus_distance={hist['consensus_distance'][-1]:.3e} time={hist['seconds']:.1f}s", flush=True)
+        print(summary(f"optimizer={args.optimizer} topology={topo} partition={args.partition} ranks={n}",
+                      args.epochs, hist["test_accuracy"][-1], hist["consensus_distance"][-1], hist["seconds"]),
+              flush=True)
     bf.shutdown()
 
 

@@ -2,12 +2,28 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <type_traits>
 
 #include "shoal/c_api.h"
 
 namespace shoal {
+namespace {
+
+float FromBits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint32_t Bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  return x;
+}
+
+}  // namespace
 
 float HalfToFloat(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
@@ -24,14 +40,11 @@ float HalfToFloat(uint16_t h) {
   } else {
     bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
   }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return FromBits(bits);
 }
 
 uint16_t FloatToHalf(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
+  uint32_t x = Bits(f);
   uint32_t sign = (x >> 16) & 0x8000u, mag = x & 0x7fffffffu;
   if (mag >= 0x7f800000u) return sign | 0x7c00u | (mag > 0x7f800000u ? 0x200u : 0);  // inf/nan
   if (mag >= 0x477ff000u) return sign | 0x7c00u;  // rounds past the largest half: inf
@@ -49,16 +62,10 @@ uint16_t FloatToHalf(float f) {
   return sign | q;
 }
 
-float BFloat16ToFloat(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+float BFloat16ToFloat(uint16_t h) { return FromBits(static_cast<uint32_t>(h) << 16); }
 
 uint16_t FloatToBFloat16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
+  uint32_t x = Bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // nan
   x += 0x7fffu + ((x >> 16) & 1);  // round to nearest even
   return static_cast<uint16_t>(x >> 16);
@@ -139,26 +146,28 @@ void NarrowFromFloat32(const float* src, int dtype, void* dst, size_t n) {
   else for (size_t i = 0; i < n; ++i) d[i] = FloatToBFloat16(src[i]);
 }
 
-void Divide(const void* src, void* dst, int dtype, size_t n, double divisor) {
+namespace {
+
+// dst[i] = op(src[i], c), computed in the dtype's accumulation type.
+template <typename Op> void WithConstant(const void* src, void* dst, int dtype, size_t n, double c, Op op) {
   DispatchFloating(dtype, [&](auto t) {
     using T = decltype(t);
     using A = typename T::Acc;
     auto s = static_cast<const typename T::Store*>(src);
     auto d = static_cast<typename T::Store*>(dst);
-    const A div = static_cast<A>(divisor);
-    for (size_t i = 0; i < n; ++i) d[i] = T::Save(T::Load(s[i]) / div);
+    const A a = static_cast<A>(c);
+    for (size_t i = 0; i < n; ++i) d[i] = T::Save(op(T::Load(s[i]), a));
   });
 }
 
+}  // namespace
+
+void Divide(const void* src, void* dst, int dtype, size_t n, double divisor) {
+  WithConstant(src, dst, dtype, n, divisor, std::divides<>());
+}
+
 void Scale(const void* src, void* dst, int dtype, size_t n, double w) {
-  DispatchFloating(dtype, [&](auto t) {
-    using T = decltype(t);
-    using A = typename T::Acc;
-    auto s = static_cast<const typename T::Store*>(src);
-    auto d = static_cast<typename T::Store*>(dst);
-    const A a = static_cast<A>(w);
-    for (size_t i = 0; i < n; ++i) d[i] = T::Save(T::Load(s[i]) * a);
-  });
+  WithConstant(src, dst, dtype, n, w, std::multiplies<>());
 }
 
 void Combine(const void* self, const std::vector<const void*>& srcs, void* out, int dtype,

@@ -66,11 +66,11 @@ std::map<void*, std::shared_ptr<Comm>>& Comms() {
   return *m;
 }
 
-std::shared_ptr<Comm> FindComm(void* h, const char* what, shoal_cuda_error* err) {
+shoal_cuda_error FindComm(void* h, const char* what, std::shared_ptr<Comm>* c) {
   std::lock_guard<std::mutex> lock(comms_mu);
   auto it = Comms().find(h);
-  if (it != Comms().end()) return it->second;
-  *err = Fail(std::string(what) + ": invalid argument (unknown communicator)");
+  if (it == Comms().end()) return Fail(std::string(what) + ": invalid argument (unknown communicator)");
+  *c = it->second;
   return nullptr;
 }
 
@@ -201,9 +201,9 @@ std::string Execute(Call& c, bool stream_failed) {
 
 // Queues `c` on the stream: like a kernel, it holds the stream until the peers join.
 shoal_cuda_error Issue(void* comm, void* stream, const char* what, std::shared_ptr<Call> c) {
+  if (shoal_cuda_error err = FindComm(comm, what, &c->comm)) return err;
   shoal_cuda_error err = nullptr;
-  c->comm = FindComm(comm, what, &err);
-  auto s = c->comm ? FindStream(stream, &err) : nullptr;
+  auto s = FindStream(stream, &err);
   if (!s) return err;
   if (s->device() != c->comm->device)
     return Fail(std::string(what) + ": a stream of fake device " + std::to_string(s->device()) +
@@ -380,9 +380,8 @@ shoal_cuda_error CommDestroy(void* comm) {
 // Fails the communicator's queued and running calls at once (their waits end), as
 // ncclCommAbort does; the communicator's MPI resources stay (test plugin: a small leak).
 shoal_cuda_error CommAbort(void* comm) {
-  shoal_cuda_error err = nullptr;
-  auto c = FindComm(comm, "ncclCommAbort", &err);
-  if (!c) return err;
+  std::shared_ptr<Comm> c;
+  if (shoal_cuda_error err = FindComm(comm, "ncclCommAbort", &c)) return err;
   {
     std::lock_guard<std::mutex> lock(c->mu);
     if (c->error.empty()) c->error = "the communicator was aborted (ncclCommAbort)";
@@ -395,9 +394,8 @@ shoal_cuda_error CommAbort(void* comm) {
 }
 
 shoal_cuda_error CheckComm(void* comm) {
-  shoal_cuda_error err = nullptr;
-  auto c = FindComm(comm, "ncclCommGetAsyncError", &err);
-  if (!c) return err;
+  std::shared_ptr<Comm> c;
+  if (shoal_cuda_error err = FindComm(comm, "ncclCommGetAsyncError", &c)) return err;
   std::lock_guard<std::mutex> lock(c->mu);
   return c->error.empty() ? nullptr : Fail("fake NCCL: " + c->error);
 }

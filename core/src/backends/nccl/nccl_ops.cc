@@ -21,20 +21,16 @@
 namespace shoal_cuda {
 namespace {
 
+// The NCCL entry points used, each named once: Nccl's fields and the dlsym calls.
+#define SHOAL_NCCL_SYMBOLS(X)                                                                     \
+  X(GetUniqueId) X(CommInitRank) X(CommDestroy) X(CommAbort) X(CommGetAsyncError)                 \
+  X(GetErrorString) X(GetLastError) X(AllReduce) X(Broadcast) X(Send) X(Recv) X(GroupStart)       \
+  X(GroupEnd)
+
 struct Nccl {
-  decltype(&ncclGetUniqueId) GetUniqueId = nullptr;
-  decltype(&ncclCommInitRank) CommInitRank = nullptr;
-  decltype(&ncclCommDestroy) CommDestroy = nullptr;
-  decltype(&ncclCommAbort) CommAbort = nullptr;
-  decltype(&ncclCommGetAsyncError) CommGetAsyncError = nullptr;
-  decltype(&ncclGetErrorString) GetErrorString = nullptr;
-  decltype(&ncclGetLastError) GetLastError = nullptr;
-  decltype(&ncclAllReduce) AllReduce = nullptr;
-  decltype(&ncclBroadcast) Broadcast = nullptr;
-  decltype(&ncclSend) Send = nullptr;
-  decltype(&ncclRecv) Recv = nullptr;
-  decltype(&ncclGroupStart) GroupStart = nullptr;
-  decltype(&ncclGroupEnd) GroupEnd = nullptr;
+#define SHOAL_NCCL_FIELD(name) decltype(&nccl##name) name = nullptr;
+  SHOAL_NCCL_SYMBOLS(SHOAL_NCCL_FIELD)
+#undef SHOAL_NCCL_FIELD
   std::string error;  // why loading failed
 };
 
@@ -65,19 +61,9 @@ const Nccl& Lib() {
         lib.error += std::string(lib.error.empty() ? "NCCL library lacks " : ", ") + name;
       }
     };
-    sym(lib.GetUniqueId, "ncclGetUniqueId");
-    sym(lib.CommInitRank, "ncclCommInitRank");
-    sym(lib.CommDestroy, "ncclCommDestroy");
-    sym(lib.CommAbort, "ncclCommAbort");
-    sym(lib.CommGetAsyncError, "ncclCommGetAsyncError");
-    sym(lib.GetErrorString, "ncclGetErrorString");
-    sym(lib.GetLastError, "ncclGetLastError");
-    sym(lib.AllReduce, "ncclAllReduce");
-    sym(lib.Broadcast, "ncclBroadcast");
-    sym(lib.Send, "ncclSend");
-    sym(lib.Recv, "ncclRecv");
-    sym(lib.GroupStart, "ncclGroupStart");
-    sym(lib.GroupEnd, "ncclGroupEnd");
+#define SHOAL_NCCL_SYM(name) sym(lib.name, "nccl" #name);
+    SHOAL_NCCL_SYMBOLS(SHOAL_NCCL_SYM)
+#undef SHOAL_NCCL_SYM
     if (!ok) lib.GetUniqueId = nullptr;  // marks the library unusable
   });
   return lib;
