@@ -10,19 +10,19 @@ import torch
 from shoal import topology  # noqa: F401
 from shoal.topology import BLUEFOG_NAMES as _TOPOLOGY_NAMES
 from shoal._infer import InferDestinationFromSourceRanks, InferSourceFromDestinationRanks  # noqa: F401
-from shoal._api import build_api
 from shoal._ops import Average, ReduceOp, Sum  # noqa: F401
 from shoal.basics import *  # noqa: F401,F403
 from shoal.basics import __all__ as _basics_all
 
+from . import _horovod
 from . import _ops as _torch_ops
 from ._adapter import ADAPTER
 
 from shoal._win import build_win_api  # noqa: E402
 
-_api = build_api(ADAPTER)
-_api.update(build_win_api(ADAPTER))
-globals().update(_api)
+_API = dict(_horovod.TORCH_API)  # shoal._api.build_api(ADAPTER), built once
+_API.update(build_win_api(ADAPTER))
+globals().update(_API)
 globals().update({_n: getattr(topology, _n) for _n in _TOPOLOGY_NAMES})  # bf.ExponentialGraph, ...
 # Blocking forms go through the registered torch.library ops.
 from ._ops import allgather, allreduce, broadcast, neighbor_allreduce  # noqa: E402,F401,F811
@@ -35,9 +35,14 @@ from .optimizers import (CommunicationType, CommunicationTypeError,  # noqa: E40
                          DistributedNeighborAllreduceOptimizer, DistributedOptimizer, GradientsInFlightError)
 from .win_optimizers import DistributedPushSumOptimizer, DistributedWinPutOptimizer  # noqa: E402
 from .utility import (allgather_object, allreduce_parameters, broadcast_object,  # noqa: E402
-                      broadcast_optimizer_state, broadcast_parameters)
+                      broadcast_parameters)
+# Horovod's names (`import shoal.torch as hvd`), and the shared names with Horovod's
+# keywords added (allreduce, allreduce_, broadcast, broadcast_, allgather,
+# broadcast_optimizer_state): bindings/torch/_horovod.py.
+from ._horovod import *  # noqa: E402,F401,F403,F811
+from ._horovod import __all__ as _HOROVOD_NAMES  # noqa: E402
 
-__all__ = list(_basics_all) + sorted(_api) + [
+__all__ = list(_basics_all) + sorted(_API) + [
     "ConsensusControl", "consensus_distance", "CommunicationType",
     "DistributedAdaptThenCombineOptimizer", "DistributedAdaptWithCombineOptimizer",
     "DistributedAllreduceOptimizer", "DistributedNeighborAllreduceOptimizer",
@@ -49,4 +54,5 @@ __all__ = list(_basics_all) + sorted(_api) + [
                                                          "InferSourceFromDestinationRanks",
                                                          "InferDestinationFromSourceRanks"]
 __all__ += list(_TOPOLOGY_NAMES)
+__all__ += [n for n in _HOROVOD_NAMES if n not in __all__]
 del _torch_ops

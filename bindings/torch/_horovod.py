@@ -1,0 +1,486 @@
+"""Horovod's names in `shoal.torch`, so `import shoal.torch as hvd` runs Horovod PyTorch
+scripts (issue 17; Horovod 0.28 `horovod/torch/mpi_ops.py`, `compression.py`,
+`functions.py`, `horovod/common/basics.py`).
+
+Every name here is an alias or a thin wrapper over Shoal's one implementation of each op
+(shoal._ops through shoal._api / bindings/torch/_ops.py): the wrappers only translate
+Horovod's arguments (prescale/postscale factors, compression, the integer average, the
+process set) and never move data themselves.
+
+What a script can observe follows Horovod, except (each said where it applies):
+* `allreduce`/`allreduce_` keep BlueFog's positional order (tensor, average,
+  is_hierarchical_local, name, op); a str third positional argument is Horovod's `name`,
+  and the positional arguments after it are then read in Horovod's order.
+* Only the global process set exists (`process_set=` anything else: NotImplementedError).
+* `Adasum` is not implemented (NotImplementedError naming it).
+* The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`.
+"""
+import inspect
+import os
+import warnings
+
+import torch
+
+from shoal import _ops, basics
+from shoal._loader import _core
+from shoal._ops import Average, ReduceOp, Sum
+
+from shoal._api import build_api
+
+from . import _ops as _torch_ops
+from . import utility as _utility
+from ._adapter import ADAPTER
+
+# The collective API over torch tensors (shoal._api.build_api); bindings/torch/__init__.py
+# exports it, with the Horovod wrappers below in place of the shared names they extend.
+TORCH_API = build_api(ADAPTER)
+
+# ---- Errors, reduce ops, process sets ----
+
+HorovodInternalError = basics.ShoalError
+"""Horovod's runtime-failure exception: Shoal's `ShoalError` itself (a RuntimeError), so
+`except hvd.HorovodInternalError` catches every failure the runtime reports (mismatch,
+stall, dead peer, shutdown)."""
+
+Adasum = ReduceOp("Adasum", None)  # Horovod's op=hvd.Adasum: not implemented (see _check_op)
+
+
+def _check_op(op, what):
+    if op is Adasum:
+        raise NotImplementedError(
+            f"{what}: op=Adasum is not implemented in Shoal (Horovod's Adasum reduction); use "
+            "op=Average or op=Sum, or a decentralized optimizer (DistributedAdaptWithCombineOptimizer)")
+
+
+class ProcessSet:
+    """Horovod's process set object; Shoal has only the global one yet
+    (`global_process_set`: every rank)."""
+
+    process_set_id = 0
+
+    @property
+    def ranks(self):
+        return list(range(basics.size()))
+
+    def size(self):
+        return basics.size()
+
+    def rank(self):
+        return basics.rank()
+
+    def included(self):
+        return True
+
+    def __repr__(self):
+        return "ProcessSet(process_set_id=0, ranks=<all>)"
+
+
+global_process_set = ProcessSet()
+
+
+def _check_process_set(process_set, what):
+    """Accept Horovod's global process set (or None); refuse others clearly."""
+    if process_set is None or process_set is global_process_set:
+        return
+    raise NotImplementedError(
+        f"{what}: process_set={process_set!r}: Shoal supports only the global process set "
+        "(hvd.global_process_set) so far; sub-communicators (add_process_set) are not available yet")
+
+
+# ---- Compression (Horovod's compress(tensor) -> (tensor, ctx) / decompress(tensor, ctx)) ----
+
+class Compressor:
+    """Horovod's compressor interface: `compress(tensor) -> (tensor, ctx)` before the
+    exchange, `decompress(tensor, ctx) -> tensor` after it."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    """No compression: the tensor itself travels."""
+
+
+def _cast_compressor(dtype, doc):
+    class _Cast(Compressor):
+        __doc__ = doc
+
+        @staticmethod
+        def compress(tensor):
+            if tensor.dtype.is_floating_point and tensor.dtype != dtype:
+                return tensor.to(dtype), tensor.dtype
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor if ctx is None else tensor.to(ctx)
+    return _Cast
+
+
+FP16Compressor = _cast_compressor(torch.float16, "Floating tensors travel as float16 and are cast "
+                                                 "back to their dtype (Horovod's Compression.fp16).")
+BF16Compressor = _cast_compressor(torch.bfloat16, "Floating tensors travel as bfloat16 and are cast "
+                                                  "back to their dtype.")
+FP16Compressor.__name__ = FP16Compressor.__qualname__ = "FP16Compressor"
+BF16Compressor.__name__ = BF16Compressor.__qualname__ = "BF16Compressor"
+
+
+class Compression:
+    """`hvd.Compression.none`, `.fp16`, `.bf16` (Horovod's names)."""
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor
+
+
+def check_compression(compression, what):
+    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"{what}: compression must be hvd.Compression.none/fp16/bf16 or an object with "
+                        f"compress(tensor) and decompress(tensor, ctx), got {compression!r}")
+    return compression
+
+
+# ---- Allreduce with Horovod's arguments ----
+
+def _factor(value, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _scale_(t, factor):
+    """t *= factor in place; integer tensors truncate toward zero, as Horovod's
+    ScaleBuffer converts `factor * x` back to the integer type."""
+    with torch.no_grad():
+        if t.is_floating_point():
+            t.mul_(factor)
+        else:
+            t.copy_((t.double() * factor).trunc())
+    return t
+
+
+def _allreduce_finish(out, integer_average, n, postscale):
+    """After the sum: Horovod's integer average (truncated toward zero) and postscale."""
+    with torch.no_grad():
+        if integer_average:
+            if postscale == 1.0:
+                out.div_(n, rounding_mode="trunc")
+            else:
+                out.copy_((out.double() * (postscale / n)).trunc())
+        elif postscale != 1.0:
+            _scale_(out, postscale)
+    return out
+
+
+@_ops._told(_ops.ALLREDUCE)
+def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=None, is_hierarchical_local=False,
+                      inplace=False, what="allreduce"):
+    """Enqueue one allreduce with Horovod's extras; returns its handle."""
+    ADAPTER._check(tensor, what)
+    _check_process_set(process_set, what)
+    _check_op(op, what)
+    rop = _ops.reduce_op(average, op)
+    pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
+    integer_average = rop is Average and not tensor.is_floating_point()
+    src = tensor
+    if inplace:
+        ADAPTER.prepare(tensor, True, what)  # its checks first: nothing is scaled if it refuses
+        if pre != 1.0:
+            _scale_(tensor, pre)
+    elif pre != 1.0:
+        src = _scale_(tensor.detach().clone(memory_format=torch.contiguous_format), pre)
+    scope = _ops.MACHINE if is_hierarchical_local else _ops.WORLD
+    h = _ops.allreduce(ADAPTER, src, rop is Average and not integer_average, name,
+                       inplace=inplace or src is not tensor, scope=scope)
+    if integer_average or post != 1.0:
+        n = basics.local_size() if is_hierarchical_local else basics.size()
+        _ops.then(h, lambda out: _allreduce_finish(out, integer_average, n, post))
+    return h
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set):
+    """Horovod's `allreduce_async`: start an allreduce of `tensor` (not modified); returns a
+    handle for `synchronize`/`poll`. Same op as `allreduce_nonblocking`, with:
+
+    * prescale_factor / postscale_factor: multiply each rank's tensor before the reduction
+      and the result after it (Horovod's ScaleBuffer; integer tensors truncate toward zero).
+      Average divides the sum by size() before the postscale (Horovod folds 1/size() into
+      the postscale factor: the same value up to rounding).
+    * op=Average on an integer tensor: the sum divided by size(), truncated toward zero
+      (Horovod's integer average; Shoal's own names refuse it with ValueError).
+    * op=Adasum, process_set other than the global one: NotImplementedError.
+    """
+    return _allreduce_submit(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+                             what="allreduce_async")
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set):
+    """Horovod's `allreduce_async_`: in-place `allreduce_async` (contiguous tensor; the
+    result overwrites it at `synchronize`)."""
+    return _allreduce_submit(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+                             inplace=True, what="allreduce_async_")
+
+
+# Shared names (BlueFog and Horovod): BlueFog's positional order, Horovod's keywords; a
+# str third positional argument (BlueFog's is_hierarchical_local is a bool) is Horovod's
+# name, and the positional arguments are then read in Horovod's order.
+_BLUEFOG_KEYS = frozenset(("average", "is_hierarchical_local", "name", "op"))
+
+
+def _sig(text):
+    ns = {"Compression": Compression, "global_process_set": global_process_set}
+    exec(f"def f{text}: pass", ns)  # noqa: S102 - our own constant text
+    return inspect.signature(ns["f"])
+
+
+_EXTRAS = "prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set"
+_SIGS = {
+    "allreduce": (_sig(f"(tensor, average=None, is_hierarchical_local=False, name=None, op=None, *, "
+                       f"compression=Compression.none, {_EXTRAS})"),
+                  _sig(f"(tensor, average=None, name=None, compression=Compression.none, op=None, {_EXTRAS}, *, "
+                       "is_hierarchical_local=False)")),
+    "allreduce_": (_sig(f"(tensor, average=None, is_hierarchical_local=False, name=None, op=None, *, {_EXTRAS})"),
+                   _sig(f"(tensor, average=None, name=None, op=None, {_EXTRAS}, *, is_hierarchical_local=False)")),
+}
+
+
+def _bind(what, tensor, args, kwargs):
+    shoal_sig, horovod_sig = _SIGS[what]
+    sig = horovod_sig if len(args) > 1 and isinstance(args[1], str) else shoal_sig
+    try:
+        bound = sig.bind(tensor, *args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{what}{sig}: {exc}") from None
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _plain(tensor, args, kwargs):
+    """A call the BlueFog/Shoal op takes as it is (the torch.library path, differentiable)."""
+    if not all(k in _BLUEFOG_KEYS for k in kwargs):
+        return False
+    if not isinstance(tensor, torch.Tensor):
+        return True  # refused there (TypeError, told to the peers)
+    return (tensor.is_floating_point() and not (len(args) > 1 and isinstance(args[1], str))
+            and kwargs.get("op") is not Adasum and not (len(args) > 3 and args[3] is Adasum))
+
+
+def allreduce(tensor, *args, **kwargs):
+    if torch.compiler.is_compiling() or _plain(tensor, args, kwargs):
+        return _torch_ops.allreduce(tensor, *args, **kwargs)
+    a = _bind("allreduce", tensor, args, kwargs)
+    ADAPTER._check(a["tensor"], "allreduce")
+    compression = check_compression(a["compression"], "allreduce")
+    extra = (a["prescale_factor"] != 1.0 or a["postscale_factor"] != 1.0
+             or not a["tensor"].is_floating_point())
+    if not extra:
+        # Horovod's allreduce: compress, the differentiable allreduce, decompress.
+        _check_process_set(a["process_set"], "allreduce")
+        _check_op(a["op"], "allreduce")
+        sent, ctx = compression.compress(a["tensor"])
+        out = _torch_ops.allreduce(sent, a["average"], a["is_hierarchical_local"], a["name"], a["op"])
+        return compression.decompress(out, ctx)
+    sent, ctx = compression.compress(a["tensor"])
+    if sent.requires_grad and torch.is_grad_enabled():
+        # Differentiable: scale around the registered op (the gradient is scaled the same way).
+        _check_process_set(a["process_set"], "allreduce")
+        _check_op(a["op"], "allreduce")
+        out = _torch_ops.allreduce(sent * a["prescale_factor"], a["average"], a["is_hierarchical_local"],
+                                   a["name"], a["op"]) * a["postscale_factor"]
+        return compression.decompress(out, ctx)
+    h = _allreduce_submit(sent, a["average"], a["name"], a["op"], a["prescale_factor"], a["postscale_factor"],
+                          a["process_set"], a["is_hierarchical_local"], what="allreduce")
+    return compression.decompress(_ops.synchronize(h), ctx)
+
+
+allreduce.__signature__ = _SIGS["allreduce"][0]
+allreduce.__doc__ = f"""Blocking allreduce; BlueFog's and Horovod's `allreduce`.
+
+    Result: sum over ranks, or sum divided by size() (op=Average, the default; BlueFog's
+    `average=`), same shape and dtype; differentiable (the gradient is the same allreduce
+    of the gradient). Horovod's keywords: compression (hvd.Compression.fp16: floating
+    tensors travel as float16), prescale_factor/postscale_factor, process_set (global
+    only), op=Adasum (NotImplementedError); op=Average on integers as in
+    `allreduce_async`.
+
+    Positional order: BlueFog's (tensor, average, is_hierarchical_local, name, op). A
+    str third positional argument is Horovod's `name`; the positional arguments are then
+    read in Horovod's order {_SIGS["allreduce"][1]}.
+    """
+
+
+def allreduce_(tensor, *args, **kwargs):
+    if torch.compiler.is_compiling() or _plain(tensor, args, kwargs):
+        return TORCH_API["allreduce_"](tensor, *args, **kwargs)
+    a = _bind("allreduce_", tensor, args, kwargs)
+    return _ops.synchronize(_allreduce_submit(
+        a["tensor"], a["average"], a["name"], a["op"], a["prescale_factor"], a["postscale_factor"],
+        a["process_set"], a["is_hierarchical_local"], inplace=True, what="allreduce_"))
+
+
+allreduce_.__signature__ = _SIGS["allreduce_"][0]
+allreduce_.__doc__ = f"""Blocking in-place allreduce (returns `tensor`); BlueFog's and Horovod's
+    `allreduce_`. Horovod's keywords as in `allreduce_async`. Positional order: BlueFog's;
+    a str third positional argument is Horovod's `name`, and the positional arguments are
+    then read in Horovod's order {_SIGS["allreduce_"][1]}."""
+
+
+# ---- Broadcast / allgather: Horovod's names and its process_set keyword ----
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Horovod's `broadcast_async` = `broadcast_nonblocking`: returns a handle; `tensor`
+    is not modified."""
+    _check_process_set(process_set, "broadcast_async")
+    return TORCH_API["broadcast_nonblocking"](tensor, root_rank, name)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Horovod's `broadcast_async_` = `broadcast_nonblocking_` (in place)."""
+    _check_process_set(process_set, "broadcast_async_")
+    return TORCH_API["broadcast_nonblocking_"](tensor, root_rank, name)
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Blocking broadcast of `root_rank`'s tensor (BlueFog's and Horovod's; differentiable);
+    `process_set`: the global one only."""
+    if process_set is not global_process_set:
+        _check_process_set(process_set, "broadcast")
+    return _torch_ops.broadcast(tensor, root_rank, name)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Blocking in-place broadcast; returns `tensor` (BlueFog's and Horovod's)."""
+    if process_set is not global_process_set:
+        _check_process_set(process_set, "broadcast_")
+    return TORCH_API["broadcast_"](tensor, root_rank, name)
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    """Horovod's `allgather_async` = `allgather_nonblocking`: returns a handle."""
+    _check_process_set(process_set, "allgather_async")
+    return TORCH_API["allgather_nonblocking"](tensor, name)
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Blocking allgather along dim 0 (first dims may differ), in rank order; BlueFog's and
+    Horovod's (differentiable). `process_set`: the global one only."""
+    if process_set is not global_process_set:
+        _check_process_set(process_set, "allgather")
+    return _torch_ops.allgather(tensor, name)
+
+
+def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
+    """`broadcast_optimizer_state(optimizer, root_rank)` (BlueFog's and Horovod's): every
+    rank's optimizer state becomes root_rank's, bit-exact (see
+    `shoal.torch.utility.broadcast_optimizer_state`). `model` (Horovod's form) is accepted
+    and not needed: the root's whole state_dict travels."""
+    _check_process_set(process_set, "broadcast_optimizer_state")
+    return _utility.broadcast_optimizer_state(optimizer, root_rank)
+
+
+# ---- Job layout, build facts, timeline ----
+
+def cross_rank():
+    """Horovod's cross_rank: the index of this rank's machine (`machine_rank()`). Equal to
+    Horovod's on a homogeneous job; on a heterogeneous one Horovod counts only the
+    machines that have this local rank."""
+    return basics.machine_rank()
+
+
+def cross_size():
+    """Horovod's cross_size: the number of machines (`machine_size()`; see cross_rank)."""
+    return basics.machine_size()
+
+
+def mpi_built():
+    """True: Shoal always runs on MPI (its one engine)."""
+    return True
+
+
+def mpi_enabled():
+    """True: MPI is the engine of every Shoal job (Horovod: MPI controller in use)."""
+    return True
+
+
+def gloo_built():
+    """False: Shoal has no Gloo engine."""
+    return False
+
+
+def gloo_enabled():
+    return False
+
+
+def cuda_built():
+    """True when this build's CUDA plugin loads (Shoal finds GPU support at run time;
+    the fake test plugin does not count)."""
+    built, what = _core.gpu_support()
+    return bool(built) and not what.startswith("fake ")
+
+
+def rocm_built():
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def _timeline_on():
+    on = basics.timeline_start_activity("horovod", "START_TIMELINE")
+    if on:
+        basics.timeline_end_activity("horovod")
+    return on
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Horovod's start_timeline over Shoal's per-rank timeline (`SHOAL_TIMELINE`).
+
+    Shoal's timeline is configured when the runtime starts: before `init()` this sets
+    SHOAL_TIMELINE=file_path, so init() records to `<file_path><rank>.json` (one file per
+    rank; Horovod writes one file from rank 0). After init(), a timeline that is already
+    recording goes on (into the files named at init) and this marks the call on it; one
+    that is off cannot be started: NotImplementedError says how to turn it on. Shoal's
+    timeline has no cycle markers: mark_cycles=True warns.
+    """
+    if not isinstance(file_path, str) or not file_path:
+        raise ValueError("start_timeline: file_path must be a non-empty str")
+    if mark_cycles:
+        warnings.warn("start_timeline: Shoal's timeline has no cycle markers; mark_cycles is ignored",
+                      RuntimeWarning, stacklevel=2)
+    if not basics.is_initialized():
+        os.environ["SHOAL_TIMELINE"] = file_path
+        return
+    if not _timeline_on():
+        raise NotImplementedError(
+            "start_timeline: Shoal's timeline cannot be started after init(); set SHOAL_TIMELINE=<prefix> "
+            "(or HOROVOD_TIMELINE, or shoalrun --timeline-filename <prefix>) before init(), or call "
+            "start_timeline before init(); each rank writes <prefix><rank>.json")
+
+
+def stop_timeline():
+    """Horovod's stop_timeline. Shoal's timeline records until `shutdown()` (its files stay
+    valid JSON meanwhile): with the timeline on this warns and records on; off, nothing
+    to do."""
+    if basics.is_initialized() and _timeline_on():
+        warnings.warn("stop_timeline: Shoal's timeline records until shutdown(); it cannot be stopped "
+                      "earlier", RuntimeWarning, stacklevel=2)
+
+
+__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
+         "broadcast_async", "broadcast_async_", "allgather", "allgather_async", "broadcast_optimizer_state",
+         "cross_rank", "cross_size", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "cuda_built",
+         "rocm_built", "ddl_built", "ccl_built", "start_timeline", "stop_timeline", "HorovodInternalError",
+         "Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "ProcessSet",
+         "global_process_set", "Adasum", "Sum", "Average", "ReduceOp"]

@@ -1,0 +1,276 @@
+"""Horovod PyTorch scripts with only the import changed (`import shoal.torch as hvd`; issue
+17): a synthetic-benchmark-style training loop (small ResNet-style model,
+broadcast_parameters / broadcast_optimizer_state, DistributedOptimizer with Horovod's
+keywords) checked against a one-process reference computed here from every rank's data;
+exact values of the Horovod op aliases; the clear refusals (process sets, Adasum).
+Our own scripts, written the way Horovod's examples use the API (not copies)."""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shoal.torch as hvd
+from checks import check, raises, run_all
+
+torch.set_num_threads(1)  # deterministic CPU kernels: a rank's gradient equals the reference's
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+FP16_EPS = 2.0 ** -10  # spacing of float16 numbers in [1, 2): one rounding is at most half of it
+FP16_TINY = 2.0 ** -24  # smallest float16 subnormal
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, classes=5):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.block = Block(8)
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x):
+        x = self.block(F.relu(self.bn(self.stem(x))))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def batch(step, k, rank):
+    """The synthetic batch of `rank` at (step, pass k): every rank can make anyone's."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * k + rank)
+    return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+def model_of(rank):
+    torch.manual_seed(rank)  # different on every rank until broadcast_parameters
+    return TinyResNet()
+
+
+def rank_gradients(model, step, rank, passes):
+    """{name: gradient} of `rank`'s `passes` accumulated backward passes at `step`."""
+    model.zero_grad(set_to_none=True)
+    for k in range(passes):
+        x, y = batch(step, k, rank)
+        F.cross_entropy(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def same_on_all_ranks(model, what):
+    for n, p in model.named_parameters():
+        every = hvd.allgather(p.detach().reshape(1, -1), name=f"hvd.same.{what}.{n}")
+        assert torch.equal(every, every[:1].expand_as(every)), f"{what}: {n} differs between ranks"
+
+
+STEPS, PASSES, LR, MOMENTUM = 3, 2, 0.05, 0.9
+
+
+@check
+def synthetic_benchmark_fp16_average_backward_passes_2():
+    model = model_of(R)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * (1 + R), momentum=MOMENTUM)  # lr differs
+    # Horovod's benchmark: broadcast state from rank 0, then wrap the optimizer.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    assert optimizer.param_groups[0]["lr"] == LR, optimizer.param_groups[0]["lr"]  # rank 0's
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=hvd.Compression.fp16, backward_passes_per_step=2,
+                                         op=hvd.Average)
+    ref, probe = model_of(0), model_of(0)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), f"broadcast_parameters: {n} is not rank 0's"
+    # The reference: plain SGD with momentum on the fp16-compressed average, and a bound
+    # on the parameter error that the fp16 rounding of the average allows (one rounding
+    # per element per step, carried through momentum).
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    buf = {n: torch.zeros_like(p) for n, p in ref_params.items()}
+    buf_err = {n: torch.zeros_like(p) for n, p in ref_params.items()}
+    bound = {n: torch.zeros_like(p) for n, p in ref_params.items()}
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for k in range(PASSES):
+            x, y = batch(step, k, R)
+            F.cross_entropy(model(x), y).backward()
+        optimizer.synchronize()
+        # The reference's average: every rank's gradient at this step's parameters, each
+        # cast to fp16, summed, divided by N and rounded to fp16 once (the core sums half
+        # types in float32). The wrapper's may differ by one fp16 rounding. (Taken at the
+        # wrapper's parameters, not along a path of its own: one rounding that differs
+        # moves a path off by more than fp16 rounding after a few steps.)
+        probe.load_state_dict(model.state_dict())
+        per_rank = [rank_gradients(probe, step, r, PASSES) for r in range(N)]
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad.half().float(), p.grad), f"{n}: the average did not travel as fp16"
+                avg = (sum(g[n].half().float() for g in per_rank) / N).half().float()
+                step_err = FP16_EPS * avg.abs() + FP16_TINY
+                assert torch.all((p.grad - avg).abs() <= step_err), (n, (p.grad - avg).abs().max())
+                buf[n].mul_(MOMENTUM).add_(avg)
+                buf_err[n].mul_(MOMENTUM).add_(step_err)
+                ref_params[n].sub_(LR * buf[n])
+                bound[n].add_(LR * buf_err[n])
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    same_on_all_ranks(model, "fp16")
+    for n, p in model.named_parameters():
+        err = (p.detach() - ref_params[n]).abs()
+        allowed = 2 * bound[n] + 1e-6 * ref_params[n].abs()  # float32 rounding of the update
+        assert torch.all(err <= allowed), (n, err.max(), allowed.min())
+    optimizer.remove_hooks()
+
+
+@check
+def compression_none_sum_predivide_and_shoal_form():
+    """Compression.none: the gradients are the reference's up to float32 rounding of the sum."""
+    for what, kwargs, scale in [("sum", {"op": hvd.Sum}, 1.0),
+                                ("predivide", {"op": hvd.Average, "gradient_predivide_factor": 4.0}, 1.0 / N)]:
+        model = model_of(0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model.named_parameters(),
+                                       hvd.Compression.none, 1, **kwargs)  # Horovod's positional order
+        x, y = batch(7, 0, R)
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        ref, probe = model_of(0), model_of(0)
+        per_rank = [rank_gradients(ref, 7, r, 1) for r in range(N)]
+        for n, p in model.named_parameters():
+            want = sum(g[n].double() for g in per_rank) * scale
+            tol = 4 * N * 2.0 ** -24 * sum(g[n].double().abs() for g in per_rank) + 1e-30
+            assert torch.all((p.grad.double() - want).abs() <= tol), (what, n, (p.grad.double() - want).abs().max())
+        with opt.skip_synchronize():
+            opt.step()
+        same_on_all_ranks(model, what)
+        opt.remove_hooks()
+    # sparse_as_dense: a sparse embedding gradient is densified, then averaged.
+    emb = nn.Embedding(N, 2, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=LR), emb.named_parameters(),
+                                   sparse_as_dense=True)
+    emb(torch.tensor([R])).sum().backward()
+    opt.synchronize()
+    assert emb.weight.grad.layout == torch.strided and torch.equal(emb.weight.grad, torch.full((N, 2), 1.0 / N))
+    opt.remove_hooks()
+    # Shoal's own form keeps working: (optimizer, model, num_steps_per_communication).
+    model = model_of(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model, 2)
+    assert isinstance(opt, hvd.DistributedGradientAllreduceOptimizer) and opt.num_steps_per_communication == 2
+    opt.remove_hooks()
+    raises(ValueError, hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=LR),
+           [("w", p) for p in model.parameters()])  # duplicate names
+    raises(ValueError, hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=LR),
+           op=hvd.Sum, gradient_predivide_factor=2.0)
+
+
+def ones(dtype=torch.float32):
+    return torch.ones(3, dtype=dtype)
+
+
+@check
+def alias_ops_exact_values():
+    x = torch.arange(3, dtype=torch.float32) + R  # sum: 3i + N(N-1)/2 per element
+    total = torch.arange(3, dtype=torch.float32) * N + N * (N - 1) / 2
+    h = hvd.allreduce_async(x, name="hvd.async", op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(h), total) and torch.equal(x, torch.arange(3.0) + R)
+    y = x.clone()
+    assert torch.equal(hvd.synchronize(hvd.allreduce_async_(y, name="hvd.async_")), total / N)
+    assert torch.equal(y, total / N)  # in place, averaged by default
+    # prescale then sum then postscale (Horovod's allreduce docs: "multiplicative factor to
+    # scale tensor before / after allreduce"); powers of two: exact.
+    got = hvd.allreduce(x, name="hvd.scaled", op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0)
+    assert torch.equal(got, total * 2), got
+    got = hvd.synchronize(hvd.allreduce_async(x, name="hvd.scaled.avg", prescale_factor=2.0, postscale_factor=0.5))
+    assert torch.equal(got, total / N), got
+    # Horovod's positional order (tensor, average, name, compression, op) and BlueFog's.
+    assert torch.equal(hvd.allreduce(x, None, "hvd.pos", hvd.Compression.none, hvd.Sum), total)
+    assert torch.equal(hvd.allreduce(x, False, False, "hvd.bluefog.pos"), total)
+    z = x.clone()
+    assert hvd.allreduce_(z, None, "hvd.pos_", hvd.Sum, 2.0) is z and torch.equal(z, total * 2)
+    # fp16 compression: travels as float16, comes back in the input's dtype.
+    got = hvd.allreduce(x, name="hvd.fp16", compression=hvd.Compression.fp16, op=hvd.Sum)
+    assert got.dtype == torch.float32 and torch.equal(got, total)
+    t, ctx = hvd.Compression.fp16.compress(x)
+    assert t.dtype == torch.float16 and hvd.Compression.fp16.decompress(t, ctx).dtype == torch.float32
+    t, ctx = hvd.Compression.bf16.compress(x)
+    assert t.dtype == torch.bfloat16 and torch.equal(hvd.Compression.bf16.decompress(t, ctx), x)
+    # Integer average: Horovod's convention (sum times 1/size converted to the integer
+    # type: truncated toward zero). x_r = -(r + 1): sum -N(N+1)/2, average -(N+1)/2.
+    i = torch.full((2,), -(R + 1), dtype=torch.int32)
+    want = int(-(N * (N + 1) / 2) / N)  # Python's int() truncates toward zero
+    got = hvd.allreduce(i, name="hvd.int.avg")
+    assert got.dtype == torch.int32 and got.tolist() == [want] * 2, (got, want)
+    assert hvd.synchronize(hvd.allreduce_async(i, name="hvd.int.async")).tolist() == [want] * 2
+    assert hvd.allreduce(i, name="hvd.int.sum", op=hvd.Sum).tolist() == [-(N * (N + 1) // 2)] * 2
+    # Broadcast and allgather aliases.
+    b, root_value = torch.full((2,), float(R)), torch.full((2,), N - 1.0)
+    assert torch.equal(hvd.synchronize(hvd.broadcast_async(b, root_rank=N - 1, name="hvd.b")), root_value)
+    assert torch.equal(b, torch.full((2,), float(R)))
+    assert hvd.synchronize(hvd.broadcast_async_(b, N - 1, "hvd.b_")) is b and torch.equal(b, root_value)
+    c = torch.full((2,), float(R))
+    assert hvd.broadcast_(c, 0, name="hvd.b.blocking_") is c and torch.equal(c, torch.zeros(2))
+    g = hvd.synchronize(hvd.allgather_async(torch.full((R + 1, 2), float(R)), name="hvd.ag"))
+    assert torch.equal(g, torch.cat([torch.full((r + 1, 2), float(r)) for r in range(N)]))
+    assert torch.equal(hvd.broadcast(b, 0, process_set=hvd.global_process_set), b)
+
+
+@check
+def runtime_failure_is_horovod_internal_error():
+    try:
+        hvd.allreduce(torch.ones(R + 1), name="hvd.mismatch")  # shapes differ between ranks
+    except hvd.HorovodInternalError as e:
+        assert "shape" in str(e).lower(), e
+    else:
+        raise AssertionError("a shape mismatch did not raise HorovodInternalError")
+    assert hvd.HorovodInternalError is hvd.ShoalError and issubclass(hvd.HorovodInternalError, RuntimeError)
+
+
+@check
+def process_sets_and_adasum_are_refused_clearly():
+    other = object()
+    for call in (lambda: hvd.allreduce(ones(), process_set=other),
+                 lambda: hvd.allreduce_async(ones(), process_set=other),
+                 lambda: hvd.allreduce_async_(ones(), process_set=other),
+                 lambda: hvd.broadcast(ones(), 0, process_set=other),
+                 lambda: hvd.allgather(ones(), process_set=other),
+                 lambda: hvd.DistributedOptimizer(torch.optim.SGD([nn.Parameter(ones())], lr=1), process_set=other)):
+        try:
+            call()
+        except NotImplementedError as e:
+            assert "process set" in str(e), e
+        else:
+            raise AssertionError("a process set other than the global one was accepted")
+    for call in (lambda: hvd.allreduce(ones(), op=hvd.Adasum), lambda: hvd.allreduce_async_(ones(), op=hvd.Adasum),
+                 lambda: hvd.DistributedOptimizer(torch.optim.SGD([nn.Parameter(ones())], lr=1), op=hvd.Adasum)):
+        try:
+            call()
+        except NotImplementedError as e:
+            assert "Adasum" in str(e), e
+        else:
+            raise AssertionError("op=Adasum was accepted")
+    # The runtime is still usable (nothing was left half-submitted).
+    assert torch.equal(hvd.allreduce(ones(), name="hvd.after.refusals"), ones())
+
+
+@check
+def job_layout_build_facts_and_timeline():
+    assert (hvd.cross_rank(), hvd.cross_size()) == (hvd.machine_rank(), hvd.machine_size())
+    assert hvd.cross_rank() == R // hvd.local_size() and hvd.cross_size() * hvd.local_size() == N
+    assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_built() and not hvd.gloo_enabled()
+    assert not (hvd.rocm_built() or hvd.ddl_built() or hvd.ccl_built()) and isinstance(hvd.cuda_built(), bool)
+    assert hvd.is_homogeneous() and bool(hvd.nccl_built()) == hvd.nccl_built()
+    if not os.environ.get("SHOAL_TIMELINE"):
+        raises(NotImplementedError, hvd.start_timeline, "/tmp/never")  # off: cannot start after init()
+        hvd.stop_timeline()  # nothing recording: nothing to do
+    names = set(hvd.__all__)
+    for n in ("allreduce_async", "allreduce_async_", "allreduce_", "allgather_async", "broadcast_async",
+              "broadcast_async_", "broadcast_", "cross_rank", "cross_size", "start_timeline", "stop_timeline",
+              "HorovodInternalError", "Compression", "global_process_set", "Adasum", "DistributedOptimizer"):
+        assert n in names, n
+
+
+sys.exit(1 if run_all(R) else 0)
