@@ -175,10 +175,13 @@ def build_api(adapter):
     for f in api.values():  # error messages name the public function, not this factory
         f.__qualname__ = f.__name__
     if adapter.native:
-        # Blocking neighbor_allreduce in one C function; it calls the Python one for
-        # anything but plain float arrays (bindings/python/neighbor_native.cc).
-        doc = f"neighbor_allreduce{inspect.signature(neighbor_allreduce)}\n--\n\n{neighbor_allreduce.__doc__}"
-        api["neighbor_allreduce"] = _core.native_neighbor_allreduce(neighbor_allreduce, doc, adapter.module)
+        # Blocking neighbor_allreduce and allreduce in one C function each; they call the
+        # Python ones for anything but plain arrays and arguments (bindings/python/native_entry.cc).
+        def doc(f):
+            return f"{f.__name__}{inspect.signature(f)}\n--\n\n{f.__doc__}"
+        api["neighbor_allreduce"] = _core.native_neighbor_allreduce(neighbor_allreduce, doc(neighbor_allreduce),
+                                                                    adapter.module)
+        api["allreduce"] = _core.native_allreduce(allreduce, doc(allreduce), adapter.module, _ops.Sum, _ops.Average)
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
                barrier=_ops.barrier)
     return api

@@ -1,4 +1,4 @@
-// Shared parts of the shoal._core module (core_module.cc, neighbor_native.cc).
+// Shared parts of the shoal._core module (core_module.cc, native_entry.cc).
 #pragma once
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -33,7 +33,8 @@ struct NeighborArgs {
   bool uniform = true, topo_check = false;
 };
 void SetPeers(shoal_op_desc* d, const NeighborArgs& a);
-// Adds NeighborArgs, the remembered neighbor_args and native_neighbor_allreduce (neighbor_native.cc).
+// Adds NeighborArgs, the remembered neighbor_args, native_neighbor_allreduce and
+// native_allreduce (native_entry.cc).
 void DefineNeighborNative(py::module_& m);
 
 }  // namespace shoal_py

@@ -44,6 +44,12 @@ class Backend {
   virtual void Allgatherv(const void* send, int64_t count, void* recv,
                           const std::vector<int64_t>& counts, int dtype, Callback done) = 0;
   virtual void Barrier(Callback done) = 0;
+  // Allreduce (sum) on collective channel `channel` in [0, kChannels): each channel has
+  // its own collective order (an MPI communicator), independent of the others and of the
+  // collectives above, so ops cached on different channels never wait for each other
+  // (runtime_cache.cc). Made at start-up, when every rank is there.
+  static constexpr int kChannels = 16;
+  virtual void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) = 0;
 
   // Completes finished operations (running their callbacks); true if any finished.
   virtual bool Progress() = 0;

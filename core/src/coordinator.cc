@@ -23,6 +23,7 @@ ByteVec EncodeRequests(const std::vector<Request>& reqs) {
       w.PutRanks(r.send);
       w.PutRanks(r.recv);
     }
+    w.Put<int32_t>(r.probe);
   }
   return std::move(w.buffer());
 }
@@ -41,6 +42,7 @@ std::vector<Request> DecodeRequests(const char* p, size_t n) {
       q.send = r.GetRanks();
       q.recv = r.GetRanks();
     }
+    q.probe = r.Get<int32_t>() != 0;
   }
   return out;
 }
@@ -58,6 +60,7 @@ ByteVec EncodeResponses(const std::vector<Response>& resps) {
     w.Put<int32_t>(r.code);
     w.Put<uint32_t>(static_cast<uint32_t>(r.first_dims.size()));
     for (auto& d : r.first_dims) w.PutShape(d);
+    w.Put<int32_t>(r.channel);
   }
   return std::move(w.buffer());
 }
@@ -75,6 +78,7 @@ std::vector<Response> DecodeResponses(const char* p, size_t n) {
     q.code = r.Get<int32_t>();
     q.first_dims.resize(r.Get<uint32_t>());
     for (auto& d : q.first_dims) d = r.GetShape();
+    q.channel = r.Get<int32_t>();
   }
   return out;
 }
@@ -96,6 +100,16 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     early_.push_back(std::move(r));
     return;
   }
+  if (req.probe) {
+    auto done = rounds_done_.find(req.name);
+    auto it = pending_.find(req.name);
+    if (!left_.empty() || (done != rounds_done_.end() && done->second >= req.step) ||
+        (it != pending_.end() && !it->second.probe))
+      return;  // that round is over (the op came normally: its batch died)
+  } else {
+    auto it = pending_.find(req.name);
+    if (it != pending_.end() && it->second.probe) pending_.erase(it);  // its round is over
+  }
   auto rej = rejected_.find(req.name);
   if (rej != rejected_.end() && rej->second.step == req.step) {
     early_.push_back(rej->second);
@@ -116,13 +130,22 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     p.req.resize(size_);
     p.have.assign(size_, false);
     p.first_seen = now;
+    p.probe = req.probe;
     it = pending_.emplace(req.name, std::move(p)).first;
   }
   Pending& p = it->second;
   if (p.have[rank]) return;  // enqueue rejects duplicates; ignore a replay
   p.have[rank] = true;
   p.req[rank] = req;
-  if (++p.count == size_) complete_.push_back(req.name);
+  if (++p.count < size_) return;
+  if (p.probe) pending_.erase(it);  // every rank is in the round: it is completing
+  else complete_.push_back(req.name);
+}
+
+void Coordinator::RoundDone(const std::string& name, int64_t step) {
+  rounds_done_[name] = step;
+  auto it = pending_.find(name);
+  if (it != pending_.end() && it->second.probe) pending_.erase(it);
 }
 
 namespace {
@@ -201,6 +224,7 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
   auto cached = validated_.find(name);
   bool all_cached = cached != validated_.end();
   for (auto& r : p.req) all_cached = all_cached && r.sig == cached->second;
+  resp.repeat = all_cached;
   if (!all_cached) {
     // Operations first: other fields are meaningless across different ops.
     for (auto& c : checks) {
@@ -275,6 +299,7 @@ std::vector<Response> Coordinator::TakeResponses() {
   out.swap(early_);
   // Fuse consecutive-in-spirit allreduces: one open batch per (dtype, reduce op, device).
   std::map<std::tuple<int, int, int, int>, std::pair<size_t, int64_t>> open;  // -> (index, bytes)
+  const size_t first = out.size();
   for (auto& name : complete_) {
     auto it = pending_.find(name);
     if (it == pending_.end()) continue;  // aborted meanwhile
@@ -287,15 +312,36 @@ std::vector<Response> Coordinator::TakeResponses() {
       auto o = open.find(key);
       if (o != open.end() && o->second.second + bytes <= fusion_threshold_) {
         out[o->second.first].names.push_back(name);
+        out[o->second.first].repeat &= r.repeat && Cacheable(sig);
         o->second.second += bytes;
         continue;
       }
       open[key] = {out.size(), bytes};
+      r.repeat &= Cacheable(sig);
+    } else {
+      r.repeat &= r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && Cacheable(sig);
     }
     out.push_back(std::move(r));
   }
   complete_.clear();
+  // A batch that ran before as it is now is likely to repeat (a training step's
+  // gradients): from now on it runs on a channel of its own, without this round trip.
+  for (size_t i = first; i < out.size() && left_.empty() && !free_channels_.empty(); ++i)
+    if (out[i].repeat && out[i].kind == Response::EXECUTE && out[i].op == SHOAL_OP_ALLREDUCE) {
+      out[i].channel = free_channels_.back();
+      free_channels_.pop_back();
+    }
   return out;
+}
+
+bool Coordinator::Cacheable(const Signature& sig) {
+  // Host memory, world scope, a sum whose last element can count the ranks exactly (half
+  // types are summed in float32).
+  const int d = sig.dtype;
+  return sig.device_type == SHOAL_DEVICE_CPU && sig.scope == SHOAL_SCOPE_WORLD &&
+         (sig.reduce_op == SHOAL_REDUCE_SUM || sig.reduce_op == SHOAL_REDUCE_AVERAGE) &&
+         (d == SHOAL_FLOAT16 || d == SHOAL_BFLOAT16 || d == SHOAL_FLOAT32 || d == SHOAL_FLOAT64 ||
+          d == SHOAL_INT32 || d == SHOAL_INT64);
 }
 
 std::vector<Stall> Coordinator::Stalled(double now, double older_than) const {

@@ -23,6 +23,9 @@ struct Request {
   // Neighbor ops with a topology check: this rank's send and receive ranks.
   bool topo_check = false;
   std::vector<int> send, recv;
+  // A cached allreduce (runtime_cache.cc) whose round has waited long on this rank: not an
+  // op to run, only news for the stall check, which then names the ranks that are missing.
+  bool probe = false;
 };
 
 struct Response {
@@ -37,6 +40,10 @@ struct Response {
   int32_t code = 0;   // REJECTED: the status code of the refusal
   // allgather: first dimension of each rank's tensor, per name
   std::vector<std::vector<int64_t>> first_dims;
+  // EXECUTE of an allreduce batch: >= 0 when every rank caches the batch on this
+  // collective channel after running it (runtime_cache.cc).
+  int32_t channel = -1;
+  bool repeat = false;  // Validate: every name was seen before with this signature (not sent)
 };
 
 struct Stall {
@@ -53,7 +60,10 @@ std::vector<Response> DecodeResponses(const char* p, size_t n);
 class Coordinator {
  public:
   Coordinator(int size, int64_t fusion_threshold)
-      : size_(size), fusion_threshold_(fusion_threshold) {}
+      : size_(size), fusion_threshold_(fusion_threshold) {
+    for (int c = kChannels; c-- > 0;) free_channels_.push_back(c);
+  }
+  static constexpr int kChannels = 16;  // = Backend::kChannels
 
   void Add(int rank, const Request& req, double now);
   // Responses for names that every rank has reported since the last call.
@@ -64,6 +74,13 @@ class Coordinator {
   // `rank` left the job: every pending name fails now, every later one on arrival.
   std::vector<Response> Leave(int rank);
   bool any_left() const { return !left_.empty(); }
+  // The batch cached on `channel` died on this rank (so on every rank): the channel is free.
+  void ReleaseChannel(int channel) { free_channels_.push_back(channel); }
+  // Rank 0's round of a cached batch completed, with `name` at `step`: probes of it are stale.
+  void RoundDone(const std::string& name, int64_t step);
+  void ForgetRounds(const std::vector<std::string>& names) {
+    for (auto& n : names) rounds_done_.erase(n);
+  }
   size_t num_pending() const { return pending_.size(); }
   int64_t negotiations() const { return negotiations_; }
 
@@ -73,8 +90,10 @@ class Coordinator {
     std::vector<bool> have;
     int count = 0;
     double first_seen = 0;
+    bool probe = false;  // only probes: dropped once complete
   };
   Response Validate(const std::string& name, const Pending& p);
+  static bool Cacheable(const Signature& sig);
   std::string CheckEdges(const Pending& p) const;
 
   int size_;
@@ -91,6 +110,8 @@ class Coordinator {
   std::vector<Response> early_;  // errors decided in Add, sent with the next responses
   std::string LeftError(const std::string& name, int op) const;
   int64_t negotiations_ = 0;
+  std::vector<int> free_channels_;  // collective channels no cached batch uses
+  std::map<std::string, int64_t> rounds_done_;  // cached names: the last step rank 0 completed
 };
 
 }  // namespace shoal

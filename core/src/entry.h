@@ -44,6 +44,7 @@ struct Entry {
   Clock::time_point t_negotiated, t_copy_start, t_copy_end, t_comm_start, t_comm_end, t_peers_ready,
       t_reduce_start, t_reduce_end;
   bool stall_warned = false;
+  std::atomic<bool> waited{false};  // a thread waits for it (Wait)
   std::atomic<int> sends_pending{0};  // messages with this entry's data not yet sent
   bool direct_sends = false;          // some leave from input memory: finish only once sent
   Status send_error;                  // of a direct send

@@ -47,8 +47,8 @@ std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ra
 
 }  // namespace
 
-Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend)
-    : cfg_(cfg), backend_(std::move(backend)), generation_(++g_generations),
+Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation)
+    : cfg_(cfg), backend_(std::move(backend)), generation_(generation ? generation : ++g_generations),
       device_plane_(backend_.get(), &stats_),
       nccl_(backend_.get(), [this](const EntryPtr& e, const Status& st) { Finish(e, st); }),
       neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()) {
@@ -76,6 +76,7 @@ void Runtime::Stop() {
     done_cv_.wait(lock, [&] { return !driving_; });
   }
   FailAll("Shoal was shut down before the op completed");
+  KeepRoundBuffers();
   device_plane_.Stop();
   nccl_.Stop();
   timeline_.Close();
@@ -227,6 +228,7 @@ void Runtime::Leave() {
     // Queued requests (a refusal, say) reach the coordinator, and the coordinator's
     // answers its peers, before they learn that this rank left.
     SafeCycle(false);
+    DoomAllCached();  // every rank dooms them when it hears of this; this rank's rounds first
     const WorldInfo& w = world();
     for (int r = 0; r < w.size; ++r) {
       if (r == w.rank || (r < static_cast<int>(peer_left_.size()) && peer_left_[r])) continue;
@@ -236,7 +238,7 @@ void Runtime::Leave() {
     }
     // Small messages complete at once; a peer that is gone must not hold this rank here.
     const auto deadline = Clock::now() + std::chrono::seconds(5);
-    while (*pending > 0 && Clock::now() < deadline) {
+    while ((*pending > 0 || CachedInFlight()) && Clock::now() < deadline) {
       if (!backend_->Progress()) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   } catch (const std::exception& ex) {
@@ -278,6 +280,7 @@ Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
   // Drive progress here rather than hand the op to the background thread and be woken
   // again: on busy cores each thread switch costs tens of microseconds.
   ++waiters_;
+  e->waited = true;
   Pacer pace(cfg_.cycle_time_ms, CycleTime());
   bool busy = false;
   const auto longest = CycleTime();
@@ -462,6 +465,10 @@ bool Runtime::Cycle(bool start_only) {
   }
   progressed |= !fresh.empty();
   fresh.clear();
+  if (!late_requests_.empty()) {
+    to_coordinator.insert(to_coordinator.end(), late_requests_.begin(), late_requests_.end());
+    late_requests_.clear();
+  }
   progressed |= PollGpu(&to_coordinator);
 
   if (!to_coordinator.empty()) {
@@ -526,6 +533,7 @@ bool Runtime::Cycle(bool start_only) {
     Finish(done.first, done.second);
     progressed = true;
   }
+  if (!cached_.empty()) CheckCached(Clock::now());
   CheckStalls();
   if (timeline_.enabled() && Clock::now() - last_flush_ > std::chrono::milliseconds(100)) {
     timeline_.Flush();  // keep the file readable while the job runs

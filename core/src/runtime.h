@@ -56,7 +56,9 @@ class Pacer {
 
 class Runtime {
  public:
-  Runtime(const Config& cfg, std::unique_ptr<Backend> backend);
+  // `generation`: which start-up of the job this is (leave notices of an earlier one are
+  // ignored); 0: count this process's runtimes (every rank starts and stops them together).
+  Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation = 0);
   ~Runtime() { Stop(); }
   // Stops the loop; pending ops fail with SHOAL_ABORTED. Idempotent.
   void Stop();
@@ -117,6 +119,20 @@ class Runtime {
   void StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator);
   bool PollGpu(std::vector<Request>* to_coordinator);
   Status CompleteGpu(Entry& e, const Status& st);
+  // Cached allreduce batches (runtime_cache.cc).
+  struct CachedBatch;
+  using CachedPtr = std::shared_ptr<CachedBatch>;
+  bool RouteCached(const EntryPtr& e);
+  void CacheBatch(const Response& r, const std::vector<EntryPtr>& batch);
+  void Doom(const CachedPtr& b);
+  void Contribute(const CachedPtr& b, bool ready);
+  void OnRound(const CachedPtr& b, const Status& st);
+  void DoomAllCached();
+  bool CachedInFlight() const;
+  void KeepRoundBuffers();
+  void CheckCached(Clock::time_point now);
+  void FailCached(const std::string& name, int64_t step, const Status& st, bool fail_round);
+  void Ask(const EntryPtr& e, std::vector<Request>* to_coordinator);
 
   Config cfg_;
   std::unique_ptr<Backend> backend_;
@@ -162,6 +178,10 @@ class Runtime {
   // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
   std::map<std::string, Response> rejections_;
   std::vector<EntryPtr> neighbor_ready_;
+  std::vector<CachedPtr> cached_;  // by collective channel (null: none yet)
+  std::vector<CachedPtr> retired_;  // replaced on their channel while their last round ran
+  std::unordered_map<std::string, std::pair<CachedPtr, size_t>> cached_members_;  // name -> (batch, index)
+  std::vector<Request> late_requests_;  // from batches that died, for the next cycle's round
   std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
   std::set<std::string> stall_warned_;  // coordinator: names already reported
   Clock::time_point start_ = Clock::now(), last_stall_check_ = Clock::now();

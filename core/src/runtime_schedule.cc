@@ -30,25 +30,21 @@ std::string Ranks(const std::vector<int>& r) {
 
 void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
+    RouteCached(e);  // a batch of that name will not run as cached
     Request req{e->name, e->sig, e->step, e->reject, e->reject_code, false, {}, {}};
     if (coordinator_) coordinator_->Add(0, req, Now());
     else to_coordinator->push_back(std::move(req));
     return;
   }
   if (FailIfUnreachable(e)) return;
+  if (e->sig.op == SHOAL_OP_ALLREDUCE && !cached_members_.empty() && RouteCached(e)) return;
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
   if (neighbor && !e->topo_check && negotiated_neighbor_names_.count(e->name)) {
     ++stats_.cache_hits;
     neighbor_ready_.push_back(e);
     return;
   }
-  awaiting_response_[e->name] = e;
-  Request req{e->name, e->sig, e->step, {}, 0, e->topo_check, {}, {}};
-  if (e->topo_check) {
-    req.send = e->send_ranks;
-    req.recv = e->recv_ranks;
-  }
-  to_coordinator->push_back(std::move(req));
+  Ask(e, to_coordinator);
 }
 
 bool Runtime::FailIfUnreachable(const EntryPtr& e) {
@@ -98,6 +94,7 @@ void Runtime::OnLeave(int rank) {
   if (peer_left_[rank]) return;
   peer_left_[rank] = 1;
   any_left_ = true;
+  DoomAllCached();  // its rounds would never complete
   {
     std::lock_guard<std::mutex> lock(left_mu_);
     left_ranks_.push_back(rank);
@@ -127,19 +124,24 @@ void Runtime::OnLeave(int rank) {
 void Runtime::Apply(const Response& r) {
   std::vector<EntryPtr> batch;
   const auto now = Clock::now();
+  const int code = r.kind == Response::REJECTED ? r.code
+                   : r.kind == Response::LEFT   ? SHOAL_ABORTED
+                                                : SHOAL_MISMATCH;
   for (auto& name : r.names) {
     stall_warned_.erase(name);
     auto it = awaiting_response_.find(name);
-    if (it == awaiting_response_.end() || (r.step >= 0 && it->second->step != r.step))
-      continue;  // e.g. an abort for an op this rank never sent
+    if (it == awaiting_response_.end() || (r.step >= 0 && it->second->step != r.step)) {
+      // A stall of a cached batch's round (its probes, runtime_cache.cc), a call refused on
+      // another rank (the batch cannot run), or an abort for an op this rank never sent.
+      if ((r.kind == Response::ERROR || r.kind == Response::REJECTED) && !cached_members_.empty())
+        FailCached(name, r.step, Status::Error(code, r.error), r.kind == Response::ERROR);
+      continue;
+    }
     it->second->t_negotiated = now;
     batch.push_back(it->second);
     awaiting_response_.erase(it);
   }
   if (r.kind != Response::EXECUTE) {
-    const int code = r.kind == Response::REJECTED ? r.code
-                     : r.kind == Response::LEFT   ? SHOAL_ABORTED
-                                                  : SHOAL_MISMATCH;
     if (r.kind == Response::REJECTED) {
       for (auto& name : r.names) {
         for (auto& e : neighbors_.TakeNamed(name, r.step)) batch.push_back(e);
@@ -166,6 +168,7 @@ void Runtime::Apply(const Response& r) {
     }
     return;
   }
+  if (r.channel >= 0 && r.op == SHOAL_OP_ALLREDUCE) CacheBatch(r, batch);
   RunCollective(r, std::move(batch));
 }
 

@@ -99,8 +99,9 @@ bool FakeBackend::Receive(const std::vector<int>& tags, int* tag, int* src, Byte
   return false;
 }
 
-void FakeBackend::Collective(FakeWorld::Coll mine, Callback done) {
-  const uint64_t seq = next_coll_++;  // every rank issues its collectives in the same order
+void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel) {
+  // Every rank issues the collectives of one channel in the same order.
+  const uint64_t seq = (static_cast<uint64_t>(channel + 1) << 40) | next_coll_[channel]++;
   pending_colls_.push_back({seq, std::move(done)});
   std::lock_guard<std::mutex> lock(w_->mu_);
   auto& c = w_->colls_[seq];
@@ -129,6 +130,15 @@ void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int, Callback d
   c.count = count;
   c.dtype = dtype;
   Collective(std::move(c), std::move(done));
+}
+
+void FakeBackend::AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) {
+  FakeWorld::Coll c;
+  c.kind = kAllreduce;
+  c.bufs = {buf};
+  c.count = count;
+  c.dtype = dtype;
+  Collective(std::move(c), std::move(done), channel);
 }
 
 void FakeBackend::Broadcast(void* buf, int64_t count, int dtype, int root, int, Callback done) {

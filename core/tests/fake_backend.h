@@ -69,11 +69,12 @@ class FakeBackend : public Backend {
   void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts, int dtype,
                   Callback done) override;
   void Barrier(Callback done) override;
+  void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override;
   bool Progress() override;
   size_t num_in_flight() const override;
 
  private:
-  void Collective(FakeWorld::Coll mine, Callback done);
+  void Collective(FakeWorld::Coll mine, Callback done, int channel = -1);
   struct Posted {
     int src, tag;
     void* data;
@@ -82,7 +83,7 @@ class FakeBackend : public Backend {
   };
   std::shared_ptr<FakeWorld> w_;
   WorldInfo info_;
-  uint64_t next_coll_ = 0;
+  std::map<int, uint64_t> next_coll_;  // by channel (-1: the collectives' own order)
   std::vector<std::pair<Callback, Status>> sent_;  // completions of sends, run in Progress
   std::deque<Posted> posted_;
   std::vector<std::pair<uint64_t, Callback>> pending_colls_;  // (sequence number, completion)

@@ -1,9 +1,10 @@
 // Unit tests of the Runtime (negotiation, neighbor exchange with fusion, stalls, dead
 // peers, dynamic weights) with N ranks as threads in one process over the fake backend
-// (fake_backend.h), at 2, 4 and 8 ranks. tests/test_runtime_cpp.py also runs them under
+// (fake_backend.h), at 2, 4 and 8 ranks. tests/test_core_cpp.py also runs them under
 // ThreadSanitizer. Exit status 0 = all passed.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -39,7 +40,8 @@ struct Job {
   std::shared_ptr<FakeWorld> world;
   std::vector<std::unique_ptr<Runtime>> rt;
   Job(int n, const Config& cfg, uint64_t seed, int delay_us) : world(std::make_shared<FakeWorld>(n, seed, delay_us)) {
-    for (int r = 0; r < n; ++r) rt.push_back(std::make_unique<Runtime>(cfg, std::make_unique<FakeBackend>(world, r)));
+    for (int r = 0; r < n; ++r)  // one job: one generation (leave notices count)
+      rt.push_back(std::make_unique<Runtime>(cfg, std::make_unique<FakeBackend>(world, r), 1));
   }
   ~Job() {
     std::vector<std::thread> t;  // every rank leaves at once, as processes end
@@ -288,6 +290,118 @@ static void TestDynamicWeights(int n) {
   });
 }
 
+// Allreduces that repeat run cached (runtime_cache.cc): ranks submit six named ops in
+// their own random orders and wait in others, five times. Every sum is exact, and once
+// the batches are cached (the third time) no rank asks the coordinator again.
+static void TestCachedAllreduce(int n, int64_t fusion) {
+  g_case = "cached allreduce n=" + std::to_string(n) + " fusion=" + std::to_string(fusion);
+  Job job(n, TestConfig(fusion), 17 + n, 100);
+  const int k_ops = 6;
+  for (int round = 0; round < 5; ++round) {
+    job.Run([&](int r, Runtime& rt) {
+      std::vector<Op> ops(k_ops);
+      std::vector<int> order(k_ops);
+      for (int k = 0; k < k_ops; ++k) order[k] = k;
+      std::mt19937 rng(r * 17 + round);
+      std::shuffle(order.begin(), order.end(), rng);
+      const int64_t rounds_before = rt.stats().coordinator_rounds;
+      for (int k : order) {
+        ops[k].name = "ca." + std::to_string(k);
+        ops[k].op = SHOAL_OP_ALLREDUCE;
+        ops[k].x = Data(r, k + round, 1 + 5 * k);
+        ops[k].Enqueue(rt);
+      }
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int k : order) {
+        Status st = ops[k].Wait(rt);
+        CHECK(st.ok(), "rank %d round %d op %d: %s", r, round, k, st.message.c_str());
+        bool exact = st.ok();
+        for (size_t i = 0; exact && i < ops[k].x.size(); ++i) {
+          double sum = 0;
+          for (int q = 0; q < n; ++q) sum += Data(q, k + round, ops[k].x.size())[i];
+          exact = ops[k].out[i] == sum;
+        }
+        CHECK(exact, "rank %d round %d op %d: not the sum", r, round, k);
+      }
+      if (round >= 3)
+        CHECK(rt.stats().coordinator_rounds == rounds_before, "rank %d round %d asked the coordinator", r, round);
+    });
+  }
+}
+
+// A cached allreduce gone wrong: another shape on one rank (the same mismatch error on
+// every rank), a rank that never submits it (a stall error, not a hang), a rank that
+// leaves instead (an error naming it).
+static void TestCachedFailures(int n) {
+  g_case = "cached failures n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 19, 50);
+  const int last = n - 1;
+  auto warm = [&](const std::string& name) {
+    for (int round = 0; round < 3; ++round)
+      job.Run([&](int r, Runtime& rt) {
+        Op a;
+        a.name = name;
+        a.op = SHOAL_OP_ALLREDUCE;
+        a.x = Data(r, round, 4);
+        a.Enqueue(rt);
+        CHECK(a.Wait(rt).ok(), "rank %d: warm-up of %s failed", r, name.c_str());
+      });
+  };
+  warm("cf.shape");
+  std::vector<std::string> errors(n);
+  job.Run([&](int r, Runtime& rt) {
+    Op a;
+    a.name = "cf.shape";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, r == last ? 5 : 4);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find("mismatched shapes") != std::string::npos, "rank %d: %s", r,
+          st.message.c_str());
+    errors[r] = st.message;
+  });
+  for (int r = 1; r < n; ++r) CHECK(errors[r] == errors[0], "rank %d: %s vs %s", r, errors[r].c_str(), errors[0].c_str());
+  warm("cf.stall");
+  job.Run([&](int r, Runtime& rt) {
+    if (r == last) return;
+    Op a;
+    a.name = "cf.stall";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, 4);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(!st.ok() && st.message.find("stalled") != std::string::npos &&
+              st.message.find("missing ranks " + std::to_string(last)) != std::string::npos,
+          "rank %d: %s", r, st.message.c_str());
+  });
+  // Refused at the call on rank 0; the last rank submits only after it has heard of it.
+  warm("cf.refused");
+  job.Run([&](int r, Runtime& rt) {
+    if (r == 0) return rt.Reject(SHOAL_OP_ALLREDUCE, "cf.refused", SHOAL_INVALID_ARGUMENT, "bad argument here");
+    if (r == last) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    Op a;
+    a.name = "cf.refused";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, 4);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(st.code == SHOAL_INVALID_ARGUMENT && st.message.find("bad argument here") != std::string::npos,
+          "rank %d: %s", r, st.message.c_str());
+  });
+  warm("cf.leave");
+  job.Run([&](int r, Runtime& rt) {
+    if (r == last) return rt.Leave();
+    Op a;
+    a.name = "cf.leave";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, 4);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(!st.ok() && st.message.find("rank " + std::to_string(last) + " left") != std::string::npos, "rank %d: %s", r,
+          st.message.c_str());
+  });
+}
+
 int main() {
   for (int n : {2, 4, 8}) {
     TestNeighborOrders(n, 8 << 20, 200);  // fused
@@ -296,6 +410,9 @@ int main() {
     TestStall(n);
     TestDeadPeer(n, 300);
     TestDynamicWeights(n);
+    TestCachedAllreduce(n, 8 << 20);
+    TestCachedAllreduce(n, 0);
+    TestCachedFailures(n);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

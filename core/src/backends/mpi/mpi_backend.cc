@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -80,6 +81,10 @@ class MpiBackend : public Backend {
     else
       MPI_Comm_split_type(ctrl_, MPI_COMM_TYPE_SHARED, info_.rank, MPI_INFO_NULL, &local_);
     MPI_Comm_set_errhandler(local_, MPI_ERRORS_RETURN);
+    for (MPI_Comm& c : channels_) {
+      MPI_Comm_dup(coll_, &c);
+      MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    }
     MPI_Comm_rank(local_, &info_.local_rank);
     MPI_Comm_size(local_, &info_.local_size);
     // Homogeneous: equal local sizes and contiguous placement (rank = m*L + l).
@@ -98,6 +103,8 @@ class MpiBackend : public Backend {
     // communicators defers to MPI, which completes or discards them.
     for (MPI_Comm* c : {&ctrl_, &coll_, &local_})
       if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+    for (MPI_Comm& c : channels_)
+      if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
   }
 
   const WorldInfo& world() const override { return info_; }
@@ -160,6 +167,13 @@ class MpiBackend : public Backend {
     Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
       return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM,
                             Comm(scope), r);
+    });
+  }
+
+  void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override {
+    Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM,
+                            channels_.at(channel), r);
     });
   }
 
@@ -245,6 +259,7 @@ class MpiBackend : public Backend {
 
   WorldInfo info_;
   MPI_Comm ctrl_ = MPI_COMM_NULL, coll_ = MPI_COMM_NULL, local_ = MPI_COMM_NULL;
+  std::array<MPI_Comm, kChannels> channels_;
   std::list<Op> ops_;
 };
 

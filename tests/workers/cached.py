@@ -1,0 +1,132 @@
+"""Allreduces that repeat run cached, without the coordinator (core/src/runtime_cache.cc):
+exact results, no coordinator round in steady state, and every way the cache must give way
+(a name reused with another shape, a mismatch, ranks submitting in different orders, a
+wait on part of a fused batch, a call refused on one rank) ending as it does uncached."""
+import os
+import time
+
+import numpy as np
+
+import shoal
+from checks import Skip, check, run_all
+
+shoal.init()
+R, N = shoal.rank(), shoal.size()
+
+
+def rounds():
+    return shoal.stats()["coordinator_rounds"]
+
+
+def expect(got, want):
+    assert got.dtype == want.dtype and np.array_equal(got, want), (got, want)
+
+
+@check
+def repeated_allreduces_skip_the_coordinator():
+    cases = [("float32", False), ("float64", True), ("int32", False), ("int64", False), ("float16", True)]
+    for step in range(24):
+        if step == 4:
+            before, hits = rounds(), shoal.stats()["cache_hits"]
+        for dt, average in cases:
+            x = (np.arange(6) + R + step).astype(dt)
+            got = shoal.allreduce(x, average=average, name=f"rep.{dt}")
+            total = (np.arange(6) * N + N * (N - 1) // 2 + N * step).astype("float64")
+            expect(got, (total / N if average else total).astype(dt))
+    assert rounds() == before, f"{rounds() - before} coordinator rounds in steady state"
+    assert shoal.stats()["cache_hits"] - hits == 20 * len(cases), shoal.stats()["cache_hits"] - hits
+
+
+@check
+def a_name_reused_with_another_shape():
+    for shape in [4, 4, 4, 6, 6, 4]:
+        x = np.full(shape, float(R))
+        expect(shoal.allreduce(x, average=False, name="reuse"), np.full(shape, float(N * (N - 1) // 2)))
+
+
+@check
+def a_mismatch_after_caching_is_the_same_error_everywhere():
+    if N == 1:
+        raise Skip("needs 2 ranks")
+    for _ in range(3):
+        shoal.allreduce(np.ones(4), name="mm")
+    try:
+        shoal.allreduce(np.ones(5 if R == N - 1 else 4), name="mm")
+    except shoal.ShoalError as e:
+        assert "mismatched shapes" in str(e) and f"[5] on rank {N - 1}" in str(e), str(e)
+    else:
+        raise AssertionError("no error")
+    expect(shoal.allreduce(np.ones(4), average=False, name="mm"), np.full(4, float(N)))
+
+
+@check
+def ranks_submit_in_different_orders():
+    names = [f"ord.{k}" for k in range(6)]
+    order = list(np.random.default_rng(R).permutation(6))
+    for step in range(10):
+        if step == 6:
+            before = rounds()
+        handles = {k: shoal.allreduce_nonblocking(np.full(3 + k, float(R * 10 + k + step)), average=False,
+                                                  name=names[k]) for k in order}
+        for k in reversed(order):
+            want = np.full(3 + k, float(10 * N * (N - 1) // 2 + N * (k + step)))
+            expect(shoal.synchronize(handles[k]), want)
+    assert rounds() == before, f"{rounds() - before} coordinator rounds in steady state"
+
+
+@check
+def waiting_on_part_of_a_fused_batch():
+    # Cached together (rank 0 submits both late, so the coordinator sees both complete in
+    # one cycle and fuses them), then waited for one at a time before the other is
+    # submitted: the cache gives way (after ~50 ms) instead of waiting for the rest.
+    fused = shoal.stats()["fused_batches"]
+    for _ in range(3):
+        if R == 0:
+            time.sleep(0.1)
+        ha = shoal.allreduce_nonblocking(np.full(2, 1.0), average=False, name="part.a")
+        hb = shoal.allreduce_nonblocking(np.full(2, 2.0), average=False, name="part.b")
+        expect(shoal.synchronize(ha), np.full(2, float(N)))
+        expect(shoal.synchronize(hb), np.full(2, 2.0 * N))
+    fusion = os.environ.get("SHOAL_FUSION_THRESHOLD") != "0" and N > 1
+    if fusion:  # fused twice by the coordinator, then run as one cached batch
+        assert shoal.stats()["fused_batches"] - fused == 2, shoal.stats()["fused_batches"] - fused
+    before = rounds()
+    for step in range(3):
+        expect(shoal.allreduce(np.full(2, 1.0 + step), average=False, name="part.a"), np.full(2, (1.0 + step) * N))
+        expect(shoal.allreduce(np.full(2, 2.0), average=False, name="part.b"), np.full(2, 2.0 * N))
+    if fusion:
+        assert rounds() > before, "the fused batch waited for its other half"
+
+
+@check
+def a_call_refused_on_one_rank_is_refused_everywhere():
+    if N == 1:
+        raise Skip("needs 2 ranks")
+    for _ in range(3):
+        shoal.allreduce(np.ones(3), name="ref")
+    try:
+        shoal.allreduce(np.ones(3, np.int32) if R == 1 else np.ones(3), name="ref")
+    except ValueError as e:
+        assert "op=Sum" in str(e) and ("raised at the call on rank 1" in str(e) or R == 1), str(e)
+    else:
+        raise AssertionError("no error")
+    expect(shoal.allreduce(np.ones(3), average=False, name="ref"), np.full(3, float(N)))
+
+
+@check
+def torch_tensors_take_the_same_cache():
+    try:
+        import torch
+    except ImportError:
+        raise Skip("torch is not installed")
+    import shoal.torch as bf
+    for step in range(8):
+        if step == 4:
+            before = rounds()
+        t = torch.full((5,), float(R + step))
+        got = bf.allreduce(t, name="torch.c")
+        assert torch.equal(got, torch.full((5,), (N * (N - 1) / 2 + N * step) / N)), got
+    assert rounds() == before, f"{rounds() - before} coordinator rounds in steady state"
+
+
+raise SystemExit(run_all(R))
