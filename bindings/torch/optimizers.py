@@ -35,6 +35,7 @@ import torch
 
 from shoal import _hierarchical, _ops
 
+from . import _buckets
 from ._adapter import ADAPTER
 from ._horovod import (Average, Compression, Sum, _check_op, _check_process_set, check_compression,
                        global_process_set)
@@ -62,6 +63,7 @@ class _ParameterMixing(_Distributed):
         self.exact_averages = 0   # consensus control: allreduce fallbacks
         self.last_consensus_distance = None
         self._spare = {}  # parameter -> output buffer of its next neighbor_allreduce
+        self._plans = {}  # tuple of parameters -> their buckets (_plan)
 
     @property
     def communication_type(self):
@@ -75,16 +77,11 @@ class _ParameterMixing(_Distributed):
                                          f"got {value!r}")
         self._communication_type = value
 
-    def _launch(self, p, suffix=""):
-        name = f"{self._prefix}.{self._names[p]}{suffix}"
-        t = p.data
+    def _launch(self, t, name, out=None, flat=False):
+        """Start this step's communication of `t` (a parameter's data, or a bucket's flat
+        buffer with `flat`); `out`: where a neighbor_allreduce's result goes."""
         kind = self.communication_type
         if kind is CommunicationType.neighbor_allreduce:
-            # The result lands in a buffer kept per parameter: no allocation (page
-            # faults) per step.
-            out = self._spare.get(p)
-            if out is None or out.shape != t.shape or out.dtype != t.dtype:
-                out = self._spare[p] = torch.empty_like(t)
             return _ops.neighbor_allreduce(ADAPTER, t, self.self_weight, self.src_weights,
                                            self.dst_weights, self.enable_topo_check, name, out=out)
         if kind is CommunicationType.hierarchical_neighbor_allreduce:
@@ -92,25 +89,47 @@ class _ParameterMixing(_Distributed):
                 ADAPTER, t, self.self_weight, self.src_machine_weights, self.dst_machine_weights,
                 self.enable_topo_check, name)
         if kind is CommunicationType.allreduce:
-            return _ops.allreduce(ADAPTER, t, True, name)
+            return _ops.allreduce(ADAPTER, t, True, name, inplace=flat)
         return None
 
+    def _plan(self, params):
+        """The buckets of `params` (shoal.torch._buckets), made once per parameter list and
+        again if a parameter changed shape, dtype or device."""
+        key = tuple(params)
+        plan = self._plans.get(key)
+        if plan is None or not all(b.still_fits() for _, b in plan if b is not None):
+            plan = self._plans[key] = _buckets.plan(params, self._names, self._prefix)
+        return plan
+
     def _launch_all(self, params=None):
-        for p in self._params() if params is None else params:
-            if p in self._handles:
+        for p, bucket in self._plan(list(self._params()) if params is None else params):
+            key = bucket or p
+            if key in self._handles:
                 raise RuntimeError("a second communication was started before step(); each forward "
                                    "(AWC) or step (ATC) communicates once")
-            h = self._launch(p)
+            if bucket is not None:
+                h = self._launch(bucket.gather(), bucket.name, bucket.out, flat=True)
+            else:
+                # The result lands in a buffer kept per parameter: no allocation (page
+                # faults) per step.
+                t = p.data
+                out = self._spare.get(p)
+                if out is None or out.shape != t.shape or out.dtype != t.dtype:
+                    out = self._spare[p] = torch.empty_like(t)
+                h = self._launch(t, f"{self._prefix}.{self._names[p]}", out)
             if h is not None:
-                self._handles[p] = h
+                self._handles[key] = h
 
     def _finish_all(self):
         handles, self._handles = self._handles, {}
         with torch.no_grad():
-            for p, h in handles.items():
+            for key, h in handles.items():
                 # Copied, not swapped in: views of the parameter (state_dict, p.detach())
                 # must keep seeing it.
-                p.copy_(_ops.synchronize(h))
+                if isinstance(key, _buckets.Bucket):
+                    key.scatter(_ops.synchronize(h))
+                else:
+                    key.copy_(_ops.synchronize(h))
         if handles:
             self.communications += 1
 
