@@ -5,6 +5,7 @@
 // Python implementation given at creation, which converts, resolves or raises exactly as
 // before.
 #include <cstring>
+#include <memory>
 #include <unordered_map>
 #include <utility>
 
@@ -24,11 +25,31 @@ struct Remembered {
 auto* g_remembered = new Remembered();
 constexpr size_t kMaxResolved = 1024;
 
-// The state of one native function: its Python fallback, and for allreduce the Sum and
-// Average objects of `op=`.
+// torch's Python API as the torch entry points use it (Shoal is not compiled against torch,
+// DESIGN decision 2): the tensor and Parameter types, {dtype: (core code, numpy dtype or
+// None)}, torch.strided, torch.empty_like, torch.is_grad_enabled and torch.from_numpy.
+struct TorchApi {
+  py::object tensor, parameter, dtypes, strided, empty_like, is_grad_enabled, from_numpy;
+};
+
+// The state of one native function: its Python fallback, for allreduce the Sum and Average
+// objects of `op=`, and for torch tensors (instead of numpy arrays) torch's API.
 struct Native {
   py::object fallback, sum, average;
+  std::unique_ptr<TorchApi> torch;
 };
+
+// An input the one-call path can take: dtype code, address and shape.
+struct Input {
+  int dtype = -1;
+  void* data = nullptr;
+  std::vector<int64_t> shape;
+  PyObject* numpy_dtype = nullptr;  // torch: the numpy dtype of the output's memory (None: no numpy twin)
+};
+
+bool IsFloat(int dtype) {
+  return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16 || dtype == SHOAL_FLOAT32 || dtype == SHOAL_FLOAT64;
+}
 
 // The core's dtype code of `x` if the one-call path can take it (an ndarray, not a
 // subclass: the general path returns the input's type; C-contiguous, aligned, native byte
@@ -56,6 +77,91 @@ int PlainDtype(PyObject* x, bool any = false) {
     case 'q': return SHOAL_INT64;
     default: return -1;
   }
+}
+
+// Attribute names, interned once (never freed: the module lives as long as the process).
+#define SHOAL_NAME(n) ([] { static PyObject* const s = PyUnicode_InternFromString(n); return s; }())
+
+PyObject* Attr(PyObject* x, PyObject* name) {  // new reference, or null with the error cleared
+  PyObject* v = PyObject_GetAttr(x, name);
+  if (!v) PyErr_Clear();
+  return v;
+}
+
+bool IsTrue(PyObject* v) {  // steals v
+  const bool t = v == Py_True;
+  Py_XDECREF(v);
+  return t;
+}
+
+PyObject* CallMethod(PyObject* x, PyObject* name) {  // new reference, or null with the error cleared
+  PyObject* v = PyObject_CallMethodNoArgs(x, name);
+  if (!v) PyErr_Clear();
+  return v;
+}
+
+// `x` as an Input if the one-call path can take it: a torch.Tensor or Parameter (not
+// another subclass) on the CPU, dense, contiguous, that autograd need not record (no
+// requires_grad, or grad mode off), of a dtype the core has (floating only unless `any`).
+bool TorchInput(const TorchApi& t, PyObject* x, bool any, Input* in) {
+  PyObject* tp = reinterpret_cast<PyObject*>(Py_TYPE(x));
+  if (tp != t.tensor.ptr() && tp != t.parameter.ptr()) return false;
+  PyObject* dt = Attr(x, SHOAL_NAME("dtype"));
+  PyObject* entry = dt ? PyDict_GetItem(t.dtypes.ptr(), dt) : nullptr;  // borrowed
+  Py_XDECREF(dt);
+  if (!entry || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) return false;
+  in->dtype = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(entry, 0)));
+  in->numpy_dtype = PyTuple_GET_ITEM(entry, 1);
+  if (!any && !IsFloat(in->dtype)) return false;
+  if (!IsTrue(Attr(x, SHOAL_NAME("is_cpu")))) return false;
+  PyObject* layout = Attr(x, SHOAL_NAME("layout"));
+  Py_XDECREF(layout);
+  if (layout != t.strided.ptr()) return false;
+  if (IsTrue(Attr(x, SHOAL_NAME("requires_grad"))) && IsTrue(PyObject_CallNoArgs(t.is_grad_enabled.ptr()))) return false;
+  if (!IsTrue(CallMethod(x, SHOAL_NAME("is_contiguous")))) return false;
+  PyObject* ptr = CallMethod(x, SHOAL_NAME("data_ptr"));
+  if (!ptr) return false;
+  in->data = PyLong_AsVoidPtr(ptr);
+  Py_DECREF(ptr);
+  PyObject* shape = Attr(x, SHOAL_NAME("shape"));
+  if (!shape || !PyTuple_Check(shape)) {
+    Py_XDECREF(shape);
+    return false;
+  }
+  in->shape.resize(PyTuple_GET_SIZE(shape));
+  for (size_t i = 0; i < in->shape.size(); ++i) in->shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+  Py_DECREF(shape);
+  return !PyErr_Occurred();
+}
+
+// `x` as an Input (numpy arrays: see PlainDtype; torch tensors: TorchInput), else false.
+bool PlainInput(const Native& st, PyObject* x, bool any, Input* in) {
+  if (st.torch) return TorchInput(*st.torch, x, any, in);
+  in->dtype = PlainDtype(x, any);
+  if (in->dtype < 0) return false;
+  const auto* arr = py::detail::array_proxy(x);
+  in->data = arr->data;
+  in->shape.assign(arr->dimensions, arr->dimensions + arr->nd);
+  return true;
+}
+
+// A new output like `x` and its address: an array; for torch a tensor over a new array's
+// memory (torch.from_numpy costs less than torch.empty_like), or from empty_like (bfloat16).
+py::object NewOutput(const Native& st, PyObject* x, const Input& in, void** data) {
+  const std::vector<py::ssize_t> shape(in.shape.begin(), in.shape.end());
+  if (!st.torch) {
+    py::array out(py::reinterpret_borrow<py::dtype>(py::detail::array_proxy(x)->descr), shape);
+    *data = out.mutable_data();
+    return std::move(out);
+  }
+  if (in.numpy_dtype && in.numpy_dtype != Py_None) {
+    py::array arr(py::reinterpret_borrow<py::dtype>(in.numpy_dtype), shape);
+    *data = arr.mutable_data();
+    return st.torch->from_numpy(arr);
+  }
+  py::object out = st.torch->empty_like(py::handle(x));
+  *data = reinterpret_cast<void*>(out.attr("data_ptr")().cast<uintptr_t>());
+  return out;
 }
 
 // The arguments of a vectorcall by parameter position (defaults where not given); false
@@ -86,20 +192,19 @@ const char* PlainName(PyObject* name) {
   return s;
 }
 
-// A new array like `x`, and the op's description with `x` as input and it as output.
-py::array Describe(PyObject* x, int dtype, int op, const char* name, std::vector<int64_t>* shape, shoal_op_desc* d) {
-  const auto* arr = py::detail::array_proxy(x);
-  shape->assign(arr->dimensions, arr->dimensions + arr->nd);
-  py::array out(py::reinterpret_borrow<py::dtype>(arr->descr), std::vector<py::ssize_t>(shape->begin(), shape->end()));
+// The description of op `op` from `in` into a new output like `x` (returned).
+py::object Describe(const Native& st, PyObject* x, const Input& in, int op, const char* name, shoal_op_desc* d) {
+  void* out_data = nullptr;
+  py::object out = NewOutput(st, x, in, &out_data);
   *d = shoal_op_desc{};
   d->op = op;
   d->name = name;
-  d->input.data = arr->data;
-  d->input.dtype = dtype;
-  d->input.ndim = static_cast<int32_t>(shape->size());
-  d->input.shape = shape->data();
+  d->input.data = in.data;
+  d->input.dtype = in.dtype;
+  d->input.ndim = static_cast<int32_t>(in.shape.size());
+  d->input.shape = in.shape.data();
   d->output = d->input;
-  d->output.data = out.mutable_data();
+  d->output.data = out_data;
   return out;
 }
 
@@ -117,11 +222,10 @@ template <typename F> PyObject* Guard(F&& body) {
   return nullptr;
 }
 
-// Blocking neighbor_allreduce of `x` (PlainDtype(x) == dtype) into a new array.
-py::object Run(PyObject* x, int dtype, const char* name, const NeighborArgs& a) {
-  std::vector<int64_t> shape;
+// Blocking neighbor_allreduce of `x` (read as `in`) into a new output.
+py::object Run(const Native& st, PyObject* x, const Input& in, const char* name, const NeighborArgs& a) {
   shoal_op_desc d;
-  py::array out = Describe(x, dtype, SHOAL_OP_NEIGHBOR_ALLREDUCE, name, &shape, &d);
+  py::object out = Describe(st, x, in, SHOAL_OP_NEIGHBOR_ALLREDUCE, name, &d);
   SetPeers(&d, a);
   Submit(d, true, py::make_tuple(py::handle(x), out));
   return out;
@@ -211,9 +315,9 @@ PyObject* Call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject
   bool given[kN] = {};
   const bool simple = Parse(args, nargs, kwnames, kParams, kN, a, given);
   return Guard([&]() -> PyObject* {
-    const int dtype = simple && given[0] ? PlainDtype(a[0]) : -1;
-    const char* name = dtype >= 0 ? PlainName(a[5]) : nullptr;
-    if (dtype < 0 || !name) return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
+    Input in;
+    const char* name = simple && given[0] && PlainInput(*st, a[0], false, &in) ? PlainName(a[5]) : nullptr;
+    if (!name) return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
     py::object keep;
     const NeighborArgs* resolved = nullptr;
     try {
@@ -224,7 +328,7 @@ PyObject* Call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject
       if (!e.matches(PyExc_ValueError) && !e.matches(PyExc_TypeError)) throw;
       return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
     }
-    return Run(a[0], dtype, name, *resolved).release().ptr();
+    return Run(*st, a[0], in, name, *resolved).release().ptr();
   });
 }
 
@@ -238,8 +342,8 @@ PyObject* CallAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
   bool given[kN] = {};
   const bool simple = Parse(args, nargs, kwnames, kParams, kN, a, given);
   return Guard([&]() -> PyObject* {
-    const int dtype = simple && given[0] ? PlainDtype(a[0], true) : -1;
-    const char* name = dtype >= 0 ? PlainName(a[3]) : nullptr;
+    Input in;
+    const char* name = simple && given[0] && PlainInput(*st, a[0], true, &in) ? PlainName(a[3]) : nullptr;
     PyObject *average = a[1], *local = a[2], *op = a[4];
     int rop = -1;
     if (op == Py_None) rop = average == Py_False ? SHOAL_REDUCE_SUM : SHOAL_REDUCE_AVERAGE;
@@ -249,9 +353,8 @@ PyObject* CallAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
                        (local == Py_True || local == Py_False) &&
                        (op == Py_None || average == Py_None || (average == Py_True) == (rop == SHOAL_REDUCE_AVERAGE));
     if (!plain) return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
-    std::vector<int64_t> shape;
     shoal_op_desc d;
-    py::array out = Describe(a[0], dtype, SHOAL_OP_ALLREDUCE, name, &shape, &d);
+    py::object out = Describe(*st, a[0], in, SHOAL_OP_ALLREDUCE, name, &d);
     d.reduce_op = rop;
     d.scope = local == Py_True ? SHOAL_SCOPE_MACHINE : SHOAL_SCOPE_WORLD;
     Submit(d, true, py::make_tuple(py::handle(a[0]), out));
@@ -305,15 +408,28 @@ void DefineNeighborNative(py::module_& m) {
     return dict;
   });
   m.def("forget_neighbor_args", [] { g_remembered->by_key.clear(); });
-  m.def("native_neighbor_allreduce", [](py::object fallback, const std::string& doc, const std::string& module) {
+  // `torch`: None (numpy arrays) or, for torch tensors, (torch.Tensor, torch.nn.Parameter,
+  // {dtype: (code, numpy dtype or None)}, torch.strided, torch.empty_like,
+  // torch.is_grad_enabled, torch.from_numpy).
+  auto state = [](py::object fallback, py::object sum, py::object average, py::object torch) {
+    auto* st = new Native{std::move(fallback), std::move(sum), std::move(average), nullptr};
+    if (!torch.is_none()) {
+      auto t = torch.cast<py::tuple>();
+      st->torch.reset(new TorchApi{t[0], t[1], t[2], t[3], t[4], t[5], t[6]});
+    }
+    return st;
+  };
+  m.def("native_neighbor_allreduce", [state](py::object fallback, const std::string& doc, const std::string& module,
+                                             py::object torch) {
     return MakeNative("neighbor_allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Call)),
-                      new Native{std::move(fallback), {}, {}}, doc, module);
-  });
-  m.def("native_allreduce", [](py::object fallback, const std::string& doc, const std::string& module,
-                               py::object sum, py::object average) {
+                      state(std::move(fallback), {}, {}, std::move(torch)), doc, module);
+  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("torch") = py::none());
+  m.def("native_allreduce", [state](py::object fallback, const std::string& doc, const std::string& module,
+                                    py::object sum, py::object average, py::object torch) {
     return MakeNative("allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(CallAllreduce)),
-                      new Native{std::move(fallback), std::move(sum), std::move(average)}, doc, module);
-  });
+                      state(std::move(fallback), std::move(sum), std::move(average), std::move(torch)), doc, module);
+  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("sum"), py::arg("average"),
+     py::arg("torch") = py::none());
 }
 
 }  // namespace shoal_py

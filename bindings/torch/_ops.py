@@ -4,11 +4,14 @@ Each op is an opaque call with a fake (meta) implementation giving its output sh
 the real implementation enqueues into the core and waits.
 """
 import functools
+import inspect
 
+import numpy as np
 import torch
 
 import shoal as _numpy_api
 from shoal import _gradients, _ops
+from shoal._loader import _core
 from shoal._gradients import grad_name
 
 from . import _adapter
@@ -63,13 +66,13 @@ _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, 
 
 
 # ---- The eager fast path ----
-# A plain CPU tensor that autograd need not record goes to the numpy entry points as a
-# numpy view of its memory (one C call for neighbor_allreduce): the same op layer and
-# error messages, without the torch.library dispatch and argument rebuilding that cost
-# several times the exchange itself for a small tensor. Anything else, and everything
-# traced by torch.compile, takes the registered ops.
-_FLOATS = frozenset((torch.float16, torch.float32, torch.float64))
-_NUMPY_DTYPES = _FLOATS | {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool}
+# A plain CPU tensor that autograd need not record skips the torch.library dispatch and
+# argument rebuilding, which cost several times the exchange itself for a small tensor:
+# broadcast and allgather hand it to the numpy entry points as a numpy view of its memory;
+# allreduce and neighbor_allreduce to one C function. The same op layer and error messages;
+# anything else, and everything traced by torch.compile, takes the registered ops.
+_NUMPY_DTYPES = {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+                 torch.int64, torch.bool}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -83,6 +86,31 @@ def _plain(t, dtypes):
             return None
         t = t.detach()
     return t.numpy()
+
+
+# allreduce and neighbor_allreduce take a plain tensor to the core in one C function
+# (bindings/python/native_entry.cc reads it through torch's Python API), which calls the
+# registered op's path for anything else.
+_TORCH_API = (torch.Tensor, torch.nn.Parameter,
+              {getattr(torch, n): (c, None if n == "bfloat16" else np.dtype(n)) for n, c in _ops.DTYPE_CODES.items()},
+              torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy)
+
+
+def _native(op, make):
+    """The torch entry point of `op` as a C function `make(fallback, doc, module, torch=...)`
+    whose fallback is `shoal._ops._told(op)(fn)`; traced code calls `fn` directly."""
+    def wrap(fn):
+        told = _ops._told(op)(fn)
+        doc = f"{fn.__name__}{inspect.signature(fn)}\n--\n\n{fn.__doc__}"
+        native = told if _adapter._FAKE else make(told, doc, "shoal.torch", torch=_TORCH_API)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            return native(*args, **kwargs)
+        return call
+    return wrap
 
 
 def _told(op, numpy_fn, dtypes):
@@ -105,7 +133,7 @@ def _told(op, numpy_fn, dtypes):
     return wrap
 
 
-@_told(_ops.ALLREDUCE, _numpy_api.allreduce, _NUMPY_DTYPES)
+@_native(_ops.ALLREDUCE, lambda *a, **k: _core.native_allreduce(*a[:3], _ops.Sum, _ops.Average, **k))
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
     """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
     (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
@@ -128,7 +156,7 @@ def allgather(tensor, name=None):
     return torch.ops.shoal.allgather(tensor, _ops.op_name(name))
 
 
-@_told(_ops.NEIGHBOR_ALLREDUCE, _numpy_api.neighbor_allreduce, _FLOATS)
+@_native(_ops.NEIGHBOR_ALLREDUCE, _core.native_neighbor_allreduce)
 def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
                        enable_topo_check=True, name=None):
     """Blocking neighbor averaging step; semantics as `shoal.neighbor_allreduce`
