@@ -1,6 +1,7 @@
 """TensorFlow wrappers of the Shoal kernels, their gradients, and training helpers."""
 import re
 
+import numpy as np
 import tensorflow as tf
 
 import shoal
@@ -8,7 +9,7 @@ from shoal import _gradients, _hierarchical, _metrics, _ops
 from shoal._gradients import grad_name
 from shoal._process import STATE
 
-from . import _build
+from . import _build, _horovod
 
 _lib = _build.load()
 
@@ -56,24 +57,81 @@ def _run(op, fn):
         raise
 
 
-def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
+def _scale(t, factor):
+    """t * factor; integer tensors truncate toward zero (Horovod's ScaleBuffer)."""
+    if factor == 1.0:
+        return t
+    if t.dtype.is_floating or t.dtype.is_complex:
+        return t * tf.cast(factor, t.dtype)
+    return tf.cast(tf.math.trunc(tf.cast(t, tf.float64) * factor), t.dtype)
+
+
+def _sparse_allreduce(slices, rop, name, pre, post):
+    """Horovod's allreduce of a tf.IndexedSlices: two allgathers (values, indices), the
+    values divided by size() for Average: the IndexedSlices of the sum or average."""
+    if pre != 1.0 or post != 1.0:
+        raise NotImplementedError("allreduce: prescale_factor/postscale_factor are not supported with "
+                                  "tf.IndexedSlices (as in Horovod); use sparse_as_dense=True")
+    base = _ops.op_name(name) or _name("allreduce.sparse", None)
+    values = allgather(slices.values, name=base + ".values")
+    indices = allgather(slices.indices, name=base + ".indices")
+    if rop is Average:
+        values = values / tf.cast(shoal.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, *,
+              compression=_horovod.Compression.none, prescale_factor=1.0, postscale_factor=1.0,
+              process_set=_horovod.global_process_set):
     """Sum or average of `tensor` over all ranks (or this machine's ranks); semantics of
-    `shoal.allreduce` (sum then divide; half types accumulate in float32)."""
-    rop = _ops.reduce_op(average, op)  # an average of integers: the core's ValueError
+    `shoal.allreduce` (sum then divide; half types accumulate in float32). Differentiable.
+
+    Horovod's keywords (keyword-only here; the positional order is BlueFog's):
+    compression (hvd.Compression.fp16/bf16: floating tensors travel in 16 bits, the
+    result comes back in the input's dtype), prescale_factor/postscale_factor (multiply
+    each rank's tensor before and the result after the reduction; integers truncate
+    toward zero), process_set (the global one only: else NotImplementedError), op=Adasum
+    (NotImplementedError). op=Average of an integer tensor is Horovod's: the sum divided
+    by size() and truncated toward zero. A tf.IndexedSlices is reduced as in Horovod: an
+    allgather of its values and indices (values divided by size() for Average).
+    """
+    _horovod.check_process_set(process_set, "allreduce")
+    _horovod.check_op(op, "allreduce")
+    compression = _horovod.check_compression(compression, "allreduce")
+    rop = _ops.reduce_op(average, op)
+    pre, post = float(prescale_factor), float(postscale_factor)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(tensor, rop, name, pre, post)
     tensor = tf.convert_to_tensor(tensor)
-    return _run("allreduce", lambda: _lib.shoal_allreduce(
-        tensor, op_name=_name("allreduce", name), reduce_op=rop.code, scope=int(bool(is_hierarchical_local))))
+    sent, ctx = compression.compress(tensor)
+    integer_average = rop is Average and not (sent.dtype.is_floating or sent.dtype.is_complex)
+    scope = int(bool(is_hierarchical_local))
+    code = Sum.code if integer_average else rop.code
+    sent = _scale(sent, pre)
+    out = _run("allreduce", lambda: _lib.shoal_allreduce(
+        sent, op_name=_name("allreduce", name), reduce_op=code, scope=scope))
+    if integer_average:
+        n = shoal.local_size() if is_hierarchical_local else shoal.size()
+        out = tf.truncatediv(out, tf.cast(n, out.dtype)) if post == 1.0 else _scale(out, post / n)
+    else:
+        out = _scale(out, post)
+    return compression.decompress(out, ctx)
 
 
-def broadcast(tensor, root_rank, name=None, is_hierarchical_local=False):
-    """`root_rank`'s tensor on every rank; semantics of `shoal.broadcast`."""
+def broadcast(tensor, root_rank, name=None, is_hierarchical_local=False, *,
+              process_set=_horovod.global_process_set):
+    """`root_rank`'s tensor on every rank; semantics of `shoal.broadcast`. `process_set`
+    (Horovod's keyword): the global one only."""
+    _horovod.check_process_set(process_set, "broadcast")
     return _run("broadcast", lambda: _lib.shoal_broadcast(
         tf.convert_to_tensor(tensor), op_name=_name("broadcast", name), root_rank=int(root_rank),
         scope=int(bool(is_hierarchical_local))))
 
 
-def allgather(tensor, name=None):
-    """Concatenation along dim 0 of every rank's tensor (first dims may differ)."""
+def allgather(tensor, name=None, *, process_set=_horovod.global_process_set):
+    """Concatenation along dim 0 of every rank's tensor (first dims may differ).
+    `process_set` (Horovod's keyword): the global one only."""
+    _horovod.check_process_set(process_set, "allgather")
     return _run("allgather", lambda: _lib.shoal_allgather(tf.convert_to_tensor(tensor),
                                                           op_name=_name("allgather", name)))
 
@@ -173,19 +231,74 @@ def consensus_distance(variables, name="consensus_distance"):
     return _metrics.consensus_distance(_metrics.flat_float64(v.numpy() for v in variables), name)
 
 
+def reduce_gradients(grads, variables, prefix, compression=_horovod.Compression.none, op=Average,
+                     gradient_predivide_factor=1.0, sparse_as_dense=False, none_as_zeros=False,
+                     what="DistributedOptimizer"):
+    """Horovod's gradient allreduce (`_make_allreduce_grads_fn`): each gradient through
+    `allreduce` named `<prefix>.<i>`, op Average or Sum; for Average the division is split
+    around the sum (each gradient times 1/gradient_predivide_factor before, the average
+    times gradient_predivide_factor after). A tf.IndexedSlices is densified with
+    sparse_as_dense, else reduced by allgather. A None gradient stays None (Horovod's
+    optimizer), or with `none_as_zeros` is reduced as zeros (every rank takes part)."""
+    _horovod.check_op(op, what)
+    if op is not Average and op is not Sum:
+        raise ValueError(f"{what}: op must be hvd.Average or hvd.Sum, got {op!r}")
+    f = float(gradient_predivide_factor)
+    if f <= 0:
+        raise ValueError(f"{what}: gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
+    pre, post = (1.0 / f, f) if op is Average else (1.0, 1.0)
+    out = []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            if not none_as_zeros:
+                out.append(None)
+                continue
+            g = tf.zeros_like(v)
+        if sparse_as_dense and isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        out.append(allreduce(g, op=op, name=f"{prefix}.{i}", compression=compression,
+                             prescale_factor=pre, postscale_factor=post))
+    return out
+
+
 class DistributedGradientTape:
     """Wraps a `tf.GradientTape`: `gradient()` returns gradients averaged over all ranks
     (Horovod's DistributedGradientTape), or, with `communication="neighbor"`, averaged
     with the in-neighbors of the current topology (decentralized gradient averaging).
 
     Works eagerly and inside tf.function. A gradient that is None on a rank is reduced
-    as zeros (every rank must take part in every reduction), so the result is never None.
+    as zeros (every rank must take part in every reduction), so the result is never None
+    (Horovod leaves it None, and a rank that has it and one that does not then wait).
+
+    Horovod's keywords (keyword-only: Horovod's second positional argument is
+    device_dense, Shoal's is `communication`): compression (Compression.none/fp16/bf16),
+    op (Average or Sum), gradient_predivide_factor, sparse_as_dense (a tf.IndexedSlices
+    gradient is densified; else reduced by allgather of values and indices, as Horovod
+    does), process_set (the global one only: NotImplementedError otherwise); device_dense,
+    device_sparse, num_groups, groups are accepted and change nothing (Shoal places by
+    the tensor's device and fuses whatever is ready in one cycle). With
+    communication="neighbor" only the defaults of these are accepted, and sparse
+    gradients are densified (neighbor averaging has no sparse form).
     """
 
-    def __init__(self, tape, communication="allreduce", name=None):
+    def __init__(self, tape, communication="allreduce", name=None, *, device_dense="", device_sparse="",
+                 compression=_horovod.Compression.none, sparse_as_dense=False, op=Average,
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                 process_set=_horovod.global_process_set, scale_local_gradients=True):
         if communication not in ("allreduce", "neighbor"):
             raise ValueError("communication must be 'allreduce' or 'neighbor'")
+        _horovod.check_process_set(process_set, "DistributedGradientTape")
+        _horovod.check_op(op, "DistributedGradientTape")
+        _horovod.check_compression(compression, "DistributedGradientTape")
+        if op is not Average and op is not Sum:
+            raise ValueError(f"DistributedGradientTape: op must be hvd.Average or hvd.Sum, got {op!r}")
+        if communication == "neighbor" and (compression is not _horovod.Compression.none or op is not Average
+                                            or gradient_predivide_factor != 1.0):
+            raise ValueError("DistributedGradientTape: compression, op and gradient_predivide_factor apply "
+                             "to communication='allreduce' only")
         self._tape, self._communication, self._name = tape, communication, name
+        self._reduce_kw = dict(compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                               sparse_as_dense=sparse_as_dense)
 
     def __getattr__(self, attr):
         return getattr(self._tape, attr)
@@ -200,18 +313,57 @@ class DistributedGradientTape:
     def gradient(self, target, sources, output_gradients=None):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients)
         # Every rank must take part in every reduction: a gradient that is None here (the
-        # variable did not affect this rank's loss) is reduced as zeros, as in Horovod.
+        # variable did not affect this rank's loss) is reduced as zeros.
         prefix = self._name or _name("grad", None)
-        out = []
-        for i, (g, v) in enumerate(zip(tf.nest.flatten(grads), tf.nest.flatten(sources))):
-            if g is None:
-                g = tf.zeros_like(v)
-            elif isinstance(g, tf.IndexedSlices):
-                g = tf.convert_to_tensor(g)
-            out.append(self._reduce(g, f"{prefix}.{i}"))
+        flat, variables = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        if self._communication == "allreduce":
+            out = reduce_gradients(flat, variables, prefix, none_as_zeros=True, what="DistributedGradientTape",
+                                   **self._reduce_kw)
+        else:
+            out = [neighbor_allreduce(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g),
+                                      name=f"{prefix}.{i}") for i, (g, v) in enumerate(zip(flat, variables))]
         return tf.nest.pack_sequence_as(grads, out)
 
-    def _reduce(self, g, name):
-        if self._communication == "allreduce":
-            return allreduce(g, name=name)
-        return neighbor_allreduce(g, name=name)
+
+# ---- Python objects (Horovod's horovod/tensorflow/functions.py) ----
+def _pickle(obj):
+    try:
+        import cloudpickle as pickler  # Horovod's choice: lambdas and local classes travel too
+    except ImportError:
+        import pickle as pickler
+    return np.frombuffer(pickler.dumps(obj), dtype=np.uint8)
+
+
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=_horovod.global_process_set):
+    """Horovod's `broadcast_object`: root_rank's `obj` (pickled there, cloudpickle when
+    installed) unpickled on every rank, root too. Eager only (`session`, TF1's, must be
+    None); `process_set`: the global one only. Two broadcasts (`<name>.sz`, `<name>.t`);
+    the default name is "broadcast_object" (Horovod's is the object's type name, which
+    can differ between root and the others)."""
+    import pickle
+    _horovod.check_process_set(process_set, "broadcast_object")
+    if session is not None:
+        raise NotImplementedError("broadcast_object: TF1 sessions are not supported; call it eagerly")
+    name = name or "broadcast_object"
+    root = shoal.rank() == root_rank
+    data = _pickle(obj) if root else np.zeros(0, np.uint8)
+    size = broadcast(tf.constant([data.size], tf.int64), root_rank, name=name + ".sz")
+    buf = data if root else np.zeros(int(size.numpy()[0]), np.uint8)
+    buf = broadcast(tf.constant(buf), root_rank, name=name + ".t")
+    return pickle.loads(buf.numpy().tobytes())
+
+
+def allgather_object(obj, name=None, process_set=_horovod.global_process_set):
+    """Horovod's `allgather_object`: the list of every rank's (picklable) `obj`, in rank
+    order. Eager only; `process_set`: the global one only."""
+    import pickle
+    _horovod.check_process_set(process_set, "allgather_object")
+    name = name or "allgather_object"
+    data = _pickle(obj)
+    sizes = allgather(tf.constant([data.size], tf.int64), name=name + ".sz").numpy().tolist()
+    flat = allgather(tf.constant(data), name=name + ".t").numpy()
+    out, at = [], 0
+    for s in sizes:
+        out.append(pickle.loads(flat[at:at + s].tobytes()))
+        at += s
+    return out

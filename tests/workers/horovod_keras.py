@@ -1,0 +1,255 @@
+"""Horovod Keras 3 scripts with only the import changed (`import shoal.keras as hvd`; issue
+17): `model.fit` with `hvd.DistributedOptimizer(keras.optimizers.SGD(...))` and Horovod's
+three callbacks, checked exactly against one process training on every rank's data; the
+gradient reduction against the mean of per-rank gradients; exact values of the Keras op
+names; load_model; the clear refusals. Our own script, written the way Horovod's Keras
+examples use the API (not a copy)."""
+import os
+import sys
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(1)  # one summation order per kernel
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import keras  # noqa: E402
+
+import shoal.keras as hvd  # noqa: E402
+import shoal.tensorflow as st  # noqa: E402
+from checks import check, raises, run_all  # noqa: E402
+
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+U = 2.0 ** -24  # float32 unit roundoff
+D, B, S, EPOCHS, WARMUP, LR, MOMENTUM = 4, 4, 4, 3, 2, 0.125, 0.5
+
+
+def rank_data(r):
+    """Rank r's S*B samples: small integer features and targets ±1000, far from any
+    prediction, so every mean-absolute-error gradient is ±x/B: a dyadic number that
+    sums and averages without rounding (the reference below is then exact)."""
+    g = np.random.RandomState(10 + r)
+    x = g.randint(-3, 4, size=(S * B, D)).astype(np.float32)
+    y = np.where(g.rand(S * B, 1) < 0.5, -1000.0, 1000.0).astype(np.float32)
+    return x, y
+
+
+def model_of(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
+
+
+class RecordLR(keras.callbacks.Callback):
+    """The learning rate each batch runs with (after the warm-up callback set it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lrs = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.lrs.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
+def warmup(**kw):
+    return hvd.callbacks.LearningRateWarmupCallback(initial_lr=LR, warmup_epochs=WARMUP, momentum_correction=True,
+                                                    steps_per_epoch=S, **kw)
+
+
+def same_on_all_ranks(arrays, what):
+    flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
+    every = hvd.allgather(flat[None, :], name=f"keras.same.{what}").numpy()
+    assert (every == every[:1]).all(), f"{what}: differs between ranks: {every}"
+
+
+@check
+def fit_with_callbacks_equals_one_process_on_all_data():
+    model = model_of(R)  # different initial weights on every rank
+    root_start = hvd.broadcast_object(model.get_weights(), 0, name="keras.root_start")
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)),
+                  loss="mae")
+    record = RecordLR()
+    x, y = rank_data(R)
+    hist = model.fit(x, y, batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
+                     callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                hvd.callbacks.MetricAverageCallback(), warmup(), record]).history
+    same_on_all_ranks(model.get_weights(), "fit.weights")
+    same_on_all_ranks([hist["loss"]], "fit.loss")  # MetricAverageCallback: one value everywhere
+    # The reference: one process, plain SGD, root's initial weights, every step's batch the
+    # concatenation of every rank's batch of that step, the same warm-up (size() = N here).
+    data = [rank_data(r) for r in range(N)]
+    xs = np.concatenate([np.concatenate([d[0][s * B:(s + 1) * B] for d in data]) for s in range(S)])
+    ys = np.concatenate([np.concatenate([d[1][s * B:(s + 1) * B] for d in data]) for s in range(S)])
+    ref = model_of(100)
+    ref.set_weights(root_start)
+    ref.compile(optimizer=keras.optimizers.SGD(learning_rate=LR, momentum=MOMENTUM), loss="mae")
+    ref_record = RecordLR()
+    ref.fit(xs, ys, batch_size=N * B, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[warmup(), ref_record])
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        assert np.array_equal(got, want), (got, want)
+    assert not np.array_equal(model.get_weights()[0], root_start[0]), "training did not move the weights"
+    # Horovod's warm-up: lr = LR/N * ((epoch + (batch + 1)/S) * (N - 1)/WARMUP + 1) while
+    # epoch < WARMUP, then the last value (LR); logs["lr"] at each epoch's end.
+    want = []
+    for e in range(EPOCHS):
+        for b in range(S):
+            t = min(e + (b + 1) / S, WARMUP)
+            want.append(float(np.float32(LR / N * (t * (N - 1) / WARMUP + 1))))
+    assert record.lrs == want and ref_record.lrs == want, (record.lrs, want)
+    assert hist["lr"] == [want[S * e + S - 1] for e in range(EPOCHS)], hist["lr"]
+    assert want[S * WARMUP - 1] == LR and (N == 1 or want[0] < LR)
+
+
+class Recording(keras.optimizers.SGD):
+    """SGD that keeps the gradients it was given (after the wrapper's reduction)."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        self.seen.append(np.asarray(gradient))
+        super().update_step(gradient, variable, learning_rate)
+
+
+def recording(**kw):
+    opt = hvd.DistributedOptimizer(Recording(learning_rate=0.0), **kw)
+    opt.seen = []
+    return opt
+
+
+@check
+def gradients_are_the_mean_of_per_rank_gradients():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    st.broadcast_variables(model.trainable_variables, 0)  # one starting point on every rank
+
+    def grads_of(r):
+        g = np.random.RandomState(50 + r)
+        x, y = g.randn(6, D).astype(np.float32), g.randn(6, 3).astype(np.float32)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(y, model(x)))
+        return [t.numpy() for t in tape.gradient(loss, model.trainable_variables)]
+
+    per_rank = [grads_of(r) for r in range(N)]
+    for kw, scale in [({}, 1.0 / N), ({"op": hvd.Sum}, 1.0), ({"gradient_predivide_factor": 4.0}, 1.0 / N)]:
+        opt = recording(**kw)
+        opt.apply([tf.constant(g) for g in per_rank[R]], model.trainable_variables)
+        same_on_all_ranks(opt.seen, f"grads.{kw}")
+        for i, got in enumerate(opt.seen):
+            parts = np.stack([p[i].astype(np.float64) for p in per_rank])
+            # The core adds N float32 values (each addition rounds: at most (N-1)·U·Σ|g_r|),
+            # then divides by N (one more rounding); 1/4 and ×4 are exact.
+            tol = N * U * np.abs(parts).sum(0) * scale + 1e-30
+            assert np.all(np.abs(got - parts.sum(0) * scale) <= tol), (kw, i, np.abs(got - parts.sum(0) * scale).max())
+
+
+@check
+def reduction_backward_passes_and_compression_exact():
+    v = keras.Variable(np.zeros((2, 3), np.float32))
+    total = N * (N + 1) / 2  # Σ_r (r + 1)
+    opt = recording()
+    opt.apply([tf.fill([2, 3], float(R + 1))], [v])
+    assert np.array_equal(opt.seen[0], np.full((2, 3), total / N, np.float32))
+    for average, div in [(False, 1.0), (True, 2.0)]:
+        opt = recording(backward_passes_per_step=2, average_aggregated_gradients=average)
+        opt.apply([tf.fill([2, 3], float(R + 1))], [v])
+        assert opt.seen == [] and int(opt.iterations.numpy()) == 1, "applied after one pass of two"
+        opt.apply([tf.fill([2, 3], 2.0 * (R + 1))], [v])
+        assert len(opt.seen) == 1 and int(opt.iterations.numpy()) == 2
+        assert np.array_equal(opt.seen[0], np.full((2, 3), 3 * total / N / div, np.float32)), opt.seen
+    opt = recording(compression=hvd.Compression.fp16, op=hvd.Sum)
+    opt.apply([tf.fill([2, 3], 1.0 / 3.0)], [v])
+    want = np.float32(np.float16(np.float32(np.float16(1.0 / 3.0)) * N))  # float16 on the wire, float32 sum
+    assert opt.seen[0].dtype == np.float32 and np.array_equal(opt.seen[0], np.full((2, 3), want)), opt.seen
+    assert isinstance(opt, keras.optimizers.SGD) and type(opt).__name__ == "Recording"
+    # Horovod's positional order: (optimizer, name, device_dense, device_sparse, compression, ...).
+    opt = hvd.DistributedOptimizer(Recording(learning_rate=0.0), "pos", "", "", hvd.Compression.none, False, 1.0,
+                                   hvd.Sum)
+    opt.seen = []
+    opt.apply([tf.fill([2, 3], float(R + 1))], [v])
+    assert np.array_equal(opt.seen[0], np.full((2, 3), total, np.float32))
+
+
+@check
+def keras_ops_and_objects_exact_values():
+    x = np.arange(3, dtype=np.float32) + R
+    total = np.arange(3, dtype=np.float32) * N + N * (N - 1) / 2
+    assert np.array_equal(hvd.allreduce(x, name="k.avg").numpy(), total / N)
+    assert np.array_equal(hvd.allreduce(x, "k.sum", None, 1.0, 1.0, hvd.Sum).numpy(), total)  # positional
+    got = hvd.allreduce(x, name="k.scaled", op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0)
+    assert np.array_equal(got.numpy(), total * 2)
+    got = hvd.allreduce(x, name="k.fp16", op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert got.dtype == tf.float32 and np.array_equal(got.numpy(), total)
+    i = np.full((2,), -(R + 1), np.int32)  # Horovod's integer average: truncated toward zero
+    assert hvd.allreduce(i, name="k.int").numpy().tolist() == [int(-(N * (N + 1) / 2) / N)] * 2
+    g = hvd.allgather(np.full((R + 1, 2), float(R), np.float32), name="k.ag").numpy()
+    assert np.array_equal(g, np.concatenate([np.full((r + 1, 2), float(r)) for r in range(N)]))
+    assert np.array_equal(hvd.broadcast(np.full(2, float(R)), N - 1, name="k.b").numpy(), np.full(2, N - 1.0))
+    assert hvd.broadcast_object({"from": R, "f": (lambda: 7) if R == 0 else None}, 0)["f"]() == 7
+    assert hvd.allgather_object(("r", R)) == [("r", r) for r in range(N)]
+    # A sparse gradient: Horovod's allgather of values and indices (values / size()).
+    sl = tf.IndexedSlices(tf.fill([1, 2], float(R + 1)), tf.constant([R]), tf.constant([N, 2]))
+    red = st.allreduce(sl, name="k.sparse")
+    assert isinstance(red, tf.IndexedSlices) and red.indices.numpy().tolist() == list(range(N))
+    assert np.array_equal(tf.convert_to_tensor(red).numpy(), np.repeat(np.arange(1.0, N + 1)[:, None], 2, 1) / N)
+    emb = tf.Variable(tf.zeros([N, 2]))
+    with st.DistributedGradientTape(tf.GradientTape(), sparse_as_dense=True, op=hvd.Sum,
+                                    compression=hvd.Compression.fp16) as tape:
+        loss = tf.reduce_sum(tf.gather(emb, [R]))
+    (dense,) = tape.gradient(loss, [emb])
+    assert isinstance(dense, tf.Tensor) and np.array_equal(dense.numpy(), np.ones((N, 2), np.float32))
+    # The job's layout and build facts under Horovod's names.
+    assert (hvd.cross_rank(), hvd.cross_size()) == (st.machine_rank(), st.machine_size())
+    assert hvd.mpi_built() and not hvd.gloo_built() and hvd.is_initialized() and hvd.local_rank() < hvd.local_size()
+    for n in ("init", "shutdown", "DistributedOptimizer", "load_model", "callbacks", "Compression",
+              "global_process_set", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback"):
+        assert n in hvd.__all__, n
+
+
+@check
+def load_model_resumes_with_a_distributed_optimizer():
+    model = model_of(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM)), loss="mae")
+    x, y = rank_data(R)
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    path = os.path.join(tempfile.mkdtemp(), f"model{R}.keras")
+    model.save(path)
+    plain = keras.models.load_model(path)  # saved as a plain SGD: loads without Shoal
+    assert not hasattr(type(plain.optimizer), "_shoal_settings")
+    loaded = hvd.load_model(path)
+    assert hasattr(type(loaded.optimizer), "_shoal_settings") and isinstance(loaded.optimizer, keras.optimizers.SGD)
+    assert int(loaded.optimizer.iterations.numpy()) == S  # the saved optimizer state came back
+    loaded.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    same_on_all_ranks(loaded.get_weights(), "loaded.weights")
+
+
+@check
+def positional_orders_and_refusals():
+    cb = hvd.callbacks.LearningRateWarmupCallback(0.1, 3, False, 7, 1)  # Horovod's positional order
+    assert (cb.initial_lr, cb.warmup_epochs, cb.momentum_correction, cb.steps_per_epoch, cb.verbose) == \
+        (0.1, 3, False, 7, 1)
+    sc = hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5, 1, 4, False, False, 9)
+    assert (sc.start_epoch, sc.end_epoch, sc.staircase, sc.momentum_correction, sc.steps_per_epoch) == \
+        (1, 4, False, False, 9) and sc.multiplier(3) == 0.25
+    assert hvd.callbacks.BroadcastGlobalVariablesCallback(1, "").root_rank == 1
+    hvd.callbacks.MetricAverageCallback("")
+    other = object()
+    ones = np.ones(3, np.float32)
+    for call in (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=other),
+                 lambda: hvd.allreduce(ones, process_set=other), lambda: hvd.allgather(ones, process_set=other),
+                 lambda: hvd.broadcast(ones, 0, process_set=other),
+                 lambda: hvd.broadcast_object(1, 0, process_set=other),
+                 lambda: st.DistributedGradientTape(tf.GradientTape(), process_set=other),
+                 lambda: st.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=other)):
+        try:
+            call()
+        except NotImplementedError as e:
+            assert "process set" in str(e), e
+        else:
+            raise AssertionError("a process set other than the global one was accepted")
+    raises(ValueError, hvd.DistributedOptimizer, keras.optimizers.SGD(0.1), op=hvd.Adasum)  # Horovod's rule
+    raises(NotImplementedError, hvd.allreduce, ones, op=hvd.Adasum)
+    raises(TypeError, hvd.DistributedOptimizer, "sgd")
+    raises(NotImplementedError, hvd.broadcast_global_variables, 0)
+    assert np.array_equal(hvd.allreduce(ones, name="k.after.refusals").numpy(), ones)  # still usable
+
+
+sys.exit(1 if run_all(R) else 0)
