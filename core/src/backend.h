@@ -48,7 +48,7 @@ class Backend {
   // its own collective order (an MPI communicator), independent of the others and of the
   // collectives above, so ops cached on different channels never wait for each other
   // (runtime_cache.cc). Made at start-up, when every rank is there.
-  static constexpr int kChannels = 16;
+  static constexpr int kChannels = 64;
   virtual void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) = 0;
 
   // Completes finished operations (running their callbacks); true if any finished.

@@ -59,11 +59,11 @@ std::vector<Response> DecodeResponses(const char* p, size_t n);
 
 class Coordinator {
  public:
-  Coordinator(int size, int64_t fusion_threshold)
+  // `channels`: how many collective channels cached batches may use (0: no caching).
+  Coordinator(int size, int64_t fusion_threshold, int channels = 0)
       : size_(size), fusion_threshold_(fusion_threshold) {
-    for (int c = kChannels; c-- > 0;) free_channels_.push_back(c);
+    for (int c = channels; c-- > 0;) free_channels_.push_back(c);
   }
-  static constexpr int kChannels = 16;  // = Backend::kChannels
 
   void Add(int rank, const Request& req, double now);
   // Responses for names that every rank has reported since the last call.

@@ -52,7 +52,7 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t g
       device_plane_(backend_.get(), &stats_),
       nccl_(backend_.get(), [this](const EntryPtr& e, const Status& st) { Finish(e, st); }),
       neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()) {
-  if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold);
+  if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold, Backend::kChannels);
   if (!cfg_.timeline.empty()) {
     std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
     if (!timeline_.Open(path, world().rank)) Log(LOG_ERROR, "cannot write the timeline " + path);

@@ -242,6 +242,62 @@ static void TestSum() {
   CHECK(std::signbit(z[0]));
 }
 
+// Which batches the coordinator caches on a channel (runtime_cache.cc): repeats only,
+// of cacheable signatures, while channels are free; and how probes of a cached round's
+// stall behave: they name the missing ranks, and go away when the round is over.
+static void TestCachingAndProbes() {
+  Coordinator c(2, 0, 2);  // 2 ranks, no fusion, 2 channels
+  auto run = [&](const Request& q) {
+    c.Add(0, q, 0);
+    c.Add(1, q, 0);
+    auto resps = c.TakeResponses();
+    return resps.size() == 1 ? resps[0] : Response{};
+  };
+  const Request a = Req("a", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {4});
+  CHECK(run(a).channel == -1);  // first sight
+  Response second = run(a);
+  CHECK(second.kind == Response::EXECUTE && second.channel >= 0);
+  Request shape = a;
+  shape.sig.shape = {5};
+  CHECK(run(shape).channel == -1);  // another signature: not a repeat
+  Request local = Req("local", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {4});
+  local.sig.scope = SHOAL_SCOPE_MACHINE;
+  Request bytes = Req("bytes", SHOAL_OP_ALLREDUCE, SHOAL_INT8, {4}, 0, SHOAL_REDUCE_SUM);
+  Request bcast = Req("bcast", SHOAL_OP_BROADCAST, SHOAL_FLOAT32, {4});
+  for (int k = 0; k < 2; ++k)
+    for (auto* q : {&local, &bytes, &bcast}) CHECK(run(*q).channel == -1);  // never cached
+  const Request b = Req("b", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, {2}), d = Req("d", SHOAL_OP_ALLREDUCE, SHOAL_INT64, {2});
+  run(b);
+  const int cb = run(b).channel;
+  CHECK(cb >= 0 && cb != second.channel);
+  run(d);
+  CHECK(run(d).channel == -1);  // both channels in use
+  c.ReleaseChannel(cb);
+  CHECK(run(d).channel == cb);
+  // Probes: rank 0's round of "a" at step 7 waits; rank 1 never probes.
+  Request probe = a;
+  probe.probe = true;
+  probe.step = 7;
+  c.Add(0, probe, 0);
+  auto stalls = c.Stalled(10, 1);
+  CHECK(stalls.size() == 1 && stalls[0].name == "a" && stalls[0].missing == std::vector<int>{1});
+  c.RoundDone("a", 7);  // the round completed on rank 0: every rank took part
+  CHECK(c.Stalled(10, 1).empty());
+  c.Add(1, probe, 0);  // a late probe of that round
+  CHECK(c.Stalled(10, 1).empty() && c.TakeResponses().empty());
+  probe.step = 8;  // both ranks probe the next round (it completes as they do): nothing runs
+  c.Add(0, probe, 0);
+  c.Add(1, probe, 0);
+  CHECK(c.TakeResponses().empty() && c.num_pending() == 0);
+  c.Add(0, probe, 0);  // a probe, then the op itself (its batch died): the op replaces it
+  Request normal = a;
+  normal.step = 8;
+  c.Add(1, normal, 0);
+  c.Add(0, normal, 0);
+  auto resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::EXECUTE && resps[0].names == std::vector<std::string>{"a"});
+}
+
 int main() {
   TestOutOfOrderThreads();
   TestMismatches();
@@ -251,6 +307,7 @@ int main() {
   TestRefusalReachesEveryRank();
   TestLeftRankFailsPendingAndLater();
   TestSum();
+  TestCachingAndProbes();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed ? 1 : 0;
 }
