@@ -16,16 +16,17 @@ What a script can observe follows Horovod, except (each said where it applies):
 * The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`.
 """
 import inspect
-import os
-import warnings
 
 import torch
 
 from shoal import _ops, basics
-from shoal._loader import _core
 from shoal._ops import Average, ReduceOp, Sum
 
 from shoal._api import build_api
+from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
+from shoal._horovod import (Compressor, NoneCompressor, check_compression, check_op, check_process_set,
+                            global_process_set)
+from shoal._horovod import __all__ as _NEUTRAL
 
 from . import _ops as _torch_ops
 from . import utility as _utility
@@ -35,75 +36,8 @@ from ._adapter import ADAPTER
 # exports it, with the Horovod wrappers below in place of the shared names they extend.
 TORCH_API = build_api(ADAPTER)
 
-# ---- Errors, reduce ops, process sets ----
-
-HorovodInternalError = basics.ShoalError
-"""Horovod's runtime-failure exception: Shoal's `ShoalError` itself (a RuntimeError), so
-`except hvd.HorovodInternalError` catches every failure the runtime reports (mismatch,
-stall, dead peer, shutdown)."""
-
-Adasum = ReduceOp("Adasum", None)  # Horovod's op=hvd.Adasum: not implemented (see _check_op)
-
-
-def _check_op(op, what):
-    if op is Adasum:
-        raise NotImplementedError(
-            f"{what}: op=Adasum is not implemented in Shoal (Horovod's Adasum reduction); use "
-            "op=Average or op=Sum, or a decentralized optimizer (DistributedAdaptWithCombineOptimizer)")
-
-
-class ProcessSet:
-    """Horovod's process set object; Shoal has only the global one yet
-    (`global_process_set`: every rank)."""
-
-    process_set_id = 0
-
-    @property
-    def ranks(self):
-        return list(range(basics.size()))
-
-    def size(self):
-        return basics.size()
-
-    def rank(self):
-        return basics.rank()
-
-    def included(self):
-        return True
-
-    def __repr__(self):
-        return "ProcessSet(process_set_id=0, ranks=<all>)"
-
-
-global_process_set = ProcessSet()
-
-
-def _check_process_set(process_set, what):
-    """Accept Horovod's global process set (or None); refuse others clearly."""
-    if process_set is None or process_set is global_process_set:
-        return
-    raise NotImplementedError(
-        f"{what}: process_set={process_set!r}: Shoal supports only the global process set "
-        "(hvd.global_process_set) so far; sub-communicators (add_process_set) are not available yet")
-
-
-# ---- Compression (Horovod's compress(tensor) -> (tensor, ctx) / decompress(tensor, ctx)) ----
-
-class Compressor:
-    """Horovod's compressor interface: `compress(tensor) -> (tensor, ctx)` before the
-    exchange, `decompress(tensor, ctx) -> tensor` after it."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class NoneCompressor(Compressor):
-    """No compression: the tensor itself travels."""
+# ---- Errors, reduce ops, process sets, compression's interface: shoal/_horovod.py ----
+_check_op, _check_process_set = check_op, check_process_set
 
 
 def _cast_compressor(dtype, doc):
@@ -135,13 +69,6 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
-
-
-def check_compression(compression, what):
-    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
-        raise TypeError(f"{what}: compression must be hvd.Compression.none/fp16/bf16 or an object with "
-                        f"compress(tensor) and decompress(tensor, ctx), got {compression!r}")
-    return compression
 
 
 # ---- Allreduce with Horovod's arguments ----
@@ -385,102 +312,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
     return _utility.broadcast_optimizer_state(optimizer, root_rank)
 
 
-# ---- Job layout, build facts, timeline ----
-
-def cross_rank():
-    """Horovod's cross_rank: the index of this rank's machine (`machine_rank()`). Equal to
-    Horovod's on a homogeneous job; on a heterogeneous one Horovod counts only the
-    machines that have this local rank."""
-    return basics.machine_rank()
-
-
-def cross_size():
-    """Horovod's cross_size: the number of machines (`machine_size()`; see cross_rank)."""
-    return basics.machine_size()
-
-
-def mpi_built():
-    """True: Shoal always runs on MPI (its one engine)."""
-    return True
-
-
-def mpi_enabled():
-    """True: MPI is the engine of every Shoal job (Horovod: MPI controller in use)."""
-    return True
-
-
-def gloo_built():
-    """False: Shoal has no Gloo engine."""
-    return False
-
-
-def gloo_enabled():
-    return False
-
-
-def cuda_built():
-    """True when this build's CUDA plugin loads (Shoal finds GPU support at run time;
-    the fake test plugin does not count)."""
-    built, what = _core.gpu_support()
-    return bool(built) and not what.startswith("fake ")
-
-
-def rocm_built():
-    return False
-
-
-def ddl_built():
-    return False
-
-
-def ccl_built():
-    return False
-
-
-def _timeline_on():
-    on = basics.timeline_start_activity("horovod", "START_TIMELINE")
-    if on:
-        basics.timeline_end_activity("horovod")
-    return on
-
-
-def start_timeline(file_path, mark_cycles=False):
-    """Horovod's start_timeline over Shoal's per-rank timeline (`SHOAL_TIMELINE`).
-
-    Shoal's timeline is configured when the runtime starts: before `init()` this sets
-    SHOAL_TIMELINE=file_path, so init() records to `<file_path><rank>.json` (one file per
-    rank; Horovod writes one file from rank 0). After init(), a timeline that is already
-    recording goes on (into the files named at init) and this marks the call on it; one
-    that is off cannot be started: NotImplementedError says how to turn it on. Shoal's
-    timeline has no cycle markers: mark_cycles=True warns.
-    """
-    if not isinstance(file_path, str) or not file_path:
-        raise ValueError("start_timeline: file_path must be a non-empty str")
-    if mark_cycles:
-        warnings.warn("start_timeline: Shoal's timeline has no cycle markers; mark_cycles is ignored",
-                      RuntimeWarning, stacklevel=2)
-    if not basics.is_initialized():
-        os.environ["SHOAL_TIMELINE"] = file_path
-        return
-    if not _timeline_on():
-        raise NotImplementedError(
-            "start_timeline: Shoal's timeline cannot be started after init(); set SHOAL_TIMELINE=<prefix> "
-            "(or HOROVOD_TIMELINE, or shoalrun --timeline-filename <prefix>) before init(), or call "
-            "start_timeline before init(); each rank writes <prefix><rank>.json")
-
-
-def stop_timeline():
-    """Horovod's stop_timeline. Shoal's timeline records until `shutdown()` (its files stay
-    valid JSON meanwhile): with the timeline on this warns and records on; off, nothing
-    to do."""
-    if basics.is_initialized() and _timeline_on():
-        warnings.warn("stop_timeline: Shoal's timeline records until shutdown(); it cannot be stopped "
-                      "earlier", RuntimeWarning, stacklevel=2)
-
-
-__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
-         "broadcast_async", "broadcast_async_", "allgather", "allgather_async", "broadcast_optimizer_state",
-         "cross_rank", "cross_size", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "cuda_built",
-         "rocm_built", "ddl_built", "ccl_built", "start_timeline", "stop_timeline", "HorovodInternalError",
-         "Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "ProcessSet",
-         "global_process_set", "Adasum", "Sum", "Average", "ReduceOp"]
+__all__ = sorted(set(_NEUTRAL) | {
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "allgather", "allgather_async", "broadcast_optimizer_state",
+    "Compression", "FP16Compressor", "BF16Compressor", "Sum", "Average", "ReduceOp"})

@@ -9,77 +9,61 @@
 
 namespace shoal {
 
+namespace {
+
+// The fields of a request and of a response, in wire order, for both directions.
+template <typename IO, typename R> void RequestFields(IO& io, R& r) {
+  io.Field(r.name);
+  io.Field(r.sig);
+  io.Field(r.step);
+  io.Field(r.reject);
+  io.Field(r.reject_code);
+  io.Field(r.topo_check);
+  if (r.topo_check) {
+    io.Field(r.send);
+    io.Field(r.recv);
+  }
+  io.Field(r.probe);
+}
+
+template <typename IO, typename R> void ResponseFields(IO& io, R& r) {
+  io.Field(r.kind);
+  io.Field(r.op);
+  io.Field(r.names);
+  io.Field(r.error);
+  io.Field(r.step);
+  io.Field(r.code);
+  io.Field(r.first_dims);
+  io.Field(r.channel);
+}
+
+}  // namespace
+
 ByteVec EncodeRequests(const std::vector<Request>& reqs) {
   Writer w;
   w.Put<uint32_t>(static_cast<uint32_t>(reqs.size()));
-  for (auto& r : reqs) {
-    w.PutString(r.name);
-    w.PutSignature(r.sig);
-    w.Put<int64_t>(r.step);
-    w.PutString(r.reject);
-    w.Put<int32_t>(r.reject_code);
-    w.Put<int32_t>(r.topo_check);
-    if (r.topo_check) {
-      w.PutRanks(r.send);
-      w.PutRanks(r.recv);
-    }
-    w.Put<int32_t>(r.probe);
-  }
+  for (auto& r : reqs) RequestFields(w, r);
   return std::move(w.buffer());
 }
 
 std::vector<Request> DecodeRequests(const char* p, size_t n) {
   Reader r(p, n);
   std::vector<Request> out(r.Get<uint32_t>());
-  for (auto& q : out) {
-    q.name = r.GetString();
-    q.sig = r.GetSignature();
-    q.step = r.Get<int64_t>();
-    q.reject = r.GetString();
-    q.reject_code = r.Get<int32_t>();
-    q.topo_check = r.Get<int32_t>() != 0;
-    if (q.topo_check) {
-      q.send = r.GetRanks();
-      q.recv = r.GetRanks();
-    }
-    q.probe = r.Get<int32_t>() != 0;
-  }
+  for (auto& q : out) RequestFields(r, q);
   return out;
 }
 
 ByteVec EncodeResponses(const std::vector<Response>& resps) {
   Writer w;
   w.Put<uint32_t>(static_cast<uint32_t>(resps.size()));
-  for (auto& r : resps) {
-    w.Put(r.kind);
-    w.Put(r.op);
-    w.Put<uint32_t>(static_cast<uint32_t>(r.names.size()));
-    for (auto& n : r.names) w.PutString(n);
-    w.PutString(r.error);
-    w.Put<int64_t>(r.step);
-    w.Put<int32_t>(r.code);
-    w.Put<uint32_t>(static_cast<uint32_t>(r.first_dims.size()));
-    for (auto& d : r.first_dims) w.PutShape(d);
-    w.Put<int32_t>(r.channel);
-  }
+  for (auto& r : resps) ResponseFields(w, r);
   return std::move(w.buffer());
 }
 
 std::vector<Response> DecodeResponses(const char* p, size_t n) {
   Reader r(p, n);
   std::vector<Response> out(r.Get<uint32_t>());
-  for (auto& q : out) {
-    q.kind = r.Get<int32_t>();
-    q.op = r.Get<int32_t>();
-    q.names.resize(r.Get<uint32_t>());
-    for (auto& s : q.names) s = r.GetString();
-    q.error = r.GetString();
-    q.step = r.Get<int64_t>();
-    q.code = r.Get<int32_t>();
-    q.first_dims.resize(r.Get<uint32_t>());
-    for (auto& d : q.first_dims) d = r.GetShape();
-    q.channel = r.Get<int32_t>();
-  }
+  for (auto& q : out) ResponseFields(r, q);
   return out;
 }
 

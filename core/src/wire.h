@@ -37,6 +37,19 @@ class Writer {
     const char* c = static_cast<const char*>(p);
     buf_.insert(buf_.end(), c, c + n);
   }
+  // One field of a message whose fields a single function lists for both directions
+  // (Reader::Field reads the same layout back). bool travels as int32.
+  void Field(bool v) { Put<int32_t>(v); }
+  void Field(int32_t v) { Put(v); }
+  void Field(int64_t v) { Put(v); }
+  void Field(const std::string& s) { PutString(s); }
+  void Field(const std::vector<int>& v) { PutRanks(v); }
+  void Field(const std::vector<int64_t>& v) { PutShape(v); }
+  void Field(const Signature& s) { PutSignature(s); }
+  template <typename T> void Field(const std::vector<T>& v) {
+    Put<uint32_t>(static_cast<uint32_t>(v.size()));
+    for (auto& x : v) Field(x);
+  }
   ByteVec& buffer() { return buf_; }
   size_t size() const { return buf_.size(); }
 
@@ -78,6 +91,17 @@ class Reader {
     s.reduce_op = Get<int32_t>(); s.root_rank = Get<int32_t>(); s.scope = Get<int32_t>(); s.path = Get<int32_t>();
     s.shape = GetShape();
     return s;
+  }
+  void Field(bool& v) { v = Get<int32_t>() != 0; }
+  void Field(int32_t& v) { v = Get<int32_t>(); }
+  void Field(int64_t& v) { v = Get<int64_t>(); }
+  void Field(std::string& s) { s = GetString(); }
+  void Field(std::vector<int>& v) { v = GetRanks(); }
+  void Field(std::vector<int64_t>& v) { v = GetShape(); }
+  void Field(Signature& s) { s = GetSignature(); }
+  template <typename T> void Field(std::vector<T>& v) {
+    v.resize(Get<uint32_t>());
+    for (auto& x : v) Field(x);
   }
   const char* Skip(size_t n) {
     Need(n);

@@ -1,0 +1,202 @@
+"""Horovod's framework-neutral names (Horovod 0.28 `horovod/common/basics.py`,
+`process_sets.py`, `compression.py`'s interface), shared by `shoal.torch` and
+`shoal.tensorflow`/`shoal.keras` (their `_horovod.py` add the tensor casts and op wrappers).
+
+Differences from Horovod kept here: only the global process set exists (another
+`process_set=` raises NotImplementedError); `Adasum` is not implemented
+(NotImplementedError naming it); the timeline is per rank and configured at `init()`.
+"""
+import os
+import warnings
+
+from . import basics
+from ._loader import _core
+from ._ops import ReduceOp
+
+HorovodInternalError = basics.ShoalError
+"""Horovod's runtime-failure exception: Shoal's `ShoalError` itself (a RuntimeError), so
+`except hvd.HorovodInternalError` catches every failure the runtime reports (mismatch,
+stall, dead peer, shutdown)."""
+
+Adasum = ReduceOp("Adasum", None)  # Horovod's op=hvd.Adasum: not implemented (see check_op)
+
+
+def check_op(op, what):
+    """NotImplementedError for Horovod's Adasum (the other ops go to `shoal._ops.reduce_op`)."""
+    if op is Adasum:
+        raise NotImplementedError(
+            f"{what}: op=Adasum is not implemented in Shoal (Horovod's Adasum reduction); use "
+            "op=Average or op=Sum, or a decentralized optimizer (DistributedAdaptWithCombineOptimizer)")
+
+
+class ProcessSet:
+    """Horovod's process set object; Shoal has only the global one yet
+    (`global_process_set`: every rank)."""
+
+    process_set_id = 0
+
+    @property
+    def ranks(self):
+        return list(range(basics.size()))
+
+    def size(self):
+        return basics.size()
+
+    def rank(self):
+        return basics.rank()
+
+    def included(self):
+        return True
+
+    def __repr__(self):
+        return "ProcessSet(process_set_id=0, ranks=<all>)"
+
+
+global_process_set = ProcessSet()
+
+
+def check_process_set(process_set, what):
+    """Accept Horovod's global process set (or None); NotImplementedError for any other."""
+    if process_set is None or process_set is global_process_set:
+        return
+    raise NotImplementedError(
+        f"{what}: process_set={process_set!r}: Shoal supports only the global process set "
+        "(hvd.global_process_set) so far; sub-communicators (add_process_set) are not available yet")
+
+
+def add_process_set(process_set):
+    """Horovod's add_process_set: not available yet (NotImplementedError)."""
+    check_process_set(process_set, "add_process_set")
+    return global_process_set
+
+
+def remove_process_set(process_set):
+    """Horovod's remove_process_set: the global process set cannot be removed (False, as
+    in Horovod); any other is refused (NotImplementedError)."""
+    check_process_set(process_set, "remove_process_set")
+    return False
+
+
+# ---- Compression: Horovod's compress(tensor) -> (tensor, ctx) / decompress(tensor, ctx) ----
+
+class Compressor:
+    """Horovod's compressor interface: `compress(tensor) -> (tensor, ctx)` before the
+    exchange, `decompress(tensor, ctx) -> tensor` after it."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    """No compression: the tensor itself travels (Horovod's Compression.none)."""
+
+
+def check_compression(compression, what):
+    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"{what}: compression must be hvd.Compression.none/fp16/bf16 or an object with "
+                        f"compress(tensor) and decompress(tensor, ctx), got {compression!r}")
+    return compression
+
+
+# ---- Job layout, build facts, timeline ----
+
+def cross_rank():
+    """Horovod's cross_rank: the index of this rank's machine (`machine_rank()`). Equal to
+    Horovod's on a homogeneous job; on a heterogeneous one Horovod counts only the
+    machines that have this local rank."""
+    return basics.machine_rank()
+
+
+def cross_size():
+    """Horovod's cross_size: the number of machines (`machine_size()`; see cross_rank)."""
+    return basics.machine_size()
+
+
+def mpi_built():
+    """True: Shoal always runs on MPI (its one engine)."""
+    return True
+
+
+def mpi_enabled():
+    """True: MPI is the engine of every Shoal job (Horovod: MPI controller in use)."""
+    return True
+
+
+def gloo_built():
+    """False: Shoal has no Gloo engine."""
+    return False
+
+
+def gloo_enabled():
+    return False
+
+
+def cuda_built():
+    """True when this build's CUDA plugin loads (Shoal finds GPU support at run time;
+    the fake test plugin does not count)."""
+    built, what = _core.gpu_support()
+    return bool(built) and not what.startswith("fake ")
+
+
+def rocm_built():
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def _timeline_on():
+    on = basics.timeline_start_activity("horovod", "START_TIMELINE")
+    if on:
+        basics.timeline_end_activity("horovod")
+    return on
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Horovod's start_timeline over Shoal's per-rank timeline (`SHOAL_TIMELINE`).
+
+    Shoal's timeline is configured when the runtime starts: before `init()` this sets
+    SHOAL_TIMELINE=file_path, so init() records to `<file_path><rank>.json` (one file per
+    rank; Horovod writes one file from rank 0). After init(), a timeline that is already
+    recording goes on (into the files named at init) and this marks the call on it; one
+    that is off cannot be started: NotImplementedError says how to turn it on. Shoal's
+    timeline has no cycle markers: mark_cycles=True warns.
+    """
+    if not isinstance(file_path, str) or not file_path:
+        raise ValueError("start_timeline: file_path must be a non-empty str")
+    if mark_cycles:
+        warnings.warn("start_timeline: Shoal's timeline has no cycle markers; mark_cycles is ignored",
+                      RuntimeWarning, stacklevel=2)
+    if not basics.is_initialized():
+        os.environ["SHOAL_TIMELINE"] = file_path
+        return
+    if not _timeline_on():
+        raise NotImplementedError(
+            "start_timeline: Shoal's timeline cannot be started after init(); set SHOAL_TIMELINE=<prefix> "
+            "(or HOROVOD_TIMELINE, or shoalrun --timeline-filename <prefix>) before init(), or call "
+            "start_timeline before init(); each rank writes <prefix><rank>.json")
+
+
+def stop_timeline():
+    """Horovod's stop_timeline. Shoal's timeline records until `shutdown()` (its files stay
+    valid JSON meanwhile): with the timeline on this warns and records on; off, nothing
+    to do."""
+    if basics.is_initialized() and _timeline_on():
+        warnings.warn("stop_timeline: Shoal's timeline records until shutdown(); it cannot be stopped "
+                      "earlier", RuntimeWarning, stacklevel=2)
+
+
+__all__ = ["HorovodInternalError", "Adasum", "ProcessSet", "global_process_set", "add_process_set",
+           "remove_process_set", "Compressor", "NoneCompressor", "cross_rank", "cross_size", "mpi_built",
+           "mpi_enabled", "gloo_built", "gloo_enabled", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
+           "start_timeline", "stop_timeline"]
