@@ -94,6 +94,12 @@ bool IsTrue(PyObject* v) {  // steals v
   return t;
 }
 
+bool IsFalse(PyObject* v) {  // steals v
+  const bool f = v == Py_False;
+  Py_XDECREF(v);
+  return f;
+}
+
 PyObject* CallMethod(PyObject* x, PyObject* name) {  // new reference, or null with the error cleared
   PyObject* v = PyObject_CallMethodNoArgs(x, name);
   if (!v) PyErr_Clear();
@@ -101,8 +107,9 @@ PyObject* CallMethod(PyObject* x, PyObject* name) {  // new reference, or null w
 }
 
 // `x` as an Input if the one-call path can take it: a torch.Tensor or Parameter (not
-// another subclass) on the CPU, dense, contiguous, that autograd need not record (no
-// requires_grad, or grad mode off), of a dtype the core has (floating only unless `any`).
+// another subclass) on the CPU, dense, contiguous, without a lazy negation or conjugation
+// (its memory would hold other values), that autograd need not record (no requires_grad,
+// or grad mode off), of a dtype the core has (floating only unless `any`).
 bool TorchInput(const TorchApi& t, PyObject* x, bool any, Input* in) {
   PyObject* tp = reinterpret_cast<PyObject*>(Py_TYPE(x));
   if (tp != t.tensor.ptr() && tp != t.parameter.ptr()) return false;
@@ -119,6 +126,7 @@ bool TorchInput(const TorchApi& t, PyObject* x, bool any, Input* in) {
   if (layout != t.strided.ptr()) return false;
   if (IsTrue(Attr(x, SHOAL_NAME("requires_grad"))) && IsTrue(PyObject_CallNoArgs(t.is_grad_enabled.ptr()))) return false;
   if (!IsTrue(CallMethod(x, SHOAL_NAME("is_contiguous")))) return false;
+  if (!IsFalse(CallMethod(x, SHOAL_NAME("is_neg"))) || !IsFalse(CallMethod(x, SHOAL_NAME("is_conj")))) return false;
   PyObject* ptr = CallMethod(x, SHOAL_NAME("data_ptr"));
   if (!ptr) return false;
   in->data = PyLong_AsVoidPtr(ptr);

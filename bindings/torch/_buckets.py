@@ -7,8 +7,17 @@ and exchanged as one tensor; the combined values are copied back (two `_foreach_
 calls per bucket, not one op per tensor). Larger parameters go alone, as before: a copy
 would cost more than it saves. The math is unchanged: neighbor_allreduce and allreduce
 act elementwise, so the flat buffer's result is each parameter's result.
+
+Ranks may list their parameters in different orders (a dict of modules, say): buckets are
+made in the order of the parameters' names, and a bucket's name carries a digest of its
+members' names and shapes, so ranks whose buckets differ never mix their data (their
+buckets do not match by name: a stall names the ranks, as for a parameter one rank lacks).
 """
+import zlib
+
 import torch
+
+from shoal import _ops, basics
 
 SMALL = 64 << 10
 BUCKET = 4 << 20
@@ -28,8 +37,11 @@ class Bucket:
     """Parameters exchanged through one flat buffer: `flat` (the op's input), `out` (a
     persistent output for ops that take one) and their per-parameter views."""
 
-    def __init__(self, params, name):
-        self.params, self.name = params, name
+    def __init__(self, params, names, prefix):
+        self.params = params
+        self.members = [f"{names[p]} {tuple(p.shape)}" for p in params]
+        digest = zlib.crc32("\n".join(self.members + [str(p0_dtype(params))]).encode())
+        self.name = f"{prefix}.bucket.{names[params[0]]}.{len(params)}.{digest:08x}"
         p0 = params[0]
         self.signature = [(p.dtype, p.shape, p.device) for p in params]
         total = sum(p.numel() for p in params)
@@ -62,11 +74,24 @@ class Bucket:
             _copy_all(self.params, views)
 
 
+def synchronize(bucket, handle):
+    """`shoal._ops.synchronize` of a bucket's op; an error names the bucket's parameters."""
+    try:
+        return _ops.synchronize(handle)
+    except basics.ShoalError as exc:
+        shown = ", ".join(bucket.members[:20]) + (", ..." if len(bucket.members) > 20 else "")
+        raise basics.ShoalError(f"{exc} [the op of parameters {shown}]") from exc
+
+
+def p0_dtype(params):
+    return params[0].dtype
+
+
 def plan(params, names, prefix):
     """[(param, None) | (None, Bucket)]: small dense parameters grouped into buckets by
-    dtype and device (in order), the others alone."""
+    dtype and device (in the order of their names), the others alone."""
     out, open_ = [], {}
-    for p in params:
+    for p in sorted(params, key=lambda q: names[q]):
         nbytes = p.numel() * p.element_size()
         if nbytes > SMALL or p.layout != torch.strided:
             out.append((p, None))
@@ -86,7 +111,7 @@ def plan(params, names, prefix):
             if len(members) == 1:
                 result.append((members[0], None))
             else:
-                result.append((None, Bucket(members, f"{prefix}.bucket.{names[members[0]]}")))
+                result.append((None, Bucket(members, names, prefix)))
         else:
             result.append(item)
     return result

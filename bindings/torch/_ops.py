@@ -79,8 +79,8 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 def _plain(t, dtypes):
     """`t`'s numpy view if a blocking op can take the numpy entry, else None."""
     if type(t) not in _PLAIN_TYPES or t.dtype not in dtypes or not t.is_cpu or t.layout is not torch.strided \
-            or _adapter._FAKE or torch.compiler.is_compiling():
-        return None
+            or _adapter._FAKE or torch.compiler.is_compiling() or t.is_neg() or t.is_conj():
+        return None  # (a lazily negated or conjugated tensor's memory holds other values)
     if t.requires_grad:
         if torch.is_grad_enabled():
             return None

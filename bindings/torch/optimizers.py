@@ -127,7 +127,7 @@ class _ParameterMixing(_Distributed):
                 # Copied, not swapped in: views of the parameter (state_dict, p.detach())
                 # must keep seeing it.
                 if isinstance(key, _buckets.Bucket):
-                    key.scatter(_ops.synchronize(h))
+                    key.scatter(_buckets.synchronize(key, h))
                 else:
                     key.copy_(_ops.synchronize(h))
         if handles:

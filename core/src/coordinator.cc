@@ -90,6 +90,12 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     if (!left_.empty() || (done != rounds_done_.end() && done->second >= req.step) ||
         (it != pending_.end() && !it->second.probe))
       return;  // that round is over (the op came normally: its batch died)
+    if (it != pending_.end()) {
+      const Request& first = *std::find_if(it->second.req.begin(), it->second.req.end(),
+                                           [](const Request& q) { return !q.name.empty(); });
+      if (first.step > req.step) return;            // a stale probe
+      if (first.step < req.step) pending_.erase(it);  // that step is over where this one waits
+    }
   } else {
     auto it = pending_.find(req.name);
     if (it != pending_.end() && it->second.probe) pending_.erase(it);  // its round is over

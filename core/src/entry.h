@@ -45,6 +45,7 @@ struct Entry {
       t_reduce_start, t_reduce_end;
   bool stall_warned = false;
   std::atomic<bool> waited{false};  // a thread waits for it (Wait)
+  bool probed = false;              // a cached op: its long wait was told to the coordinator
   std::atomic<int> sends_pending{0};  // messages with this entry's data not yet sent
   bool direct_sends = false;          // some leave from input memory: finish only once sent
   Status send_error;                  // of a direct send

@@ -37,7 +37,6 @@ struct Runtime::CachedBatch {
   std::vector<EntryPtr> later;     // submitted while the batch cannot take them: go to the coordinator
   std::vector<EntryPtr> in_round;  // members whose data is in the running round
   bool in_flight = false, ready_round = false, dying = false, dead = false, abandoned = false;
-  bool probed = false;  // told the coordinator that this round waits long
   Clock::time_point since, waited_since, round_start;
   Bytes buf;
 };
@@ -154,7 +153,6 @@ void Runtime::Contribute(const CachedPtr& b, bool ready) {
 
 void Runtime::OnRound(const CachedPtr& b, const Status& st) {
   b->in_flight = false;
-  b->probed = false;
   const size_t ws = DtypeSize(b->wire);
   const char* p = b->buf->data();
   const bool all_ready = st.ok() && GetCount(p + b->total * ws, b->wire) == world().size;
@@ -235,19 +233,23 @@ void Runtime::CheckCached(Clock::time_point now) {
       if (long_wait || (warn > 0 && std::chrono::duration<double>(now - b->since).count() > warn)) Doom(b);
       continue;
     }
-    if (!b->in_flight || !b->ready_round || b->abandoned) continue;
+    if (!b->in_flight || b->abandoned) continue;
     const double waited = std::chrono::duration<double>(now - b->round_start).count();
-    // Waited long: tell the coordinator, whose stall check then names the missing ranks
-    // and fails the op everywhere (FailCached) as for an op it negotiates.
+    // Its ops wait for the other ranks (in this round, or behind a dying batch's last
+    // round): after a while, tell the coordinator, whose stall check then names the
+    // missing ranks and fails the op everywhere (FailCached) as for an op it negotiates.
     const double probe_after = std::min(warn > 0 ? warn : kill, kill > 0 ? kill : warn) / 4;
-    if (probe_after > 0 && waited >= probe_after && !b->probed) {
-      b->probed = true;
-      for (auto& e : b->in_round) {
-        Request req{e->name, e->sig, e->step, {}, 0, false, {}, {}};
-        req.probe = true;
-        late_requests_.push_back(std::move(req));
-      }
+    if (probe_after > 0 && waited >= probe_after) {
+      for (auto* list : {&b->in_round, &b->held, &b->later})
+        for (auto& e : *list) {
+          if (!e || e->probed) continue;
+          e->probed = true;
+          Request req{e->name, e->sig, e->step, {}, 0, false, {}, {}};
+          req.probe = true;
+          late_requests_.push_back(std::move(req));
+        }
     }
+    if (!b->ready_round) continue;
     const std::string what = "allreduce '" + b->names[0] + "'" + (b->names.size() > 1 ? " (and its fused batch)" : "") +
                              " waited " + std::to_string(static_cast<int>(waited)) +
                              " s for the other ranks to submit it (the coordinator did not answer)";
@@ -267,14 +269,22 @@ void Runtime::FailCached(const std::string& name, int64_t step, const Status& st
   auto it = cached_members_.find(name);
   if (it == cached_members_.end()) return;
   const CachedPtr b = it->second.first;
-  bool mine = false;
-  for (auto& e : b->in_round) mine |= e->name == name && (step < 0 || e->step == step);
-  if (fail_round && mine && !b->abandoned) {
-    b->abandoned = true;
-    for (auto& e : b->in_round) Finish(e, st);
-  } else {
-    Doom(b);
+  auto matches = [&](const EntryPtr& e) { return e && e->name == name && (step < 0 || e->step == step); };
+  if (fail_round) {
+    if (!b->abandoned && std::any_of(b->in_round.begin(), b->in_round.end(), matches)) {
+      b->abandoned = true;
+      for (auto& e : b->in_round) Finish(e, st);
+    }
+    for (auto& e : b->held)
+      if (matches(e)) {
+        Finish(e, st);
+        e = nullptr;
+        --b->num_held;
+      }
+    for (auto& e : b->later) if (matches(e)) Finish(e, st);
+    b->later.erase(std::remove_if(b->later.begin(), b->later.end(), matches), b->later.end());
   }
+  Doom(b);
 }
 
 }  // namespace shoal

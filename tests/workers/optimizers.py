@@ -93,6 +93,39 @@ def communicates_exactly_every_k_steps():
 
 
 @check
+def parameters_in_other_orders_and_changing_shapes():
+    """Small parameters travel in flat buckets (bindings/torch/_buckets.py): ranks that list
+    them in other orders still combine each with its namesake, exactly; a parameter that
+    changes shape on every rank between steps is combined at its new shape."""
+    names = ["a", "b", "c", "d"]
+    order = names if R % 2 == 0 else names[::-1]  # a ModuleDict built in another order
+    model = torch.nn.ModuleDict({k: torch.nn.Linear(3, 2) for k in order})
+    with torch.no_grad():
+        for k, m in model.items():
+            m.weight.fill_(100.0 * names.index(k) + R)
+            m.bias.fill_(-100.0 * names.index(k) - R)
+    opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                                  communication_type=CT.allreduce)
+    mean = (N - 1) / 2
+
+    def step():
+        opt.zero_grad()
+        sum(m(torch.ones(1, 3)).sum() for m in model.values()).backward()
+        opt.step()
+    step()
+    for k, m in model.items():
+        i = names.index(k)
+        assert torch.equal(m.weight, torch.full_like(m.weight, 100.0 * i + mean)), (k, m.weight)
+        assert torch.equal(m.bias, torch.full_like(m.bias, -100.0 * i - mean)), (k, m.bias)
+    with torch.no_grad():
+        model["b"].bias.data = torch.full((2,), float(R))  # same shape, new tensor
+        model["c"].weight.data = torch.full((2, 3), float(R)).t().contiguous().t()  # a view
+    step()
+    assert torch.equal(model["b"].bias, torch.full((2,), mean)), model["b"].bias
+    assert torch.equal(model["c"].weight, torch.full((2, 3), mean)), model["c"].weight
+
+
+@check
 def list_of_modules_and_parameter_views():
     enc, dec = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
     params = list(enc.parameters()) + list(dec.parameters())
