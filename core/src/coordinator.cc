@@ -290,6 +290,7 @@ std::vector<Response> Coordinator::TakeResponses() {
   // Fuse consecutive-in-spirit allreduces: one open batch per (dtype, reduce op, device).
   std::map<std::tuple<int, int, int, int>, std::pair<size_t, int64_t>> open;  // -> (index, bytes)
   const size_t first = out.size();
+  std::vector<int64_t> batch_bytes;  // by index in `out` from `first`
   for (auto& name : complete_) {
     auto it = pending_.find(name);
     if (it == pending_.end()) continue;  // aborted meanwhile
@@ -304,6 +305,7 @@ std::vector<Response> Coordinator::TakeResponses() {
         out[o->second.first].names.push_back(name);
         out[o->second.first].repeat &= r.repeat && Cacheable(sig);
         o->second.second += bytes;
+        batch_bytes[o->second.first - first] += bytes;
         continue;
       }
       open[key] = {out.size(), bytes};
@@ -311,13 +313,17 @@ std::vector<Response> Coordinator::TakeResponses() {
     } else {
       r.repeat &= r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && Cacheable(sig);
     }
+    batch_bytes.push_back(static_cast<int64_t>(sig.nbytes()));
     out.push_back(std::move(r));
   }
   complete_.clear();
   // A batch that ran before as it is now is likely to repeat (a training step's
   // gradients): from now on it runs on a channel of its own, without this round trip.
+  // Only small ones: a large one's data dwarfs the round trip, and its cached rounds would
+  // copy it twice more (into and out of the round's buffer).
   for (size_t i = first; i < out.size() && left_.empty() && !free_channels_.empty(); ++i)
-    if (out[i].repeat && out[i].kind == Response::EXECUTE && out[i].op == SHOAL_OP_ALLREDUCE) {
+    if (out[i].repeat && out[i].kind == Response::EXECUTE && out[i].op == SHOAL_OP_ALLREDUCE &&
+        batch_bytes[i - first] <= kMaxCachedBytes) {
       out[i].channel = free_channels_.back();
       free_channels_.pop_back();
     }

@@ -94,6 +94,7 @@ class Coordinator {
   };
   Response Validate(const std::string& name, const Pending& p);
   static bool Cacheable(const Signature& sig);
+  static constexpr int64_t kMaxCachedBytes = 256 << 10;  // cached batches: at most this much data
   std::string CheckEdges(const Pending& p) const;
 
   int size_;
