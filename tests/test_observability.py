@@ -31,7 +31,8 @@ def test_timeline_of_the_main_job(tmp_path):
         events = json.loads(Path(path).read_text())  # closed cleanly: plain JSON
         tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
         phases = {(tracks[e["tid"]], e["name"]) for e in events if e.get("ph") == "X"}
-        param = next(t for t in tracks.values() if t.endswith("conv1.weight") and t.startswith("opt"))
+        # The optimizer's exchange of conv1's parameters (small ones travel in one bucket).
+        param = next(t for t in tracks.values() if t.startswith("opt") and "conv1." in t)
         for phase in ("neighbor_allreduce", "FUSION_COPY", "WAIT_FOR_PEERS", "REDUCE", "CALLBACK", "NEGOTIATE"):
             assert (param, phase) in phases, (rank, param, phase)
         assert ("epoch_stats", "COMMUNICATE") in phases
