@@ -23,7 +23,9 @@ trailing partial line is written at EOF, ended with "\\n". So a prompt without a
 The child finds STATUS_DIR in SHOAL_STATUS_DIR: Shoal's runtime writes its own record there
 (write_status) before it aborts the job, since the launcher may kill this wrapper before it
 sees the child end. The wrapper writes one when the child ends non-zero and no record for the
-rank exists. Records are one line, "<unix time> <rank> <status> <description>".
+rank exists. Records are one line, "<unix time> <rank> <status> <description>". The
+wrapper also records its host and pids (write_pids): if the MPI launcher leaves ranks running
+after a failure (Hydra's clean-up races with a rank's exit), shoalrun ends them.
 
 With SHOAL_GPU_BIND=1 (and CUDA_VISIBLE_DEVICES unset) the rank sees one GPU: local_rank %
 device_count (several ranks share a GPU when they outnumber the GPUs). Off by default, as
@@ -47,6 +49,19 @@ EXIT_GRACE = 1.0       # s to wait for EOF once the child has exited (its own ch
 
 def status_path(status_dir, rank):
     return os.path.join(status_dir, f"rank{rank}.status")
+
+
+def pid_path(status_dir, rank):
+    return os.path.join(status_dir, f"rank{rank}.pid")
+
+
+def write_pids(status_dir, rank, child_pid):
+    """Record "<host> <wrapper pid> <child pid>" in STATUS_DIR/rank{rank}.pid, so shoalrun can
+    end this rank itself if the MPI launcher fails to after another rank failed."""
+    tmp = os.path.join(status_dir, f".rank{int(rank)}.pid.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{os.uname().nodename} {os.getpid()} {child_pid}\n")
+    os.replace(tmp, pid_path(status_dir, int(rank)))
 
 
 def write_status(status_dir, rank, status, description):
@@ -315,6 +330,10 @@ def main(argv):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, _f: child.send_signal(s))
+    try:
+        write_pids(status_dir, rank, child.pid)
+    except OSError:
+        pass
     exited_r, exited_w = os.pipe()
 
     def wait_child():

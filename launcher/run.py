@@ -11,7 +11,8 @@ ssh reachability first. The ranks get this environment except the deny-list belo
 ranks outnumber cores and the user set none. Each rank runs under a wrapper (rank.py) that
 forwards its output in whole lines (never spliced with another rank's; --tag-output
 prefixes each with [R]<stdout>: or [R]<stderr>:). If any rank fails, the MPI launcher stops
-the others and shoalrun exits non-zero, naming the rank that failed first and how.
+the others (or, if it has not FAILURE_GRACE s later, shoalrun does) and shoalrun exits
+non-zero, naming the rank that failed first and how.
 """
 import argparse
 import fnmatch
@@ -19,12 +20,20 @@ import importlib.metadata
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 from .rank import read_status
+
+# After the first failure record, the MPI launcher has this long (s) to end the job before
+# shoalrun ends the ranks itself: Hydra's clean-up after a rank's death sometimes leaves the
+# others blocked in MPI. Ranks that see a peer fail exit within seconds (a lost peer is an
+# error in the runtime), so a job still running after this is stuck.
+FAILURE_GRACE = 10.0
 
 # Never forwarded to the ranks: per-shell state, the terminal's session, and anything
 # that looks like a secret. CUDA_VISIBLE_DEVICES is forwarded when the user set it;
@@ -193,6 +202,46 @@ def first_failure(status_dir):
     return f"rank {rank} {what}"
 
 
+def end_ranks(status_dir, sig):
+    """Send `sig` to the wrapper and command of every rank on this host (rank.write_pids)."""
+    host = os.uname().nodename
+    for name in os.listdir(status_dir):
+        if not (name.startswith("rank") and name.endswith(".pid")):
+            continue
+        try:
+            with open(os.path.join(status_dir, name)) as f:
+                where, *pids = f.read().split()
+            if where == host:
+                for pid in pids:
+                    os.kill(int(pid), sig)
+        except (OSError, ValueError):
+            pass  # gone already, or a record cut short
+
+
+def wait_job(proc, status_dir, grace=FAILURE_GRACE):
+    """Exit status of the MPI launcher `proc`; ends the job (ranks on this host, then the
+    launcher) when it outlives the first failure record by `grace` seconds."""
+    failed_at = None
+    while True:
+        try:
+            return proc.wait(timeout=0.25)
+        except subprocess.TimeoutExpired:
+            pass
+        if failed_at is None:
+            if first_failure(status_dir) is not None:
+                failed_at = time.monotonic()
+        elif time.monotonic() - failed_at > grace:
+            print(f"shoalrun: the job still runs {grace:.0f} s after a rank failed; ending it",
+                  file=sys.stderr, flush=True)
+            end_ranks(status_dir, signal.SIGKILL)
+            try:
+                rc = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            return rc or 1
+
+
 # Per launcher: (rank-count flag, hosts flag, hostfile flag, how to pass one variable).
 LAUNCHER_FLAGS = {
     "openmpi": ("-np", "-H", "--hostfile", lambda k, v: ["-x", f"{k}={v}"]),
@@ -312,7 +361,7 @@ def main(argv=None):
                 return 0
         proc = subprocess.Popen(cmd, env=env)
         try:
-            rc = proc.wait()
+            rc = wait_job(proc, status_dir)
         except KeyboardInterrupt:
             proc.terminate()
             try:

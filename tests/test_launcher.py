@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,30 @@ def test_the_record_a_rank_writes_itself_is_what_shoalrun_names():
     out = _run(shoalrun_cmd(3, sys.executable, "-c", code))
     assert out.returncode != 0, out.stderr
     assert "first failure: rank 2 raised ValueError: bad input (rank 2)" in out.stderr, out.stderr
+
+
+def test_a_job_stuck_after_a_failure_is_ended_by_shoalrun(tmp_path):
+    # Rank 1 records a failure and every rank then blocks (as ranks do when the MPI
+    # launcher's clean-up misses them): shoalrun ends the job FAILURE_GRACE s later, names
+    # rank 1, and leaves no process behind.
+    from shoal.launcher.run import FAILURE_GRACE
+    code = ("import os, sys, time\n"
+            "from shoal.launcher.rank import write_status\n"
+            "r, d = int(os.environ['PMI_RANK']), os.environ['SHOAL_STATUS_DIR']\n"
+            f"open(os.path.join({str(tmp_path)!r}, f'pid{{r}}'), 'w').write(str(os.getpid()))\n"
+            "if r == 1:\n"
+            "    write_status(d, r, 1, 'raised RuntimeError: stuck peer (rank 1)')\n"
+            "time.sleep(300)\n")
+    start = time.monotonic()
+    out = _run(shoalrun_cmd(3, sys.executable, "-c", code))
+    secs = time.monotonic() - start
+    assert out.returncode != 0, out.stderr
+    assert "first failure: rank 1 raised RuntimeError: stuck peer (rank 1)" in out.stderr, out.stderr
+    assert "ending it" in out.stderr, out.stderr
+    assert FAILURE_GRACE <= secs < FAILURE_GRACE + 30, secs
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 3, pids
+    deadline = time.monotonic() + 5  # the parent-death signal arrives asynchronously
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "ranks left running"
