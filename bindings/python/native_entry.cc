@@ -357,7 +357,9 @@ PyObject* CallAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
     if (op == Py_None) rop = average == Py_False ? SHOAL_REDUCE_SUM : SHOAL_REDUCE_AVERAGE;
     else if (op == st->sum.ptr()) rop = SHOAL_REDUCE_SUM;
     else if (op == st->average.ptr()) rop = SHOAL_REDUCE_AVERAGE;
-    const bool plain = name && rop >= 0 && (average == Py_None || average == Py_True || average == Py_False) &&
+    // An integer average goes to the fallback: an error for Shoal's names, Horovod's
+    // truncated average for its surface (bindings/torch/_horovod.py).
+    const bool plain = name && rop >= 0 && (rop == SHOAL_REDUCE_SUM || IsFloat(in.dtype)) && (average == Py_None || average == Py_True || average == Py_False) &&
                        (local == Py_True || local == Py_False) &&
                        (op == Py_None || average == Py_None || (average == Py_True) == (rop == SHOAL_REDUCE_AVERAGE));
     if (!plain) return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);

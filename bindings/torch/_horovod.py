@@ -241,6 +241,8 @@ allreduce.__doc__ = f"""Blocking allreduce; BlueFog's and Horovod's `allreduce`.
     str third positional argument is Horovod's `name`; the positional arguments are then
     read in Horovod's order {_SIGS["allreduce"][1]}.
     """
+# Plain calls (BlueFog's arguments, a plain tensor) go to the core from C; the rest here.
+allreduce = _torch_ops.native(allreduce, _torch_ops.make_allreduce)
 
 
 def allreduce_(tensor, *args, **kwargs):

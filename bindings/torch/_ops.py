@@ -96,20 +96,49 @@ _TORCH_API = (torch.Tensor, torch.nn.Parameter,
               torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy)
 
 
+try:
+    from torch._dynamo import substitute_in_graph as _substitute  # torch >= 2.5
+except ImportError:
+    _substitute = None
+
+
+def native(fallback, make, traced=None):
+    """A torch entry point as the C function `make(fallback, doc, module, torch=...)`: plain
+    tensors go to the core in one call, anything else to `fallback`. torch.compile traces
+    `traced` (default: `fallback`) in its place (dynamo cannot look into a C function).
+    Where `traced`'s signature is not one a C function can show, a Python function with
+    that signature calls it. Without torch.compile's substitution, or for the fake device
+    (tests), `fallback` itself."""
+    traced = traced or fallback
+    if _adapter._FAKE or _substitute is None:
+        return fallback
+    doc = f"{traced.__name__}{inspect.signature(traced)}\n--\n\n{traced.__doc__}"
+    entry = make(fallback, doc, "shoal.torch", torch=_TORCH_API)
+    _substitute(entry, skip_signature_check=True)(traced)
+    try:
+        if inspect.signature(entry) == inspect.signature(traced):
+            return entry
+    except ValueError:  # defaults a text signature cannot hold (Horovod's Compression.none)
+        pass
+
+    @functools.wraps(traced)
+    def call(*args, **kwargs):
+        return entry(*args, **kwargs)
+    return call
+
+
 def _native(op, make):
-    """The torch entry point of `op` as a C function `make(fallback, doc, module, torch=...)`
-    whose fallback is `shoal._ops._told(op)(fn)`; traced code calls `fn` directly."""
+    """Decorates the torch entry point `fn` of `op` as `native(...)` whose fallback is
+    `shoal._ops._told(op)(fn)`; traced code runs `fn` (nothing to tell at trace time)."""
     def wrap(fn):
         told = _ops._told(op)(fn)
-        doc = f"{fn.__name__}{inspect.signature(fn)}\n--\n\n{fn.__doc__}"
-        native = told if _adapter._FAKE else make(told, doc, "shoal.torch", torch=_TORCH_API)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
-            return native(*args, **kwargs)
-        return call
+            return told(*args, **kwargs)
+        return native(call, make, traced=fn)
     return wrap
 
 
@@ -133,7 +162,12 @@ def _told(op, numpy_fn, dtypes):
     return wrap
 
 
-@_native(_ops.ALLREDUCE, lambda *a, **k: _core.native_allreduce(*a[:3], _ops.Sum, _ops.Average, **k))
+def make_allreduce(fallback, doc, module, torch):
+    """The C allreduce entry (for `native`)."""
+    return _core.native_allreduce(fallback, doc, module, _ops.Sum, _ops.Average, torch=torch)
+
+
+@_native(_ops.ALLREDUCE, make_allreduce)
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
     """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
     (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
