@@ -7,10 +7,14 @@ import inspect
 
 from . import _hierarchical, _ops
 from ._loader import _core
+from ._process import STATE
 
 
 def _scope(is_hierarchical_local):
     return _ops.MACHINE if is_hierarchical_local else _ops.WORLD
+
+
+_BLOCKING = ("allreduce", "allreduce_", "neighbor_allreduce")
 
 
 def build_api(adapter):
@@ -174,14 +178,17 @@ def build_api(adapter):
         allgather, allgather_nonblocking, neighbor_allreduce, neighbor_allreduce_nonblocking)}
     for f in api.values():  # error messages name the public function, not this factory
         f.__qualname__ = f.__name__
-    if adapter.native:
-        # Blocking neighbor_allreduce and allreduce in one C function each; they call the
-        # Python ones for anything but plain arrays and arguments (bindings/python/native_entry.cc).
-        def doc(f):
-            return f"{f.__name__}{inspect.signature(f)}\n--\n\n{f.__doc__}"
-        api["neighbor_allreduce"] = _core.native_neighbor_allreduce(neighbor_allreduce, doc(neighbor_allreduce),
-                                                                    adapter.module)
-        api["allreduce"] = _core.native_allreduce(allreduce, doc(allreduce), adapter.module, _ops.Sum, _ops.Average)
+    # The names in adapter.native as one C function each (bindings/python/native_entry.cc):
+    # plain tensors and arguments go to the core from C, anything else to the Python ones.
+    for name in adapter.native:
+        f = api[name]
+        doc = f"{name}{inspect.signature(f)}\n--\n\n{f.__doc__}"
+        kw = {"torch": adapter.torch_api, "state": None if name in _BLOCKING else STATE}
+        if name.startswith("allreduce"):
+            api[name] = _core.native_allreduce(f, doc, adapter.module, _ops.Sum, _ops.Average,
+                                               inplace=name.endswith("_"), **kw)
+        else:
+            api[name] = _core.native_neighbor_allreduce(f, doc, adapter.module, **kw)
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
                barrier=_ops.barrier)
     return api

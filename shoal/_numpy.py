@@ -12,7 +12,10 @@ _CODES = {np.dtype(n): c for n, c in DTYPE_CODES.items() if n != "bfloat16"}
 class NumpyAdapter:
     name = "numpy"
     module = "shoal"
-    native = True  # blocking neighbor_allreduce of plain arrays: one C function (shoal._api)
+    # Plain arrays go to the core from C in these (shoal._api).
+    native = ("allreduce", "allreduce_", "allreduce_nonblocking", "allreduce_nonblocking_",
+              "neighbor_allreduce", "neighbor_allreduce_nonblocking")
+    torch_api = None
 
     @staticmethod
     def _code(a):

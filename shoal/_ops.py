@@ -378,6 +378,16 @@ def synchronize(handle):
         _forget(handle)
 
 
+def _native_synchronize():
+    # The common case (a registered handle whose op completes without error) in C
+    # (bindings/python/native_entry.cc); anything else takes the function above.
+    doc = f"synchronize{inspect.signature(synchronize)}\n--\n\n{synchronize.__doc__}"
+    return _core.native_synchronize(synchronize, doc, "shoal", STATE)
+
+
+synchronize = _native_synchronize()
+
+
 def _forget(handle):
     with STATE.lock:
         STATE.pending.pop(handle, None)

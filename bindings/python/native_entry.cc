@@ -33,10 +33,14 @@ struct TorchApi {
 };
 
 // The state of one native function: its Python fallback, for allreduce the Sum and Average
-// objects of `op=`, and for torch tensors (instead of numpy arrays) torch's API.
+// objects of `op=`, for torch tensors (instead of numpy arrays) torch's API, and for the
+// nonblocking forms and synchronize shoal._process.STATE (whose `pending` registry maps a
+// handle to (objects kept alive, finish() -> result), as shoal._ops._submit fills it).
 struct Native {
   py::object fallback, sum, average;
   std::unique_ptr<TorchApi> torch;
+  py::object state;  // None: a blocking op
+  bool inplace = false;  // the result overwrites the input (allreduce_, allreduce_nonblocking_)
 };
 
 // An input the one-call path can take: dtype code, address and shape.
@@ -148,6 +152,7 @@ bool PlainInput(const Native& st, PyObject* x, bool any, Input* in) {
   in->dtype = PlainDtype(x, any);
   if (in->dtype < 0) return false;
   const auto* arr = py::detail::array_proxy(x);
+  if (st.inplace && !(arr->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_)) return false;
   in->data = arr->data;
   in->shape.assign(arr->dimensions, arr->dimensions + arr->nd);
   return true;
@@ -200,10 +205,11 @@ const char* PlainName(PyObject* name) {
   return s;
 }
 
-// The description of op `op` from `in` into a new output like `x` (returned).
+// The description of op `op` from `in` into a new output like `x`, or into `x` itself
+// for an in-place op (returned).
 py::object Describe(const Native& st, PyObject* x, const Input& in, int op, const char* name, shoal_op_desc* d) {
-  void* out_data = nullptr;
-  py::object out = NewOutput(st, x, in, &out_data);
+  void* out_data = in.data;
+  py::object out = st.inplace ? py::reinterpret_borrow<py::object>(x) : NewOutput(st, x, in, &out_data);
   *d = shoal_op_desc{};
   d->op = op;
   d->name = name;
@@ -230,13 +236,36 @@ template <typename F> PyObject* Guard(F&& body) {
   return nullptr;
 }
 
-// Blocking neighbor_allreduce of `x` (read as `in`) into a new output.
-py::object Run(const Native& st, PyObject* x, const Input& in, const char* name, const NeighborArgs& a) {
+PyObject* ReturnSelf(PyObject* self, PyObject*) {
+  Py_INCREF(self);
+  return self;
+}
+// A nonblocking op's finish(): a C function bound to its output, returning it.
+PyMethodDef kResultDef{"result", ReturnSelf, METH_NOARGS, nullptr};
+
+// Enqueues `d` reading `x` into `out`. Blocking: waits and returns `out`. Nonblocking:
+// registers the handle in STATE.pending as shoal._ops._submit does and returns it.
+PyObject* Finish(const Native& st, const shoal_op_desc& d, PyObject* x, py::object out) {
+  py::tuple keep = py::make_tuple(py::handle(x), out);
+  if (st.state.is_none()) {
+    Submit(d, true, keep);
+    return out.release().ptr();
+  }
+  py::object handle = py::int_(Submit(d, false, keep));
+  auto finish = py::reinterpret_steal<py::object>(PyCFunction_New(&kResultDef, out.ptr()));
+  if (!finish) throw py::error_already_set();
+  py::object pending = st.state.attr("pending");
+  if (PyDict_SetItem(pending.ptr(), handle.ptr(), py::make_tuple(keep, finish).ptr()) != 0)
+    throw py::error_already_set();
+  return handle.release().ptr();
+}
+
+// neighbor_allreduce of `x` (read as `in`) into a new output.
+PyObject* Run(const Native& st, PyObject* x, const Input& in, const char* name, const NeighborArgs& a) {
   shoal_op_desc d;
   py::object out = Describe(st, x, in, SHOAL_OP_NEIGHBOR_ALLREDUCE, name, &d);
   SetPeers(&d, a);
-  Submit(d, true, py::make_tuple(py::handle(x), out));
-  return out;
+  return Finish(st, d, x, std::move(out));
 }
 
 template <typename T> void Put(std::string* key, T v) { key->append(reinterpret_cast<const char*>(&v), sizeof v); }
@@ -336,7 +365,7 @@ PyObject* Call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject
       if (!e.matches(PyExc_ValueError) && !e.matches(PyExc_TypeError)) throw;
       return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
     }
-    return Run(*st, a[0], in, name, *resolved).release().ptr();
+    return Run(*st, a[0], in, name, *resolved);
   });
 }
 
@@ -367,18 +396,62 @@ PyObject* CallAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
     py::object out = Describe(*st, a[0], in, SHOAL_OP_ALLREDUCE, name, &d);
     d.reduce_op = rop;
     d.scope = local == Py_True ? SHOAL_SCOPE_MACHINE : SHOAL_SCOPE_WORLD;
-    Submit(d, true, py::make_tuple(py::handle(a[0]), out));
-    return out.release().ptr();
+    return Finish(*st, d, a[0], std::move(out));
+  });
+}
+
+// synchronize(handle), vectorcall convention: shoal._ops.synchronize for a registered
+// handle whose op completes without error; anything else (an unknown handle, a failed op,
+// Ctrl-C) is the fallback's, which reports it and cleans up exactly as before.
+PyObject* CallSynchronize(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  auto* st = *static_cast<Native**>(PyModule_GetState(self));
+  auto fallback = [&] { return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames); };
+  if (nargs != 1 || kwnames || !PyLong_CheckExact(args[0])) return fallback();
+  return Guard([&]() -> PyObject* {
+    int overflow = 0;
+    const int64_t h = PyLong_AsLongLongAndOverflow(args[0], &overflow);
+    if (overflow) return fallback();
+    py::object pending = st->state.attr("pending");
+    auto entry = py::reinterpret_borrow<py::object>(PyDict_GetItemWithError(pending.ptr(), args[0]));
+    if (!entry) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return fallback();  // unknown, or already synchronized: its ValueError
+    }
+    char err[kErrLen];
+    int rc;
+    do {
+      {
+        py::gil_scoped_release nogil;
+        rc = shoal_wait_for(h, 200, err, kErrLen);
+      }
+      if (rc == SHOAL_TIMEOUT && PyErr_CheckSignals() != 0) {
+        if (shoal_poll(h) != 1) throw py::error_already_set();  // the op runs on: handle stays valid
+        // Done meanwhile: the fallback cleans up, then the interruption is raised.
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        Py_XDECREF(fallback());
+        PyErr_Restore(type, value, tb);
+        return nullptr;
+      }
+    } while (rc == SHOAL_TIMEOUT);
+    if (rc != SHOAL_OK) return fallback();
+    if (PyDict_DelItem(pending.ptr(), args[0]) != 0) throw py::error_already_set();
+    py::object on_failure = st->state.attr("on_failure");
+    if (PyDict_GET_SIZE(on_failure.ptr()) > 0 && PyDict_Contains(on_failure.ptr(), args[0]) == 1)
+      PyDict_DelItem(on_failure.ptr(), args[0]);
+    PyObject* result = PyObject_CallNoArgs(PyTuple_GET_ITEM(entry.ptr(), 1));
+    shoal_release(h);
+    return result;
   });
 }
 
 // A built-in function `name` of module `module` calling `call` with a Native state.
-py::object MakeNative(const char* name, PyCFunction call, Native* state, const std::string& doc,
+py::object MakeNative(const std::string& name, PyCFunction call, Native* state, const std::string& doc,
                       const std::string& module) {
   // The function's state is a module object (so it prints as a built-in function) whose
   // C state is the Native. Both live as long as the process: they may hold Python objects
   // at interpreter exit, so they are never destroyed.
-  auto* def = new PyMethodDef{name, call, METH_FASTCALL | METH_KEYWORDS, strdup(doc.c_str())};
+  auto* def = new PyMethodDef{strdup(name.c_str()), call, METH_FASTCALL | METH_KEYWORDS, strdup(doc.c_str())};
   auto* mdef = new PyModuleDef{PyModuleDef_HEAD_INIT, strdup(module.c_str()), nullptr, sizeof(Native *),
                                nullptr, nullptr, nullptr, nullptr, nullptr};
   auto self = py::reinterpret_steal<py::object>(PyModule_Create(mdef));
@@ -421,25 +494,39 @@ void DefineNeighborNative(py::module_& m) {
   // `torch`: None (numpy arrays) or, for torch tensors, (torch.Tensor, torch.nn.Parameter,
   // {dtype: (code, numpy dtype or None)}, torch.strided, torch.empty_like,
   // torch.is_grad_enabled, torch.from_numpy).
-  auto state = [](py::object fallback, py::object sum, py::object average, py::object torch) {
-    auto* st = new Native{std::move(fallback), std::move(sum), std::move(average), nullptr};
+  // `state`: None (blocking) or shoal._process.STATE (nonblocking: the handle is returned).
+  auto state = [](py::object fallback, py::object sum, py::object average, py::object torch,
+                  py::object state = py::none(), bool inplace = false) {
+    auto* st = new Native{std::move(fallback), std::move(sum), std::move(average), nullptr, std::move(state),
+                          inplace};
     if (!torch.is_none()) {
       auto t = torch.cast<py::tuple>();
       st->torch.reset(new TorchApi{t[0], t[1], t[2], t[3], t[4], t[5], t[6]});
     }
     return st;
   };
-  m.def("native_neighbor_allreduce", [state](py::object fallback, const std::string& doc, const std::string& module,
-                                             py::object torch) {
-    return MakeNative("neighbor_allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Call)),
-                      state(std::move(fallback), {}, {}, std::move(torch)), doc, module);
-  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("torch") = py::none());
-  m.def("native_allreduce", [state](py::object fallback, const std::string& doc, const std::string& module,
-                                    py::object sum, py::object average, py::object torch) {
-    return MakeNative("allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(CallAllreduce)),
-                      state(std::move(fallback), std::move(sum), std::move(average), std::move(torch)), doc, module);
+  auto fn = [](auto call) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)); };
+  auto name = [](const py::object& fallback) { return fallback.attr("__name__").cast<std::string>(); };
+  m.def("native_neighbor_allreduce", [=](py::object fallback, const std::string& doc, const std::string& module,
+                                         py::object torch, py::object nonblocking) {
+    return MakeNative(name(fallback), fn(Call), state(fallback, {}, {}, std::move(torch), std::move(nonblocking)),
+                      doc, module);
+  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("torch") = py::none(),
+     py::arg("state") = py::none());
+  m.def("native_allreduce", [=](py::object fallback, const std::string& doc, const std::string& module,
+                                py::object sum, py::object average, py::object torch, py::object nonblocking,
+                                bool inplace) {
+    return MakeNative(name(fallback), fn(CallAllreduce),
+                      state(fallback, std::move(sum), std::move(average), std::move(torch), std::move(nonblocking),
+                            inplace),
+                      doc, module);
   }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("sum"), py::arg("average"),
-     py::arg("torch") = py::none());
+     py::arg("torch") = py::none(), py::arg("state") = py::none(), py::arg("inplace") = false);
+  m.def("native_synchronize", [=](py::object fallback, const std::string& doc, const std::string& module,
+                                  py::object process_state) {
+    return MakeNative(name(fallback), fn(CallSynchronize), state(fallback, {}, {}, py::none(), std::move(process_state)),
+                      doc, module);
+  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("state"));
 }
 
 }  // namespace shoal_py

@@ -11,6 +11,7 @@ whole GPU code path runs on CPUs in CI (DESIGN decision 12)."""
 import functools
 import os
 
+import numpy as np
 import torch
 
 from shoal._ops import DTYPE_CODES
@@ -20,7 +21,10 @@ _CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
 
 class TorchAdapter:
     name = "torch"
-    native = False
+    module = "shoal.torch"
+    # Plain tensors go to the core from C in these (shoal._api); blocking allreduce and
+    # neighbor_allreduce are bindings/torch/_ops.py's (torch.library ops, autograd).
+    native = ("allreduce_", "allreduce_nonblocking", "allreduce_nonblocking_", "neighbor_allreduce_nonblocking")
 
     @staticmethod
     def _check(t, op):
@@ -93,6 +97,15 @@ class TorchAdapter:
 
 
 _FAKE = os.environ.get("SHOAL_FAKE_DEVICE") == "1"
+if _FAKE:  # CPU tensors described as CUDA ones: the C functions would take them as host memory
+    TorchAdapter.native = ()
+# torch's Python API as the C functions read it (bindings/python/native_entry.cc): the
+# plain tensor types, {dtype: (core code, numpy dtype of the same memory or None)},
+# torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy.
+TorchAdapter.torch_api = (torch.Tensor, torch.nn.Parameter,
+                          {getattr(torch, n): (c, None if n == "bfloat16" else np.dtype(n))
+                           for n, c in DTYPE_CODES.items()},
+                          torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy)
 
 
 @functools.lru_cache(maxsize=None)

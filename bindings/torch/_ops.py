@@ -88,14 +88,6 @@ def _plain(t, dtypes):
     return t.numpy()
 
 
-# allreduce and neighbor_allreduce take a plain tensor to the core in one C function
-# (bindings/python/native_entry.cc reads it through torch's Python API), which calls the
-# registered op's path for anything else.
-_TORCH_API = (torch.Tensor, torch.nn.Parameter,
-              {getattr(torch, n): (c, None if n == "bfloat16" else np.dtype(n)) for n, c in _ops.DTYPE_CODES.items()},
-              torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy)
-
-
 try:
     from torch._dynamo import substitute_in_graph as _substitute  # torch >= 2.5
 except ImportError:
@@ -113,7 +105,7 @@ def native(fallback, make, traced=None):
     if _adapter._FAKE or _substitute is None:
         return fallback
     doc = f"{traced.__name__}{inspect.signature(traced)}\n--\n\n{traced.__doc__}"
-    entry = make(fallback, doc, "shoal.torch", torch=_TORCH_API)
+    entry = make(fallback, doc, ADAPTER.module, torch=ADAPTER.torch_api)
     _substitute(entry, skip_signature_check=True)(traced)
     try:
         if inspect.signature(entry) == inspect.signature(traced):
@@ -164,7 +156,7 @@ def _told(op, numpy_fn, dtypes):
 
 def make_allreduce(fallback, doc, module, torch):
     """The C allreduce entry (for `native`)."""
-    return _core.native_allreduce(fallback, doc, module, _ops.Sum, _ops.Average, torch=torch)
+    return _core.native_allreduce(fallback, doc, module, sum=_ops.Sum, average=_ops.Average, torch=torch)
 
 
 @_native(_ops.ALLREDUCE, make_allreduce)

@@ -37,7 +37,7 @@ from shoal import _hierarchical, _ops
 
 from . import _buckets
 from ._adapter import ADAPTER
-from ._horovod import (Average, Compression, Sum, _check_op, _check_process_set, check_compression,
+from ._horovod import (TORCH_API, Average, Compression, Sum, _check_op, _check_process_set, check_compression,
                        global_process_set)
 from ._optimizer_base import (CommunicationType, CommunicationTypeError, GradientsInFlightError,  # noqa: F401
                               _Distributed)
@@ -368,8 +368,10 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         if self._prescale != 1.0:
             with torch.no_grad():
                 sent.mul_(self._prescale)
-        h = _ops.allreduce(ADAPTER, sent, self._op is Average, f"{self._prefix}.grad.{self._names[p]}",
-                           inplace=True)
+        # allreduce_nonblocking_: a plain gradient goes to the core from C (the hook runs
+        # once per parameter, on the backward pass's critical path).
+        h = TORCH_API["allreduce_nonblocking_"](sent, self._op is Average, False,
+                                                f"{self._prefix}.grad.{self._names[p]}")
         self._grad_handles[p] = (h, g, g._version)
         if sent is not g or self._postscale != 1.0:
             self._sent[p] = (sent, ctx)
