@@ -153,17 +153,19 @@ def native_entry_same_as_general_path():
              ((np.float64(0.5), {prv: np.float64(0.5)}, [np.int64(nxt)]), {}), ((1, {prv: 1}, [nxt]), {}),
              ((0.5, {prv: w}, [nxt]), {}), ((0.5, {prv: 0.5}, [nxt], True), {"name": "native.checked"})]
     x = data(R)
+
+    class Sub(np.ndarray):  # not a plain array: the Python path
+        pass
     for i, (args, kw) in enumerate(forms):
         for rep in range(2):
             if i == 8 and rep == 1:
                 w[...] = 0.75  # a 0-d array weight changed in place is read again
             got = shoal.neighbor_allreduce(x, *args, **kw)
-            want = shoal.synchronize(shoal.neighbor_allreduce_nonblocking(x, *args, **kw))
-            assert got.dtype == x.dtype and np.array_equal(got, want), (i, rep, got, want)
+            started = shoal.synchronize(shoal.neighbor_allreduce_nonblocking(x, *args, **kw))
+            want = np.asarray(shoal.neighbor_allreduce(x.view(Sub), *args, **kw))
+            for out in (got, started):
+                assert type(out) is np.ndarray and out.dtype == x.dtype and np.array_equal(out, want), (i, rep, out, want)
     assert np.array_equal(got, 0.5 * data(R) + 0.5 * data(prv))
-
-    class Sub(np.ndarray):
-        pass
     got = shoal.neighbor_allreduce(x.view(Sub), 0.5, {prv: 0.5}, [nxt])
     assert type(got) is Sub and np.array_equal(got, 0.5 * data(R) + 0.5 * data(prv))  # as the general path
     for bad, exc in (((0.5, {N: 0.5}, [nxt]), ValueError), ((0.5, {prv: 0.5}, [nxt], True, "n", 1), TypeError)):
@@ -171,6 +173,41 @@ def native_entry_same_as_general_path():
             raises(exc, shoal.neighbor_allreduce, x, *bad)
     for kw in ({"tensor": x}, {"src_weights": {prv: 0.5}, "bogus": 1}):  # tensor twice; unknown keyword
         raises(TypeError, shoal.neighbor_allreduce, x, **kw)
+    shoal.barrier()
+
+
+@check
+def native_allreduce_forms_same_as_general_path():
+    # allreduce, allreduce_, allreduce_nonblocking(_) and synchronize are C functions for
+    # plain arrays and arguments; every form gives what the Python path (an ndarray
+    # subclass) gives, and what the C functions hand on raises as before.
+    class Sub(np.ndarray):
+        pass
+    forms = [((), {}), ((False,), {}), ((True, False, "nat.ar"), {}), ((), dict(op=shoal.Sum)),
+             ((), dict(average=True, op=shoal.Average, name="nat.ar2"))]
+    for dtype in ("float64", "float32", "float16", "int32", "int64"):
+        x = data(R, dtype) + (0 if dtype.startswith("int") else 0.25)
+        for args, kw in forms:
+            if dtype.startswith("int") and (args[:1] != (False,) and kw.get("op") is not shoal.Sum):
+                raises(ValueError, shoal.allreduce_nonblocking, x, *args, **kw)  # integer average
+                continue
+            want = np.asarray(shoal.allreduce(x.view(Sub), *args, **kw))
+            outs = [shoal.allreduce(x, *args, **kw), shoal.synchronize(shoal.allreduce_nonblocking(x, *args, **kw))]
+            for inplace in (shoal.allreduce_, lambda *a, **k: shoal.wait(shoal.allreduce_nonblocking_(*a, **k))):
+                y = x.copy()
+                assert inplace(y, *args, **kw) is y
+                outs.append(y)
+            for out in outs:
+                assert type(out) is np.ndarray and out.dtype == x.dtype and np.array_equal(out, want), (dtype, args, kw)
+    frozen = data(R)
+    frozen.flags.writeable = False
+    raises(ValueError, shoal.allreduce_, frozen)
+    raises(ValueError, shoal.allreduce_nonblocking_, frozen)
+    h = shoal.allreduce_nonblocking(data(R), name="nat.once")
+    shoal.synchronize(h)
+    raises(ValueError, shoal.synchronize, h)  # synchronized already: unknown
+    raises(ValueError, shoal.synchronize, -5)
+    raises(TypeError, shoal.synchronize)
     shoal.barrier()
 
 

@@ -39,6 +39,49 @@ def inplace_and_nonblocking():
 
 
 @check
+def nonblocking_and_inplace_every_dtype_exact():
+    # The C entries (plain tensors) and the Python path (a non-contiguous view, a tensor
+    # that requires grad) give the same exact sums; what they refuse raises as before.
+    for dt in DTYPES:
+        want = (base(torch.int64) * (N * (N + 1) // 2)).to(dt)
+        x = base(dt) * (R + 1)
+        strided = torch.stack([x, x], dim=-1)[..., 0]  # x's values, not contiguous
+        for t in (x, strided):
+            got = bf.synchronize(bf.allreduce_nonblocking(t, average=False, name=f"t.nb.{dt}"))
+            assert got.dtype == dt and torch.equal(got, want), (dt, t.is_contiguous(), got)
+        y = x.clone()
+        assert bf.synchronize(bf.allreduce_nonblocking_(y, False, False, f"t.nb_.{dt}")) is y and torch.equal(y, want)
+        y = x.clone()
+        assert bf.allreduce_(y, average=False, name=f"t.ar_.{dt}") is y and torch.equal(y, want), (dt, y)
+        if dt.is_floating_point:
+            g = x.clone().requires_grad_()
+            got = bf.synchronize(bf.allreduce_nonblocking(g, average=False, name=f"t.nb.g.{dt}"))
+            assert torch.equal(got, want), (dt, got)
+            try:
+                bf.allreduce_nonblocking_(g, average=False, name=f"t.nb_.g.{dt}")
+            except ValueError as e:
+                assert "autograd" in str(e), e
+            else:
+                raise AssertionError("an in-place allreduce of a tensor autograd records was accepted")
+        else:
+            try:
+                bf.allreduce_nonblocking(x, name=f"t.nb.avg.{dt}")
+            except ValueError as e:
+                assert "average" in str(e), e
+            else:
+                raise AssertionError(f"an average of {dt} was accepted")
+    h = bf.neighbor_allreduce_nonblocking(torch.full((3,), float(R)), name="t.nar.nb")
+    got = bf.synchronize(h)
+    assert torch.equal(got, bf.neighbor_allreduce(torch.full((3,), float(R)).requires_grad_(), name="t.nar.ref")), got
+    try:
+        bf.synchronize(h)
+    except ValueError as e:
+        assert "unknown handle" in str(e), e
+    else:
+        raise AssertionError("a handle was synchronized twice")
+
+
+@check
 def broadcast_and_allgather_every_dtype():
     for dt in DTYPES + [torch.bool]:
         x = torch.full((2,), R % 2 == 1) if dt == torch.bool else base(dt) + R
