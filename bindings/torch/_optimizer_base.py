@@ -72,7 +72,7 @@ class _Distributed(torch.optim.Optimizer):
         self.num_steps_per_communication = int(num_steps_per_communication)
         self._prefix = STATE.unnamed("opt")
         self._handles = {}       # parameter -> handle of its parameter communication
-        self._grad_handles = {}  # parameter -> (handle, gradient, its _version): gradient allreduce
+        self._grad_handles = {}  # gradient allreduce: parameter or bucket -> its op (optimizers.py)
         self._passes = {}        # parameter -> backward passes since the last communication
         self._hooks = []
         self._timeline_hooks = []
@@ -170,10 +170,10 @@ class _Distributed(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def _synchronize_for_step(self):
-        in_flight = bool(self._handles or self._grad_handles)
+        in_flight = bool(self._handles) or self._gradients_pending()
         if not self._should_synchronize:
             if in_flight:  # the local step would race with (and be undone by) the communication
-                raise (GradientsInFlightError if self._grad_handles else RuntimeError)(
+                raise (GradientsInFlightError if self._gradients_pending() else RuntimeError)(
                     "step() inside skip_synchronize() while communication is in flight; "
                     "call synchronize() first")
         elif self._synchronized:
@@ -184,11 +184,15 @@ class _Distributed(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
 
+    def _gradients_pending(self):
+        """True while gradients are being averaged (DistributedGradientAllreduceOptimizer)."""
+        return bool(self._grad_handles)
+
     def zero_grad(self, set_to_none=True):
         """The wrapped optimizer's zero_grad. Fine while parameters are in flight; raises
         GradientsInFlightError while gradients are being averaged (after backward and
         before step()/synchronize() of DistributedGradientAllreduceOptimizer)."""
-        if self._grad_handles:
+        if self._gradients_pending():
             raise GradientsInFlightError(
                 "zero_grad() was called while gradients are being averaged (after backward, "
                 "before step() or synchronize()); zero them before the forward pass or after step()")

@@ -341,50 +341,92 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         # average times f after it.
         self._op, self._prescale, self._postscale = op, 1.0 / f, f
         self._sparse_as_dense = bool(sparse_as_dense)
-        self._sent = {}  # parameter -> (tensor in flight, compression ctx) when it is not p.grad itself
+        # Small gradients travel in buckets (shoal.torch._buckets): a bucket's op starts
+        # once all its members' gradients are in; the others go alone, as soon as backward
+        # produces them. _grad_handles: parameter or Bucket -> (handle, [(parameter,
+        # gradient, its _version)], tensor sent, compression ctx).
+        self._bucket_of = {}
+        for p, bucket in _buckets.plan(list(self._params()), self._names, f"{self._prefix}.grad"):
+            for q in bucket.params if bucket is not None else ():
+                self._bucket_of[q] = bucket
+        self._ready = {}  # Bucket -> {parameter: (gradient, _version)} of members whose gradient is in
         self.communications = 0
         self._count_passes(self._on_grad)
         for p in self._params():  # before accumulation: an in-flight gradient stays untouched
             self._hooks.append(p.register_hook(lambda grad, p=p: self._before_accumulation(p)))
 
+    def _gradients_pending(self):
+        return bool(self._grad_handles) or any(self._ready.values())
+
+    def _in_flight(self, p):
+        bucket = self._bucket_of.get(p)
+        return p in self._grad_handles or (bucket is not None and (
+            bucket in self._grad_handles or p in self._ready.get(bucket, ())))
+
     def _before_accumulation(self, p):
-        if p in self._grad_handles:
+        if self._in_flight(p):
             raise RuntimeError(f"more than num_steps_per_communication={self.num_steps_per_communication} "
                                f"backward passes before step() (the gradient of {self._names[p]!r} "
                                "is being averaged)")
 
     def _on_grad(self, p, n):
-        if n == self.num_steps_per_communication:
+        if n != self.num_steps_per_communication:
+            return
+        bucket = self._bucket_of.get(p)
+        if bucket is None:
             self._launch(p)
+            return
+        ready = self._ready.setdefault(bucket, {})
+        ready[p] = (self._dense_grad(p), p.grad._version)
+        if len(ready) == len(bucket.params):
+            self._launch_bucket(bucket)
 
-    def _launch(self, p):
+    def _dense_grad(self, p):
         g = p.grad
         if g.layout != torch.strided:
             if not self._sparse_as_dense:
                 raise ValueError(f"the gradient of {self._names[p]!r} is sparse: Shoal averages dense "
                                  "gradients; pass sparse_as_dense=True (Horovod's option)")
             g = p.grad = g.to_dense()
-        sent, ctx = self._compression.compress(g)
+        return g
+
+    def _start(self, key, t, name, grads):
+        """Start the allreduce of `t` (a gradient, or a bucket's flat buffer)."""
+        sent, ctx = self._compression.compress(t)
         if self._prescale != 1.0:
             with torch.no_grad():
                 sent.mul_(self._prescale)
         # allreduce_nonblocking_: a plain gradient goes to the core from C (the hook runs
         # once per parameter, on the backward pass's critical path).
-        h = TORCH_API["allreduce_nonblocking_"](sent, self._op is Average, False,
-                                                f"{self._prefix}.grad.{self._names[p]}")
-        self._grad_handles[p] = (h, g, g._version)
-        if sent is not g or self._postscale != 1.0:
-            self._sent[p] = (sent, ctx)
+        h = TORCH_API["allreduce_nonblocking_"](sent, self._op is Average, False, name)
+        self._grad_handles[key] = (h, grads, sent, ctx)
+
+    def _launch(self, p):
+        g = self._dense_grad(p)
+        self._start(p, g, f"{self._prefix}.grad.{self._names[p]}", [(p, g, g._version)])
+
+    def _launch_bucket(self, bucket):
+        ready = self._ready.pop(bucket)
+        grads = [(p, *ready[p]) for p in bucket.params]
+        with torch.no_grad():
+            _buckets._copy_all(bucket.flat_views, [g for _, g, _ in grads])
+        self._start(bucket, bucket.flat, bucket.name, grads)
 
     def synchronize(self):
         """Wait for every gradient's average (launching, with zeros, those never produced).
         Raises GradientsInFlightError (after all averages are in) if a gradient was zeroed,
         replaced or modified in place while it was being averaged."""
         for p in self._params():
-            if p not in self._grad_handles:
+            if not self._in_flight(p):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self._launch(p)
+                bucket = self._bucket_of.get(p)
+                if bucket is None:
+                    self._launch(p)
+                else:
+                    self._ready.setdefault(bucket, {})[p] = (self._dense_grad(p), p.grad._version)
+                    if len(self._ready[bucket]) == len(bucket.params):
+                        self._launch_bucket(bucket)
         touched = self._wait_gradients()
         self.communications += 1
         if not touched:
@@ -399,25 +441,30 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
     def _wait_gradients(self):
         """Wait for the averages in flight; names of gradients changed meanwhile."""
         handles, self._grad_handles = self._grad_handles, {}
-        sent, self._sent = self._sent, {}
+        self._ready.clear()
         touched = []
-        for p, (h, g, version) in handles.items():
-            _ops.synchronize(h)
-            if p.grad is not g or g._version != version:
-                touched.append(self._names[p])
+        for key, (h, grads, _, _) in handles.items():
+            if isinstance(key, _buckets.Bucket):
+                _buckets.synchronize(key, h)
+            else:
+                _ops.synchronize(h)
+            touched += [self._names[p] for p, g, version in grads if p.grad is not g or g._version != version]
         self._passes.clear()
-        if not touched:  # compressed or scaled: the average back into the gradient
+        if not touched:  # the average back into the gradient (unless it was averaged in place)
             with torch.no_grad():
-                for p, (t, ctx) in sent.items():
-                    out = self._compression.decompress(t, ctx)
+                for key, (_, grads, sent, ctx) in handles.items():
+                    out = self._compression.decompress(sent, ctx)
                     if self._postscale != 1.0:
                         out = out * self._postscale
-                    if out is not p.grad:
-                        p.grad.copy_(out)
+                    if isinstance(key, _buckets.Bucket):
+                        _buckets._copy_all([g for _, g, _ in grads], key.flat_views if out is key.flat
+                                           else key._views(out))
+                    elif out is not grads[0][1]:
+                        grads[0][1].copy_(out)
         return touched
 
     def _step(self, closure):
-        if self._grad_handles and getattr(self, "found_inf", None) is not None:
+        if self._gradients_pending() and getattr(self, "found_inf", None) is not None:
             # GradScaler checked or unscaled the gradients (its kernel leaves no version
             # trace) while they were still being averaged: its overflow verdict differs
             # between ranks and the averages are spoiled.

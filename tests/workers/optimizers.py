@@ -60,6 +60,33 @@ def every_optimizer_and_communication_type_reaches_noise_floor():
 
 
 @check
+def gradient_buckets_average_exactly_with_unused_parameters():
+    # 40 small parameters travel in one bucket, a large one alone; "odd" is used on even
+    # ranks only (the others average zeros for it). Gradients are integers: exact means.
+    shapes = [(3,)] * 20 + [(2, 2)] * 20 + [(128, 130)]  # the last is over 64 KiB
+    model = torch.nn.ParameterDict({f"p{i:02d}": torch.nn.Parameter(torch.zeros(s)) for i, s in enumerate(shapes)})
+    model["odd"] = torch.nn.Parameter(torch.zeros(4))
+    coef = {n: torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) % 5 + R for n, p in model.items()}
+    for k in (1, 2):
+        opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                                       num_steps_per_communication=k)
+        bf.reset_stats()
+        for _ in range(3):
+            opt.zero_grad()
+            for _ in range(k):
+                loss = sum((p * coef[n]).sum() for n, p in model.items() if n != "odd" or R % 2 == 0)
+                loss.backward()
+            opt.step()
+            for n, p in model.items():
+                users = N if n != "odd" else (N + 1) // 2
+                ranks = range(0, N, 2) if n == "odd" else range(N)
+                want = k * sum(coef[n] - R + r for r in ranks) / N
+                assert torch.equal(p.grad, want), (n, users, p.grad, want)
+        assert bf.stats()["allreduce"] == 3 * 2, bf.stats()  # one bucket and the large one per step
+        opt.remove_hooks()
+
+
+@check
 def communicates_exactly_every_k_steps():
     for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer):
         bf.reset_stats()
