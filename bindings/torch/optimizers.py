@@ -298,9 +298,11 @@ DistributedHierarchicalNeighborAllreduceOptimizer = _deprecated_awc(
 
 
 class DistributedGradientAllreduceOptimizer(_Distributed):
-    """Horovod-style data parallelism: every gradient is averaged over all ranks as soon
-    as backward produces it (overlapping the rest of backward), then the wrapped
-    optimizer steps. With `num_steps_per_communication=k`, gradients accumulate locally
+    """Horovod-style data parallelism: every gradient is averaged over all ranks while
+    the rest of backward runs, then the wrapped optimizer steps. Gradients of parameters
+    over 64 KiB go as soon as backward produces them; smaller ones are copied into flat
+    buckets (by dtype and device, up to 4 MiB, in name order) averaged as one op once all
+    their members are in (shoal.torch._buckets; the values are the same, elementwise). With `num_steps_per_communication=k`, gradients accumulate locally
     over k backward passes and are averaged once; a (k+1)-th backward pass before
     `step()` raises RuntimeError. Parameters without a gradient on some rank are averaged
     with zeros. `synchronize()` + `with skip_synchronize(): step()` allow gradient
