@@ -8,7 +8,8 @@ reference on the same ranks in the same run:
   * one-peer neighbor_allreduce: blocking, named, dynamic weights (0.5 self, 0.5 from
     rank r - 2^t, sent to r + 2^t, t cycling over log2(n)); the reference is Sendrecv plus
     a numpy combine;
-  * allreduce (average); the reference is Allreduce plus a divide.
+  * allreduce (average); the reference is Allreduce plus a divide; also as
+    allreduce_nonblocking_ + synchronize (an optimizer hook's form).
 
 Timing as in benchmarks/neighbor_ops.py (barrier before each iteration, alternating blocks,
 median of the slowest rank). "cpu us" is this process's CPU time per op (time.process_time),
@@ -89,6 +90,11 @@ def main():
         ("allreduce", "numpy", lambda: shoal.allreduce(x_np, name="small.ar"), ar_ref),
         ("allreduce", "torch eager", lambda: bf.allreduce(x_t, name="small.ar"), ar_ref),
         ("allreduce", "torch compiled", lambda: compiled_ar(x_t), ar_ref),
+        # A gradient hook's form: start in place, synchronize later.
+        ("allreduce_nb_", "numpy", lambda: shoal.synchronize(shoal.allreduce_nonblocking_(x_np, name="small.nb")),
+         ar_ref),
+        ("allreduce_nb_", "torch eager", lambda: bf.synchronize(bf.allreduce_nonblocking_(x_t, name="small.nb")),
+         ar_ref),
     ]
     rows = []
     for op, entry, mine, ref in cases:
