@@ -435,6 +435,13 @@ PyObject* CallSynchronize(PyObject* self, PyObject* const* args, Py_ssize_t narg
       }
     } while (rc == SHOAL_TIMEOUT);
     if (rc != SHOAL_OK) return fallback();
+    // Another thread may have synchronized it while this one waited without the GIL.
+    pending = st->state.attr("pending");
+    entry = py::reinterpret_borrow<py::object>(PyDict_GetItemWithError(pending.ptr(), args[0]));
+    if (!entry) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return fallback();
+    }
     if (PyDict_DelItem(pending.ptr(), args[0]) != 0) throw py::error_already_set();
     py::object on_failure = st->state.attr("on_failure");
     if (PyDict_GET_SIZE(on_failure.ptr()) > 0 && PyDict_Contains(on_failure.ptr(), args[0]) == 1)

@@ -208,6 +208,22 @@ def native_allreduce_forms_same_as_general_path():
     raises(ValueError, shoal.synchronize, h)  # synchronized already: unknown
     raises(ValueError, shoal.synchronize, -5)
     raises(TypeError, shoal.synchronize)
+    import threading
+    for i in range(20):  # three threads synchronize one handle: one result, two ValueErrors
+        h = shoal.allreduce_nonblocking(data(R), name="nat.threads")
+        got, refused = [], []
+
+        def sync():
+            try:
+                got.append(shoal.synchronize(h))
+            except ValueError as e:
+                refused.append(e)
+        threads = [threading.Thread(target=sync) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 1 and len(refused) == 2 and np.array_equal(got[0], all_data().mean(0)), (i, got, refused)
     shoal.barrier()
 
 
