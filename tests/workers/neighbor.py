@@ -1,6 +1,7 @@
 """Neighbor communication against numpy: every generator, random weighted graphs,
 one-peer schedules, dst_weights, neighbor_allgather, hierarchical, pair_gossip, topology
 checks, and the no-global-collective steady state."""
+import os
 import sys
 import time
 
@@ -239,12 +240,18 @@ def interrupted_wait_leaves_the_op_running():
     def interrupt(*_):
         raise KeyboardInterrupt
 
+    # Rank N-1 sends to rank 0 only once rank 0 has been interrupted twice (a file in the
+    # job's status directory says so): the ops cannot complete before their interruption.
+    status_dir = os.environ.get("SHOAL_STATUS_DIR")
+    if not status_dir:
+        raise Skip("needs shoalrun's status directory (SHOAL_STATUS_DIR)")
+    interrupted = os.path.join(status_dir, "interrupted_wait.done")
     nxt, prv = (R + 1) % N, (R - 1) % N
     kw = dict(self_weight=0.5, src_weights={prv: 0.5}, dst_weights=[nxt])
     old = signal.signal(signal.SIGALRM, interrupt)
     try:
         if R == 0:
-            signal.setitimer(signal.ITIMER_REAL, 0.2)  # rank N-1 sends only after 1 s
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
             try:
                 shoal.neighbor_allreduce(np.full(20_000, 1.0), name="intr.block", **kw)
                 raise AssertionError("not interrupted")
@@ -258,10 +265,14 @@ def interrupted_wait_leaves_the_op_running():
                 raise AssertionError("not interrupted")
             except KeyboardInterrupt:
                 pass
+            open(interrupted, "w").close()
             assert np.array_equal(shoal.synchronize(h), np.full(10, 0.5 + 0.5 * prv)), "handle"
         else:
             if R == N - 1:
-                time.sleep(1.0)
+                deadline = time.monotonic() + 60
+                while not os.path.exists(interrupted):
+                    assert time.monotonic() < deadline, "rank 0 was never interrupted"
+                    time.sleep(0.01)
             got = shoal.neighbor_allreduce(np.full(20_000, float(R)), name="intr.block", **kw)
             assert np.array_equal(got, np.full(20_000, 0.5 * R + 0.5 * (prv if prv else 1.0))), got[:3]
             got = shoal.neighbor_allreduce(np.full(10, float(R)), name="intr.handle", **kw)
