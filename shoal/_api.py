@@ -183,5 +183,5 @@ def build_api(adapter):
                                                                     adapter.module)
         api["allreduce"] = _core.native_allreduce(allreduce, doc(allreduce), adapter.module, _ops.Sum, _ops.Average)
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
-               barrier=_ops.barrier)
+               barrier=_ops.barrier, join=_ops.join)
     return api
