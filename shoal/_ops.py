@@ -414,7 +414,8 @@ def join():
     everything runs as before (another epoch, another join). Ops this rank submits while
     its join is in flight raise `ValueError`; a second join() while one is in flight
     raises `ValueError`. A rank that leaves the job (exit, shutdown()) instead of joining
-    makes every waiting join() raise `ShoalError` naming it.
+    makes every waiting join() raise `ShoalError` naming it. join() itself waits as long as
+    the other ranks run: the stall check does not apply to it.
 
     Semantics: Horovod's `hvd.join()` (horovod/torch/mpi_ops.py), with the divisor of its
     Average kept.

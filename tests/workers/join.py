@@ -95,6 +95,27 @@ def broadcast_and_allgather_fail_while_ranks_are_joined():
 
 
 @check
+def neighbor_ops_with_a_joined_peer_fail_naming_it():
+    if N == 1:
+        raise Skip("needs 2 ranks")
+    half = N // 2
+    if R >= half:
+        assert shoal.join() == 0
+        return
+    peer = R + half
+    try:
+        shoal.neighbor_allreduce(np.ones(3), self_weight=0.5, src_weights={peer: 0.5}, dst_weights={peer: 1.0},
+                                 name="jn")
+    except shoal.ShoalError as e:
+        assert "joined (join())" in str(e) and str(peer) in str(e), str(e)
+    else:
+        raise AssertionError("no error")
+    if R == 0:
+        time.sleep(0.2)
+    assert shoal.join() == 0
+
+
+@check
 def a_joined_rank_is_not_stalled():
     # Rank 0 runs on past SHOAL_STALL_SHUTDOWN_TIME (4 s, set by tests/test_join.py) while
     # the others wait in join(): nobody is stalled, and its allreduce then runs.
