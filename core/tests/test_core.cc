@@ -328,6 +328,13 @@ static void TestJoin() {
   resps = c.TakeResponses();
   CHECK(resps.size() == 1 && resps[0].names == std::vector<std::string>{"d"} &&
         resps[0].joined == (std::vector<int>{1, 2}));
+  auto gpu = Req("e", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {2});
+  gpu.sig.device_type = SHOAL_DEVICE_CUDA;  // a joined rank's zeros are in host memory
+  c.Add(0, gpu, 0);
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::ERROR &&
+        resps[0].error.find("ranks 1, 2 have joined") != std::string::npos &&
+        resps[0].error.find("CUDA tensors") != std::string::npos);
   c.Add(0, join, 0);
   resps = c.TakeResponses();
   CHECK(resps.size() == 1 && resps[0].op == kOpJoin && resps[0].joined == std::vector<int>{0} && !c.any_joined());

@@ -156,6 +156,7 @@ static void TestUneven(int n, int64_t fusion) {
   };
   job.Run([&](int r, Runtime& rt) {
     epoch(r, rt, 0, steps(r), [&](int q, int s) { return s < steps(q); });
+    CHECK(rt.stats().cache_hits > 0, "rank %d: no batch ran cached before the joins", r);
     Status st;
     const int got = Join(rt, &st);
     CHECK(st.ok() && got == last, "rank %d: join returned %d (%s), want %d", r, got, st.message.c_str(), last);
