@@ -190,5 +190,5 @@ def build_api(adapter):
         else:
             api[name] = _core.native_neighbor_allreduce(f, doc, adapter.module, **kw)
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
-               barrier=_ops.barrier)
+               barrier=_ops.barrier, join=_ops.join)
     return api

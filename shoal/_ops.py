@@ -402,3 +402,32 @@ def barrier():
         _core.wait(h)
     finally:
         _core.release(h)
+
+
+def join():
+    """Horovod's `join()`: this rank has run out of data. Blocks until every rank has
+    called join() and returns the rank that joined last (an int, the same on every rank).
+
+    Until then this rank takes part in the other ranks' collectives without data of its
+    own, so ranks may run different numbers of steps (uneven data per rank):
+
+    * allreduce (op=Sum or op=Average, CPU tensors): this rank contributes zeros of the
+      other ranks' shape and dtype; Average still divides by `size()` (Horovod's divisor),
+      so it is the sum over the ranks still running / size();
+    * barrier: this rank takes part;
+    * broadcast, allgather (Horovod raises for both with joined ranks), allreduce of CUDA
+      tensors and neighbor ops that need a joined rank fail on the ranks that submit them
+      with `ShoalError` naming the joined ranks.
+
+    Fused and cached allreduces are handed back to negotiation while a rank is joined, and
+    the stall check does not count a joined rank as missing. After join() returns,
+    everything runs as before (another epoch, another join). Ops this rank submits while
+    its join is in flight raise `ValueError`; a second join() while one is in flight
+    raises `ValueError`. A rank that leaves the job (exit, shutdown()) instead of joining
+    makes every waiting join() raise `ShoalError` naming it. join() itself waits as long as
+    the other ranks run: the stall check does not apply to it.
+
+    Semantics: Horovod's `hvd.join()` (horovod/torch/mpi_ops.py), with the divisor of its
+    Average kept.
+    """
+    return _core.join()

@@ -2,6 +2,7 @@
 // Tensors arrive as (address, dtype code, shape); the Python side keeps them alive.
 #include "cuda_api.h"
 #include "module.h"
+#include <cstring>
 #include <optional>
 
 namespace shoal_py {
@@ -360,6 +361,33 @@ PYBIND11_MODULE(_core, m) {
     py::capsule owner(data, [](void* p) { shoal_free_buffer(p); });
     py::array_t<uint8_t> bytes({static_cast<py::ssize_t>(nbytes)}, {1}, static_cast<uint8_t*>(data), owner);
     return py::make_tuple(bytes, std::vector<int64_t>(shape, shape + ndim));
+  });
+  m.def("join", [] {  // shoal._ops.join: blocks (interruptibly); the last rank to join
+    int64_t handle = 0;
+    char err[kErrLen];
+    int rc, wait_rc = SHOAL_TIMEOUT;
+    {
+      py::gil_scoped_release nogil;
+      rc = shoal_enqueue_join(&handle, err, kErrLen);
+      if (rc == SHOAL_OK) wait_rc = shoal_wait_for(handle, 200, err, kErrLen);
+    }
+    Check(rc, err);
+    try {
+      WaitInterruptibly([handle](char* e) { return shoal_wait_for(handle, 200, e, kErrLen); }, wait_rc, err);
+    } catch (...) {
+      shoal_release(handle);
+      throw;
+    }
+    void* data = nullptr;
+    size_t nbytes = 0;
+    int32_t ndim = 0, last = -1;
+    int64_t shape[32];
+    rc = shoal_take_result(handle, &data, &nbytes, &ndim, shape);
+    if (rc == SHOAL_OK && data && nbytes == sizeof(last)) std::memcpy(&last, data, sizeof(last));
+    shoal_free_buffer(data);
+    shoal_release(handle);
+    Check(rc, "join: no result");
+    return last;
   });
   m.def("release", [](int64_t h) { shoal_release(h); });
   m.def("stats", [] {

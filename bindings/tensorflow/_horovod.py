@@ -13,6 +13,7 @@ import tensorflow as tf
 from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
 from shoal._horovod import Compressor, NoneCompressor, check_compression, check_op, check_process_set  # noqa: F401
 from shoal._horovod import __all__ as _NEUTRAL
+from shoal import _ops
 
 # ---- Compression: the casts (Horovod's Compression.fp16 / bf16) ----
 
@@ -47,4 +48,16 @@ class Compression:
     bf16 = BF16Compressor
 
 
-__all__ = list(_NEUTRAL) + ["Compression", "FP16Compressor", "BF16Compressor"]
+def join():
+    """Horovod's `hvd.join()`: this rank has run out of data; blocks until every rank has
+    joined and returns the rank that joined last (a Python int, the same everywhere).
+    Meanwhile this rank contributes zeros to the others' allreduces (Average still divides
+    by size(), as in Horovod); semantics and errors: `shoal.join`. Eager only: it blocks
+    the calling thread, so inside a tf.function it raises RuntimeError (Horovod's op
+    returns a tensor there)."""
+    if not tf.executing_eagerly():
+        raise RuntimeError("join() blocks until every rank has joined: call it eagerly, outside tf.function")
+    return _ops.join()
+
+
+__all__ = list(_NEUTRAL) + ["Compression", "FP16Compressor", "BF16Compressor", "join"]

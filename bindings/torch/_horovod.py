@@ -314,7 +314,19 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
     return _utility.broadcast_optimizer_state(optimizer, root_rank)
 
 
+def join(device=-1):
+    """Horovod's `hvd.join(device=-1)`: this rank has run out of data; blocks until every
+    rank has joined and returns the rank that joined last (int, the same everywhere).
+    Meanwhile this rank contributes zeros to the others' allreduces (Average still divides
+    by size(), as in Horovod); semantics and errors: `shoal.join`. `device` (int) is
+    Horovod's device for its zero tensors: Shoal's are in host memory whatever it is, so
+    allreduces of CUDA tensors fail (ShoalError) while a rank is joined."""
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"join: device must be an int (a CUDA device index, or -1), got {device!r}")
+    return _ops.join()
+
+
 __all__ = sorted(set(_NEUTRAL) | {
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "allgather", "allgather_async", "broadcast_optimizer_state",
-    "Compression", "FP16Compressor", "BF16Compressor", "Sum", "Average", "ReduceOp"})
+    "join", "Compression", "FP16Compressor", "BF16Compressor", "Sum", "Average", "ReduceOp"})

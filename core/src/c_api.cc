@@ -169,6 +169,12 @@ int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t 
   return shoal_enqueue_with_callback(desc, nullptr, nullptr, handle, err, len);
 }
 
+int shoal_enqueue_join(int64_t* handle, char* err, size_t len) {
+  shoal_op_desc d{};
+  d.op = shoal::kOpJoin;
+  return shoal_enqueue(&d, handle, err, len);
+}
+
 int shoal_poll(int64_t handle) {
   auto rt = Current();
   return rt ? rt->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;

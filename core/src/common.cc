@@ -22,6 +22,7 @@ const char* DtypeName(int dtype) {
 }
 
 const char* OpName(int op) {
+  if (op == kOpJoin) return "join";
   static const char* names[] = {"allreduce", "broadcast", "allgather", "barrier",
                                 "neighbor_allreduce", "neighbor_allgather"};
   return (op >= 0 && op <= SHOAL_OP_NEIGHBOR_ALLGATHER) ? names[op] : "unknown_op";

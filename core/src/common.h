@@ -41,6 +41,9 @@ struct ArgumentError : std::runtime_error {
 size_t DtypeSize(int dtype);
 const char* DtypeName(int dtype);
 const char* OpName(int op);
+// Horovod's join (runtime_join.cc): an op of the runtime and the coordinator only, not of
+// the C ABI's shoal_op_type (shoal_enqueue_join starts it).
+constexpr int kOpJoin = 100;
 bool IsFloating(int dtype);
 std::string ShapeString(const std::vector<int64_t>& shape);
 int64_t NumElements(const std::vector<int64_t>& shape);

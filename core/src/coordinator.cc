@@ -35,6 +35,8 @@ template <typename IO, typename R> void ResponseFields(IO& io, R& r) {
   io.Field(r.code);
   io.Field(r.first_dims);
   io.Field(r.channel);
+  io.Field(r.joined);
+  if (!r.joined.empty()) io.Field(r.sigs);
 }
 
 }  // namespace
@@ -114,6 +116,7 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     early_.push_back(std::move(r));
     return;
   }
+  if (req.sig.op == kOpJoin) return AddJoin(rank, req);
   auto it = pending_.find(req.name);
   if (it == pending_.end()) {
     Pending p;
@@ -127,9 +130,44 @@ void Coordinator::Add(int rank, const Request& req, double now) {
   if (p.have[rank]) return;  // enqueue rejects duplicates; ignore a replay
   p.have[rank] = true;
   p.req[rank] = req;
-  if (++p.count < size_) return;
-  if (p.probe) pending_.erase(it);  // every rank is in the round: it is completing
-  else complete_.push_back(req.name);
+  ++p.count;
+  if (!Ready(p)) return;
+  if (p.probe) {
+    pending_.erase(it);  // every rank is in the round (or joined): it is completing
+  } else {
+    p.complete = true;
+    complete_.push_back(req.name);
+  }
+}
+
+bool Coordinator::Ready(const Pending& p) const {
+  if (p.count == size_) return true;
+  if (num_joined_ == 0) return false;
+  for (int r = 0; r < size_; ++r)
+    if (!p.have[r] && !joined_[r]) return false;
+  return true;
+}
+
+void Coordinator::AddJoin(int rank, const Request& req) {
+  if (joined_.empty()) joined_.assign(size_, 0);
+  if (joined_[rank]) return;  // a replay
+  joined_[rank] = 1;
+  ++num_joined_;
+  last_joined_ = rank;
+  join_name_ = req.name;
+  // The rank's requests came before its join: what waited only for it is complete now.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    Pending& p = it->second;
+    if (!p.complete && Ready(p)) {
+      if (p.probe) {
+        it = pending_.erase(it);
+        continue;
+      }
+      p.complete = true;
+      complete_.push_back(it->first);
+    }
+    ++it;
+  }
 }
 
 void Coordinator::RoundDone(const std::string& name, int64_t step) {
@@ -152,6 +190,7 @@ std::string Differences(const std::vector<Request>& req,
                         const std::function<std::string(const Request&)>& field) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;
   for (int r = 0; r < static_cast<int>(req.size()); ++r) {
+    if (req[r].name.empty()) continue;  // a rank that joined instead
     std::string v = field(req[r]);
     auto g = std::find_if(groups.begin(), groups.end(),
                           [&](const auto& x) { return x.first == v; });
@@ -165,11 +204,36 @@ std::string Differences(const std::vector<Request>& req,
   return s;
 }
 
+// Why ranks that joined cannot take part in an op of `sig` ("" if they can: they contribute
+// the identity of the reduction, as in Horovod's join, where allreduce is the one op
+// supported and broadcast and allgather raise).
+std::string JoinedUnsupported(const Signature& sig) {
+  switch (sig.op) {
+    case SHOAL_OP_BARRIER:
+      return "";
+    case SHOAL_OP_ALLREDUCE:
+      if (sig.device_type != SHOAL_DEVICE_CPU)
+        return "a joined rank contributes from host memory; CUDA tensors are not supported while ranks are joined";
+      if (sig.reduce_op != SHOAL_REDUCE_SUM && sig.reduce_op != SHOAL_REDUCE_AVERAGE)
+        return "only Sum and Average have the zero contribution a joined rank makes";
+      return "";
+    case SHOAL_OP_NEIGHBOR_ALLREDUCE:
+    case SHOAL_OP_NEIGHBOR_ALLGATHER:
+      return "neighbor ops need every rank that sends or receives; finish them before join()";
+    default:
+      return "only allreduce (and barrier) run while ranks are joined, as in Horovod's join";
+  }
+}
+
 }  // namespace
 
 Response Coordinator::Validate(const std::string& name, const Pending& p) {
   Response resp;
-  resp.op = p.req[0].sig.op;
+  std::vector<int> absent;  // ranks that joined instead of submitting it
+  for (int r = 0; r < size_; ++r)
+    if (!p.have[r]) absent.push_back(r);
+  const Request& first = *std::find_if(p.req.begin(), p.req.end(), [](const Request& q) { return !q.name.empty(); });
+  resp.op = first.sig.op;
   resp.names = {name};
   auto fail = [&](const std::string& what, const std::string& diff) {
     resp.kind = Response::ERROR;
@@ -213,7 +277,7 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
                       }});
   auto cached = validated_.find(name);
   bool all_cached = cached != validated_.end();
-  for (auto& r : p.req) all_cached = all_cached && r.sig == cached->second;
+  for (auto& r : p.req) all_cached = all_cached && (r.name.empty() || r.sig == cached->second);
   resp.repeat = all_cached;
   if (!all_cached) {
     // Operations first: other fields are meaningless across different ops.
@@ -224,7 +288,17 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
     ++negotiations_;
     // A cache only (a name missing is validated again): bounded, for scripts that invent names.
     if (validated_.size() >= kValidatedNames) validated_.clear();
-    if (op != SHOAL_OP_ALLGATHER && op != SHOAL_OP_NEIGHBOR_ALLGATHER) validated_[name] = p.req[0].sig;
+    if (op != SHOAL_OP_ALLGATHER && op != SHOAL_OP_NEIGHBOR_ALLGATHER) validated_[name] = first.sig;
+  }
+  if (!absent.empty()) {
+    std::string why = JoinedUnsupported(first.sig);
+    if (!why.empty()) {
+      resp.kind = Response::ERROR;
+      resp.error = std::string(OpName(op)) + " '" + name + "': " + RankList(absent) +
+                   (absent.size() == 1 ? " has" : " have") + " joined (join()) and cannot take part: " + why;
+      return resp;
+    }
+    resp.joined = absent;
   }
   std::string edges = CheckEdges(p);
   if (!edges.empty()) {
@@ -272,6 +346,16 @@ std::string Coordinator::LeftError(const std::string& name, int op) const {
 std::vector<Response> Coordinator::Leave(int rank) {
   if (std::find(left_.begin(), left_.end(), rank) == left_.end()) left_.push_back(rank);
   std::vector<Response> out;
+  if (num_joined_ > 0) {  // the ranks that joined wait for one that will not
+    Response r;
+    r.kind = Response::LEFT;
+    r.op = kOpJoin;
+    r.names = {join_name_};
+    r.error = LeftError(join_name_, kOpJoin);
+    out.push_back(std::move(r));
+    joined_.assign(size_, 0);
+    num_joined_ = 0;
+  }
   std::vector<std::string> names;
   for (auto& kv : pending_) names.push_back(kv.first);
   for (auto& name : names) {
@@ -291,18 +375,27 @@ std::vector<Response> Coordinator::TakeResponses() {
   std::map<std::tuple<int, int, int, int>, std::pair<size_t, int64_t>> open;  // -> (index, bytes)
   const size_t first = out.size();
   std::vector<int64_t> batch_bytes;  // by index in `out` from `first`
+  std::vector<std::vector<Signature>> batch_sigs;  // the same
   for (auto& name : complete_) {
     auto it = pending_.find(name);
     if (it == pending_.end()) continue;  // aborted meanwhile
     Response r = Validate(name, it->second);
-    const Signature sig = it->second.req[0].sig;  // copied: the entry is erased next
+    // Copied (the entry is erased next) from a rank that submitted it (rank 0 may have joined).
+    const Signature sig = std::find_if(it->second.req.begin(), it->second.req.end(), [](const Request& q) {
+                            return !q.name.empty();
+                          })->sig;
     pending_.erase(it);
     if (r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && fusion_threshold_ > 0) {
       auto key = std::make_tuple(sig.dtype, sig.reduce_op, sig.device_type, sig.scope);
       int64_t bytes = static_cast<int64_t>(sig.nbytes());
       auto o = open.find(key);
       if (o != open.end() && o->second.second + bytes <= fusion_threshold_) {
-        out[o->second.first].names.push_back(name);
+        Response& b = out[o->second.first];
+        b.names.push_back(name);
+        batch_sigs[o->second.first - first].push_back(sig);
+        for (int j : r.joined)
+          if (std::find(b.joined.begin(), b.joined.end(), j) == b.joined.end()) b.joined.push_back(j);
+        std::sort(b.joined.begin(), b.joined.end());
         out[o->second.first].repeat &= r.repeat && Cacheable(sig);
         o->second.second += bytes;
         batch_bytes[o->second.first - first] += bytes;
@@ -314,19 +407,31 @@ std::vector<Response> Coordinator::TakeResponses() {
       r.repeat &= r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && Cacheable(sig);
     }
     batch_bytes.push_back(static_cast<int64_t>(sig.nbytes()));
+    batch_sigs.push_back({sig});
     out.push_back(std::move(r));
   }
   complete_.clear();
+  for (size_t i = first; i < out.size(); ++i)
+    if (!out[i].joined.empty()) out[i].sigs = std::move(batch_sigs[i - first]);
   // A batch that ran before as it is now is likely to repeat (a training step's
   // gradients): from now on it runs on a channel of its own, without this round trip.
   // Only small ones: a large one's data dwarfs the round trip, and its cached rounds would
   // copy it twice more (into and out of the round's buffer).
-  for (size_t i = first; i < out.size() && left_.empty() && !free_channels_.empty(); ++i)
+  for (size_t i = first; i < out.size() && left_.empty() && num_joined_ == 0 && !free_channels_.empty(); ++i)
     if (out[i].repeat && out[i].kind == Response::EXECUTE && out[i].op == SHOAL_OP_ALLREDUCE &&
         batch_bytes[i - first] <= kMaxCachedBytes) {
       out[i].channel = free_channels_.back();
       free_channels_.pop_back();
     }
+  if (num_joined_ == size_) {  // after every op it completed: the join is the last response
+    Response j;
+    j.op = kOpJoin;
+    j.names = {join_name_};
+    j.joined = {last_joined_};
+    out.push_back(std::move(j));
+    joined_.assign(size_, 0);
+    num_joined_ = 0;
+  }
   return out;
 }
 
@@ -344,12 +449,15 @@ std::vector<Stall> Coordinator::Stalled(double now, double older_than) const {
   std::vector<Stall> out;
   for (auto& kv : pending_) {
     const Pending& p = kv.second;
-    if (now - p.first_seen < older_than || p.count == size_) continue;
+    if (now - p.first_seen < older_than || p.complete) continue;
     Stall s;
     s.name = kv.first;
     s.waited = now - p.first_seen;
-    for (int r = 0; r < size_; ++r) (p.have[r] ? s.ready : s.missing).push_back(r);
-    out.push_back(std::move(s));
+    for (int r = 0; r < size_; ++r) {
+      if (p.have[r]) s.ready.push_back(r);
+      else if (num_joined_ == 0 || !joined_[r]) s.missing.push_back(r);  // a joined rank is not late
+    }
+    if (!s.missing.empty()) out.push_back(std::move(s));
   }
   return out;
 }

@@ -44,6 +44,11 @@ struct Response {
   // collective channel after running it (runtime_cache.cc).
   int32_t channel = -1;
   bool repeat = false;  // Validate: every name was seen before with this signature (not sent)
+  // EXECUTE of a collective: the ranks that joined (Horovod's join) without submitting some
+  // of its names; they run it on identity buffers of `sigs` (one per name). Of a join: the
+  // rank that joined last.
+  std::vector<int> joined;
+  std::vector<Signature> sigs;
 };
 
 struct Stall {
@@ -74,6 +79,7 @@ class Coordinator {
   // `rank` left the job: every pending name fails now, every later one on arrival.
   std::vector<Response> Leave(int rank);
   bool any_left() const { return !left_.empty(); }
+  bool any_joined() const { return num_joined_ > 0; }
   // The batch cached on `channel` died on this rank (so on every rank): the channel is free.
   void ReleaseChannel(int channel) { free_channels_.push_back(channel); }
   // Rank 0's round of a cached batch completed, with `name` at `step`: probes of it are stale.
@@ -91,7 +97,11 @@ class Coordinator {
     int count = 0;
     double first_seen = 0;
     bool probe = false;  // only probes: dropped once complete
+    bool complete = false;  // in complete_
   };
+  // Every rank has submitted the name or joined.
+  bool Ready(const Pending& p) const;
+  void AddJoin(int rank, const Request& req);
   Response Validate(const std::string& name, const Pending& p);
   static bool Cacheable(const Signature& sig);
   static constexpr int64_t kMaxCachedBytes = 256 << 10;  // cached batches: at most this much data
@@ -108,6 +118,10 @@ class Coordinator {
   std::map<std::string, Response> rejected_;
   std::vector<std::string> rejected_order_;
   std::vector<int> left_;  // ranks that left the job
+  // Horovod's join in progress: by rank, joined; the join's name; the rank that joined last.
+  std::vector<char> joined_;
+  int num_joined_ = 0, last_joined_ = -1;
+  std::string join_name_;
   std::vector<Response> early_;  // errors decided in Add, sent with the next responses
   std::string LeftError(const std::string& name, int op) const;
   int64_t negotiations_ = 0;

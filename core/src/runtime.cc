@@ -89,11 +89,11 @@ double Runtime::Now() const {
 int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
   const WorldInfo& w = world();
   auto e = std::make_shared<Entry>();
-  if (d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_NEIGHBOR_ALLGATHER) Bad("unknown op code " + std::to_string(d.op));
+  if ((d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_NEIGHBOR_ALLGATHER) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
   const char* op = OpName(d.op);
   try {
   e->sig.op = d.op;
-  if (d.op != SHOAL_OP_BARRIER) {
+  if (d.op != SHOAL_OP_BARRIER && d.op != kOpJoin) {
     DtypeSize(d.input.dtype);  // throws for an unknown dtype
     if (d.input.ndim < 0 || d.input.ndim > 32 || (d.input.ndim > 0 && !d.input.shape)) Bad(std::string(op) + ": bad shape");
     e->sig.dtype = d.input.dtype;
@@ -157,6 +157,11 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
   if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
+  if (join_in_flight_)  // its peers run its part of their ops: it has no more data
+    throw ArgumentError(d.op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
+                        std::string(op) + ": this rank called join(), which is still in flight; it takes part "
+                                          "in no new ops until every rank has joined");
+  if (d.op == kOpJoin) join_in_flight_ = true;
   e->name = NameLocked(d.op, d.name);
   NameState& ns = names_[e->name];
   if (ns.in_flight)
@@ -377,6 +382,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
     e->status = st;
     auto ns = names_.find(e->name);
     if (ns != names_.end()) ns->second.in_flight = false;
+    if (e->sig.op == kOpJoin) join_in_flight_ = false;
   }
   auto t_callback = Clock::now();
   done_cv_.notify_all();
@@ -470,6 +476,7 @@ bool Runtime::Cycle(bool start_only) {
     late_requests_.clear();
   }
   progressed |= PollGpu(&to_coordinator);
+  if (joining_ && !join_sent_) SendJoin(&to_coordinator);  // after the rank's own requests
 
   if (!to_coordinator.empty()) {
     ++stats_.coordinator_rounds;
@@ -498,7 +505,9 @@ bool Runtime::Cycle(bool start_only) {
     Bytes msg = std::move(spare_);
     if (tag == NeighborExchange::kTag) {
       uint64_t generation = 0;
+      int64_t join_epoch = 0;
       if (DevicePlane::IsLinkMessage(*msg)) device_plane_.OnLinkMessage(src, *msg);
+      else if (IsJoinNotice(*msg, &generation, &join_epoch)) { if (generation == generation_) OnJoinNotice(src, join_epoch); }
       else if (!NeighborExchange::IsLeaveNotice(*msg, &generation)) neighbors_.Accept(src, std::move(msg));
       else if (generation == generation_) OnLeave(src);  // else: from a runtime before a shutdown
     } else if (tag == kRequestTag && coordinator_) {

@@ -74,6 +74,7 @@ class Runtime {
   // Validates and queues; throws ArgumentError for bad arguments (and tells the peers,
   // which may be waiting for this call, through Reject).
   int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
+  // desc.op == kOpJoin: Horovod's join (runtime_join.cc); its result is the last rank to join.
   // A call of `op` named `name` (null: unnamed) refused at the call on this rank with
   // `error`: its name and step are used up as if it ran, and every rank that submits it
   // gets the same error instead of waiting for this rank.
@@ -133,6 +134,18 @@ class Runtime {
   void CheckCached(Clock::time_point now);
   void FailCached(const std::string& name, int64_t step, const Status& st, bool fail_round);
   void Ask(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  // Join (runtime_join.cc).
+  void RouteJoin(const EntryPtr& e);
+  void SendJoin(std::vector<Request>* to_coordinator);
+  bool OwnCachedOps() const;
+  void OnJoinNotice(int rank, int64_t epoch);
+  bool PeerJoined(int rank) const {
+    return rank < static_cast<int>(peer_joined_at_.size()) && peer_joined_at_[rank] == join_epoch_;
+  }
+  bool AnyPeerJoined() const;
+  EntryPtr JoinedEntry(const Response& r, size_t i) const;
+  void FinishJoin(const Response& r, const std::vector<EntryPtr>& batch);
+  static bool IsJoinNotice(const ByteVec& msg, uint64_t* generation, int64_t* epoch);
 
   Config cfg_;
   std::unique_ptr<Backend> backend_;
@@ -185,6 +198,13 @@ class Runtime {
   std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
   std::set<std::string> stall_warned_;  // coordinator: names already reported
   Clock::time_point start_ = Clock::now(), last_stall_check_ = Clock::now();
+  // Join, driver only: this rank's join until it completes (and whether the coordinator
+  // has it), joins completed, and by peer the join (that count then) it announced.
+  EntryPtr joining_;
+  bool join_sent_ = false;
+  int64_t join_epoch_ = 0;
+  std::vector<int64_t> peer_joined_at_;
+  bool join_in_flight_ = false;  // mu_: this rank's join is in flight (new ops refused)
   std::thread thread_;
   std::unique_ptr<WindowQueue> windows_;
 };

@@ -98,6 +98,9 @@ void Runtime::CacheBatch(const Response& r, const std::vector<EntryPtr>& batch) 
   if (cached_[r.channel] && cached_[r.channel]->in_flight) retired_.push_back(cached_[r.channel]);
   cached_[r.channel] = b;
   for (size_t i = 0; i < b->names.size(); ++i) cached_members_[b->names[i]] = {b, i};
+  // Negotiated before the coordinator heard of a join: a joined rank takes part in no
+  // rounds (runtime_join.cc), so the batch must go back to the coordinator.
+  if (joining_ || (!peer_joined_at_.empty() && AnyPeerJoined())) Doom(b);
 }
 
 bool Runtime::RouteCached(const EntryPtr& e) {
@@ -207,6 +210,15 @@ void Runtime::DoomAllCached() {
 
 bool Runtime::CachedInFlight() const {
   for (auto& b : cached_) if (b && b->in_flight) return true;
+  return false;
+}
+
+// This rank's ops are in some batch that is not dead (its join waits until they are not).
+bool Runtime::OwnCachedOps() const {
+  for (auto* list : {&cached_, &retired_})
+    for (auto& b : *list)
+      if (b && !b->dead && (b->num_held > 0 || !b->later.empty() || (!b->in_round.empty() && !b->abandoned)))
+        return true;
   return false;
 }
 

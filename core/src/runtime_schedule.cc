@@ -37,6 +37,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     return;
   }
   if (FailIfUnreachable(e)) return;
+  if (e->sig.op == kOpJoin) return RouteJoin(e);
   if (e->sig.op == SHOAL_OP_ALLREDUCE && !cached_members_.empty() && RouteCached(e)) return;
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
   if (neighbor && !e->topo_check && negotiated_neighbor_names_.count(e->name)) {
@@ -57,8 +58,21 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
       return true;
     }
   }
-  if (!any_left_) return false;
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  if (neighbor && !peer_joined_at_.empty() && AnyPeerJoined()) {
+    std::vector<int> joined;
+    for (auto* list : {&e->recv_ranks, &e->send_ranks})
+      for (int r : *list)
+        if (PeerJoined(r) && std::find(joined.begin(), joined.end(), r) == joined.end()) joined.push_back(r);
+    if (!joined.empty()) {
+      Finish(e, Status::Error(SHOAL_MISMATCH, std::string(OpName(e->sig.op)) + " '" + e->name + "': " +
+                                                          (joined.size() == 1 ? "rank " : "ranks ") + Ranks(joined) +
+                                                          " joined (join()) and takes no part in neighbor ops "
+                                                          "until every rank has joined"));
+      return true;
+    }
+  }
+  if (!any_left_) return false;
   std::vector<int> gone;
   if (neighbor && negotiated_neighbor_names_.count(e->name) && !e->topo_check) {
     // A peer that left may have sent its piece before it left: only a missing one is fatal.
@@ -127,10 +141,15 @@ void Runtime::Apply(const Response& r) {
   const int code = r.kind == Response::REJECTED ? r.code
                    : r.kind == Response::LEFT   ? SHOAL_ABORTED
                                                 : SHOAL_MISMATCH;
-  for (auto& name : r.names) {
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    const std::string& name = r.names[i];
     stall_warned_.erase(name);
     auto it = awaiting_response_.find(name);
     if (it == awaiting_response_.end() || (r.step >= 0 && it->second->step != r.step)) {
+      if (r.kind == Response::EXECUTE && !r.joined.empty() && r.op != kOpJoin) {
+        if (EntryPtr z = JoinedEntry(r, i)) batch.push_back(z);  // this rank joined: it adds zeros
+        continue;
+      }
       // A stall of a cached batch's round (its probes, runtime_cache.cc), a call refused on
       // another rank (the batch cannot run), or an abort for an op this rank never sent.
       if ((r.kind == Response::ERROR || r.kind == Response::REJECTED) && !cached_members_.empty())
@@ -140,6 +159,10 @@ void Runtime::Apply(const Response& r) {
     it->second->t_negotiated = now;
     batch.push_back(it->second);
     awaiting_response_.erase(it);
+  }
+  if (r.op == kOpJoin) {
+    if (r.kind == Response::EXECUTE) return FinishJoin(r, batch);
+    joining_ = nullptr;  // failed (a rank left): so is the job
   }
   if (r.kind != Response::EXECUTE) {
     if (r.kind == Response::REJECTED) {

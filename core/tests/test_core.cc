@@ -298,6 +298,55 @@ static void TestCachingAndProbes() {
   CHECK(resps.size() == 1 && resps[0].kind == Response::EXECUTE && resps[0].names == std::vector<std::string>{"a"});
 }
 
+// Horovod's join: names wait only for the ranks that have not joined; their responses list
+// the joined ranks with the signatures they contribute zeros of; broadcast fails naming them;
+// a joined rank is not a stall; the join completes with the last rank after every op; then
+// repeated names are cached again. A rank that leaves fails the join.
+static void TestJoin() {
+  Coordinator c(3, 1 << 20, 2);
+  auto join = Req("join.noname.0", kOpJoin, 0, {});
+  for (int r : {0, 1}) {
+    c.Add(r, Req("a", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {4}), 0);
+    c.Add(r, Req("b", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, {2}, 0, SHOAL_REDUCE_AVERAGE), 0);
+  }
+  CHECK(c.TakeResponses().empty() && c.Stalled(10, 1).size() == 2);
+  c.Add(2, join, 0);
+  CHECK(c.any_joined() && c.Stalled(10, 1).empty());
+  auto resps = c.TakeResponses();
+  auto enc = EncodeResponses(resps);
+  auto dec = DecodeResponses(enc.data(), enc.size());
+  CHECK(dec.size() == 2);
+  for (auto& r : dec)
+    CHECK(r.kind == Response::EXECUTE && r.joined == std::vector<int>{2} && r.sigs.size() == 1 &&
+          r.sigs[0].shape == (r.names[0] == "a" ? std::vector<int64_t>{4} : std::vector<int64_t>{2}) && r.channel < 0);
+  for (int r : {0, 1}) c.Add(r, Req("c", SHOAL_OP_BROADCAST, SHOAL_FLOAT32, {3}), 0);
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::ERROR &&
+        resps[0].error.find("rank 2 has joined") != std::string::npos);
+  c.Add(1, join, 0);
+  c.Add(0, Req("d", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {1}), 0);  // alone: no one else to wait for
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].names == std::vector<std::string>{"d"} &&
+        resps[0].joined == (std::vector<int>{1, 2}));
+  auto gpu = Req("e", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {2});
+  gpu.sig.device_type = SHOAL_DEVICE_CUDA;  // a joined rank's zeros are in host memory
+  c.Add(0, gpu, 0);
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::ERROR &&
+        resps[0].error.find("ranks 1, 2 have joined") != std::string::npos &&
+        resps[0].error.find("CUDA tensors") != std::string::npos);
+  c.Add(0, join, 0);
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].op == kOpJoin && resps[0].joined == std::vector<int>{0} && !c.any_joined());
+  for (int r : {0, 1, 2}) c.Add(r, Req("a", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {4}), 0);
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].joined.empty() && resps[0].channel >= 0);  // cached again
+  c.Add(1, join, 0);
+  resps = c.Leave(2);
+  CHECK(resps.size() == 1 && resps[0].kind == Response::LEFT && resps[0].op == kOpJoin &&
+        resps[0].error.find("rank 2 left") != std::string::npos);
+}
+
 int main() {
   TestOutOfOrderThreads();
   TestMismatches();
@@ -308,6 +357,7 @@ int main() {
   TestLeftRankFailsPendingAndLater();
   TestSum();
   TestCachingAndProbes();
+  TestJoin();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed ? 1 : 0;
 }

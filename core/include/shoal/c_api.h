@@ -118,6 +118,13 @@ void shoal_mpi_library_version(char* buf, size_t len);
 
 /* Queues an op; it may also start it on the calling thread (one communication cycle). */
 int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t err_len);
+/* Horovod's join: this rank has run out of data (semantics: shoal.join() in shoal/_ops.py).
+ * Until every rank has joined it takes part in the other ranks' allreduces (Sum and Average,
+ * contributing zeros; Average still divides by the number of ranks) and barriers; their
+ * broadcasts, allgathers and neighbor ops with it fail with an error naming the joined ranks.
+ * Completes when the last rank joins: shoal_take_result then gives that rank as one int32
+ * (ndim 0). Ops enqueued on this rank while its join is in flight are refused. */
+int shoal_enqueue_join(int64_t* handle, char* err, size_t err_len);
 /* Completion callback, called once when the op finishes (status SHOAL_OK or an error
  * and its message), from the thread then driving communication: the background thread
  * or a thread inside shoal_wait. It may call shoal_take_result and shoal_release for its

@@ -1,0 +1,348 @@
+// Unit tests of Horovod's join in the Runtime (runtime_join.cc) with N ranks as threads over
+// the fake backend (fake_backend.h), at 2, 4 and 8 ranks: uneven steps per rank with the
+// joined ranks contributing zeros to fused and cached allreduces, the last rank to join
+// returned everywhere, a second join in the same job, the ops that fail while ranks are
+// joined, a joined rank that is not stalled, an op still in a cached batch at join, and a
+// rank that leaves instead of joining. tests/test_core_cpp.py also runs it under
+// ThreadSanitizer. Exit status 0 = all passed.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fake_backend.h"
+#include "runtime.h"
+
+using namespace shoal;
+using shoal::testing::FakeBackend;
+using shoal::testing::FakeWorld;
+
+static std::atomic<int> g_failed{0}, g_passed{0};
+static std::string g_case;
+#define CHECK(cond, ...)                                                                  \
+  do {                                                                                    \
+    if (cond) {                                                                           \
+      ++g_passed;                                                                         \
+    } else {                                                                              \
+      ++g_failed;                                                                         \
+      std::printf("FAILED %s:%d (%s): %s\n  ", __FILE__, __LINE__, g_case.c_str(), #cond); \
+      std::printf(__VA_ARGS__);                                                           \
+      std::printf("\n");                                                                  \
+    }                                                                                     \
+  } while (0)
+
+struct Job {
+  std::shared_ptr<FakeWorld> world;
+  std::vector<std::unique_ptr<Runtime>> rt;
+  Job(int n, const Config& cfg, uint64_t seed) : world(std::make_shared<FakeWorld>(n, seed, 100)) {
+    for (int r = 0; r < n; ++r) rt.push_back(std::make_unique<Runtime>(cfg, std::make_unique<FakeBackend>(world, r), 1));
+  }
+  ~Job() {
+    std::vector<std::thread> t;
+    for (auto& r : rt) t.emplace_back([&r] { r->Stop(); });
+    for (auto& x : t) x.join();
+  }
+  void Run(const std::function<void(int, Runtime&)>& fn) {
+    std::vector<std::thread> t;
+    for (int r = 0; r < static_cast<int>(rt.size()); ++r) t.emplace_back([&, r] { fn(r, *rt[r]); });
+    for (auto& x : t) x.join();
+  }
+};
+
+static Config TestConfig(int64_t fusion) {
+  Config c;
+  c.fusion_threshold = fusion;
+  c.cycle_time_ms = 0.5;
+  c.stall_check_time = 0.3;
+  c.stall_shutdown_time = 1.0;
+  c.log_level = LOG_ERROR;
+  return c;
+}
+
+// One float64 op; its arrays outlive it (the core reads and writes them until it completes).
+struct Op {
+  std::string name;
+  int op = SHOAL_OP_ALLREDUCE, reduce_op = SHOAL_REDUCE_SUM, root = 0;
+  std::vector<double> x, out;
+  std::vector<int64_t> shape;
+  std::vector<int32_t> peers;  // neighbor ops: send to and receive from these
+  int64_t handle = 0;
+
+  int64_t Enqueue(Runtime& rt) {
+    shoal_op_desc d{};
+    d.op = op;
+    d.name = name.c_str();
+    shape = {static_cast<int64_t>(x.size())};
+    out.assign(x.size(), 0.0);
+    d.input = {x.data(), SHOAL_FLOAT64, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+    d.output = d.input;
+    d.output.data = out.data();
+    d.reduce_op = reduce_op;
+    d.root_rank = root;
+    d.n_recv = d.n_send = static_cast<int32_t>(peers.size());
+    d.recv_ranks = d.send_ranks = peers.data();
+    d.uniform = 1;
+    return handle = rt.Enqueue(d);
+  }
+  Status Wait(Runtime& rt) {
+    Status st = rt.Wait(handle);
+    rt.Release(handle);
+    return st;
+  }
+};
+
+static std::vector<double> Data(int r, int k, size_t len) {
+  std::vector<double> v(len);
+  for (size_t i = 0; i < len; ++i) v[i] = r * 1000.0 + k * 10.0 + static_cast<double>(i % 7);
+  return v;
+}
+
+// Joins, returns the last rank to join (-1 on failure, with the error in *st).
+static int Join(Runtime& rt, Status* st) {
+  shoal_op_desc d{};
+  d.op = kOpJoin;
+  const int64_t h = rt.Enqueue(d);
+  *st = rt.Wait(h);
+  int32_t last = -1;
+  EntryPtr e = rt.Find(h);
+  if (st->ok() && e && e->result_nbytes == sizeof(last)) std::memcpy(&last, e->result, sizeof(last));
+  rt.Release(h);
+  return last;
+}
+
+// Rank r runs steps[r] steps of three allreduces (two Sum, one Average; fused when fusion > 0,
+// cached after their second step), then joins. Every result is exact: at step s the sum over
+// the ranks still running (the joined ones add zeros), the average that sum / n (Horovod's
+// divisor). Join returns the rank with the most steps on every rank. Then a full epoch runs
+// normally, and a second join in which rank 0 alone runs on (and joins last).
+static void TestUneven(int n, int64_t fusion) {
+  g_case = "uneven n=" + std::to_string(n) + " fusion=" + std::to_string(fusion);
+  Job job(n, TestConfig(fusion), 23 + n);
+  auto steps = [n](int r) { return 4 + 2 * ((r + 1) % n); };  // the most: rank n - 2 (0 at n = 2)
+  const int last = n == 2 ? 0 : n - 2;
+  auto epoch = [&](int r, Runtime& rt, int first, int count, const std::function<bool(int, int)>& running) {
+    for (int s = first; s < first + count; ++s) {
+      std::vector<Op> ops(3);
+      std::vector<int> order = {0, 1, 2};
+      std::mt19937 rng(r * 7 + s);
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int k : order) {
+        ops[k].name = "ue." + std::to_string(k);
+        ops[k].reduce_op = k == 2 ? SHOAL_REDUCE_AVERAGE : SHOAL_REDUCE_SUM;
+        ops[k].x = Data(r, s + k, 2 + 3 * k);
+        ops[k].Enqueue(rt);
+      }
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int k : order) {
+        Status st = ops[k].Wait(rt);
+        CHECK(st.ok(), "rank %d step %d op %d: %s", r, s, k, st.message.c_str());
+        bool exact = st.ok();
+        for (size_t i = 0; exact && i < ops[k].x.size(); ++i) {
+          double sum = 0;
+          for (int q = 0; q < n; ++q)
+            if (running(q, s)) sum += Data(q, s + k, ops[k].x.size())[i];
+          exact = ops[k].out[i] == (k == 2 ? sum / n : sum);
+        }
+        CHECK(exact, "rank %d step %d op %d: not the sum over the ranks still running (%g)", r, s, k, ops[k].out[0]);
+      }
+    }
+  };
+  job.Run([&](int r, Runtime& rt) {
+    epoch(r, rt, 0, steps(r), [&](int q, int s) { return s < steps(q); });
+    CHECK(rt.stats().cache_hits > 0, "rank %d: no batch ran cached before the joins", r);
+    Status st;
+    const int got = Join(rt, &st);
+    CHECK(st.ok() && got == last, "rank %d: join returned %d (%s), want %d", r, got, st.message.c_str(), last);
+    epoch(r, rt, 100, 3, [](int, int) { return true; });  // back to normal
+    if (r == 0) epoch(r, rt, 200, 3, [](int q, int) { return q == 0; });
+    const int again = Join(rt, &st);
+    CHECK(st.ok() && again == 0, "rank %d: second join returned %d (%s)", r, again, st.message.c_str());
+  });
+}
+
+// While ranks [n/2, n) are joined: broadcast and allgather fail with the same error on every
+// rank still running, naming the joined ranks (as in Horovod); neighbor ops with a joined
+// peer fail naming it; the running ranks' disagreeing shapes are a mismatch as usual; a
+// barrier runs; a joined rank gets no new ops. Then rank 0 runs alone past the stall
+// shutdown time (the joined ranks wait, not stalled), runs an allreduce and joins last.
+static void TestWhileJoined(int n) {
+  g_case = "while joined n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 29 + n);
+  const int half = n / 2;
+  auto pair = [&](int r) { return r < half ? r + half : r - half; };
+  job.Run([&](int r, Runtime& rt) {  // negotiate a neighbor name while every rank runs
+    Op a;
+    a.name = "wj.nbr";
+    a.op = SHOAL_OP_NEIGHBOR_ALLREDUCE;
+    a.x = Data(r, 0, 3);
+    a.peers = {pair(r)};
+    a.Enqueue(rt);
+    CHECK(a.Wait(rt).ok(), "rank %d: warm-up failed", r);
+  });
+  std::vector<std::string> bcast(half), gather(half);
+  job.Run([&](int r, Runtime& rt) {
+    Status st;
+    if (r >= half) {
+      shoal_op_desc d{};
+      d.op = kOpJoin;
+      const int64_t h = rt.Enqueue(d);
+      bool refused = false;
+      Op late;
+      late.name = "wj.late";
+      late.x = Data(r, 0, 2);
+      try {
+        late.Enqueue(rt);
+      } catch (const ArgumentError& ex) {
+        refused = std::string(ex.what()).find("called join()") != std::string::npos;
+      }
+      CHECK(refused, "rank %d: an op during its join was not refused", r);
+      st = rt.Wait(h);
+      int32_t got = -1;
+      if (EntryPtr e = rt.Find(h)) std::memcpy(&got, e->result, sizeof(got));
+      rt.Release(h);
+      CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
+      return;
+    }
+    auto run = [&](Op& a) {
+      a.x = Data(r, 1, a.x.empty() ? 4 : a.x.size());
+      a.Enqueue(rt);
+      return a.Wait(rt);
+    };
+    Op b;
+    b.name = "wj.bcast";
+    b.op = SHOAL_OP_BROADCAST;
+    st = run(b);
+    const std::string joined = half == 1 ? "rank 1 has joined" : "ranks " + std::to_string(half);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find(joined) != std::string::npos, "rank %d: %s", r,
+          st.message.c_str());
+    bcast[r] = st.message;
+    Op g;
+    g.name = "wj.gather";
+    g.op = SHOAL_OP_ALLGATHER;
+    st = run(g);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find(joined) != std::string::npos, "rank %d: %s", r,
+          st.message.c_str());
+    gather[r] = st.message;
+    for (const char* name : {"wj.nbr", "wj.nbr2"}) {  // negotiated, and a first call
+      Op nb;
+      nb.name = name;
+      nb.op = SHOAL_OP_NEIGHBOR_ALLREDUCE;
+      nb.peers = {pair(r)};
+      st = run(nb);
+      CHECK(!st.ok() && st.message.find(std::to_string(pair(r)) + " joined") != std::string::npos, "rank %d %s: %s",
+            r, name, st.message.c_str());
+    }
+    if (half > 1) {
+      Op m;
+      m.name = "wj.shape";
+      m.x.resize(r == 0 ? 3 : 4);
+      st = run(m);
+      CHECK(st.code == SHOAL_MISMATCH && st.message.find("mismatched shapes") != std::string::npos, "rank %d: %s", r,
+            st.message.c_str());
+    }
+    Op barrier;
+    barrier.name = "wj.barrier";
+    barrier.op = SHOAL_OP_BARRIER;
+    st = run(barrier);
+    CHECK(st.ok(), "rank %d: barrier: %s", r, st.message.c_str());
+    if (r == 0) {  // past the stall shutdown time, while every other rank is joined
+      std::this_thread::sleep_for(std::chrono::milliseconds(1300));
+      Op a;  // a signature nobody else submits: the joined ranks run it on zeros
+      a.name = "wj.sum";
+      a.x.resize(5);
+      st = run(a);
+      bool exact = st.ok();
+      for (size_t i = 0; exact && i < a.x.size(); ++i) exact = a.out[i] == a.x[i];
+      CHECK(exact, "rank %d: %s", r, st.ok() ? "not its own values" : st.message.c_str());
+    }
+    const int got = Join(rt, &st);
+    CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
+  });
+  for (int r = 1; r < half; ++r) {
+    CHECK(bcast[r] == bcast[0], "rank %d: %s vs %s", r, bcast[r].c_str(), bcast[0].c_str());
+    CHECK(gather[r] == gather[0], "rank %d: %s vs %s", r, gather[r].c_str(), gather[0].c_str());
+  }
+}
+
+// The last rank submits a cached allreduce and joins without waiting for it: its data
+// still counts (its request reaches the coordinator before its join), while the others'
+// next, uncached op gets its zeros. Then a rank leaves instead of joining: every joined
+// rank's join fails naming it.
+static void TestCachedAndLeave(int n) {
+  g_case = "cached and leave n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 31 + n);
+  const int last = n - 1;
+  for (int s = 0; s < 3; ++s)
+    job.Run([&](int r, Runtime& rt) {
+      Op a;
+      a.name = "cl.x";
+      a.x = Data(r, s, 4);
+      a.Enqueue(rt);
+      CHECK(a.Wait(rt).ok(), "rank %d: warm-up failed", r);
+    });
+  job.Run([&](int r, Runtime& rt) {
+    Op x, y;
+    x.name = "cl.x";
+    x.x = Data(r, 5, 4);
+    y.name = "cl.y";
+    y.x = Data(r, 6, 3);
+    Status st;
+    if (r == last) {
+      x.Enqueue(rt);
+      const int got = Join(rt, &st);
+      CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
+    } else {
+      y.Enqueue(rt);
+      st = y.Wait(rt);
+      bool exact = st.ok();
+      for (size_t i = 0; exact && i < 3; ++i) {
+        double sum = 0;
+        for (int q = 0; q < last; ++q) sum += Data(q, 6, 3)[i];
+        exact = y.out[i] == sum;
+      }
+      CHECK(exact, "rank %d: y: %s", r, st.ok() ? "not the sum without the joined rank" : st.message.c_str());
+      x.Enqueue(rt);
+    }
+    st = x.Wait(rt);
+    bool exact = st.ok();
+    for (size_t i = 0; exact && i < 4; ++i) {
+      double sum = 0;
+      for (int q = 0; q < n; ++q) sum += Data(q, 5, 4)[i];
+      exact = x.out[i] == sum;
+    }
+    CHECK(exact, "rank %d: x: %s", r, st.ok() ? "not the sum over every rank" : st.message.c_str());
+    if (r != last) {
+      if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      const int got = Join(rt, &st);
+      CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
+    }
+  });
+  job.Run([&](int r, Runtime& rt) {
+    if (r == last) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      return rt.Leave();
+    }
+    Status st;
+    Join(rt, &st);
+    CHECK(!st.ok() && st.message.find("rank " + std::to_string(last) + " left") != std::string::npos, "rank %d: %s", r,
+          st.message.c_str());
+  });
+}
+
+int main() {
+  for (int n : {2, 4, 8}) {
+    TestUneven(n, 8 << 20);  // fused
+    TestUneven(n, 0);        // one allreduce per tensor
+    TestWhileJoined(n);
+    TestCachedAndLeave(n);
+  }
+  std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
+  return g_failed ? 1 : 0;
+}

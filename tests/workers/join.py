@@ -1,0 +1,152 @@
+"""Horovod's join (core/src/runtime_join.cc) under shoalrun: ranks run different numbers of
+steps; a joined rank contributes zeros to the others' allreduces (Average divides by
+size(), Horovod's divisor); join returns the rank that joined last on every rank; the ops
+Horovod refuses with joined ranks fail the same way everywhere; after join the job runs as
+before. numpy (shoal), torch (shoal.torch with Horovod's names) and TensorFlow eagerly."""
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402  (imported before init: the ranks' import times do not count as stalls)
+
+import shoal  # noqa: E402
+import shoal.torch as hvd  # noqa: E402
+from checks import Skip, check, raises, run_all  # noqa: E402
+
+try:
+    import tensorflow as tf
+
+    import shoal.tensorflow as st
+except ImportError as e:
+    tf = st = None
+    TF_MISSING = str(e)
+
+shoal.init()
+R, N = shoal.rank(), shoal.size()
+DTYPES = [("float64", True), ("float32", True), ("float16", True), ("int32", False), ("int64", False)]
+
+
+def value(r, step, dt, n=5):
+    return (np.arange(n) % 3 + r * 4 + step).astype(dt)
+
+
+def expect(got, want):
+    assert got.dtype == want.dtype and np.array_equal(got, want), (got, want)
+
+
+def steps_of(r):
+    return 4 + 2 * ((r + 1) % N)  # all ranks run 4 steps (cached by then); rank N-2 the most
+
+
+def last_rank():
+    return max(range(N), key=steps_of)
+
+
+def running_sum(step, dt):
+    return sum(value(q, step, "float64") for q in range(N) if step < steps_of(q))
+
+
+@check
+def uneven_steps_allreduce_zeros_from_joined_ranks():
+    for step in range(steps_of(R)):
+        for dt, floating in DTYPES:
+            got = shoal.allreduce(value(R, step, dt), average=False, name=f"ue.sum.{dt}")
+            expect(got, running_sum(step, dt).astype(dt))
+            if floating:  # Average: the running ranks' sum / size(), as Horovod divides
+                got = shoal.allreduce(value(R, step, dt), average=True, name=f"ue.avg.{dt}")
+                expect(got, (running_sum(step, dt) / N).astype(dt))
+    assert shoal.join() == last_rank()
+
+
+@check
+def after_join_a_full_epoch_then_a_second_join():
+    for step in range(3):
+        got = shoal.allreduce(value(R, step, "float64"), average=False, name="ue.sum.float64")
+        expect(got, sum(value(q, step, "float64") for q in range(N)))
+    if R == 0:  # the others join at once: rank 0 alone, with a signature nobody else uses
+        for step in range(3):
+            x = value(R, step, "float64", n=7)
+            expect(shoal.allreduce(x, average=False, name="alone"), x)
+            expect(shoal.allreduce(x, average=True, name="alone.avg"), x / N)
+        shoal.barrier()  # the joined ranks take part
+    assert shoal.join() == 0
+
+
+@check
+def broadcast_and_allgather_fail_while_ranks_are_joined():
+    if N == 1:
+        raise Skip("needs 2 ranks")
+    half = N // 2
+    if R >= half:
+        assert shoal.join() == 0
+        return
+    joined = "rank 1 has joined" if half == 1 else f"ranks {', '.join(map(str, range(half, N)))} have joined"
+    for fn in (lambda: shoal.broadcast(np.ones(3), 0, name="jb"), lambda: shoal.allgather(np.ones((1, 2)), name="jg")):
+        try:
+            fn()
+        except shoal.ShoalError as e:
+            assert joined in str(e) and "join()" in str(e), str(e)
+        else:
+            raise AssertionError("no error")
+    if R == 0:
+        time.sleep(0.2)  # the last to join
+    assert shoal.join() == 0
+
+
+@check
+def neighbor_ops_with_a_joined_peer_fail_naming_it():
+    if N == 1:
+        raise Skip("needs 2 ranks")
+    half = N // 2
+    if R >= half:
+        assert shoal.join() == 0
+        return
+    peer = R + half
+    try:
+        shoal.neighbor_allreduce(np.ones(3), self_weight=0.5, src_weights={peer: 0.5}, dst_weights={peer: 1.0},
+                                 name="jn")
+    except shoal.ShoalError as e:
+        assert "joined (join())" in str(e) and str(peer) in str(e), str(e)
+    else:
+        raise AssertionError("no error")
+    if R == 0:
+        time.sleep(0.2)
+    assert shoal.join() == 0
+
+
+@check
+def a_joined_rank_is_not_stalled():
+    # Rank 0 runs on past SHOAL_STALL_SHUTDOWN_TIME (4 s, set by tests/test_join.py) while
+    # the others wait in join(): nobody is stalled, and its allreduce then runs.
+    assert os.environ.get("SHOAL_STALL_SHUTDOWN_TIME") == "4", os.environ.get("SHOAL_STALL_SHUTDOWN_TIME")
+    if R == 0:
+        time.sleep(5)
+        expect(shoal.allreduce(np.ones(3), average=False, name="late"), np.ones(3))
+    assert shoal.join() == 0
+
+
+@check
+def torch_horovod_names_uneven_steps():
+    raises(TypeError, hvd.join, "cpu")
+    for step in range(steps_of(R)):
+        x = torch.from_numpy(value(R, step, "float32"))
+        got = hvd.allreduce(x, name="t.avg", op=hvd.Average)
+        assert torch.equal(got, torch.from_numpy((running_sum(step, "float32") / N).astype("float32"))), got
+        got = hvd.allreduce(x.to(torch.int64), name="t.sum", op=hvd.Sum)
+        assert torch.equal(got, torch.from_numpy(running_sum(step, "int64").astype("int64"))), got
+    assert hvd.join(device=-1) == last_rank()
+
+
+@check
+def tensorflow_eager_uneven_steps():
+    if st is None:
+        raise Skip(f"TensorFlow not importable: {TF_MISSING}")
+    for step in range(steps_of(R)):
+        got = st.allreduce(tf.constant(value(R, step, "float64")), average=True, name="tf.avg")
+        np.testing.assert_array_equal(got.numpy(), running_sum(step, "float64") / N)
+    raises(RuntimeError, tf.function(st.join))
+    assert st.join() == last_rank()
+
+
+raise SystemExit(run_all(R))
