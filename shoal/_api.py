@@ -28,12 +28,17 @@ def build_api(adapter):
                 local_size() when averaging).
             name: negotiation key; all ranks use the same name for the same op.
                 Omitted: "allreduce.noname.<k>" (ranks must then issue ops in one order).
-        Result: sum over ranks, or sum then divide by size() (exact when representable;
-            half types accumulate in float32 and round once). Same shape and dtype.
+            op: shoal.Sum, Average, Min, Max or Product (Horovod's hvd.Sum, ...).
+        Result: element-wise over the ranks: the sum, or the sum then divided by size()
+            (exact when representable), or the minimum, maximum or product (Horovod's
+            semantics: MPI_MIN/MAX/PROD, ncclMin/Max/Prod). Half types compute in float32
+            and round once; integer sums and products wrap (two's complement). Same shape
+            and dtype.
         Raises:
-            ValueError: average of an integer tensor, unsupported dtype, a second in-flight
-                op with the same name. ShoalError (at synchronize): ranks disagree on
-                shape, dtype or op.
+            ValueError: average of an integer tensor, average= with Min/Max/Product, bool
+                tensors, a second in-flight op with the same name. NotImplementedError:
+                Horovod's Adasum. ShoalError (at synchronize): ranks disagree on shape,
+                dtype or op (the same error on every rank).
         """
         return _ops.allreduce(adapter, tensor, average, name, op, scope=_scope(is_hierarchical_local))
 
@@ -181,7 +186,7 @@ def build_api(adapter):
             return f"{f.__name__}{inspect.signature(f)}\n--\n\n{f.__doc__}"
         api["neighbor_allreduce"] = _core.native_neighbor_allreduce(neighbor_allreduce, doc(neighbor_allreduce),
                                                                     adapter.module)
-        api["allreduce"] = _core.native_allreduce(allreduce, doc(allreduce), adapter.module, _ops.Sum, _ops.Average)
+        api["allreduce"] = _core.native_allreduce(allreduce, doc(allreduce), adapter.module, _ops.REDUCE_OP_CODES)
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,
                barrier=_ops.barrier)
     return api

@@ -23,7 +23,9 @@ DTYPE_CODES = dict(_core.DTYPES)
 
 
 class ReduceOp:
-    """Horovod-style reduction selector: `op=shoal.Sum` or `op=shoal.Average`."""
+    """Horovod-style reduction selector (`op=shoal.Sum`, `Average`, `Min`, `Max`, `Product`:
+    Horovod's hvd.Sum, ...), element-wise over the ranks. `code` is the core's
+    (shoal_reduce_op); None for an op Shoal does not implement (Horovod's Adasum)."""
 
     def __init__(self, name, code):
         self.name, self.code = name, code
@@ -34,15 +36,32 @@ class ReduceOp:
 
 Sum = ReduceOp("Sum", _core.REDUCE_OPS["sum"])
 Average = ReduceOp("Average", _core.REDUCE_OPS["average"])
+Min = ReduceOp("Min", _core.REDUCE_OPS["min"])
+Max = ReduceOp("Max", _core.REDUCE_OPS["max"])
+Product = ReduceOp("Product", _core.REDUCE_OPS["product"])
+REDUCE_OP_CODES = {o: o.code for o in (Sum, Average, Min, Max, Product)}  # the native entries read it
+REDUCE_OPS_BY_CODE = {o.code: o for o in REDUCE_OP_CODES}
 
 
 def reduce_op(average, op):
-    """Resolve BlueFog's `average=` and Horovod's `op=` (op wins; default Average)."""
+    """Resolve BlueFog's `average=` and Horovod's `op=` (op wins; default Average).
+
+    Raises ValueError for an `op` that is not one of Sum, Average, Min, Max, Product, for
+    `average=` given with Min/Max/Product (it chooses between Sum and Average only), and
+    for `average=` and `op=` that disagree; NotImplementedError for an op Shoal does not
+    implement (Horovod's Adasum)."""
     if op is not None:
-        if op not in (Sum, Average):
-            raise ValueError(f"op must be shoal.Sum or shoal.Average, got {op!r}")
-        if average is not None and (op is Average) != bool(average):
-            raise ValueError("average= and op= disagree")
+        if isinstance(op, ReduceOp) and op.code is None:
+            raise NotImplementedError(f"op={op.name} is not implemented in Shoal; use Sum, Average, Min, Max "
+                                      "or Product")
+        if not isinstance(op, ReduceOp) or op not in REDUCE_OP_CODES:
+            raise ValueError(f"op must be shoal.Sum, Average, Min, Max or Product, got {op!r}")
+        if average is not None:
+            if op is not Sum and op is not Average:
+                raise ValueError(f"average= cannot be combined with op={op.name}: it chooses between Sum and "
+                                 "Average only")
+            if (op is Average) != bool(average):
+                raise ValueError("average= and op= disagree")
         return op
     return Average if average is None or average else Sum
 

@@ -199,7 +199,9 @@ void DefineConstants(py::module_& m) {
                               "float32"_a = int(SHOAL_FLOAT32), "float64"_a = int(SHOAL_FLOAT64),
                               "int8"_a = int(SHOAL_INT8), "uint8"_a = int(SHOAL_UINT8), "int16"_a = int(SHOAL_INT16),
                               "int32"_a = int(SHOAL_INT32), "int64"_a = int(SHOAL_INT64), "bool"_a = int(SHOAL_BOOL));
-  m.attr("REDUCE_OPS") = py::dict("sum"_a = int(SHOAL_REDUCE_SUM), "average"_a = int(SHOAL_REDUCE_AVERAGE));
+  m.attr("REDUCE_OPS") = py::dict("sum"_a = int(SHOAL_REDUCE_SUM), "average"_a = int(SHOAL_REDUCE_AVERAGE),
+                                  "min"_a = int(SHOAL_REDUCE_MIN), "max"_a = int(SHOAL_REDUCE_MAX),
+                                  "product"_a = int(SHOAL_REDUCE_PRODUCT));
   m.attr("SCOPES") = py::dict("world"_a = int(SHOAL_SCOPE_WORLD), "machine"_a = int(SHOAL_SCOPE_MACHINE));
   m.attr("DEVICE_TYPES") = py::dict("cpu"_a = int(SHOAL_DEVICE_CPU), "cuda"_a = int(SHOAL_DEVICE_CUDA));
   m.attr("WIN_OPS") = py::dict("create"_a = int(SHOAL_WIN_CREATE), "free"_a = int(SHOAL_WIN_FREE),

@@ -32,10 +32,11 @@ struct TorchApi {
   py::object tensor, parameter, dtypes, strided, empty_like, is_grad_enabled, from_numpy;
 };
 
-// The state of one native function: its Python fallback, for allreduce the Sum and Average
-// objects of `op=`, and for torch tensors (instead of numpy arrays) torch's API.
+// The state of one native function: its Python fallback, for allreduce the {ReduceOp
+// object: core code} of `op=` (shoal._ops.REDUCE_OP_CODES), and for torch tensors (instead
+// of numpy arrays) torch's API.
 struct Native {
-  py::object fallback, sum, average;
+  py::object fallback, ops;
   std::unique_ptr<TorchApi> torch;
 };
 
@@ -354,12 +355,19 @@ PyObject* CallAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
     const char* name = simple && given[0] && PlainInput(*st, a[0], true, &in) ? PlainName(a[3]) : nullptr;
     PyObject *average = a[1], *local = a[2], *op = a[4];
     int rop = -1;
-    if (op == Py_None) rop = average == Py_False ? SHOAL_REDUCE_SUM : SHOAL_REDUCE_AVERAGE;
-    else if (op == st->sum.ptr()) rop = SHOAL_REDUCE_SUM;
-    else if (op == st->average.ptr()) rop = SHOAL_REDUCE_AVERAGE;
+    if (op == Py_None) {
+      rop = average == Py_False ? SHOAL_REDUCE_SUM : SHOAL_REDUCE_AVERAGE;
+    } else if (PyObject* code = name ? PyDict_GetItemWithError(st->ops.ptr(), op) : nullptr) {  // borrowed
+      rop = static_cast<int>(PyLong_AsLong(code));
+    } else if (PyErr_Occurred()) {
+      PyErr_Clear();  // an unhashable op: Python reports it
+    }
+    // average= goes with Sum and Average only (the fallback raises for the others).
+    const bool average_ok = average == Py_None || op == Py_None ||
+                            ((rop == SHOAL_REDUCE_SUM || rop == SHOAL_REDUCE_AVERAGE) &&
+                             (average == Py_True) == (rop == SHOAL_REDUCE_AVERAGE));
     const bool plain = name && rop >= 0 && (average == Py_None || average == Py_True || average == Py_False) &&
-                       (local == Py_True || local == Py_False) &&
-                       (op == Py_None || average == Py_None || (average == Py_True) == (rop == SHOAL_REDUCE_AVERAGE));
+                       (local == Py_True || local == Py_False) && average_ok;
     if (!plain) return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
     shoal_op_desc d;
     py::object out = Describe(*st, a[0], in, SHOAL_OP_ALLREDUCE, name, &d);
@@ -419,8 +427,8 @@ void DefineNeighborNative(py::module_& m) {
   // `torch`: None (numpy arrays) or, for torch tensors, (torch.Tensor, torch.nn.Parameter,
   // {dtype: (code, numpy dtype or None)}, torch.strided, torch.empty_like,
   // torch.is_grad_enabled, torch.from_numpy).
-  auto state = [](py::object fallback, py::object sum, py::object average, py::object torch) {
-    auto* st = new Native{std::move(fallback), std::move(sum), std::move(average), nullptr};
+  auto state = [](py::object fallback, py::object ops, py::object torch) {
+    auto* st = new Native{std::move(fallback), std::move(ops), nullptr};
     if (!torch.is_none()) {
       auto t = torch.cast<py::tuple>();
       st->torch.reset(new TorchApi{t[0], t[1], t[2], t[3], t[4], t[5], t[6]});
@@ -430,14 +438,14 @@ void DefineNeighborNative(py::module_& m) {
   m.def("native_neighbor_allreduce", [state](py::object fallback, const std::string& doc, const std::string& module,
                                              py::object torch) {
     return MakeNative("neighbor_allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Call)),
-                      state(std::move(fallback), {}, {}, std::move(torch)), doc, module);
+                      state(std::move(fallback), py::dict(), std::move(torch)), doc, module);
   }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("torch") = py::none());
+  // `ops`: {ReduceOp object: core code} of the op= values the one-call path takes.
   m.def("native_allreduce", [state](py::object fallback, const std::string& doc, const std::string& module,
-                                    py::object sum, py::object average, py::object torch) {
+                                    py::dict ops, py::object torch) {
     return MakeNative("allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(CallAllreduce)),
-                      state(std::move(fallback), std::move(sum), std::move(average), std::move(torch)), doc, module);
-  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("sum"), py::arg("average"),
-     py::arg("torch") = py::none());
+                      state(std::move(fallback), std::move(ops), std::move(torch)), doc, module);
+  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("ops"), py::arg("torch") = py::none());
 }
 
 }  // namespace shoal_py

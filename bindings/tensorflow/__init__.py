@@ -16,7 +16,7 @@ a Keras 3 optimizer, `DistributedGradientTape` with Horovod's keywords, `broadca
 facts (`_horovod.py`); `allreduce` takes Horovod's keywords (keyword-only).
 """
 from shoal import topology  # noqa: F401
-from shoal._ops import Average, ReduceOp, Sum  # noqa: F401
+from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from shoal.basics import *  # noqa: F401,F403
 from shoal.basics import __all__ as _basics_all
 
@@ -46,4 +46,4 @@ __all__ = list(_basics_all) + [
     "allreduce", "broadcast", "allgather", "neighbor_allreduce", "neighbor_allgather",
     "hierarchical_neighbor_allreduce", "broadcast_variables", "consensus_distance",
     "DistributedGradientTape", "DistributedOptimizer", "broadcast_object", "allgather_object",
-    "Sum", "Average", "ReduceOp", "topology"] + list(_horovod_all)
+    "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology"] + list(_horovod_all)

@@ -83,8 +83,10 @@ def _sparse_allreduce(slices, rop, name, pre, post):
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, *,
               compression=_horovod.Compression.none, prescale_factor=1.0, postscale_factor=1.0,
               process_set=_horovod.global_process_set):
-    """Sum or average of `tensor` over all ranks (or this machine's ranks); semantics of
-    `shoal.allreduce` (sum then divide; half types accumulate in float32). Differentiable.
+    """Sum, average, minimum, maximum or product (op=Sum/Average/Min/Max/Product) of
+    `tensor` over all ranks (or this machine's ranks); semantics of `shoal.allreduce` (sum
+    then divide; half types compute in float32). Differentiable (shoal/_gradients.py;
+    op=Product with is_hierarchical_local has no gradient: NotImplementedError).
 
     Horovod's keywords (keyword-only here; the positional order is BlueFog's):
     compression (hvd.Compression.fp16/bf16: floating tensors travel in 16 bits, the
@@ -176,7 +178,7 @@ def hierarchical_neighbor_allreduce(tensor, self_weight=None, src_machine_weight
         lambda x, n: x / tf.cast(n, x.dtype))
 
 
-Sum, Average = _ops.Sum, _ops.Average
+Sum, Average, Min, Max, Product = _ops.Sum, _ops.Average, _ops.Min, _ops.Max, _ops.Product
 
 
 # ---- gradients: shoal/_gradients.py's formulas, run with the TensorFlow kernels ----
@@ -187,8 +189,26 @@ def _grad_name(op):
 
 @tf.RegisterGradient("ShoalAllreduce")
 def _allreduce_grad(op, grad):
-    return _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=op.get_attr("reduce_op"),
-                                scope=op.get_attr("scope"))
+    forward, scope, name = op.get_attr("reduce_op"), op.get_attr("scope"), _grad_name(op)
+    rop = _gradients.reduce_op_grad(forward)
+
+    def allreduce_sum(t, suffix):
+        return _lib.shoal_allreduce(t, op_name=name + suffix if name else "", reduce_op=rop, scope=scope)
+
+    if forward in (Min.code, Max.code):
+        return _gradients.extremum_grad(op.inputs[0], op.outputs[0], grad, allreduce_sum,
+                                        lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
+    if forward == Product.code:
+        if scope != _ops.WORLD:
+            raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
+                                      "not implemented (it needs a machine-local allgather)")
+
+        def others_product(t, suffix):
+            every = _lib.shoal_allgather(tf.expand_dims(t, 0), op_name=name + suffix if name else "")
+            r = shoal.rank()
+            return tf.reduce_prod(tf.concat([every[:r], every[r + 1:]], 0), 0)
+        return _gradients.product_grad(op.inputs[0], grad, allreduce_sum, others_product)
+    return allreduce_sum(grad, "")
 
 
 @tf.RegisterGradient("ShoalBroadcast")

@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from shoal import _ops, basics
-from shoal._ops import Average, ReduceOp, Sum
+from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 
 from shoal._api import build_api
 from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
@@ -122,7 +122,7 @@ def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=
     elif pre != 1.0:
         src = _scale_(tensor.detach().clone(memory_format=torch.contiguous_format), pre)
     scope = _ops.MACHINE if is_hierarchical_local else _ops.WORLD
-    h = _ops.allreduce(ADAPTER, src, rop is Average and not integer_average, name,
+    h = _ops.allreduce(ADAPTER, src, None, name, op=Sum if integer_average else rop,
                        inplace=inplace or src is not tensor, scope=scope)
     if integer_average or post != 1.0:
         n = basics.local_size() if is_hierarchical_local else basics.size()
@@ -231,7 +231,8 @@ allreduce.__signature__ = _SIGS["allreduce"][0]
 allreduce.__doc__ = f"""Blocking allreduce; BlueFog's and Horovod's `allreduce`.
 
     Result: sum over ranks, or sum divided by size() (op=Average, the default; BlueFog's
-    `average=`), same shape and dtype; differentiable (the gradient is the same allreduce
+    `average=`), or the element-wise minimum, maximum or product (op=Min/Max/Product),
+    same shape and dtype; differentiable (the gradient is the same allreduce
     of the gradient). Horovod's keywords: compression (hvd.Compression.fp16: floating
     tensors travel as float16), prescale_factor/postscale_factor, process_set (global
     only), op=Adasum (NotImplementedError); op=Average on integers as in
@@ -315,4 +316,4 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
 __all__ = sorted(set(_NEUTRAL) | {
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "allgather", "allgather_async", "broadcast_optimizer_state",
-    "Compression", "FP16Compressor", "BF16Compressor", "Sum", "Average", "ReduceOp"})
+    "Compression", "FP16Compressor", "BF16Compressor", "Sum", "Average", "Min", "Max", "Product", "ReduceOp"})

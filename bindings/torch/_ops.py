@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import shoal as _numpy_api
-from shoal import _gradients, _ops
+from shoal import _gradients, _ops, _process
 from shoal._loader import _core
 from shoal._gradients import grad_name
 
@@ -27,8 +27,8 @@ def _define(schema, impl, fake):
     _register_fake(name)(fake)
 
 
-def _allreduce_impl(tensor, average, local, name):
-    return _ops.allreduce(ADAPTER, tensor, average, name or None,
+def _allreduce_impl(tensor, reduce_op, local, name):
+    return _ops.allreduce(ADAPTER, tensor, None, name or None, op=_ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op),
                           scope=_ops.MACHINE if local else _ops.WORLD, block=True)
 
 
@@ -54,8 +54,8 @@ def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, se
     return _ops.neighbor_allreduce_submit(ADAPTER, tensor, name or None, peers, block=True)
 
 
-_define("allreduce(Tensor tensor, bool average, bool local, str name) -> Tensor", _allreduce_impl,
-        lambda tensor, average, local, name: torch.empty_like(tensor))
+_define("allreduce(Tensor tensor, int reduce_op, bool local, str name) -> Tensor", _allreduce_impl,
+        lambda tensor, reduce_op, local, name: torch.empty_like(tensor))
 _define("broadcast(Tensor tensor, int root_rank, str name) -> Tensor", _broadcast_impl,
         lambda tensor, root_rank, name: torch.empty_like(tensor))
 _define("allgather(Tensor tensor, str name) -> Tensor", _allgather_impl, _allgather_fake)
@@ -133,13 +133,15 @@ def _told(op, numpy_fn, dtypes):
     return wrap
 
 
-@_native(_ops.ALLREDUCE, lambda *a, **k: _core.native_allreduce(*a[:3], _ops.Sum, _ops.Average, **k))
+@_native(_ops.ALLREDUCE, lambda *a, **k: _core.native_allreduce(*a[:3], _ops.REDUCE_OP_CODES, **k))
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
-    """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
-    (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
+    """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce` (sum, sum then
+    divide by size(), min, max or product; BlueFog's `average=` or Horovod's `op=`).
+    Differentiable (shoal/_gradients.py); op=Product with is_hierarchical_local has no
+    gradient (NotImplementedError at backward)."""
     ADAPTER._check(tensor, "allreduce")
     rop = _ops.reduce_op(average, op)
-    return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, bool(is_hierarchical_local), _ops.op_name(name))
+    return torch.ops.shoal.allreduce(tensor, rop.code, bool(is_hierarchical_local), _ops.op_name(name))
 
 
 @_told(_ops.BROADCAST, _numpy_api.broadcast, _NUMPY_DTYPES)
@@ -172,11 +174,35 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
 # ---- Autograd (the blocking ops are differentiable; the nonblocking forms are not) ----
 # The formulas are shoal/_gradients.py's; here they run as the registered torch ops.
 def _allreduce_setup(ctx, inputs, output):
-    ctx.average, ctx.local, ctx.name = inputs[1], inputs[2], inputs[3]
+    ctx.reduce_op, ctx.local, ctx.name = inputs[1], inputs[2], inputs[3]
+    if ctx.reduce_op in (_ops.Min.code, _ops.Max.code, _ops.Product.code):
+        ctx.save_for_backward(inputs[0], output)
 
 
 def _allreduce_backward(ctx, grad):
-    return torch.ops.shoal.allreduce(grad.contiguous(), ctx.average, ctx.local, grad_name(ctx.name)), None, None, None
+    grad, name = grad.contiguous(), grad_name(ctx.name)
+    rop = _gradients.reduce_op_grad(ctx.reduce_op)
+
+    def allreduce_sum(t, suffix):
+        return torch.ops.shoal.allreduce(t.contiguous(), rop, ctx.local, name + suffix if name else "")
+
+    if ctx.reduce_op in (_ops.Min.code, _ops.Max.code):
+        x, y = ctx.saved_tensors
+        g = _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: (a == b).to(like.dtype))
+    elif ctx.reduce_op == _ops.Product.code:
+        if ctx.local:
+            raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
+                                      "not implemented (it needs a machine-local allgather)")
+        x, _ = ctx.saved_tensors
+
+        def others_product(t, suffix):
+            every = torch.ops.shoal.allgather(t.contiguous().unsqueeze(0), name + suffix if name else "")
+            r = _process.rank()
+            return torch.cat([every[:r], every[r + 1:]]).prod(0)
+        g = _gradients.product_grad(x, grad, allreduce_sum, others_product)
+    else:
+        g = allreduce_sum(grad, "")
+    return g, None, None, None
 
 
 def _broadcast_setup(ctx, inputs, output):
@@ -184,7 +210,7 @@ def _broadcast_setup(ctx, inputs, output):
 
 
 def _broadcast_backward(ctx, grad):
-    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, grad_name(ctx.name))
+    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name))
     return (total if _gradients.broadcast_keeps(ctx.root, _ops.WORLD) else torch.zeros_like(total)), None, None
 
 
@@ -193,7 +219,7 @@ def _allgather_setup(ctx, inputs, output):
 
 
 def _allgather_backward(ctx, grad):
-    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, grad_name(ctx.name))
+    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name))
     rows = torch.ops.shoal.allgather(torch.tensor([ctx.rows], dtype=torch.int64),
                                      grad_name(ctx.name) + ".rows" if ctx.name else "")
     start = int(_gradients.allgather_start(rows, torch.sum))

@@ -39,7 +39,8 @@ class Backend {
 
   // Collectives; every rank starts them in the same order.
   // scope: SHOAL_SCOPE_WORLD or SHOAL_SCOPE_MACHINE (root is then a local rank).
-  virtual void Allreduce(void* buf, int64_t count, int dtype, int scope, Callback done) = 0;
+  // reduce_op: SHOAL_REDUCE_SUM, MIN, MAX or PRODUCT (an average is a sum here).
+  virtual void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) = 0;
   virtual void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) = 0;
   virtual void Allgatherv(const void* send, int64_t count, void* recv,
                           const std::vector<int64_t>& counts, int dtype, Callback done) = 0;

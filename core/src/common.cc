@@ -27,6 +27,11 @@ const char* OpName(int op) {
   return (op >= 0 && op <= SHOAL_OP_NEIGHBOR_ALLGATHER) ? names[op] : "unknown_op";
 }
 
+const char* ReduceOpName(int reduce_op) {
+  static const char* names[] = {"Sum", "Average", "Min", "Max", "Product"};
+  return (reduce_op >= 0 && reduce_op <= SHOAL_REDUCE_PRODUCT) ? names[reduce_op] : "unknown";
+}
+
 bool IsFloating(int dtype) { return dtype <= SHOAL_FLOAT64; }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {

@@ -41,6 +41,7 @@ struct ArgumentError : std::runtime_error {
 size_t DtypeSize(int dtype);
 const char* DtypeName(int dtype);
 const char* OpName(int op);
+const char* ReduceOpName(int reduce_op);  // "Sum", "Average", "Min", "Max", "Product"
 bool IsFloating(int dtype);
 std::string ShapeString(const std::vector<int64_t>& shape);
 int64_t NumElements(const std::vector<int64_t>& shape);

@@ -201,7 +201,7 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
   }
   if (op == SHOAL_OP_ALLREDUCE)
     checks.push_back({"reduce ops", [](const Request& r) {
-                        return std::string(r.sig.reduce_op == SHOAL_REDUCE_SUM ? "Sum" : "Average");
+                        return std::string("op=") + ReduceOpName(r.sig.reduce_op);
                       }});
   if (op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_BROADCAST)
     checks.push_back({"scopes", [](const Request& r) {

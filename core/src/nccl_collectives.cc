@@ -140,7 +140,8 @@ void NcclCollectives::Run(const Response& r, const std::vector<EntryPtr>& batch,
     if (r.op == SHOAL_OP_BROADCAST) {
       e = api->nccl_broadcast(g.dev_out, g.nbytes, x->sig.root_rank, comm, stream);
     } else {
-      e = api->nccl_allreduce(g.dev_out, x->count(), x->sig.dtype, comm, stream);
+      const int rop = x->sig.reduce_op == SHOAL_REDUCE_AVERAGE ? SHOAL_REDUCE_SUM : x->sig.reduce_op;
+      e = api->nccl_allreduce(g.dev_out, x->count(), x->sig.dtype, rop, comm, stream);
       const int n = scope == SHOAL_SCOPE_MACHINE ? backend_->world().local_size : backend_->world().size;
       if (!e && x->sig.reduce_op == SHOAL_REDUCE_AVERAGE)  // sum, then divide: as the CPU path
         e = api->scale(g.dev_out, g.dev_out, n, 1, x->sig.dtype, x->count(), stream);

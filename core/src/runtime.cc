@@ -116,8 +116,11 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   const int scope_size = e->sig.scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
   switch (d.op) {
     case SHOAL_OP_ALLREDUCE:
-      if (d.input.dtype == SHOAL_BOOL) Bad("allreduce: bool tensors cannot be summed");
-      if (d.reduce_op != SHOAL_REDUCE_SUM && d.reduce_op != SHOAL_REDUCE_AVERAGE) Bad("allreduce: unknown reduce op");
+      if (d.reduce_op < SHOAL_REDUCE_SUM || d.reduce_op > SHOAL_REDUCE_PRODUCT)
+        Bad("allreduce: unknown reduce op code " + std::to_string(d.reduce_op));
+      if (d.input.dtype == SHOAL_BOOL)
+        Bad(std::string("allreduce: bool tensors cannot be reduced (op=") + ReduceOpName(d.reduce_op) +
+            "); use an integer dtype");
       if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype))
         Bad("allreduce: average of " + dt + " is not representable; use op=Sum or a floating dtype");
       e->sig.reduce_op = d.reduce_op;

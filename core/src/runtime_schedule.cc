@@ -212,9 +212,11 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
                          [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
-  // Allreduce: a batch (fused when > 1 or half precision) reduced in one call.
+  // Allreduce: a batch (fused when > 1 or half precision) reduced in one call. The
+  // coordinator fuses only members of one reduce op.
   const int dtype = batch[0]->sig.dtype;
   const bool average = batch[0]->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
+  const int rop = average ? SHOAL_REDUCE_SUM : batch[0]->sig.reduce_op;
   const int scope = batch[0]->sig.scope;
   const int n = scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
   int64_t total = 0;
@@ -226,7 +228,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   if (batch.size() == 1 && !IsHalf(dtype)) {
     EntryPtr e = batch[0];
     if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
-    backend_->Allreduce(e->output.data, e->count(), dtype, scope, [this, communicated, e, average, n](const Status& st) {
+    backend_->Allreduce(e->output.data, e->count(), dtype, rop, scope, [this, communicated, e, average, n](const Status& st) {
       communicated(e);
       e->t_reduce_start = Clock::now();
       if (st.ok() && average) Divide(e->output.data, e->output.data, e->sig.dtype, e->count(), n);
@@ -235,7 +237,8 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     });
     return;
   }
-  // Half types are widened: the sum accumulates in float32 and is rounded once.
+  // Half types are widened: the reduction computes in float32 and is rounded once (exact
+  // for min and max).
   const int wire = IsHalf(dtype) ? SHOAL_FLOAT32 : dtype;
   const size_t wsize = DtypeSize(wire);
   auto fused = fusion_pool_->Get(total * wsize);
@@ -248,7 +251,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     e->t_copy_end = Clock::now();
   }
   if (batch.size() > 1) ++stats_.fused_batches;
-  backend_->Allreduce(fused->data(), total, wire, scope, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
+  backend_->Allreduce(fused->data(), total, wire, rop, scope, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
     size_t at = 0;
     for (auto& e : batch) {
       communicated(e);

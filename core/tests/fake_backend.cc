@@ -35,7 +35,7 @@ void FakeWorld::Finish(Coll& c) {
   if (c.kind == kAllreduce) {
     std::vector<const void*> srcs(c.bufs.begin(), c.bufs.end());
     ByteVec sum(std::max<size_t>(n, 1));
-    Sum(srcs, sum.data(), c.dtype, static_cast<size_t>(c.count));
+    Reduce(srcs, sum.data(), c.dtype, static_cast<size_t>(c.count), c.reduce_op);
     for (void* b : c.bufs) std::memcpy(b, sum.data(), n);
   } else if (c.kind == kBroadcast) {
     for (int r = 0; r < size_; ++r)
@@ -110,6 +110,7 @@ void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel) {
     c.dtype = mine.dtype;
     c.count = mine.count;
     c.root = mine.root;
+    c.reduce_op = mine.reduce_op;
     c.bufs.assign(info_.size, nullptr);
     c.sends.assign(info_.size, nullptr);
     c.counts.assign(info_.size, 0);
@@ -123,9 +124,10 @@ void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel) {
   }
 }
 
-void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int, Callback done) {
+void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int, Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllreduce;
+  c.reduce_op = reduce_op;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;

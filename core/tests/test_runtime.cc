@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "fake_backend.h"
+#include "reduce.h"
 #include "runtime.h"
 
 using namespace shoal;
@@ -75,6 +77,7 @@ struct Op {
   std::vector<double> recv_w, send_w;
   double self_w = 1.0;
   bool uniform = true;
+  int reduce_op = SHOAL_REDUCE_SUM;
   int64_t handle = 0;
 
   int64_t Enqueue(Runtime& rt) {
@@ -86,7 +89,7 @@ struct Op {
     d.input = {x.data(), dtype, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
     d.output = d.input;
     d.output.data = out.data();
-    d.reduce_op = SHOAL_REDUCE_SUM;
+    d.reduce_op = reduce_op;
     d.n_recv = static_cast<int32_t>(recv.size());
     d.recv_ranks = recv.data();
     d.recv_weights = recv_w.empty() ? nullptr : recv_w.data();
@@ -416,6 +419,97 @@ static void TestCachedFailures(int n) {
   });
 }
 
+// Allreduce with every reduce op over int8, int32, float16 and float64, all in flight at
+// once (fused or not): exact element-wise results (int8 products wrap, float16 computes in
+// float32), batches never mix ops. Then ranks that disagree on the op all get one error
+// naming both, and bad ops are refused at the call.
+static void TestReduceOps(int n, int64_t fusion) {
+  g_case = "reduce ops n=" + std::to_string(n) + " fusion=" + std::to_string(fusion);
+  Job job(n, TestConfig(fusion), 11 + n, 100);
+  const int rops[] = {SHOAL_REDUCE_SUM, SHOAL_REDUCE_MIN, SHOAL_REDUCE_MAX, SHOAL_REDUCE_PRODUCT};
+  const int dtypes[] = {SHOAL_INT8, SHOAL_INT32, SHOAL_FLOAT16, SHOAL_FLOAT64};
+  auto value = [](int r, size_t i) { return static_cast<int>(i % 3) - 1 + r % 2 + (i == 5 ? r : 0); };
+  // Stored as `dtype` (float16 bits for halves), read back as double.
+  auto put = [](int dtype, char* p, double v) {
+    switch (dtype) {
+      case SHOAL_INT8: { int8_t x = static_cast<int8_t>(static_cast<int64_t>(v)); std::memcpy(p, &x, 1); break; }
+      case SHOAL_INT32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); break; }
+      case SHOAL_FLOAT16: { uint16_t x = FloatToHalf(static_cast<float>(v)); std::memcpy(p, &x, 2); break; }
+      default: std::memcpy(p, &v, 8);
+    }
+  };
+  job.Run([&](int r, Runtime& rt) {
+    const size_t len = 6;
+    struct T { std::vector<char> in, out, want; int64_t handle = 0; int rop = 0, dtype = 0; };
+    std::vector<T> ts;
+    std::vector<int64_t> shape = {static_cast<int64_t>(len)};
+    for (int rop : rops)
+      for (int dtype : dtypes) {
+        T t;
+        t.rop = rop;
+        t.dtype = dtype;
+        const size_t es = DtypeSize(dtype);
+        t.in.resize(len * es);
+        t.out.resize(len * es);
+        t.want.resize(len * es);
+        for (size_t i = 0; i < len; ++i) {
+          put(dtype, &t.in[i * es], value(r, i));
+          double acc = value(0, i);  // exact in double: |values| <= 8, products <= 2^24
+          for (int q = 1; q < n; ++q) {
+            const double v = value(q, i);
+            acc = rop == SHOAL_REDUCE_SUM ? acc + v : rop == SHOAL_REDUCE_MIN ? std::min(acc, v)
+                  : rop == SHOAL_REDUCE_MAX ? std::max(acc, v) : acc * v;
+          }
+          put(dtype, &t.want[i * es], acc);
+        }
+        ts.push_back(std::move(t));
+      }
+    for (auto& t : ts) {
+      shoal_op_desc d{};
+      d.op = SHOAL_OP_ALLREDUCE;
+      const std::string name = "rop." + std::to_string(t.rop) + "." + std::to_string(t.dtype);
+      d.name = name.c_str();
+      d.input = {t.in.data(), t.dtype, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+      d.output = d.input;
+      d.output.data = t.out.data();
+      d.reduce_op = t.rop;
+      t.handle = rt.Enqueue(d);
+    }
+    for (auto& t : ts) {
+      Status st = rt.Wait(t.handle);
+      rt.Release(t.handle);
+      CHECK(st.ok() && t.out == t.want, "rank %d op %s dtype %s: %s", r, ReduceOpName(t.rop), DtypeName(t.dtype),
+            st.message.c_str());
+    }
+    // Rank 0 asks for Min, the others for Max: the same error everywhere.
+    Op a;
+    a.name = "rop.mismatch";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, 3);
+    a.reduce_op = r == 0 ? SHOAL_REDUCE_MIN : SHOAL_REDUCE_MAX;
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find("mismatched reduce ops across ranks: op=Min on rank 0; op=Max on rank") !=
+                                           std::string::npos,
+          "rank %d: %s", r, st.message.c_str());
+    a.reduce_op = SHOAL_REDUCE_MAX;  // the name is usable again
+    a.Enqueue(rt);
+    st = a.Wait(rt);
+    CHECK(st.ok() && a.out[0] == Data(n - 1, 0, 3)[0], "rank %d: %s", r, st.message.c_str());
+    for (int bad : {-1, 5}) {
+      Op b;
+      b.name = "rop.bad";
+      b.op = SHOAL_OP_ALLREDUCE;
+      b.x = {1.0};
+      b.reduce_op = bad;
+      std::string msg;
+      try { b.Enqueue(rt); } catch (const ArgumentError& ex) { msg = ex.what(); }
+      CHECK(msg.find("unknown reduce op code " + std::to_string(bad)) != std::string::npos, "rank %d: %s", r,
+            msg.c_str());
+    }
+  });
+}
+
 int main() {
   for (int n : {2, 4, 8}) {
     TestNeighborOrders(n, 8 << 20, 200);  // fused
@@ -427,6 +521,8 @@ int main() {
     TestCachedAllreduce(n, 8 << 20);
     TestCachedAllreduce(n, 0);
     TestCachedFailures(n);
+    TestReduceOps(n, 8 << 20);
+    TestReduceOps(n, 0);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

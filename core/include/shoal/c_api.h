@@ -41,7 +41,12 @@ typedef enum {
 
 typedef enum { SHOAL_SCOPE_WORLD = 0, SHOAL_SCOPE_MACHINE = 1 } shoal_scope;
 
-typedef enum { SHOAL_REDUCE_SUM = 0, SHOAL_REDUCE_AVERAGE = 1 } shoal_reduce_op;
+/* Element-wise over the ranks (Horovod's hvd.Sum, Average, Min, Max, Product). Average is
+ * the sum divided by the number of ranks. */
+typedef enum {
+  SHOAL_REDUCE_SUM = 0, SHOAL_REDUCE_AVERAGE = 1, SHOAL_REDUCE_MIN = 2, SHOAL_REDUCE_MAX = 3,
+  SHOAL_REDUCE_PRODUCT = 4
+} shoal_reduce_op;
 
 /* A dense, C-contiguous tensor. `stream` and `ready_event` (CUDA) let the core
  * wait for the producer without a device-wide synchronisation; CPU tensors pass NULL. */

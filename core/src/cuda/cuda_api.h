@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_CUDA_ABI_VERSION 3
+#define SHOAL_CUDA_ABI_VERSION 4
 
 typedef const char* shoal_cuda_error;
 
@@ -89,9 +89,10 @@ typedef struct {
                                      void** comm);
   shoal_cuda_error (*nccl_comm_destroy)(void* comm);
   shoal_cuda_error (*nccl_check)(void* comm);
-  /* Sum in place; int16 and bool are not supported by NCCL (an error). */
-  shoal_cuda_error (*nccl_allreduce)(void* buf, int64_t count, int dtype, void* comm,
-                                     void* stream);
+  /* In place; reduce_op SHOAL_REDUCE_SUM, MIN, MAX or PRODUCT (ncclSum, ncclMin, ncclMax,
+   * ncclProd); int16 and bool are not supported by NCCL (an error). */
+  shoal_cuda_error (*nccl_allreduce)(void* buf, int64_t count, int dtype, int reduce_op,
+                                     void* comm, void* stream);
   shoal_cuda_error (*nccl_broadcast)(void* buf, int64_t nbytes, int root, void* comm,
                                      void* stream);
   /* Rank r's `nbytes[r]` bytes land at recv + offsets[r] (variable sizes: one

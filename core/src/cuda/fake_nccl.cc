@@ -93,7 +93,9 @@ std::string Sizes(const int64_t* v, int64_t n) {
 std::string Describe(const Body& b, const std::string& who, const std::string& other) {
   if (b.empty()) return "an empty message";
   switch (b[0]) {
-    case kAllreduce: return "an allreduce of " + std::to_string(b[2]) + " " + shoal::DtypeName(static_cast<int>(b[1]));
+    case kAllreduce:
+      return "an allreduce (op=" + std::string(shoal::ReduceOpName(static_cast<int>(b[3]))) + ") of " +
+             std::to_string(b[2]) + " " + shoal::DtypeName(static_cast<int>(b[1]));
     case kBroadcast: return "a broadcast of " + std::to_string(b[1]) + " bytes from rank " + std::to_string(b[2]);
     case kAllgather: return "an allgather of " + Sizes(&b[2], b[1]) + " bytes";
     case kGroup: {
@@ -400,15 +402,18 @@ shoal_cuda_error CheckComm(void* comm) {
   return c->error.empty() ? nullptr : Fail("fake NCCL: " + c->error);
 }
 
-shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, void* comm, void* stream) {
+shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, int reduce_op, void* comm, void* stream) {
   if (dtype == SHOAL_INT16 || dtype == SHOAL_BOOL || dtype < 0 || dtype > SHOAL_BOOL)
-    return Fail(std::string("NCCL cannot sum ") + (dtype == SHOAL_INT16 ? "int16" : dtype == SHOAL_BOOL ? "bool" : "this dtype") + " tensors");
+    return Fail(std::string("NCCL cannot reduce ") + (dtype == SHOAL_INT16 ? "int16" : dtype == SHOAL_BOOL ? "bool" : "this dtype") + " tensors");
+  if (reduce_op != SHOAL_REDUCE_SUM && reduce_op != SHOAL_REDUCE_MIN && reduce_op != SHOAL_REDUCE_MAX &&
+      reduce_op != SHOAL_REDUCE_PRODUCT)
+    return Fail("ncclAllReduce: invalid argument (reduce op " + std::to_string(reduce_op) + ")");
   auto m = Peek(comm);
   if (!m) return Fail("ncclAllReduce: invalid argument (unknown communicator)");
   const int64_t bytes = count * static_cast<int64_t>(shoal::DtypeSize(dtype));
   if (shoal_cuda_error e = TooLarge("ncclAllReduce", bytes)) return e;
   if (count <= 0) return nullptr;
-  auto c = Collective(*m, {kAllreduce, dtype, count});
+  auto c = Collective(*m, {kAllreduce, dtype, count, reduce_op});
   auto from = std::make_shared<std::vector<shoal::ByteVec>>(m->size);
   c->move = [=](Comm& cm, Requests& r) -> std::string {
     for (int p = 0; p < cm.size; ++p) {
@@ -419,10 +424,10 @@ shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, void* comm, void
     for (int p = 0; p < cm.size; ++p)
       if (p != cm.rank) r.Send(buf, bytes, p, kTagData, cm.mpi);
     if (!r.Wait(Deadline())) return "the data of an allreduce did not arrive " + Within();
-    // The sum in rank order: the same bits on every rank.
+    // The reduction in rank order: the same bits on every rank.
     std::vector<const void*> srcs(cm.size);
     for (int p = 0; p < cm.size; ++p) srcs[p] = p == cm.rank ? buf : (*from)[p].data();
-    shoal::Sum(srcs, buf, dtype, static_cast<size_t>(count));
+    shoal::Reduce(srcs, buf, dtype, static_cast<size_t>(count), reduce_op);
     return "";
   };
   return Issue(comm, stream, "ncclAllReduce", c);

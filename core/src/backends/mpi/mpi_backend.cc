@@ -35,7 +35,17 @@ MPI_Datatype ReduceType(int dtype) {
     case SHOAL_INT32: return MPI_INT32_T;
     case SHOAL_INT64: return MPI_INT64_T;
   }
-  throw std::invalid_argument(std::string("no MPI sum for ") + DtypeName(dtype));
+  throw std::invalid_argument(std::string("no MPI reduction for ") + DtypeName(dtype));
+}
+
+MPI_Op ReduceOp(int reduce_op) {
+  switch (reduce_op) {
+    case SHOAL_REDUCE_SUM: return MPI_SUM;
+    case SHOAL_REDUCE_MIN: return MPI_MIN;
+    case SHOAL_REDUCE_MAX: return MPI_MAX;
+    case SHOAL_REDUCE_PRODUCT: return MPI_PROD;
+  }
+  throw std::invalid_argument(std::string("no MPI op for reduce op ") + ReduceOpName(reduce_op));
 }
 
 // Data movement only needs the element width.
@@ -163,9 +173,9 @@ class MpiBackend : public Backend {
     return true;
   }
 
-  void Allreduce(void* buf, int64_t count, int dtype, int scope, Callback done) override {
+  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM,
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), ReduceOp(reduce_op),
                             Comm(scope), r);
     });
   }

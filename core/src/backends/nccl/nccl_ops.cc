@@ -98,6 +98,16 @@ bool ReduceType(int dtype, ncclDataType_t* t) {
   }
 }
 
+bool ReduceOp(int reduce_op, ncclRedOp_t* op) {
+  switch (reduce_op) {
+    case SHOAL_REDUCE_SUM: *op = ncclSum; return true;
+    case SHOAL_REDUCE_MIN: *op = ncclMin; return true;
+    case SHOAL_REDUCE_MAX: *op = ncclMax; return true;
+    case SHOAL_REDUCE_PRODUCT: *op = ncclProd; return true;
+    default: return false;
+  }
+}
+
 shoal_cuda_error UniqueId(void* id) {
   SHOAL_NCCL_LOADED();
   static_assert(sizeof(ncclUniqueId) == 128, "NCCL unique id size");
@@ -132,11 +142,13 @@ shoal_cuda_error CheckComm(void* comm) {
   return NcclCheck(L, async, "NCCL operation failed", C(comm));
 }
 
-shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, void* comm, void* stream) {
+shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, int reduce_op, void* comm, void* stream) {
   SHOAL_NCCL_LOADED();
   ncclDataType_t t;
-  if (!ReduceType(dtype, &t)) return Fail(std::string("NCCL cannot sum ") + (dtype == SHOAL_INT16 ? "int16" : "bool") + " tensors");
-  return NcclCheck(L, L.AllReduce(buf, buf, count, t, ncclSum, C(comm), S(stream)), "ncclAllReduce", C(comm));
+  ncclRedOp_t op;
+  if (!ReduceType(dtype, &t)) return Fail(std::string("NCCL cannot reduce ") + (dtype == SHOAL_INT16 ? "int16" : "bool") + " tensors");
+  if (!ReduceOp(reduce_op, &op)) return Fail("ncclAllReduce: unknown reduce op " + std::to_string(reduce_op));
+  return NcclCheck(L, L.AllReduce(buf, buf, count, t, op, C(comm), S(stream)), "ncclAllReduce", C(comm));
 }
 
 shoal_cuda_error Broadcast(void* buf, int64_t nbytes, int root, void* comm, void* stream) {
