@@ -88,6 +88,28 @@ def build_api(adapter):
         """Blocking allgather; see `allgather_nonblocking`."""
         return _ops.synchronize(allgather_nonblocking(tensor, name))
 
+    def reducescatter_nonblocking(tensor, op=None, name=None):
+        """Start a reducescatter; returns a handle for `synchronize`/`poll`/`wait`.
+
+        Semantics: Horovod's `reducescatter`. Every rank passes a tensor of the same shape
+        [d0, *rest] and dtype (float16, bfloat16, float32, float64, int8, uint8, int16,
+        int32, int64; not modified); they are reduced element-wise, op=shoal.Average
+        (default: the sum divided by size()) or shoal.Sum, and the result is split along
+        dim 0 in rank order: rank r gets rows [start_r, start_r + n_r) with
+        n_r = d0 // size() plus one for the first d0 % size() ranks, as a new
+        [n_r, *rest] tensor of the input's dtype (n_r may be 0). Half types compute in
+        float32 and round once; integer sums wrap.
+        Raises:
+            ValueError: a 0-d tensor, op other than Sum/Average, Average of an integer
+                tensor, bool tensors. ShoalError (at synchronize): ranks disagree on shape,
+                dtype or op (the same error on every rank).
+        """
+        return _ops.reducescatter(adapter, tensor, op, name)
+
+    def reducescatter(tensor, op=None, name=None):
+        """Blocking reducescatter: `synchronize(reducescatter_nonblocking(...))`; see there."""
+        return _ops.synchronize(reducescatter_nonblocking(tensor, op, name))
+
     def neighbor_allreduce_nonblocking(tensor, self_weight=None, src_weights=None,
                                        dst_weights=None, enable_topo_check=True, name=None):
         """Start one neighbor-averaging (gossip) step; returns a handle.
@@ -176,7 +198,8 @@ def build_api(adapter):
         hierarchical_neighbor_allreduce_nonblocking, pair_gossip, pair_gossip_nonblocking,
         allreduce, allreduce_, allreduce_nonblocking, allreduce_nonblocking_,
         broadcast, broadcast_, broadcast_nonblocking, broadcast_nonblocking_,
-        allgather, allgather_nonblocking, neighbor_allreduce, neighbor_allreduce_nonblocking)}
+        allgather, allgather_nonblocking, reducescatter, reducescatter_nonblocking, neighbor_allreduce,
+        neighbor_allreduce_nonblocking)}
     for f in api.values():  # error messages name the public function, not this factory
         f.__qualname__ = f.__name__
     if adapter.native:

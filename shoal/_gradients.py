@@ -9,6 +9,9 @@ autograd) and shoal.tensorflow (tf.RegisterGradient); the bindings only run the 
   Σ_k g_k · Π_{j≠i} x_j, from an allgather of the inputs (no division: exact with zeros;
   `product_grad`). (Horovod reduces the gradient with the forward's op, which is the
   gradient of Sum/Average only.)
+- reducescatter: rank r's result is rows [start_r, start_r + n_r) of Σ_k x_k, so rank
+  i's gradient is the concatenation of every rank's g_r (an allgather, in rank order),
+  divided by size() for Average (`reducescatter_grad`), as in Horovod.
 - broadcast: the root's value reaches every rank, so the root's gradient is the sum of
   every rank's gradient (allreduce Sum, same scope); the other ranks' is zero.
 - allgather: rank r's rows are rows [start_r, start_r + n_r) of the result, so its
@@ -32,6 +35,13 @@ def reduce_op_grad(op):
     the same op for Sum and Average, Sum (of the incoming gradients) for the others."""
     from ._ops import Average, Sum
     return op if op in (Sum.code, Average.code) else Sum.code
+
+
+def reducescatter_grad(gathered, op):
+    """The gradient of a reducescatter with reduce op code `op`, from the allgather of the
+    incoming gradients."""
+    from ._ops import Average
+    return gathered / _process.size() if op == Average.code else gathered
 
 
 def extremum_grad(x, y, grad, allreduce_sum, indicator):

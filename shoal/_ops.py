@@ -15,9 +15,9 @@ from ._process import STATE
 
 # Codes of the C ABI, as the core exports them (core/include/shoal/c_api.h).
 OP_NAMES = {code: name for name, code in _core.OPS.items()}
-ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER = (
+ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER, REDUCESCATTER = (
     _core.OPS[n] for n in ("allreduce", "broadcast", "allgather", "barrier", "neighbor_allreduce",
-                           "neighbor_allgather"))
+                           "neighbor_allgather", "reducescatter"))
 WORLD, MACHINE = _core.SCOPES["world"], _core.SCOPES["machine"]  # scope of allreduce/broadcast
 DTYPE_CODES = dict(_core.DTYPES)
 
@@ -191,6 +191,21 @@ def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD,
 @_told(ALLGATHER)
 def allgather(adapter, tensor, name=None):
     return _submit_gather(ALLGATHER, name, adapter, tensor)
+
+
+@_told(REDUCESCATTER)
+def reducescatter(adapter, tensor, op=None, name=None):
+    """See `shoal.reducescatter_nonblocking` for the semantics."""
+    rop = Average if op is None else reduce_op(None, op)
+    if rop is not Sum and rop is not Average:
+        raise ValueError(f"reducescatter: op must be Sum or Average (as in Horovod), got {rop!r}")
+    return _submit_gather(REDUCESCATTER, name, adapter, tensor, reduce_op=rop.code)
+
+
+def reducescatter_rows(rows, size, rank):
+    """The rows of a dim 0 of `rows` that reducescatter leaves `rank` of `size` ranks:
+    rows // size, one more for the first rows % size ranks (Horovod's split)."""
+    return rows // size + (1 if rank < rows % size else 0)
 
 
 def _in_int32(ranks, what):

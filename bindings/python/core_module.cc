@@ -194,7 +194,8 @@ void DefineConstants(py::module_& m) {
   m.attr("OPS") = py::dict("allreduce"_a = int(SHOAL_OP_ALLREDUCE), "broadcast"_a = int(SHOAL_OP_BROADCAST),
                            "allgather"_a = int(SHOAL_OP_ALLGATHER), "barrier"_a = int(SHOAL_OP_BARRIER),
                            "neighbor_allreduce"_a = int(SHOAL_OP_NEIGHBOR_ALLREDUCE),
-                           "neighbor_allgather"_a = int(SHOAL_OP_NEIGHBOR_ALLGATHER));
+                           "neighbor_allgather"_a = int(SHOAL_OP_NEIGHBOR_ALLGATHER),
+                           "reducescatter"_a = int(SHOAL_OP_REDUCESCATTER));
   m.attr("DTYPES") = py::dict("float16"_a = int(SHOAL_FLOAT16), "bfloat16"_a = int(SHOAL_BFLOAT16),
                               "float32"_a = int(SHOAL_FLOAT32), "float64"_a = int(SHOAL_FLOAT64),
                               "int8"_a = int(SHOAL_INT8), "uint8"_a = int(SHOAL_UINT8), "int16"_a = int(SHOAL_INT16),

@@ -138,6 +138,40 @@ def allgather(tensor, name=None, *, process_set=_horovod.global_process_set):
                                                           op_name=_name("allgather", name)))
 
 
+def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none, op=None, name=None,
+                  process_set=_horovod.global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Horovod's `reducescatter` (its positional order): every rank's [d0, ...] tensor (same
+    shape and dtype everywhere) reduced element-wise, op=Average (default) or Sum, and
+    split along dim 0: rank r gets rows [start_r, start_r + n_r), n_r = d0 // size() plus
+    one for the first d0 % size() ranks (semantics of `shoal.reducescatter`).
+    Differentiable: the gradient is the allgather of the gradients (divided by size() for
+    Average). compression, prescale_factor/postscale_factor and the integer average
+    (truncated toward zero) as in `allreduce`; device_dense and ignore_name_scope change
+    nothing. Raises ValueError for a 0-d tensor, bool tensors or an op other than
+    Average/Sum; NotImplementedError for Adasum and process sets other than the global
+    one; ShoalError (eagerly) when ranks disagree on shape, dtype or op."""
+    _horovod.check_process_set(process_set, "reducescatter")
+    _horovod.check_op(op, "reducescatter")
+    compression = _horovod.check_compression(compression, "reducescatter")
+    rop = Average if op is None else _ops.reduce_op(None, op)
+    if rop is not Average and rop is not Sum:
+        raise ValueError(f"reducescatter: op must be Average or Sum (as in Horovod), got {rop!r}")
+    sent, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    integer_average = rop is Average and not (sent.dtype.is_floating or sent.dtype.is_complex)
+    code = Sum.code if integer_average else rop.code
+    sent = _scale(sent, float(prescale_factor))
+    out = _run("reducescatter", lambda: _lib.shoal_reducescatter(
+        sent, op_name=_name("reducescatter", name), reduce_op=code))
+    post = float(postscale_factor)
+    if integer_average:
+        n = shoal.size()
+        out = tf.truncatediv(out, tf.cast(n, out.dtype)) if post == 1.0 else _scale(out, post / n)
+    else:
+        out = _scale(out, post)
+    return compression.decompress(out, ctx)
+
+
 def _neighbor(tensor, a, name):
     return _lib.shoal_neighbor_allreduce(
         tensor, tf.constant(a["self_weight"], tf.float64), tf.constant(a["recv_ranks"], tf.int32),
@@ -225,6 +259,12 @@ def _allgather_grad(op, grad):
     every = _lib.shoal_allgather(rows, op_name=_grad_name(op) + ".rows")
     start = _gradients.allgather_start(every, tf.reduce_sum)
     return total[start:start + rows[0]]
+
+
+@tf.RegisterGradient("ShoalReducescatter")
+def _reducescatter_grad(op, grad):
+    gathered = _lib.shoal_allgather(grad, op_name=_grad_name(op))
+    return _gradients.reducescatter_grad(gathered, op.get_attr("reduce_op"))
 
 
 @tf.RegisterGradient("ShoalNeighborAllreduce")

@@ -46,6 +46,16 @@ def _allgather_fake(tensor, name):
     return tensor.new_empty((rows,) + tuple(tensor.shape[1:])) if size() > 1 else tensor.new_empty(tensor.shape)
 
 
+def _reducescatter_impl(tensor, reduce_op, name):
+    rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
+    return _ops.synchronize(_ops.reducescatter(ADAPTER, tensor, rop, name or None))
+
+
+def _reducescatter_fake(tensor, reduce_op, name):
+    rows = _ops.reducescatter_rows(tensor.shape[0], _process.size(), _process.rank()) if tensor.dim() else 0
+    return tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
+
+
 def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, send_weights,
                    uniform, topo_check, name):
     peers = {"recv_ranks": recv_ranks, "recv_weights": recv_weights, "self_weight": self_weight,
@@ -59,6 +69,7 @@ _define("allreduce(Tensor tensor, int reduce_op, bool local, str name) -> Tensor
 _define("broadcast(Tensor tensor, int root_rank, str name) -> Tensor", _broadcast_impl,
         lambda tensor, root_rank, name: torch.empty_like(tensor))
 _define("allgather(Tensor tensor, str name) -> Tensor", _allgather_impl, _allgather_fake)
+_define("reducescatter(Tensor tensor, int reduce_op, str name) -> Tensor", _reducescatter_impl, _reducescatter_fake)
 _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, "
         "float[] recv_weights, int[] send_ranks, float[] send_weights, bool uniform, bool topo_check, "
         "str name) "
@@ -158,6 +169,16 @@ def allgather(tensor, name=None):
     return torch.ops.shoal.allgather(tensor, _ops.op_name(name))
 
 
+@_told(_ops.REDUCESCATTER, _numpy_api.reducescatter, _NUMPY_DTYPES)
+def reducescatter(tensor, op=None, name=None):
+    """Blocking reducescatter along dim 0 (op Average or Sum); as `shoal.reducescatter`.
+    Differentiable: the gradient is the allgather of the gradients (divided by size() for
+    Average)."""
+    ADAPTER._check(tensor, "reducescatter")
+    rop = _ops.Average if op is None else _ops.reduce_op(None, op)
+    return torch.ops.shoal.reducescatter(tensor, rop.code, _ops.op_name(name))
+
+
 @_native(_ops.NEIGHBOR_ALLREDUCE, _core.native_neighbor_allreduce)
 def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=None,
                        enable_topo_check=True, name=None):
@@ -226,6 +247,15 @@ def _allgather_backward(ctx, grad):
     return total[start:start + ctx.rows], None
 
 
+def _reducescatter_setup(ctx, inputs, output):
+    ctx.reduce_op, ctx.name = inputs[1], inputs[2]
+
+
+def _reducescatter_backward(ctx, grad):
+    g = torch.ops.shoal.allgather(grad.contiguous(), grad_name(ctx.name))
+    return _gradients.reducescatter_grad(g, ctx.reduce_op), None, None
+
+
 def _neighbor_setup(ctx, inputs, output):
     (_, ctx.self_weight, ctx.recv, ctx.recv_w, ctx.send, ctx.send_w, ctx.uniform, _, ctx.name) = inputs
 
@@ -241,5 +271,7 @@ if hasattr(torch.library, "register_autograd"):  # torch >= 2.4
     torch.library.register_autograd("shoal::allreduce", _allreduce_backward, setup_context=_allreduce_setup)
     torch.library.register_autograd("shoal::broadcast", _broadcast_backward, setup_context=_broadcast_setup)
     torch.library.register_autograd("shoal::allgather", _allgather_backward, setup_context=_allgather_setup)
+    torch.library.register_autograd("shoal::reducescatter", _reducescatter_backward,
+                                    setup_context=_reducescatter_setup)
     torch.library.register_autograd("shoal::neighbor_allreduce", _neighbor_backward,
                                     setup_context=_neighbor_setup)

@@ -23,8 +23,8 @@ const char* DtypeName(int dtype) {
 
 const char* OpName(int op) {
   static const char* names[] = {"allreduce", "broadcast", "allgather", "barrier",
-                                "neighbor_allreduce", "neighbor_allgather"};
-  return (op >= 0 && op <= SHOAL_OP_NEIGHBOR_ALLGATHER) ? names[op] : "unknown_op";
+                                "neighbor_allreduce", "neighbor_allgather", "reducescatter"};
+  return (op >= 0 && op <= SHOAL_OP_REDUCESCATTER) ? names[op] : "unknown_op";
 }
 
 const char* ReduceOpName(int reduce_op) {

@@ -40,6 +40,7 @@ class FakeWorld {
     std::vector<void*> bufs;
     std::vector<const void*> sends;
     std::vector<int64_t> counts;
+    std::vector<int64_t> split;  // reducescatter: every rank's share
     int64_t count = 0;
     int dtype = 0, root = 0, reduce_op = 0;
   };
@@ -68,6 +69,8 @@ class FakeBackend : public Backend {
   void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override;
   void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts, int dtype,
                   Callback done) override;
+  void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
+                     Callback done) override;
   void Barrier(Callback done) override;
   void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override;
   bool Progress() override;

@@ -510,6 +510,65 @@ static void TestReduceOps(int n, int64_t fusion) {
   });
 }
 
+// Reducescatter of [d0, 2] float64 (Sum and Average), float16 and int32 (Sum) tensors,
+// d0 even, uneven, smaller than the number of ranks and 0: rank r gets its rows of the
+// exact reduction (Horovod's split); mismatched shapes fail on every rank.
+static void TestReduceScatter(int n) {
+  g_case = "reducescatter n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 13 + n, 100);
+  job.Run([&](int r, Runtime& rt) {
+    int k = 0;
+    for (int64_t d0 : {int64_t(2 * n), int64_t(2 * n + n - 1), int64_t(1), int64_t(0)})
+      for (int dtype : {SHOAL_FLOAT64, SHOAL_FLOAT16, SHOAL_INT32})
+        for (int rop : {SHOAL_REDUCE_SUM, SHOAL_REDUCE_AVERAGE}) {
+          if (rop == SHOAL_REDUCE_AVERAGE && dtype != SHOAL_FLOAT64) continue;
+          const size_t es = DtypeSize(dtype), len = static_cast<size_t>(d0) * 2;
+          auto at = [&](int q, size_t i) { return static_cast<double>(q + 1) * static_cast<double>(i % 5); };
+          std::vector<char> in(std::max<size_t>(len * es, 1));
+          for (size_t i = 0; i < len; ++i) {
+            if (dtype == SHOAL_FLOAT64) { double v = at(r, i); std::memcpy(&in[i * es], &v, 8); }
+            if (dtype == SHOAL_INT32) { int32_t v = static_cast<int32_t>(at(r, i)); std::memcpy(&in[i * es], &v, 4); }
+            if (dtype == SHOAL_FLOAT16) { uint16_t v = FloatToHalf(static_cast<float>(at(r, i))); std::memcpy(&in[i * es], &v, 2); }
+          }
+          std::vector<int64_t> shape = {d0, 2};
+          shoal_op_desc d{};
+          d.op = SHOAL_OP_REDUCESCATTER;
+          const std::string name = "rs." + std::to_string(k++);
+          d.name = name.c_str();
+          d.input = {in.data(), dtype, 2, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+          d.reduce_op = rop;
+          const int64_t h = rt.Enqueue(d);
+          Status st = rt.Wait(h);
+          EntryPtr e = rt.Find(h);
+          const int64_t rows = d0 / n + (r < d0 % n ? 1 : 0), first = r * (d0 / n) + std::min<int64_t>(r, d0 % n);
+          bool same = st.ok() && e->result_shape == std::vector<int64_t>({rows, 2}) &&
+                      e->result_nbytes == static_cast<size_t>(rows * 2) * es;
+          for (int64_t i = 0; same && i < rows * 2; ++i) {
+            double want = 0, got = 0;
+            for (int q = 0; q < n; ++q) want += at(q, first * 2 + i);
+            if (rop == SHOAL_REDUCE_AVERAGE) want /= n;
+            const char* p = static_cast<const char*>(e->result) + i * es;
+            if (dtype == SHOAL_FLOAT64) std::memcpy(&got, p, 8);
+            if (dtype == SHOAL_INT32) { int32_t v; std::memcpy(&v, p, 4); got = v; }
+            if (dtype == SHOAL_FLOAT16) { uint16_t v; std::memcpy(&v, p, 2); got = HalfToFloat(v); }
+            same = got == want;
+          }
+          rt.Release(h);
+          CHECK(same, "rank %d d0 %lld %s %s: %s", r, static_cast<long long>(d0), DtypeName(dtype), ReduceOpName(rop),
+                st.message.c_str());
+        }
+    Op a;
+    a.name = "rs.mismatch";
+    a.op = SHOAL_OP_REDUCESCATTER;
+    a.x = Data(r, 0, r == 0 ? 4 : 6);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find("reducescatter 'rs.mismatch': mismatched shapes across ranks: "
+                                                       "[4] on rank 0; [6] on rank") != std::string::npos,
+          "rank %d: %s", r, st.message.c_str());
+  });
+}
+
 int main() {
   for (int n : {2, 4, 8}) {
     TestNeighborOrders(n, 8 << 20, 200);  // fused
@@ -523,6 +582,7 @@ int main() {
     TestCachedFailures(n);
     TestReduceOps(n, 8 << 20);
     TestReduceOps(n, 0);
+    TestReduceScatter(n);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

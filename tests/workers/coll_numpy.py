@@ -1,5 +1,6 @@
 """Horovod's collectives in the numpy API with exact expected values: allreduce with
-op=Min/Max/Product (every numeric dtype, machine scope, fused batches, errors).
+op=Min/Max/Product (every numeric dtype, machine scope, fused batches, errors) and
+reducescatter (even and uneven first dimensions, every dtype, Sum and Average, errors).
 Run at 2 and 4 ranks (4: two simulated machines) by tests/test_collectives.py."""
 import functools
 import hashlib
@@ -125,6 +126,65 @@ def mismatched_ops_fail_on_every_rank():
     assert "op=Max on rank" in msg and "op=Min on rank" in msg, msg
     same_everywhere(msg)
     assert np.array_equal(shoal.allreduce(np.full(3, float(R)), op=shoal.Min, name="rop.mismatch"), np.zeros(3))
+
+
+def rows_of(r, d0):
+    """Horovod's split: (first row, rows) of rank r."""
+    return r * (d0 // N) + min(r, d0 % N), d0 // N + (1 if r < d0 % N else 0)
+
+
+def scatter_base(d0, dtype):
+    return (np.arange(d0 * 3) % 7).reshape(d0, 3).astype(dtype)
+
+
+@check
+def reducescatter_sum_every_dtype_even_and_uneven():
+    for d0 in (2 * N, 2 * N + N - 1, 1, 0):
+        start, n = rows_of(R, d0)
+        for dt in DTYPES:
+            got = shoal.reducescatter(scatter_base(d0, dt) * np.asarray(R + 1, dt), op=shoal.Sum,
+                                      name=f"rs.sum.{d0}.{dt}")
+            want = (scatter_base(d0, "int64") * (N * (N + 1) // 2)).astype(dt)[start:start + n]
+            assert got.dtype == np.dtype(dt) and got.shape == (n, 3), (d0, dt, got.dtype, got.shape)
+            assert np.array_equal(got, want), (d0, dt, got, want)
+
+
+@check
+def reducescatter_average_is_sum_then_divide():
+    d0 = 3 * N + 1
+    start, n = rows_of(R, d0)
+    for dt in ("float16", "float32", "float64"):
+        acc = "float32" if dt == "float16" else dt
+        want = (scatter_base(d0, acc) * np.asarray(N * (N + 1) // 2, acc) / np.asarray(N, acc)).astype(dt)
+        got = shoal.reducescatter(scatter_base(d0, dt) * np.asarray(R + 1, dt), name=f"rs.avg.{dt}")  # default
+        assert np.array_equal(got, want[start:start + n]), (dt, got, want)
+    h = shoal.reducescatter_nonblocking(np.full((N, 2, 2), float(R)), op=shoal.Average, name="rs.nb")
+    assert np.array_equal(shoal.synchronize(h), np.full((1, 2, 2), (N - 1) / 2)), "nonblocking"
+
+
+@check
+def reducescatter_bad_arguments_raise_at_the_call():
+    raises(ValueError, shoal.reducescatter, np.array(1.0), name="rs.0d")
+    raises(ValueError, shoal.reducescatter, np.ones((2, 2)), op=shoal.Max, name="rs.max")
+    raises(ValueError, shoal.reducescatter, np.ones((2, 2), "int32"), op=shoal.Average, name="rs.intavg")
+    raises(ValueError, shoal.reducescatter, np.ones((2, 2), bool), op=shoal.Sum, name="rs.bool")
+    got = shoal.reducescatter(np.ones((N, 2), "int32"), op=shoal.Sum, name="rs.after")
+    assert np.array_equal(got, np.full((1, 2), N, "int32")), got
+
+
+@check
+def reducescatter_shape_mismatch_fails_on_every_rank():
+    if N == 1:
+        raise Skip("needs 2 or more ranks")
+    try:
+        shoal.reducescatter(np.ones((N + R % 2, 2)), name="rs.mismatch")
+    except shoal.ShoalError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("mismatched shapes accepted")
+    assert f"reducescatter 'rs.mismatch': mismatched shapes across ranks: [{N}, 2] on rank" in msg, msg
+    assert f"[{N + 1}, 2] on rank" in msg, msg
+    same_everywhere(msg)
 
 
 sys.exit(1 if run_all(R) else 0)

@@ -1,5 +1,6 @@
 """Horovod's collectives in shoal.tensorflow / shoal.keras with exact expected values:
-allreduce with op=Min/Max/Product (every dtype, eager and tf.function, gradients).
+allreduce with op=Min/Max/Product (every dtype, eager and tf.function, gradients) and
+reducescatter (uneven splits, integer average, gradients).
 Run at 2 and 4 ranks by tests/test_collectives.py."""
 import functools
 import math
@@ -88,6 +89,49 @@ def bad_arguments():
     raises(NotImplementedError, hvd.allreduce, tf.ones(2), op=hvd.Adasum, name="tf.rop.adasum")
     raises(ValueError, hvd.allreduce, tf.ones(2, tf.bool), op=hvd.Max, name="tf.rop.bool")
     tf.debugging.assert_equal(hvd.allreduce(tf.ones(2), op=hvd.Min, name="tf.rop.after"), tf.ones(2))
+
+
+def rows_of(r, d0):
+    """Horovod's split: (first row, rows) of rank r."""
+    return r * (d0 // N) + min(r, d0 % N), d0 // N + (1 if r < d0 % N else 0)
+
+
+def scatter(prefix):
+    d0 = 2 * N + N - 1
+    start, n = rows_of(R, d0)
+    base = np.arange(d0 * 3).reshape(d0, 3) % 7
+    for dt in DTYPES:
+        got = hvd.reducescatter(tf.cast(base * (R + 1), dt), op=hvd.Sum, name=f"{prefix}.{dt.name}")
+        tf.debugging.assert_equal(got, tf.cast(base[start:start + n] * (N * (N + 1) // 2), dt), message=dt.name)
+    got = hvd.reducescatter(tf.constant(base * (R + 1), tf.float32), name=f"{prefix}.avg")  # Average
+    tf.debugging.assert_equal(got, tf.constant(base[start:start + n] * (N * (N + 1) // 2) / N, tf.float32))
+    got = hvd.reducescatter(tf.fill([N, 2], R), op=hvd.Average, name=f"{prefix}.intavg")  # truncated
+    tf.debugging.assert_equal(got, tf.fill([1, 2], (N * (N - 1) // 2) // N))
+    return tf.constant(True)
+
+
+@check
+def reducescatter_eager_and_in_tf_function():
+    scatter("tf.rs.eager")
+    assert bool(tf.function(scatter)("tf.rs.graph"))
+
+
+@check
+def reducescatter_gradient_is_allgather():
+    d0 = 2 * N + 1
+    owner = np.array([next(q for q in range(N) if rows_of(q, d0)[0] <= i < sum(rows_of(q, d0))) for i in range(d0)])
+    for op, scale in ((hvd.Average, 1.0 / N), (hvd.Sum, 1.0)):
+        x = tf.Variable(tf.ones([d0, 2], tf.float64))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(hvd.reducescatter(x, op=op, name=f"tf.rs.grad.{op.name}") * (R + 1))
+        want = np.repeat(((owner + 1) * scale)[:, None], 2, axis=1)
+        tf.debugging.assert_equal(tape.gradient(loss, x), tf.constant(want, tf.float64))
+
+
+@check
+def reducescatter_bad_arguments():
+    raises(ValueError, hvd.reducescatter, tf.constant(1.0), name="tf.rs.0d")
+    raises(ValueError, hvd.reducescatter, tf.ones([2, 2]), op=hvd.Max, name="tf.rs.max")
 
 
 sys.exit(1 if run_all(R) else 0)

@@ -1,5 +1,6 @@
 """Horovod's collectives in shoal.torch with exact expected values: allreduce with
-op=Min/Max/Product (every dtype incl. bfloat16, Horovod's names, gradients, torch.compile).
+op=Min/Max/Product (every dtype incl. bfloat16, Horovod's names, gradients, torch.compile)
+and reducescatter (uneven splits, Horovod's names and extras, gradients).
 Run at 2 and 4 ranks by tests/test_collectives.py."""
 import functools
 import math
@@ -99,6 +100,61 @@ def bad_arguments():
     raises(ValueError, hvd.allreduce, torch.ones(2, dtype=torch.bool), op=hvd.Max, name="t.rop.bool")
     raises(NotImplementedError, hvd.allreduce, torch.ones(2), op=hvd.Adasum, name="t.rop.adasum")
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Min, name="t.rop.after"), torch.ones(2))
+
+
+def rows_of(r, d0):
+    """Horovod's split: (first row, rows) of rank r."""
+    return r * (d0 // N) + min(r, d0 % N), d0 // N + (1 if r < d0 % N else 0)
+
+
+def scatter_base(d0, dtype):
+    return (torch.arange(d0 * 3) % 7).reshape(d0, 3).to(dtype)
+
+
+@check
+def reducescatter_every_dtype_and_horovod_forms():
+    d0 = 2 * N + N - 1
+    start, n = rows_of(R, d0)
+    for dt in DTYPES:
+        got = hvd.reducescatter(scatter_base(d0, dt) * (R + 1), f"t.rs.{dt}", op=hvd.Sum)  # name second
+        want = (scatter_base(d0, torch.int64) * (N * (N + 1) // 2)).to(dt)[start:start + n]
+        assert got.dtype == dt and torch.equal(got, want), (dt, got, want)
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        got = hvd.reducescatter(scatter_base(d0, dt) * (R + 1), name=f"t.rs.avg.{dt}")  # Average by default
+        want = (scatter_base(d0, torch.float32) * (N * (N + 1) // 2) / N).to(dt)[start:start + n]
+        assert torch.equal(got, want), (dt, got, want)
+    # The integer average truncates toward zero; the scale factors (Horovod's extras).
+    got = hvd.synchronize(hvd.reducescatter_async(torch.full((N, 2), R, dtype=torch.int32), name="t.rs.intavg",
+                                                  op=hvd.Average))
+    assert torch.equal(got, torch.full((1, 2), (N * (N - 1) // 2) // N, dtype=torch.int32)), got
+    got = hvd.reducescatter(torch.full((N, 2), float(R)), name="t.rs.scaled", op=hvd.Sum, prescale_factor=2.0,
+                            postscale_factor=0.5)
+    assert torch.equal(got, torch.full((1, 2), N * (N - 1) / 2)), got
+    got = hvd.reducescatter_nonblocking(torch.ones(N + 1, 2), hvd.Sum, "t.rs.nb")
+    assert torch.equal(hvd.synchronize(got), torch.full((rows_of(R, N + 1)[1], 2), float(N)))
+
+
+@check
+def reducescatter_gradient_is_allgather():
+    # Rank r weighs its rows by r + 1: every rank's gradient is the rows' weights of
+    # their owners, divided by size() for Average.
+    d0 = 2 * N + 1
+    owner = torch.tensor([next(q for q in range(N) if rows_of(q, d0)[0] <= i < sum(rows_of(q, d0)))
+                          for i in range(d0)], dtype=torch.float64)
+    for op, scale in ((hvd.Average, 1.0 / N), (hvd.Sum, 1.0)):
+        x = torch.ones(d0, 2, dtype=torch.float64, requires_grad=True)
+        y = hvd.reducescatter(x, name=f"t.rs.grad.{op.name}", op=op)
+        (y * (R + 1)).sum().backward()
+        want = ((owner + 1) * scale)[:, None].expand(d0, 2)
+        assert torch.equal(x.grad, want), (op, x.grad, want)
+
+
+@check
+def reducescatter_bad_arguments():
+    raises(ValueError, hvd.reducescatter, torch.tensor(1.0), name="t.rs.0d")
+    raises(ValueError, hvd.reducescatter, torch.ones(2, 2), name="t.rs.max", op=hvd.Max)
+    raises(NotImplementedError, hvd.reducescatter, torch.ones(2, 2), name="t.rs.adasum", op=hvd.Adasum)
+    assert torch.equal(hvd.reducescatter(torch.ones(N, 1), name="t.rs.after", op=hvd.Sum), torch.full((1, 1), 1.0 * N))
 
 
 sys.exit(1 if run_all(R) else 0)

@@ -53,6 +53,17 @@ def allreduce_min_max_product():
 
 
 @check
+def reducescatter_uneven():
+    # Staged through host memory on both backends (the result comes back on the device).
+    d0 = 2 * N + 1
+    rows = d0 // N + (1 if R < d0 % N else 0)
+    start = R * (d0 // N) + min(R, d0 % N)
+    for dt in DTYPES:
+        got = on_device(bf.reducescatter(base(dt, d0) * (R + 1), name=f"g.rs.{dt}", op=bf.Sum))
+        assert torch.equal(got, (base(torch.int64, d0) * (N * (N + 1) // 2)).to(dt)[start:start + rows]), (dt, got)
+
+
+@check
 def inplace_nonblocking_and_fused():
     x = torch.full((3,), float(R), device=DEV)
     h = bf.allreduce_nonblocking_(x, average=False, name="g.inplace")

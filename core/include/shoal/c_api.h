@@ -36,7 +36,8 @@ typedef enum { SHOAL_DEVICE_CPU = 0, SHOAL_DEVICE_CUDA = 1 } shoal_device_type;
 
 typedef enum {
   SHOAL_OP_ALLREDUCE = 0, SHOAL_OP_BROADCAST = 1, SHOAL_OP_ALLGATHER = 2,
-  SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4, SHOAL_OP_NEIGHBOR_ALLGATHER = 5
+  SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4, SHOAL_OP_NEIGHBOR_ALLGATHER = 5,
+  SHOAL_OP_REDUCESCATTER = 6
 } shoal_op_type;
 
 typedef enum { SHOAL_SCOPE_WORLD = 0, SHOAL_SCOPE_MACHINE = 1 } shoal_scope;
@@ -65,8 +66,12 @@ typedef struct {
   int32_t op;          /* shoal_op_type */
   const char* name;    /* NULL or "" for a deterministic generated name */
   shoal_tensor input;
-  shoal_tensor output; /* same shape/dtype as input; may alias it. Unused by allgather/barrier */
-  int32_t reduce_op;   /* allreduce */
+  shoal_tensor output; /* same shape/dtype as input; may alias it. Unused by allgather,
+                        * reducescatter (core-allocated results) and barrier */
+  /* allreduce, reducescatter (Sum or Average). reducescatter: the reduction of every rank's
+   * [d0, ...] tensor, split along dim 0 in rank order, the first d0 % size ranks one row
+   * more (Horovod's split): this rank's [d0 / size (+1), ...] slice is the result. */
+  int32_t reduce_op;
   int32_t root_rank;   /* broadcast: rank in the scope's communicator */
   int32_t scope;       /* allreduce, broadcast: shoal_scope (machine = the ranks of this machine) */
   /* neighbor_allreduce: receive from recv_ranks, combine
@@ -143,7 +148,7 @@ int shoal_wait(int64_t handle, char* err, size_t err_len);
 /* As shoal_wait, but returns SHOAL_TIMEOUT after `timeout_ms` if the op is still
  * running (so a binding can check for Ctrl-C between waits). */
 int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t err_len);
-/* Results the core allocated (allgather): ownership moves to the caller, who frees
+/* Results the core allocated (allgather, reducescatter, neighbor_allgather): ownership moves to the caller, who frees
  * the buffer with shoal_free_buffer. shape must hold 32 entries. */
 int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape);
 void shoal_free_buffer(void* data);

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <climits>
@@ -208,6 +209,20 @@ class MpiBackend : public Backend {
       return MPI_Iallgatherv(send, CheckedCount(count), MoveType(dtype), recv, c->data(),
                              d->data(), MoveType(dtype), coll_, r);
     });
+  }
+
+  void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
+                     Callback done) override {
+    auto c = std::make_shared<std::vector<int>>(counts.size());
+    Callback keep_alive = [c, done = std::move(done)](const Status& s) { done(s); };
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int64_t k) { return k == counts[0]; });
+    Start(Op{{}, std::move(keep_alive), even ? "MPI_Ireduce_scatter_block" : "MPI_Ireduce_scatter"},
+          [&](MPI_Request* r) {
+            for (size_t i = 0; i < counts.size(); ++i) (*c)[i] = CheckedCount(counts[i]);
+            if (even)  // the block form: MPI libraries have faster algorithms for it
+              return MPI_Ireduce_scatter_block(send, recv, (*c)[0], ReduceType(dtype), ReduceOp(reduce_op), coll_, r);
+            return MPI_Ireduce_scatter(send, recv, c->data(), ReduceType(dtype), ReduceOp(reduce_op), coll_, r);
+          });
   }
 
   void Barrier(Callback done) override {
