@@ -7,8 +7,8 @@ autograd) and shoal.tensorflow (tf.RegisterGradient); the bindings only run the 
   equals y, shared evenly between the ranks that tie (as torch.amin/amax do), and 0
   elsewhere (`extremum_grad`). Product: dy/dx_i = Π_{j≠i} x_j, so the gradient is
   Σ_k g_k · Π_{j≠i} x_j, from an allgather of the inputs (no division: exact with zeros;
-  `product_grad`). (Horovod reduces the gradient with the forward's op, which is the
-  gradient of Sum/Average only.)
+  `product_grad`). (Horovod's allreduce gradient, the allreduce of the gradients with the
+  forward's op, is right for Sum and Average only; Shoal follows it there.)
 - reducescatter: rank r's result is rows [start_r, start_r + n_r) of Σ_k x_k, so rank
   i's gradient is the concatenation of every rank's g_r (an allgather, in rank order),
   divided by size() for Average (`reducescatter_grad`), as in Horovod.

@@ -331,8 +331,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     (same shape and dtype everywhere) reduced element-wise, op=Average (default) or Sum,
     and split along dim 0: rank r gets rows [start_r, start_r + n_r), n_r = d0 // size()
     plus one for the first d0 % size() ranks, as a new [n_r, ...] tensor (`shoal.reducescatter`).
-    Differentiable (floating tensors without scale factors: the gradient is the allgather
-    of the gradients, divided by size() for Average, as in Horovod). compression
+    Differentiable for floating tensors (the gradient is the allgather of the gradients,
+    divided by size() for Average, as in Horovod). compression
     (Compression.fp16/bf16), prescale_factor/postscale_factor and the integer average
     (truncated toward zero) as in `allreduce_async`. Raises ValueError for a 0-d tensor,
     bool tensors or an op other than Average/Sum; NotImplementedError for Adasum and
