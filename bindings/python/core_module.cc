@@ -222,7 +222,7 @@ void DefineConstants(py::module_& m) {
   SHOAL_FIELD(combine); SHOAL_FIELD(scale); SHOAL_FIELD(pack); SHOAL_FIELD(nccl_unique_id);
   SHOAL_FIELD(nccl_comm_init); SHOAL_FIELD(nccl_comm_destroy); SHOAL_FIELD(nccl_check); SHOAL_FIELD(nccl_allreduce);
   SHOAL_FIELD(nccl_broadcast); SHOAL_FIELD(nccl_allgatherv); SHOAL_FIELD(nccl_exchange); SHOAL_FIELD(nccl_comm_abort);
-  SHOAL_FIELD(mpi_cuda_aware);
+  SHOAL_FIELD(nccl_reducescatter); SHOAL_FIELD(mpi_cuda_aware);
 #undef SHOAL_FIELD
   m.attr("CUDA_API_FIELDS") = fields;
   m.attr("CUDA_API_SIZE") = sizeof(shoal_cuda_api);

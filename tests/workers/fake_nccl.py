@@ -99,6 +99,18 @@ def collectives_exact():
             for r in range(1, N):
                 want = fold(want, (np.array([3, -2, 1, 5]) * (r + 1) - r).astype(name))
             assert np.array_equal(x, want), (name, code, x, want)
+    # nccl_reducescatter: uneven shares (grouped ncclReduce) and even ones (ncclReduceScatter).
+    i64 = ctypes.POINTER(ctypes.c_int64)
+    for shares in ([r + 1 for r in range(N)], [2] * N):
+        counts = np.array(shares, np.int64)
+        x = (np.arange(counts.sum()) * (R + 1)).astype("float32")
+        out = np.zeros(shares[R], np.float32)
+        ok(T.nccl_reducescatter(x.ctypes.data, out.ctypes.data, counts.ctypes.data_as(i64), N, DTYPE_CODES["float32"],
+                                SUM, c, s))
+        assert failure(s) is None
+        start = int(counts[:R].sum())
+        want = (np.arange(counts.sum()) * (N * (N + 1) // 2)).astype("float32")[start:start + shares[R]]
+        assert np.array_equal(out, want), (shares, out, want)
 
 
 @check

@@ -54,7 +54,7 @@ def allreduce_min_max_product():
 
 @check
 def reducescatter_uneven():
-    # Staged through host memory on both backends (the result comes back on the device).
+    # ncclReduceScatter / grouped ncclReduce, or MPI staged; the result comes back on the device.
     d0 = 2 * N + 1
     rows = d0 // N + (1 if R < d0 % N else 0)
     start = R * (d0 // N) + min(R, d0 % N)
