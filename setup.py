@@ -124,13 +124,20 @@ def cuda_cmake_args():
 
 
 class CMakeBuild(build_ext):
+    def run(self):
+        # setuptools builds an --inplace request in build_lib (self.inplace is 0 meanwhile)
+        # and copies back only the extension module: remember it, so libshoal.so, the
+        # plugins and the header land beside the sources too.
+        self._shoal_inplace = bool(self.inplace)
+        super().run()
+
     def build_extension(self, ext):
         import pybind11
 
         mpi = find_mpi()
         ext_path = Path(self.get_ext_fullpath(ext.name)).resolve()
         out_dir = ext_path.parent
-        if getattr(self, "editable_mode", False) or self.inplace:
+        if getattr(self, "editable_mode", False) or self.inplace or getattr(self, "_shoal_inplace", False):
             out_dir = ROOT / "shoal"  # libshoal.so and _build_info.py live beside the sources
         build_dir = Path(self.build_temp).resolve() / "cmake"
         args = [

@@ -16,7 +16,7 @@ else:
     from ._infer import InferDestinationFromSourceRanks, InferSourceFromDestinationRanks
     from ._api import build_api
     from ._numpy import ADAPTER as _ADAPTER
-    from ._ops import Average, Sum, ReduceOp
+    from ._ops import Average, Max, Min, Product, ReduceOp, Sum
     from .basics import *  # noqa: F401,F403
     from .basics import __all__ as _basics_all
 
@@ -27,5 +27,5 @@ else:
 
     __version__ = "0.1.0"
     __all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + sorted(build_win_api(_ADAPTER)) + [
-        "Sum", "Average", "ReduceOp", "topology", "InferSourceFromDestinationRanks",
+        "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology", "InferSourceFromDestinationRanks",
         "InferDestinationFromSourceRanks"] + list(topology.BLUEFOG_NAMES)

@@ -32,12 +32,17 @@ def build_api(adapter):
                 local_size() when averaging).
             name: negotiation key; all ranks use the same name for the same op.
                 Omitted: "allreduce.noname.<k>" (ranks must then issue ops in one order).
-        Result: sum over ranks, or sum then divide by size() (exact when representable;
-            half types accumulate in float32 and round once). Same shape and dtype.
+            op: shoal.Sum, Average, Min, Max or Product (Horovod's hvd.Sum, ...).
+        Result: element-wise over the ranks: the sum, or the sum then divided by size()
+            (exact when representable), or the minimum, maximum or product (Horovod's
+            semantics: MPI_MIN/MAX/PROD, ncclMin/Max/Prod). Half types compute in float32
+            and round once; integer sums and products wrap (two's complement). Same shape
+            and dtype.
         Raises:
-            ValueError: average of an integer tensor, unsupported dtype, a second in-flight
-                op with the same name. ShoalError (at synchronize): ranks disagree on
-                shape, dtype or op.
+            ValueError: average of an integer tensor, average= with Min/Max/Product, bool
+                tensors, a second in-flight op with the same name. NotImplementedError:
+                Horovod's Adasum. ShoalError (at synchronize): ranks disagree on shape,
+                dtype or op (the same error on every rank).
         """
         return _ops.allreduce(adapter, tensor, average, name, op, scope=_scope(is_hierarchical_local))
 
@@ -86,6 +91,28 @@ def build_api(adapter):
     def allgather(tensor, name=None):
         """Blocking allgather; see `allgather_nonblocking`."""
         return _ops.synchronize(allgather_nonblocking(tensor, name))
+
+    def reducescatter_nonblocking(tensor, op=None, name=None):
+        """Start a reducescatter; returns a handle for `synchronize`/`poll`/`wait`.
+
+        Semantics: Horovod's `reducescatter`. Every rank passes a tensor of the same shape
+        [d0, *rest] and dtype (float16, bfloat16, float32, float64, int8, uint8, int16,
+        int32, int64; not modified); they are reduced element-wise, op=shoal.Average
+        (default: the sum divided by size()) or shoal.Sum, and the result is split along
+        dim 0 in rank order: rank r gets rows [start_r, start_r + n_r) with
+        n_r = d0 // size() plus one for the first d0 % size() ranks, as a new
+        [n_r, *rest] tensor of the input's dtype (n_r may be 0). Half types compute in
+        float32 and round once; integer sums wrap.
+        Raises:
+            ValueError: a 0-d tensor, op other than Sum/Average, Average of an integer
+                tensor, bool tensors. ShoalError (at synchronize): ranks disagree on shape,
+                dtype or op (the same error on every rank).
+        """
+        return _ops.reducescatter(adapter, tensor, op, name)
+
+    def reducescatter(tensor, op=None, name=None):
+        """Blocking reducescatter: `synchronize(reducescatter_nonblocking(...))`; see there."""
+        return _ops.synchronize(reducescatter_nonblocking(tensor, op, name))
 
     def neighbor_allreduce_nonblocking(tensor, self_weight=None, src_weights=None,
                                        dst_weights=None, enable_topo_check=True, name=None):
@@ -175,7 +202,8 @@ def build_api(adapter):
         hierarchical_neighbor_allreduce_nonblocking, pair_gossip, pair_gossip_nonblocking,
         allreduce, allreduce_, allreduce_nonblocking, allreduce_nonblocking_,
         broadcast, broadcast_, broadcast_nonblocking, broadcast_nonblocking_,
-        allgather, allgather_nonblocking, neighbor_allreduce, neighbor_allreduce_nonblocking)}
+        allgather, allgather_nonblocking, reducescatter, reducescatter_nonblocking, neighbor_allreduce,
+        neighbor_allreduce_nonblocking)}
     for f in api.values():  # error messages name the public function, not this factory
         f.__qualname__ = f.__name__
     # The names in adapter.native as one C function each (bindings/python/native_entry.cc):
@@ -185,7 +213,7 @@ def build_api(adapter):
         doc = f"{name}{inspect.signature(f)}\n--\n\n{f.__doc__}"
         kw = {"torch": adapter.torch_api, "state": None if name in _BLOCKING else STATE}
         if name.startswith("allreduce"):
-            api[name] = _core.native_allreduce(f, doc, adapter.module, _ops.Sum, _ops.Average,
+            api[name] = _core.native_allreduce(f, doc, adapter.module, _ops.REDUCE_OP_CODES,
                                                inplace=name.endswith("_"), **kw)
         else:
             api[name] = _core.native_neighbor_allreduce(f, doc, adapter.module, **kw)

@@ -50,11 +50,12 @@ _FIELDS = [
     ("nccl_comm_init", _F(_err, _i, _i, _p, _i, _pp)),
     ("nccl_comm_destroy", _F(_err, _p)),
     ("nccl_check", _F(_err, _p)),
-    ("nccl_allreduce", _F(_err, _p, _i64, _i, _p, _p)),
+    ("nccl_allreduce", _F(_err, _p, _i64, _i, _i, _p, _p)),
     ("nccl_broadcast", _F(_err, _p, _i64, _i, _p, _p)),
     ("nccl_allgatherv", _F(_err, _p, _p, _pi64, _pi64, _i, _p, _p)),
     ("nccl_exchange", _F(_err, ctypes.POINTER(NcclPeer), _i, ctypes.POINTER(NcclPeer), _i, _p, _p)),
     ("nccl_comm_abort", _F(_err, _p)),
+    ("nccl_reducescatter", _F(_err, _p, _p, _pi64, _i, _i, _i, _p, _p)),
     ("mpi_cuda_aware", _F(_i, ctypes.POINTER(ctypes.c_char_p))),
 ]
 

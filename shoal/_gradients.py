@@ -2,7 +2,16 @@
 autograd) and shoal.tensorflow (tf.RegisterGradient); the bindings only run the ops.
 
 - allreduce: d(Σ_j x_j)/dx_i = 1 on every rank, so the gradient is the same allreduce
-  (same reduce op and scope) of the incoming gradients.
+  (same reduce op and scope) of the incoming gradients (Sum, Average).
+  Min/Max: y = min_j x_j reaches every rank, so rank i's gradient is Σ_k g_k where x_i
+  equals y, shared evenly between the ranks that tie (as torch.amin/amax do), and 0
+  elsewhere (`extremum_grad`). Product: dy/dx_i = Π_{j≠i} x_j, so the gradient is
+  Σ_k g_k · Π_{j≠i} x_j, from an allgather of the inputs (no division: exact with zeros;
+  `product_grad`). (Horovod's allreduce gradient, the allreduce of the gradients with the
+  forward's op, is right for Sum and Average only; Shoal follows it there.)
+- reducescatter: rank r's result is rows [start_r, start_r + n_r) of Σ_k x_k, so rank
+  i's gradient is the concatenation of every rank's g_r (an allgather, in rank order),
+  divided by size() for Average (`reducescatter_grad`), as in Horovod.
 - broadcast: the root's value reaches every rank, so the root's gradient is the sum of
   every rank's gradient (allreduce Sum, same scope); the other ranks' is zero.
 - allgather: rank r's rows are rows [start_r, start_r + n_r) of the result, so its
@@ -19,6 +28,36 @@ from ._ops import MACHINE
 
 def grad_name(name):
     return name + ".grad" if name else ""
+
+
+def reduce_op_grad(op):
+    """The reduce op of the backward allreduce of a forward allreduce with `op`'s code:
+    the same op for Sum and Average, Sum (of the incoming gradients) for the others."""
+    from ._ops import Average, Sum
+    return op if op in (Sum.code, Average.code) else Sum.code
+
+
+def reducescatter_grad(gathered, op):
+    """The gradient of a reducescatter with reduce op code `op`, from the allgather of the
+    incoming gradients."""
+    from ._ops import Average
+    return gathered / _process.size() if op == Average.code else gathered
+
+
+def extremum_grad(x, y, grad, allreduce_sum, indicator):
+    """The gradient of y = allreduce(x, op=Min or Max): Σ_k g_k where x == y, divided by the
+    number of ranks whose x equals y there, else 0. `allreduce_sum(t, suffix)` sums `t` over
+    the ranks (named after the forward op plus `suffix`); `indicator(x, y, like)` is
+    x == y as 1/0 in like's dtype."""
+    hit = indicator(x, y, grad)
+    return allreduce_sum(grad, "") * hit / allreduce_sum(hit, ".ties")
+
+
+def product_grad(x, grad, allreduce_sum, others_product):
+    """The gradient of y = allreduce(x, op=Product): Σ_k g_k · Π_{j≠i} x_j, where
+    `others_product(x, suffix)` is the product of the other ranks' x (from an allgather
+    named after the forward op plus `suffix`)."""
+    return allreduce_sum(grad, "") * others_product(x, ".inputs")
 
 
 def broadcast_keeps(root, scope):

@@ -15,15 +15,17 @@ from ._process import STATE
 
 # Codes of the C ABI, as the core exports them (core/include/shoal/c_api.h).
 OP_NAMES = {code: name for name, code in _core.OPS.items()}
-ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER = (
+ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER, REDUCESCATTER = (
     _core.OPS[n] for n in ("allreduce", "broadcast", "allgather", "barrier", "neighbor_allreduce",
-                           "neighbor_allgather"))
+                           "neighbor_allgather", "reducescatter"))
 WORLD, MACHINE = _core.SCOPES["world"], _core.SCOPES["machine"]  # scope of allreduce/broadcast
 DTYPE_CODES = dict(_core.DTYPES)
 
 
 class ReduceOp:
-    """Horovod-style reduction selector: `op=shoal.Sum` or `op=shoal.Average`."""
+    """Horovod-style reduction selector (`op=shoal.Sum`, `Average`, `Min`, `Max`, `Product`:
+    Horovod's hvd.Sum, ...), element-wise over the ranks. `code` is the core's
+    (shoal_reduce_op); None for an op Shoal does not implement (Horovod's Adasum)."""
 
     def __init__(self, name, code):
         self.name, self.code = name, code
@@ -34,15 +36,32 @@ class ReduceOp:
 
 Sum = ReduceOp("Sum", _core.REDUCE_OPS["sum"])
 Average = ReduceOp("Average", _core.REDUCE_OPS["average"])
+Min = ReduceOp("Min", _core.REDUCE_OPS["min"])
+Max = ReduceOp("Max", _core.REDUCE_OPS["max"])
+Product = ReduceOp("Product", _core.REDUCE_OPS["product"])
+REDUCE_OP_CODES = {o: o.code for o in (Sum, Average, Min, Max, Product)}  # the native entries read it
+REDUCE_OPS_BY_CODE = {o.code: o for o in REDUCE_OP_CODES}
 
 
 def reduce_op(average, op):
-    """Resolve BlueFog's `average=` and Horovod's `op=` (op wins; default Average)."""
+    """Resolve BlueFog's `average=` and Horovod's `op=` (op wins; default Average).
+
+    Raises ValueError for an `op` that is not one of Sum, Average, Min, Max, Product, for
+    `average=` given with Min/Max/Product (it chooses between Sum and Average only), and
+    for `average=` and `op=` that disagree; NotImplementedError for an op Shoal does not
+    implement (Horovod's Adasum)."""
     if op is not None:
-        if op not in (Sum, Average):
-            raise ValueError(f"op must be shoal.Sum or shoal.Average, got {op!r}")
-        if average is not None and (op is Average) != bool(average):
-            raise ValueError("average= and op= disagree")
+        if isinstance(op, ReduceOp) and op.code is None:
+            raise NotImplementedError(f"op={op.name} is not implemented in Shoal; use Sum, Average, Min, Max "
+                                      "or Product")
+        if not isinstance(op, ReduceOp) or op not in REDUCE_OP_CODES:
+            raise ValueError(f"op must be shoal.Sum, Average, Min, Max or Product, got {op!r}")
+        if average is not None:
+            if op is not Sum and op is not Average:
+                raise ValueError(f"average= cannot be combined with op={op.name}: it chooses between Sum and "
+                                 "Average only")
+            if (op is Average) != bool(average):
+                raise ValueError("average= and op= disagree")
         return op
     return Average if average is None or average else Sum
 
@@ -172,6 +191,21 @@ def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD,
 @_told(ALLGATHER)
 def allgather(adapter, tensor, name=None):
     return _submit_gather(ALLGATHER, name, adapter, tensor)
+
+
+@_told(REDUCESCATTER)
+def reducescatter(adapter, tensor, op=None, name=None):
+    """See `shoal.reducescatter_nonblocking` for the semantics."""
+    rop = Average if op is None else reduce_op(None, op)
+    if rop is not Sum and rop is not Average:
+        raise ValueError(f"reducescatter: op must be Sum or Average (as in Horovod), got {rop!r}")
+    return _submit_gather(REDUCESCATTER, name, adapter, tensor, reduce_op=rop.code)
+
+
+def reducescatter_rows(rows, size, rank):
+    """The rows of a dim 0 of `rows` that reducescatter leaves `rank` of `size` ranks:
+    rows // size, one more for the first rows % size ranks (Horovod's split)."""
+    return rows // size + (1 if rank < rows % size else 0)
 
 
 def _in_int32(ranks, what):

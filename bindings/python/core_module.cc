@@ -195,12 +195,15 @@ void DefineConstants(py::module_& m) {
   m.attr("OPS") = py::dict("allreduce"_a = int(SHOAL_OP_ALLREDUCE), "broadcast"_a = int(SHOAL_OP_BROADCAST),
                            "allgather"_a = int(SHOAL_OP_ALLGATHER), "barrier"_a = int(SHOAL_OP_BARRIER),
                            "neighbor_allreduce"_a = int(SHOAL_OP_NEIGHBOR_ALLREDUCE),
-                           "neighbor_allgather"_a = int(SHOAL_OP_NEIGHBOR_ALLGATHER));
+                           "neighbor_allgather"_a = int(SHOAL_OP_NEIGHBOR_ALLGATHER),
+                           "reducescatter"_a = int(SHOAL_OP_REDUCESCATTER));
   m.attr("DTYPES") = py::dict("float16"_a = int(SHOAL_FLOAT16), "bfloat16"_a = int(SHOAL_BFLOAT16),
                               "float32"_a = int(SHOAL_FLOAT32), "float64"_a = int(SHOAL_FLOAT64),
                               "int8"_a = int(SHOAL_INT8), "uint8"_a = int(SHOAL_UINT8), "int16"_a = int(SHOAL_INT16),
                               "int32"_a = int(SHOAL_INT32), "int64"_a = int(SHOAL_INT64), "bool"_a = int(SHOAL_BOOL));
-  m.attr("REDUCE_OPS") = py::dict("sum"_a = int(SHOAL_REDUCE_SUM), "average"_a = int(SHOAL_REDUCE_AVERAGE));
+  m.attr("REDUCE_OPS") = py::dict("sum"_a = int(SHOAL_REDUCE_SUM), "average"_a = int(SHOAL_REDUCE_AVERAGE),
+                                  "min"_a = int(SHOAL_REDUCE_MIN), "max"_a = int(SHOAL_REDUCE_MAX),
+                                  "product"_a = int(SHOAL_REDUCE_PRODUCT));
   m.attr("SCOPES") = py::dict("world"_a = int(SHOAL_SCOPE_WORLD), "machine"_a = int(SHOAL_SCOPE_MACHINE));
   m.attr("DEVICE_TYPES") = py::dict("cpu"_a = int(SHOAL_DEVICE_CPU), "cuda"_a = int(SHOAL_DEVICE_CUDA));
   m.attr("WIN_OPS") = py::dict("create"_a = int(SHOAL_WIN_CREATE), "free"_a = int(SHOAL_WIN_FREE),
@@ -220,7 +223,7 @@ void DefineConstants(py::module_& m) {
   SHOAL_FIELD(combine); SHOAL_FIELD(scale); SHOAL_FIELD(pack); SHOAL_FIELD(nccl_unique_id);
   SHOAL_FIELD(nccl_comm_init); SHOAL_FIELD(nccl_comm_destroy); SHOAL_FIELD(nccl_check); SHOAL_FIELD(nccl_allreduce);
   SHOAL_FIELD(nccl_broadcast); SHOAL_FIELD(nccl_allgatherv); SHOAL_FIELD(nccl_exchange); SHOAL_FIELD(nccl_comm_abort);
-  SHOAL_FIELD(mpi_cuda_aware);
+  SHOAL_FIELD(nccl_reducescatter); SHOAL_FIELD(mpi_cuda_aware);
 #undef SHOAL_FIELD
   m.attr("CUDA_API_FIELDS") = fields;
   m.attr("CUDA_API_SIZE") = sizeof(shoal_cuda_api);

@@ -32,12 +32,13 @@ struct TorchApi {
   py::object tensor, parameter, dtypes, strided, empty_like, is_grad_enabled, from_numpy;
 };
 
-// The state of one native function: its Python fallback, for allreduce the Sum and Average
-// objects of `op=`, for torch tensors (instead of numpy arrays) torch's API, and for the
-// nonblocking forms and synchronize shoal._process.STATE (whose `pending` registry maps a
-// handle to (objects kept alive, finish() -> result), as shoal._ops._submit fills it).
+// The state of one native function: its Python fallback, for allreduce the {ReduceOp
+// object: core code} of `op=` (shoal._ops.REDUCE_OP_CODES), for torch tensors (instead of
+// numpy arrays) torch's API, and for the nonblocking forms and synchronize
+// shoal._process.STATE (whose `pending` registry maps a handle to (objects kept alive,
+// finish() -> result), as shoal._ops._submit fills it).
 struct Native {
-  py::object fallback, sum, average;
+  py::object fallback, ops;
   std::unique_ptr<TorchApi> torch;
   py::object state;  // None: a blocking op
   bool inplace = false;  // the result overwrites the input (allreduce_, allreduce_nonblocking_)
@@ -383,14 +384,22 @@ PyObject* CallAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
     const char* name = simple && given[0] && PlainInput(*st, a[0], true, &in) ? PlainName(a[3]) : nullptr;
     PyObject *average = a[1], *local = a[2], *op = a[4];
     int rop = -1;
-    if (op == Py_None) rop = average == Py_False ? SHOAL_REDUCE_SUM : SHOAL_REDUCE_AVERAGE;
-    else if (op == st->sum.ptr()) rop = SHOAL_REDUCE_SUM;
-    else if (op == st->average.ptr()) rop = SHOAL_REDUCE_AVERAGE;
+    if (op == Py_None) {
+      rop = average == Py_False ? SHOAL_REDUCE_SUM : SHOAL_REDUCE_AVERAGE;
+    } else if (PyObject* code = name ? PyDict_GetItemWithError(st->ops.ptr(), op) : nullptr) {  // borrowed
+      rop = static_cast<int>(PyLong_AsLong(code));
+    } else if (PyErr_Occurred()) {
+      PyErr_Clear();  // an unhashable op: Python reports it
+    }
+    // average= goes with Sum and Average only (the fallback raises for the others).
+    const bool average_ok = average == Py_None || op == Py_None ||
+                            ((rop == SHOAL_REDUCE_SUM || rop == SHOAL_REDUCE_AVERAGE) &&
+                             (average == Py_True) == (rop == SHOAL_REDUCE_AVERAGE));
     // An integer average goes to the fallback: an error for Shoal's names, Horovod's
     // truncated average for its surface (bindings/torch/_horovod.py).
-    const bool plain = name && rop >= 0 && (rop == SHOAL_REDUCE_SUM || IsFloat(in.dtype)) && (average == Py_None || average == Py_True || average == Py_False) &&
-                       (local == Py_True || local == Py_False) &&
-                       (op == Py_None || average == Py_None || (average == Py_True) == (rop == SHOAL_REDUCE_AVERAGE));
+    const bool plain = name && rop >= 0 && (rop != SHOAL_REDUCE_AVERAGE || IsFloat(in.dtype)) &&
+                       (average == Py_None || average == Py_True || average == Py_False) &&
+                       (local == Py_True || local == Py_False) && average_ok;
     if (!plain) return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
     shoal_op_desc d;
     py::object out = Describe(*st, a[0], in, SHOAL_OP_ALLREDUCE, name, &d);
@@ -502,10 +511,9 @@ void DefineNeighborNative(py::module_& m) {
   // {dtype: (code, numpy dtype or None)}, torch.strided, torch.empty_like,
   // torch.is_grad_enabled, torch.from_numpy).
   // `state`: None (blocking) or shoal._process.STATE (nonblocking: the handle is returned).
-  auto state = [](py::object fallback, py::object sum, py::object average, py::object torch,
-                  py::object state = py::none(), bool inplace = false) {
-    auto* st = new Native{std::move(fallback), std::move(sum), std::move(average), nullptr, std::move(state),
-                          inplace};
+  auto state = [](py::object fallback, py::object ops, py::object torch, py::object state = py::none(),
+                  bool inplace = false) {
+    auto* st = new Native{std::move(fallback), std::move(ops), nullptr, std::move(state), inplace};
     if (!torch.is_none()) {
       auto t = torch.cast<py::tuple>();
       st->torch.reset(new TorchApi{t[0], t[1], t[2], t[3], t[4], t[5], t[6]});
@@ -516,22 +524,21 @@ void DefineNeighborNative(py::module_& m) {
   auto name = [](const py::object& fallback) { return fallback.attr("__name__").cast<std::string>(); };
   m.def("native_neighbor_allreduce", [=](py::object fallback, const std::string& doc, const std::string& module,
                                          py::object torch, py::object nonblocking) {
-    return MakeNative(name(fallback), fn(Call), state(fallback, {}, {}, std::move(torch), std::move(nonblocking)),
+    return MakeNative(name(fallback), fn(Call), state(fallback, py::dict(), std::move(torch), std::move(nonblocking)),
                       doc, module);
   }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("torch") = py::none(),
      py::arg("state") = py::none());
+  // `ops`: {ReduceOp object: core code} of the op= values the one-call path takes.
   m.def("native_allreduce", [=](py::object fallback, const std::string& doc, const std::string& module,
-                                py::object sum, py::object average, py::object torch, py::object nonblocking,
-                                bool inplace) {
+                                py::dict ops, py::object torch, py::object nonblocking, bool inplace) {
     return MakeNative(name(fallback), fn(CallAllreduce),
-                      state(fallback, std::move(sum), std::move(average), std::move(torch), std::move(nonblocking),
-                            inplace),
+                      state(fallback, std::move(ops), std::move(torch), std::move(nonblocking), inplace),
                       doc, module);
-  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("sum"), py::arg("average"),
+  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("ops"),
      py::arg("torch") = py::none(), py::arg("state") = py::none(), py::arg("inplace") = false);
   m.def("native_synchronize", [=](py::object fallback, const std::string& doc, const std::string& module,
                                   py::object process_state) {
-    return MakeNative(name(fallback), fn(CallSynchronize), state(fallback, {}, {}, py::none(), std::move(process_state)),
+    return MakeNative(name(fallback), fn(CallSynchronize), state(fallback, py::dict(), py::none(), std::move(process_state)),
                       doc, module);
   }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("state"));
 }

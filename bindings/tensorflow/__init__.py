@@ -16,7 +16,7 @@ a Keras 3 optimizer, `DistributedGradientTape` with Horovod's keywords, `broadca
 facts (`_horovod.py`); `allreduce` takes Horovod's keywords (keyword-only).
 """
 from shoal import topology  # noqa: F401
-from shoal._ops import Average, ReduceOp, Sum  # noqa: F401
+from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from shoal.basics import *  # noqa: F401,F403
 from shoal.basics import __all__ as _basics_all
 
@@ -24,7 +24,7 @@ from ._horovod import *  # noqa: F401,F403
 from ._horovod import __all__ as _horovod_all
 from .ops import (DistributedGradientTape, allgather, allgather_object, allreduce, broadcast,  # noqa: F401
                   broadcast_object, broadcast_variables, consensus_distance, hierarchical_neighbor_allreduce,
-                  neighbor_allgather, neighbor_allreduce)
+                  neighbor_allgather, neighbor_allreduce, reducescatter)
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
@@ -43,7 +43,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 
 
 __all__ = list(_basics_all) + [
-    "allreduce", "broadcast", "allgather", "neighbor_allreduce", "neighbor_allgather",
+    "allreduce", "broadcast", "allgather", "reducescatter", "neighbor_allreduce", "neighbor_allgather",
     "hierarchical_neighbor_allreduce", "broadcast_variables", "consensus_distance",
     "DistributedGradientTape", "DistributedOptimizer", "broadcast_object", "allgather_object",
-    "Sum", "Average", "ReduceOp", "topology"] + list(_horovod_all)
+    "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology"] + list(_horovod_all)

@@ -83,8 +83,10 @@ def _sparse_allreduce(slices, rop, name, pre, post):
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, *,
               compression=_horovod.Compression.none, prescale_factor=1.0, postscale_factor=1.0,
               process_set=_horovod.global_process_set):
-    """Sum or average of `tensor` over all ranks (or this machine's ranks); semantics of
-    `shoal.allreduce` (sum then divide; half types accumulate in float32). Differentiable.
+    """Sum, average, minimum, maximum or product (op=Sum/Average/Min/Max/Product) of
+    `tensor` over all ranks (or this machine's ranks); semantics of `shoal.allreduce` (sum
+    then divide; half types compute in float32). Differentiable (shoal/_gradients.py;
+    op=Product with is_hierarchical_local has no gradient: NotImplementedError).
 
     Horovod's keywords (keyword-only here; the positional order is BlueFog's):
     compression (hvd.Compression.fp16/bf16: floating tensors travel in 16 bits, the
@@ -136,6 +138,40 @@ def allgather(tensor, name=None, *, process_set=_horovod.global_process_set):
                                                           op_name=_name("allgather", name)))
 
 
+def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none, op=None, name=None,
+                  process_set=_horovod.global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Horovod's `reducescatter` (its positional order): every rank's [d0, ...] tensor (same
+    shape and dtype everywhere) reduced element-wise, op=Average (default) or Sum, and
+    split along dim 0: rank r gets rows [start_r, start_r + n_r), n_r = d0 // size() plus
+    one for the first d0 % size() ranks (semantics of `shoal.reducescatter`).
+    Differentiable: the gradient is the allgather of the gradients (divided by size() for
+    Average). compression, prescale_factor/postscale_factor and the integer average
+    (truncated toward zero) as in `allreduce`; device_dense and ignore_name_scope change
+    nothing. Raises ValueError for a 0-d tensor, bool tensors or an op other than
+    Average/Sum; NotImplementedError for Adasum and process sets other than the global
+    one; ShoalError (eagerly) when ranks disagree on shape, dtype or op."""
+    _horovod.check_process_set(process_set, "reducescatter")
+    _horovod.check_op(op, "reducescatter")
+    compression = _horovod.check_compression(compression, "reducescatter")
+    rop = Average if op is None else _ops.reduce_op(None, op)
+    if rop is not Average and rop is not Sum:
+        raise ValueError(f"reducescatter: op must be Average or Sum (as in Horovod), got {rop!r}")
+    sent, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    integer_average = rop is Average and not (sent.dtype.is_floating or sent.dtype.is_complex)
+    code = Sum.code if integer_average else rop.code
+    sent = _scale(sent, float(prescale_factor))
+    out = _run("reducescatter", lambda: _lib.shoal_reducescatter(
+        sent, op_name=_name("reducescatter", name), reduce_op=code))
+    post = float(postscale_factor)
+    if integer_average:
+        n = shoal.size()
+        out = tf.truncatediv(out, tf.cast(n, out.dtype)) if post == 1.0 else _scale(out, post / n)
+    else:
+        out = _scale(out, post)
+    return compression.decompress(out, ctx)
+
+
 def _neighbor(tensor, a, name):
     return _lib.shoal_neighbor_allreduce(
         tensor, tf.constant(a["self_weight"], tf.float64), tf.constant(a["recv_ranks"], tf.int32),
@@ -176,7 +212,7 @@ def hierarchical_neighbor_allreduce(tensor, self_weight=None, src_machine_weight
         lambda x, n: x / tf.cast(n, x.dtype))
 
 
-Sum, Average = _ops.Sum, _ops.Average
+Sum, Average, Min, Max, Product = _ops.Sum, _ops.Average, _ops.Min, _ops.Max, _ops.Product
 
 
 # ---- gradients: shoal/_gradients.py's formulas, run with the TensorFlow kernels ----
@@ -187,8 +223,26 @@ def _grad_name(op):
 
 @tf.RegisterGradient("ShoalAllreduce")
 def _allreduce_grad(op, grad):
-    return _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=op.get_attr("reduce_op"),
-                                scope=op.get_attr("scope"))
+    forward, scope, name = op.get_attr("reduce_op"), op.get_attr("scope"), _grad_name(op)
+    rop = _gradients.reduce_op_grad(forward)
+
+    def allreduce_sum(t, suffix):
+        return _lib.shoal_allreduce(t, op_name=name + suffix if name else "", reduce_op=rop, scope=scope)
+
+    if forward in (Min.code, Max.code):
+        return _gradients.extremum_grad(op.inputs[0], op.outputs[0], grad, allreduce_sum,
+                                        lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
+    if forward == Product.code:
+        if scope != _ops.WORLD:
+            raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
+                                      "not implemented (it needs a machine-local allgather)")
+
+        def others_product(t, suffix):
+            every = _lib.shoal_allgather(tf.expand_dims(t, 0), op_name=name + suffix if name else "")
+            r = shoal.rank()
+            return tf.reduce_prod(tf.concat([every[:r], every[r + 1:]], 0), 0)
+        return _gradients.product_grad(op.inputs[0], grad, allreduce_sum, others_product)
+    return allreduce_sum(grad, "")
 
 
 @tf.RegisterGradient("ShoalBroadcast")
@@ -205,6 +259,12 @@ def _allgather_grad(op, grad):
     every = _lib.shoal_allgather(rows, op_name=_grad_name(op) + ".rows")
     start = _gradients.allgather_start(every, tf.reduce_sum)
     return total[start:start + rows[0]]
+
+
+@tf.RegisterGradient("ShoalReducescatter")
+def _reducescatter_grad(op, grad):
+    gathered = _lib.shoal_allgather(grad, op_name=_grad_name(op))
+    return _gradients.reducescatter_grad(gathered, op.get_attr("reduce_op"))
 
 
 @tf.RegisterGradient("ShoalNeighborAllreduce")

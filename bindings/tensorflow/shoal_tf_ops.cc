@@ -92,7 +92,8 @@ class ShoalKernel : public AsyncOpKernel {
     const Tensor& in = ctx->input(0);
     const int code = DtypeCode(in.dtype());
     OP_REQUIRES_ASYNC(ctx, code >= 0, errors::InvalidArgument("Shoal: unsupported dtype ", DataTypeString(in.dtype())), done);
-    const bool gather = op_ == SHOAL_OP_ALLGATHER || op_ == SHOAL_OP_NEIGHBOR_ALLGATHER;
+    // Ops whose result the core allocates (its shape known only at completion).
+    const bool gather = op_ == SHOAL_OP_ALLGATHER || op_ == SHOAL_OP_NEIGHBOR_ALLGATHER || op_ == SHOAL_OP_REDUCESCATTER;
     Tensor* out = nullptr;
     if (!gather) OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
     std::vector<int64_t> shape(in.dims());
@@ -159,6 +160,7 @@ SHOAL_KERNEL(Broadcast, SHOAL_OP_BROADCAST)
 SHOAL_KERNEL(Allgather, SHOAL_OP_ALLGATHER)
 SHOAL_KERNEL(NeighborAllreduce, SHOAL_OP_NEIGHBOR_ALLREDUCE)
 SHOAL_KERNEL(NeighborAllgather, SHOAL_OP_NEIGHBOR_ALLGATHER)
+SHOAL_KERNEL(Reducescatter, SHOAL_OP_REDUCESCATTER)
 
 #define SHOAL_TYPES "T: {half, bfloat16, float, double, int8, uint8, int16, int32, int64, bool}"
 
@@ -180,6 +182,8 @@ REGISTER_OP("ShoalBroadcast").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("ro
     .Attr("scope: int = 0").Input("tensor: T").Output("output: T").SetShapeFn(SameShape);
 REGISTER_OP("ShoalAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Input("tensor: T")
     .Output("output: T").SetShapeFn(GatherShape);
+REGISTER_OP("ShoalReducescatter").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
+    .Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
 REGISTER_OP("ShoalNeighborAllreduce").Attr(SHOAL_TYPES).Attr("op_name: string")
     .Attr("uniform: bool").Attr("topo_check: bool").Input("tensor: T").Input("self_weight: double")
     .Input("recv_ranks: int32").Input("recv_weights: double").Input("send_ranks: int32")

@@ -10,7 +10,7 @@ import torch
 from shoal import topology  # noqa: F401
 from shoal.topology import BLUEFOG_NAMES as _TOPOLOGY_NAMES
 from shoal._infer import InferDestinationFromSourceRanks, InferSourceFromDestinationRanks  # noqa: F401
-from shoal._ops import Average, ReduceOp, Sum  # noqa: F401
+from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from shoal.basics import *  # noqa: F401,F403
 from shoal.basics import __all__ as _basics_all
 
@@ -50,7 +50,7 @@ __all__ = list(_basics_all) + sorted(_API) + [
     "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "DistributedPushSumOptimizer",
     "DistributedWinPutOptimizer", "allgather_object",
     "allreduce_parameters", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters"] + ["Sum", "Average", "ReduceOp", "topology",
+    "broadcast_parameters"] + ["Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology",
                                                          "InferSourceFromDestinationRanks",
                                                          "InferDestinationFromSourceRanks"]
 __all__ += list(_TOPOLOGY_NAMES)

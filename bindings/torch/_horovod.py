@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from shoal import _ops, basics
-from shoal._ops import Average, ReduceOp, Sum
+from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 
 from shoal._api import build_api
 from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
@@ -122,7 +122,7 @@ def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=
     elif pre != 1.0:
         src = _scale_(tensor.detach().clone(memory_format=torch.contiguous_format), pre)
     scope = _ops.MACHINE if is_hierarchical_local else _ops.WORLD
-    h = _ops.allreduce(ADAPTER, src, rop is Average and not integer_average, name,
+    h = _ops.allreduce(ADAPTER, src, None, name, op=Sum if integer_average else rop,
                        inplace=inplace or src is not tensor, scope=scope)
     if integer_average or post != 1.0:
         n = basics.local_size() if is_hierarchical_local else basics.size()
@@ -231,7 +231,8 @@ allreduce.__signature__ = _SIGS["allreduce"][0]
 allreduce.__doc__ = f"""Blocking allreduce; BlueFog's and Horovod's `allreduce`.
 
     Result: sum over ranks, or sum divided by size() (op=Average, the default; BlueFog's
-    `average=`), same shape and dtype; differentiable (the gradient is the same allreduce
+    `average=`), or the element-wise minimum, maximum or product (op=Min/Max/Product),
+    same shape and dtype; differentiable (the gradient is the same allreduce
     of the gradient). Horovod's keywords: compression (hvd.Compression.fp16: floating
     tensors travel as float16), prescale_factor/postscale_factor, process_set (global
     only), op=Adasum (NotImplementedError); op=Average on integers as in
@@ -305,6 +306,65 @@ def allgather(tensor, name=None, process_set=global_process_set):
     return _torch_ops.allgather(tensor, name)
 
 
+# ---- Reducescatter: Horovod's names, positional order and extras ----
+
+def _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_set, what):
+    """(reduce op for the core, prescale, finish(out)) of a Horovod reducescatter; the
+    integer average is the sum divided by size(), truncated toward zero (as allreduce)."""
+    ADAPTER._check(tensor, what)
+    _check_process_set(process_set, what)
+    _check_op(op, what)
+    rop = _ops.reduce_op(None, op)
+    if rop is not Average and rop is not Sum:
+        raise ValueError(f"{what}: op must be hvd.Average or hvd.Sum (as in Horovod), got {rop!r}")
+    pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
+    integer_average = rop is Average and not tensor.is_floating_point()
+    n = basics.size()
+
+    def finish(out):
+        return _allreduce_finish(out, integer_average, n, post) if integer_average or post != 1.0 else out
+    return (Sum if integer_average else rop), pre, finish
+
+
+@_ops._told(_ops.REDUCESCATTER)
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Horovod's `reducescatter` (its positional order): every rank's [d0, ...] tensor
+    (same shape and dtype everywhere) reduced element-wise, op=Average (default) or Sum,
+    and split along dim 0: rank r gets rows [start_r, start_r + n_r), n_r = d0 // size()
+    plus one for the first d0 % size() ranks, as a new [n_r, ...] tensor (`shoal.reducescatter`).
+    Differentiable for floating tensors (the gradient is the allgather of the gradients,
+    divided by size() for Average, as in Horovod). compression
+    (Compression.fp16/bf16), prescale_factor/postscale_factor and the integer average
+    (truncated toward zero) as in `allreduce_async`. Raises ValueError for a 0-d tensor,
+    bool tensors or an op other than Average/Sum; NotImplementedError for Adasum and
+    process sets other than the global one; ShoalError when ranks disagree on shape,
+    dtype or op."""
+    compression = check_compression(compression, "reducescatter")
+    rop, pre, finish = _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_set,
+                                          "reducescatter")
+    sent, ctx = compression.compress(tensor)
+    if pre != 1.0:
+        sent = sent * pre if sent.is_floating_point() else _scale_(sent.clone(), pre)
+    out = _torch_ops.reducescatter(sent, rop, name)
+    if postscale_factor != 1.0 and out.is_floating_point():
+        out = out * _factor(postscale_factor, "postscale_factor")  # differentiable
+    else:
+        out = finish(out)
+    return compression.decompress(out, ctx)
+
+
+@_ops._told(_ops.REDUCESCATTER)
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Horovod's `reducescatter_async`: start a `reducescatter` (same arguments, not
+    differentiable); returns a handle for `synchronize`/`poll`."""
+    rop, pre, finish = _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_set,
+                                          "reducescatter_async")
+    src = _scale_(tensor.detach().clone(memory_format=torch.contiguous_format), pre) if pre != 1.0 else tensor
+    return _ops.then(TORCH_API["reducescatter_nonblocking"](src, rop, name), finish)
+
+
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
     """`broadcast_optimizer_state(optimizer, root_rank)` (BlueFog's and Horovod's): every
     rank's optimizer state becomes root_rank's, bit-exact (see
@@ -329,4 +389,5 @@ def join(device=-1):
 __all__ = sorted(set(_NEUTRAL) | {
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "allgather", "allgather_async", "broadcast_optimizer_state",
-    "join", "Compression", "FP16Compressor", "BF16Compressor", "Sum", "Average", "ReduceOp"})
+    "join", "reducescatter", "reducescatter_async",
+    "Compression", "FP16Compressor", "BF16Compressor", "Sum", "Average", "Min", "Max", "Product", "ReduceOp"})

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import shoal as _numpy_api
-from shoal import _gradients, _ops
+from shoal import _gradients, _ops, _process
 from shoal._loader import _core
 from shoal._gradients import grad_name
 
@@ -27,8 +27,8 @@ def _define(schema, impl, fake):
     _register_fake(name)(fake)
 
 
-def _allreduce_impl(tensor, average, local, name):
-    return _ops.allreduce(ADAPTER, tensor, average, name or None,
+def _allreduce_impl(tensor, reduce_op, local, name):
+    return _ops.allreduce(ADAPTER, tensor, None, name or None, op=_ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op),
                           scope=_ops.MACHINE if local else _ops.WORLD, block=True)
 
 
@@ -46,6 +46,16 @@ def _allgather_fake(tensor, name):
     return tensor.new_empty((rows,) + tuple(tensor.shape[1:])) if size() > 1 else tensor.new_empty(tensor.shape)
 
 
+def _reducescatter_impl(tensor, reduce_op, name):
+    rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
+    return _ops.synchronize(_ops.reducescatter(ADAPTER, tensor, rop, name or None))
+
+
+def _reducescatter_fake(tensor, reduce_op, name):
+    rows = _ops.reducescatter_rows(tensor.shape[0], _process.size(), _process.rank()) if tensor.dim() else 0
+    return tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
+
+
 def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, send_weights,
                    uniform, topo_check, name):
     peers = {"recv_ranks": recv_ranks, "recv_weights": recv_weights, "self_weight": self_weight,
@@ -54,11 +64,12 @@ def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, se
     return _ops.neighbor_allreduce_submit(ADAPTER, tensor, name or None, peers, block=True)
 
 
-_define("allreduce(Tensor tensor, bool average, bool local, str name) -> Tensor", _allreduce_impl,
-        lambda tensor, average, local, name: torch.empty_like(tensor))
+_define("allreduce(Tensor tensor, int reduce_op, bool local, str name) -> Tensor", _allreduce_impl,
+        lambda tensor, reduce_op, local, name: torch.empty_like(tensor))
 _define("broadcast(Tensor tensor, int root_rank, str name) -> Tensor", _broadcast_impl,
         lambda tensor, root_rank, name: torch.empty_like(tensor))
 _define("allgather(Tensor tensor, str name) -> Tensor", _allgather_impl, _allgather_fake)
+_define("reducescatter(Tensor tensor, int reduce_op, str name) -> Tensor", _reducescatter_impl, _reducescatter_fake)
 _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, "
         "float[] recv_weights, int[] send_ranks, float[] send_weights, bool uniform, bool topo_check, "
         "str name) "
@@ -156,16 +167,18 @@ def _told(op, numpy_fn, dtypes):
 
 def make_allreduce(fallback, doc, module, torch):
     """The C allreduce entry (for `native`)."""
-    return _core.native_allreduce(fallback, doc, module, sum=_ops.Sum, average=_ops.Average, torch=torch)
+    return _core.native_allreduce(fallback, doc, module, ops=_ops.REDUCE_OP_CODES, torch=torch)
 
 
 @_native(_ops.ALLREDUCE, make_allreduce)
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
-    """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce`
-    (sum, or sum then divide by size(); BlueFog's `average=` or Horovod's `op=`)."""
+    """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce` (sum, sum then
+    divide by size(), min, max or product; BlueFog's `average=` or Horovod's `op=`).
+    Differentiable (shoal/_gradients.py); op=Product with is_hierarchical_local has no
+    gradient (NotImplementedError at backward)."""
     ADAPTER._check(tensor, "allreduce")
     rop = _ops.reduce_op(average, op)
-    return torch.ops.shoal.allreduce(tensor, rop is _ops.Average, bool(is_hierarchical_local), _ops.op_name(name))
+    return torch.ops.shoal.allreduce(tensor, rop.code, bool(is_hierarchical_local), _ops.op_name(name))
 
 
 @_told(_ops.BROADCAST, _numpy_api.broadcast, _NUMPY_DTYPES)
@@ -180,6 +193,16 @@ def allgather(tensor, name=None):
     """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather`."""
     ADAPTER._check(tensor, "allgather")
     return torch.ops.shoal.allgather(tensor, _ops.op_name(name))
+
+
+@_told(_ops.REDUCESCATTER, _numpy_api.reducescatter, _NUMPY_DTYPES)
+def reducescatter(tensor, op=None, name=None):
+    """Blocking reducescatter along dim 0 (op Average or Sum); as `shoal.reducescatter`.
+    Differentiable: the gradient is the allgather of the gradients (divided by size() for
+    Average)."""
+    ADAPTER._check(tensor, "reducescatter")
+    rop = _ops.Average if op is None else _ops.reduce_op(None, op)
+    return torch.ops.shoal.reducescatter(tensor, rop.code, _ops.op_name(name))
 
 
 @_native(_ops.NEIGHBOR_ALLREDUCE, _core.native_neighbor_allreduce)
@@ -198,11 +221,35 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
 # ---- Autograd (the blocking ops are differentiable; the nonblocking forms are not) ----
 # The formulas are shoal/_gradients.py's; here they run as the registered torch ops.
 def _allreduce_setup(ctx, inputs, output):
-    ctx.average, ctx.local, ctx.name = inputs[1], inputs[2], inputs[3]
+    ctx.reduce_op, ctx.local, ctx.name = inputs[1], inputs[2], inputs[3]
+    if ctx.reduce_op in (_ops.Min.code, _ops.Max.code, _ops.Product.code):
+        ctx.save_for_backward(inputs[0], output)
 
 
 def _allreduce_backward(ctx, grad):
-    return torch.ops.shoal.allreduce(grad.contiguous(), ctx.average, ctx.local, grad_name(ctx.name)), None, None, None
+    grad, name = grad.contiguous(), grad_name(ctx.name)
+    rop = _gradients.reduce_op_grad(ctx.reduce_op)
+
+    def allreduce_sum(t, suffix):
+        return torch.ops.shoal.allreduce(t.contiguous(), rop, ctx.local, name + suffix if name else "")
+
+    if ctx.reduce_op in (_ops.Min.code, _ops.Max.code):
+        x, y = ctx.saved_tensors
+        g = _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: (a == b).to(like.dtype))
+    elif ctx.reduce_op == _ops.Product.code:
+        if ctx.local:
+            raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
+                                      "not implemented (it needs a machine-local allgather)")
+        x, _ = ctx.saved_tensors
+
+        def others_product(t, suffix):
+            every = torch.ops.shoal.allgather(t.contiguous().unsqueeze(0), name + suffix if name else "")
+            r = _process.rank()
+            return torch.cat([every[:r], every[r + 1:]]).prod(0)
+        g = _gradients.product_grad(x, grad, allreduce_sum, others_product)
+    else:
+        g = allreduce_sum(grad, "")
+    return g, None, None, None
 
 
 def _broadcast_setup(ctx, inputs, output):
@@ -210,7 +257,7 @@ def _broadcast_setup(ctx, inputs, output):
 
 
 def _broadcast_backward(ctx, grad):
-    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, grad_name(ctx.name))
+    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name))
     return (total if _gradients.broadcast_keeps(ctx.root, _ops.WORLD) else torch.zeros_like(total)), None, None
 
 
@@ -219,11 +266,20 @@ def _allgather_setup(ctx, inputs, output):
 
 
 def _allgather_backward(ctx, grad):
-    total = torch.ops.shoal.allreduce(grad.contiguous(), False, False, grad_name(ctx.name))
+    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name))
     rows = torch.ops.shoal.allgather(torch.tensor([ctx.rows], dtype=torch.int64),
                                      grad_name(ctx.name) + ".rows" if ctx.name else "")
     start = int(_gradients.allgather_start(rows, torch.sum))
     return total[start:start + ctx.rows], None
+
+
+def _reducescatter_setup(ctx, inputs, output):
+    ctx.reduce_op, ctx.name = inputs[1], inputs[2]
+
+
+def _reducescatter_backward(ctx, grad):
+    g = torch.ops.shoal.allgather(grad.contiguous(), grad_name(ctx.name))
+    return _gradients.reducescatter_grad(g, ctx.reduce_op), None, None
 
 
 def _neighbor_setup(ctx, inputs, output):
@@ -241,5 +297,7 @@ if hasattr(torch.library, "register_autograd"):  # torch >= 2.4
     torch.library.register_autograd("shoal::allreduce", _allreduce_backward, setup_context=_allreduce_setup)
     torch.library.register_autograd("shoal::broadcast", _broadcast_backward, setup_context=_broadcast_setup)
     torch.library.register_autograd("shoal::allgather", _allgather_backward, setup_context=_allgather_setup)
+    torch.library.register_autograd("shoal::reducescatter", _reducescatter_backward,
+                                    setup_context=_reducescatter_setup)
     torch.library.register_autograd("shoal::neighbor_allreduce", _neighbor_backward,
                                     setup_context=_neighbor_setup)

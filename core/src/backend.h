@@ -39,10 +39,16 @@ class Backend {
 
   // Collectives; every rank starts them in the same order.
   // scope: SHOAL_SCOPE_WORLD or SHOAL_SCOPE_MACHINE (root is then a local rank).
-  virtual void Allreduce(void* buf, int64_t count, int dtype, int scope, Callback done) = 0;
+  // reduce_op: SHOAL_REDUCE_SUM, MIN, MAX or PRODUCT (an average is a sum here).
+  virtual void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) = 0;
   virtual void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) = 0;
   virtual void Allgatherv(const void* send, int64_t count, void* recv,
                           const std::vector<int64_t>& counts, int dtype, Callback done) = 0;
+  // Reduces every rank's `send` (the sum of `counts` elements) with reduce_op (SUM, MIN,
+  // MAX, PRODUCT) and leaves rank r the counts[r] elements at offset counts[0] + ... +
+  // counts[r-1] in its `recv` (MPI_Reduce_scatter). World scope.
+  virtual void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
+                             int reduce_op, Callback done) = 0;
   virtual void Barrier(Callback done) = 0;
   // Allreduce (sum) on collective channel `channel` in [0, kChannels): each channel has
   // its own collective order (an MPI communicator), independent of the others and of the

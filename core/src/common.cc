@@ -24,8 +24,13 @@ const char* DtypeName(int dtype) {
 const char* OpName(int op) {
   if (op == kOpJoin) return "join";
   static const char* names[] = {"allreduce", "broadcast", "allgather", "barrier",
-                                "neighbor_allreduce", "neighbor_allgather"};
-  return (op >= 0 && op <= SHOAL_OP_NEIGHBOR_ALLGATHER) ? names[op] : "unknown_op";
+                                "neighbor_allreduce", "neighbor_allgather", "reducescatter"};
+  return (op >= 0 && op <= SHOAL_OP_REDUCESCATTER) ? names[op] : "unknown_op";
+}
+
+const char* ReduceOpName(int reduce_op) {
+  static const char* names[] = {"Sum", "Average", "Min", "Max", "Product"};
+  return (reduce_op >= 0 && reduce_op <= SHOAL_REDUCE_PRODUCT) ? names[reduce_op] : "unknown";
 }
 
 bool IsFloating(int dtype) { return dtype <= SHOAL_FLOAT64; }

@@ -263,9 +263,9 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
   } else if (op != SHOAL_OP_BARRIER) {
     checks.push_back({"shapes", [](const Request& r) { return ShapeString(r.sig.shape); }});
   }
-  if (op == SHOAL_OP_ALLREDUCE)
+  if (op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_REDUCESCATTER)
     checks.push_back({"reduce ops", [](const Request& r) {
-                        return std::string(r.sig.reduce_op == SHOAL_REDUCE_SUM ? "Sum" : "Average");
+                        return std::string("op=") + ReduceOpName(r.sig.reduce_op);
                       }});
   if (op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_BROADCAST)
     checks.push_back({"scopes", [](const Request& r) {

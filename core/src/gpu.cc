@@ -260,7 +260,8 @@ void Runtime::StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator) 
     e->sig.path = !g.direct ? kPathStaged : nccl ? kPathNccl : kPathMpi;
   } else {
     g.nccl = nccl && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER ||
-                      (op == SHOAL_OP_ALLREDUCE && dt != SHOAL_INT16 && dt != SHOAL_BOOL));
+                      ((op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_REDUCESCATTER) && dt != SHOAL_INT16 &&
+                       dt != SHOAL_BOOL));
     e->sig.path = g.nccl ? kPathNccl : kPathStaged;
   }
   if (std::string(g.api->build).rfind("fake", 0) == 0) e->sig.path |= kFakePlugin;

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -132,6 +133,29 @@ void NcclCollectives::Run(const Response& r, const std::vector<EntryPtr>& batch,
       if (pinned && !e) e = api->memcpy_async(pinned, tmp, total, stream);
       continue;
     }
+    if (r.op == SHOAL_OP_REDUCESCATTER) {
+      // Horovod's split of dim 0; the result comes back in host memory, as allgather's.
+      const WorldInfo& w = backend_->world();
+      const int64_t d0 = x->sig.shape[0], row = x->count() / std::max<int64_t>(d0, 1);
+      std::vector<int64_t> counts(w.size);
+      for (int q = 0; q < w.size; ++q) counts[q] = (d0 / w.size + (q < d0 % w.size ? 1 : 0)) * row;
+      const int64_t mine = counts[w.rank], bytes = mine * static_cast<int64_t>(DtypeSize(x->sig.dtype));
+      x->result_shape = x->sig.shape;
+      x->result_shape[0] = d0 / w.size + (w.rank < d0 % w.size ? 1 : 0);
+      x->result_nbytes = bytes;
+      x->result = std::malloc(std::max<int64_t>(bytes, 1));
+      if (x->count() == 0 || e) continue;
+      void* tmp = gpu_->DeviceBuffer(device, std::max<int64_t>(bytes, 1), &e);
+      if (tmp) nb.device_buffers.push_back(tmp);
+      const int rop = x->sig.reduce_op == SHOAL_REDUCE_AVERAGE ? SHOAL_REDUCE_SUM : x->sig.reduce_op;
+      if (!e) e = api->nccl_reducescatter(g.dev_in, tmp, counts.data(), w.size, x->sig.dtype, rop, comm, stream);
+      if (!e && mine > 0 && x->sig.reduce_op == SHOAL_REDUCE_AVERAGE)
+        e = api->scale(tmp, tmp, w.size, 1, x->sig.dtype, mine, stream);
+      void* pinned = bytes > 0 && !e ? gpu_->HostBuffer(bytes, &e) : nullptr;
+      if (pinned) nb.host_copies.push_back({pinned, x->result, static_cast<size_t>(bytes)});
+      if (pinned && !e) e = api->memcpy_async(pinned, tmp, bytes, stream);
+      continue;
+    }
     if (g.dev_out != g.dev_in && g.nbytes && !e &&
         (r.op == SHOAL_OP_ALLREDUCE ||
          (scope == SHOAL_SCOPE_MACHINE ? backend_->world().local_rank : backend_->world().rank) == x->sig.root_rank))
@@ -140,7 +164,8 @@ void NcclCollectives::Run(const Response& r, const std::vector<EntryPtr>& batch,
     if (r.op == SHOAL_OP_BROADCAST) {
       e = api->nccl_broadcast(g.dev_out, g.nbytes, x->sig.root_rank, comm, stream);
     } else {
-      e = api->nccl_allreduce(g.dev_out, x->count(), x->sig.dtype, comm, stream);
+      const int rop = x->sig.reduce_op == SHOAL_REDUCE_AVERAGE ? SHOAL_REDUCE_SUM : x->sig.reduce_op;
+      e = api->nccl_allreduce(g.dev_out, x->count(), x->sig.dtype, rop, comm, stream);
       const int n = scope == SHOAL_SCOPE_MACHINE ? backend_->world().local_size : backend_->world().size;
       if (!e && x->sig.reduce_op == SHOAL_REDUCE_AVERAGE)  // sum, then divide: as the CPU path
         e = api->scale(g.dev_out, g.dev_out, n, 1, x->sig.dtype, x->count(), stream);

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <functional>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "shoal/c_api.h"
@@ -221,18 +222,57 @@ void Combine(const void* self, const std::vector<const void*>& srcs, void* out, 
   });
 }
 
-void Sum(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n) {
-  DispatchSummable(dtype, [&](auto t) {
-    using T = decltype(t);
-    using S = typename T::Store;
-    auto d = static_cast<S*>(dst);
-    if (srcs.empty()) return;
-    for (size_t i = 0; i < n; ++i) {  // every source read before d[i] is written
-      typename T::Acc acc = T::Load(static_cast<const S*>(srcs[0])[i]);  // keeps -0.0 alone
-      for (size_t j = 1; j < srcs.size(); ++j) acc += T::Load(static_cast<const S*>(srcs[j])[i]);
-      d[i] = T::Save(acc);
-    }
-  });
+namespace {
+
+// Min and max compare in the dtype itself (int64 beyond 2^53 stays exact).
+template <typename S> struct Same {
+  using Store = S;
+  using Acc = S;
+  static S Load(S v) { return v; }
+  static S Save(S v) { return v; }
+};
+
+template <typename Fn> void DispatchOrdered(int dtype, Fn&& fn) {
+  switch (dtype) {
+    case SHOAL_INT8: return fn(Same<int8_t>{});
+    case SHOAL_UINT8: return fn(Same<uint8_t>{});
+    case SHOAL_INT16: return fn(Same<int16_t>{});
+    case SHOAL_INT32: return fn(Same<int32_t>{});
+    case SHOAL_INT64: return fn(Same<int64_t>{});
+    case SHOAL_FLOAT16: return fn(F16{});
+    case SHOAL_BFLOAT16: return fn(BF16{});
+    case SHOAL_FLOAT32: return fn(Plain<float, float>{});
+    case SHOAL_FLOAT64: return fn(Plain<double, double>{});
+  }
+  throw std::invalid_argument("min and max need a numeric dtype");
+}
+
+// d[i] = fold of op over srcs[j][i], in the accumulation type of T.
+template <typename T, typename Op> void Fold(const std::vector<const void*>& srcs, void* dst, size_t n, Op op) {
+  using S = typename T::Store;
+  auto d = static_cast<S*>(dst);
+  for (size_t i = 0; i < n; ++i) {  // every source read before d[i] is written
+    typename T::Acc acc = T::Load(static_cast<const S*>(srcs[0])[i]);  // keeps -0.0 alone
+    for (size_t j = 1; j < srcs.size(); ++j) acc = op(acc, T::Load(static_cast<const S*>(srcs[j])[i]));
+    d[i] = T::Save(acc);
+  }
+}
+
+}  // namespace
+
+void Reduce(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n, int reduce_op) {
+  if (srcs.empty()) return;
+  switch (reduce_op) {
+    case SHOAL_REDUCE_SUM:
+      return DispatchSummable(dtype, [&](auto t) { Fold<decltype(t)>(srcs, dst, n, std::plus<>()); });
+    case SHOAL_REDUCE_PRODUCT:
+      return DispatchSummable(dtype, [&](auto t) { Fold<decltype(t)>(srcs, dst, n, std::multiplies<>()); });
+    case SHOAL_REDUCE_MIN:
+      return DispatchOrdered(dtype, [&](auto t) { Fold<decltype(t)>(srcs, dst, n, [](auto a, auto b) { return b < a ? b : a; }); });
+    case SHOAL_REDUCE_MAX:
+      return DispatchOrdered(dtype, [&](auto t) { Fold<decltype(t)>(srcs, dst, n, [](auto a, auto b) { return a < b ? b : a; }); });
+  }
+  throw std::invalid_argument("unknown reduce op " + std::to_string(reduce_op));
 }
 
 }  // namespace shoal

@@ -28,8 +28,13 @@ void Scale(const void* src, void* dst, int dtype, size_t n, double w);
 void Combine(const void* self, const std::vector<const void*>& srcs, void* out, int dtype,
              size_t n, bool uniform, double self_weight, const std::vector<double>& weights);
 
-// dst[i] = the sum of srcs[j][i] in the order of srcs (dst may alias a source), for every
-// numeric dtype but bool: half types accumulate in float32, integers wrap like NCCL's.
-void Sum(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n);
+// dst[i] = srcs[0][i] op srcs[1][i] op ... in the order of srcs (dst may alias a source)
+// for `reduce_op` SHOAL_REDUCE_SUM, MIN, MAX or PRODUCT and every numeric dtype but bool:
+// half types compute in float32 and round once; integer sums and products wrap
+// (two's complement, like MPI's and NCCL's); min and max compare in the dtype itself.
+void Reduce(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n, int reduce_op);
+inline void Sum(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n) {
+  Reduce(srcs, dst, dtype, n, 0 /* SHOAL_REDUCE_SUM */);
+}
 
 }  // namespace shoal

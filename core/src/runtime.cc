@@ -89,7 +89,7 @@ double Runtime::Now() const {
 int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
   const WorldInfo& w = world();
   auto e = std::make_shared<Entry>();
-  if ((d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_NEIGHBOR_ALLGATHER) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
+  if ((d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_REDUCESCATTER) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
   const char* op = OpName(d.op);
   try {
   e->sig.op = d.op;
@@ -116,8 +116,11 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   const int scope_size = e->sig.scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
   switch (d.op) {
     case SHOAL_OP_ALLREDUCE:
-      if (d.input.dtype == SHOAL_BOOL) Bad("allreduce: bool tensors cannot be summed");
-      if (d.reduce_op != SHOAL_REDUCE_SUM && d.reduce_op != SHOAL_REDUCE_AVERAGE) Bad("allreduce: unknown reduce op");
+      if (d.reduce_op < SHOAL_REDUCE_SUM || d.reduce_op > SHOAL_REDUCE_PRODUCT)
+        Bad("allreduce: unknown reduce op code " + std::to_string(d.reduce_op));
+      if (d.input.dtype == SHOAL_BOOL)
+        Bad(std::string("allreduce: bool tensors cannot be reduced (op=") + ReduceOpName(d.reduce_op) +
+            "); use an integer dtype");
       if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype))
         Bad("allreduce: average of " + dt + " is not representable; use op=Sum or a floating dtype");
       e->sig.reduce_op = d.reduce_op;
@@ -129,6 +132,15 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
       break;
     case SHOAL_OP_ALLGATHER:
       if (e->sig.shape.empty()) Bad("allgather: a 0-d tensor has no first dimension to concatenate along");
+      break;
+    case SHOAL_OP_REDUCESCATTER:
+      if (e->sig.shape.empty()) Bad("reducescatter: a 0-d tensor has no first dimension to split");
+      if (d.reduce_op != SHOAL_REDUCE_SUM && d.reduce_op != SHOAL_REDUCE_AVERAGE)
+        Bad(std::string("reducescatter: op=") + ReduceOpName(d.reduce_op) + " is not supported; use Sum or Average");
+      if (d.input.dtype == SHOAL_BOOL) Bad("reducescatter: bool tensors cannot be summed");
+      if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype))
+        Bad("reducescatter: average of " + dt + " is not representable; use op=Sum or a floating dtype");
+      e->sig.reduce_op = d.reduce_op;
       break;
     case SHOAL_OP_NEIGHBOR_ALLGATHER:
     case SHOAL_OP_NEIGHBOR_ALLREDUCE:
@@ -201,7 +213,7 @@ std::string Runtime::NameLocked(int op, const char* name) {
 }
 
 void Runtime::Reject(int op, const char* name, int code, const std::string& error) {
-  if (op < SHOAL_OP_ALLREDUCE || op > SHOAL_OP_NEIGHBOR_ALLGATHER || world().size == 1) return;
+  if (op < SHOAL_OP_ALLREDUCE || op > SHOAL_OP_REDUCESCATTER || world().size == 1) return;
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_ || left_) return;
   auto e = std::make_shared<Entry>();
@@ -370,6 +382,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
       case SHOAL_OP_BARRIER: ++stats_.barrier; break;
       case SHOAL_OP_NEIGHBOR_ALLREDUCE: ++stats_.neighbor_allreduce; break;
       case SHOAL_OP_NEIGHBOR_ALLGATHER: ++stats_.neighbor_allgather; break;
+      case SHOAL_OP_REDUCESCATTER: ++stats_.reducescatter; break;
     }
   } else {
     ++stats_.errors;

@@ -105,6 +105,7 @@ class Runtime {
   void Route(const EntryPtr& e, std::vector<Request>* to_coordinator);
   void Apply(const Response& r);
   void RunCollective(const Response& r, std::vector<EntryPtr> batch);
+  void RunReduceScatter(const EntryPtr& e);
   void Finish(const EntryPtr& e, const Status& st);
   void Trace(const Entry& e, const Status& st, Clock::time_point t_callback);
   void CheckStalls();

@@ -216,6 +216,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
                         [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
+  if (r.op == SHOAL_OP_REDUCESCATTER) return RunReduceScatter(batch[0]);
   if (r.op == SHOAL_OP_ALLGATHER) {
     EntryPtr e = batch[0];
     int64_t row = 1;
@@ -235,9 +236,11 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
                          [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
-  // Allreduce: a batch (fused when > 1 or half precision) reduced in one call.
+  // Allreduce: a batch (fused when > 1 or half precision) reduced in one call. The
+  // coordinator fuses only members of one reduce op.
   const int dtype = batch[0]->sig.dtype;
   const bool average = batch[0]->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
+  const int rop = average ? SHOAL_REDUCE_SUM : batch[0]->sig.reduce_op;
   const int scope = batch[0]->sig.scope;
   const int n = scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
   int64_t total = 0;
@@ -249,7 +252,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   if (batch.size() == 1 && !IsHalf(dtype)) {
     EntryPtr e = batch[0];
     if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
-    backend_->Allreduce(e->output.data, e->count(), dtype, scope, [this, communicated, e, average, n](const Status& st) {
+    backend_->Allreduce(e->output.data, e->count(), dtype, rop, scope, [this, communicated, e, average, n](const Status& st) {
       communicated(e);
       e->t_reduce_start = Clock::now();
       if (st.ok() && average) Divide(e->output.data, e->output.data, e->sig.dtype, e->count(), n);
@@ -258,7 +261,8 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     });
     return;
   }
-  // Half types are widened: the sum accumulates in float32 and is rounded once.
+  // Half types are widened: the reduction computes in float32 and is rounded once (exact
+  // for min and max).
   const int wire = IsHalf(dtype) ? SHOAL_FLOAT32 : dtype;
   const size_t wsize = DtypeSize(wire);
   auto fused = fusion_pool_->Get(total * wsize);
@@ -271,7 +275,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     e->t_copy_end = Clock::now();
   }
   if (batch.size() > 1) ++stats_.fused_batches;
-  backend_->Allreduce(fused->data(), total, wire, scope, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
+  backend_->Allreduce(fused->data(), total, wire, rop, scope, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
     size_t at = 0;
     for (auto& e : batch) {
       communicated(e);
@@ -286,6 +290,48 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
       e->t_reduce_end = Clock::now();
       Finish(e, st);
     }
+  });
+}
+
+void Runtime::RunReduceScatter(const EntryPtr& e) {
+  const WorldInfo& w = world();
+  const int dtype = e->sig.dtype;
+  // Horovod's split of dim 0: d0 / size rows each, one more for the first d0 % size ranks.
+  const int64_t d0 = e->sig.shape[0], row = e->count() / std::max<int64_t>(d0, 1);
+  std::vector<int64_t> counts(w.size);
+  for (int q = 0; q < w.size; ++q) counts[q] = (d0 / w.size + (q < d0 % w.size ? 1 : 0)) * row;
+  const int64_t mine = counts[w.rank];
+  e->result_shape = e->sig.shape;
+  e->result_shape[0] = d0 / w.size + (w.rank < d0 % w.size ? 1 : 0);
+  e->result_nbytes = mine * DtypeSize(dtype);
+  e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
+  if (e->count() == 0) return Finish(e, Status::Ok());
+  // Half types are reduced in float32 and rounded once, as allreduce does.
+  const bool half = IsHalf(dtype);
+  const int wire = half ? SHOAL_FLOAT32 : dtype;
+  Bytes in, out;
+  const void* send = e->input.data;
+  void* recv = e->result;
+  if (half) {
+    e->t_copy_start = Clock::now();
+    in = fusion_pool_->Get(e->count() * sizeof(float));
+    out = fusion_pool_->Get(std::max<int64_t>(mine, 1) * sizeof(float));
+    WidenToFloat32(e->input.data, dtype, reinterpret_cast<float*>(in->data()), e->count());
+    send = in->data();
+    recv = out->data();
+    e->t_copy_end = Clock::now();
+  }
+  const bool average = e->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
+  backend_->ReduceScatter(send, recv, counts, wire, SHOAL_REDUCE_SUM,
+                          [this, e, in, out, average, dtype, wire, mine, n = w.size](const Status& st) {
+    e->t_comm_end = e->t_reduce_start = Clock::now();
+    if (st.ok()) {
+      void* p = out ? static_cast<void*>(out->data()) : e->result;
+      if (average) Divide(p, p, wire, mine, n);
+      if (out) NarrowFromFloat32(reinterpret_cast<const float*>(p), dtype, e->result, mine);
+    }
+    e->t_reduce_end = Clock::now();
+    Finish(e, st);
   });
 }
 

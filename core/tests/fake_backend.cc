@@ -8,7 +8,7 @@
 namespace shoal {
 namespace testing {
 
-enum { kAllreduce = 1, kBroadcast, kAllgather, kBarrier };
+enum { kAllreduce = 1, kBroadcast, kAllgather, kBarrier, kReduceScatter };
 
 FakeWorld::FakeWorld(int size, uint64_t seed, int max_delay_us)
     : size_(size), rng_(seed), max_delay_us_(max_delay_us), inbox_(size), dead_(size, 0) {}
@@ -35,8 +35,18 @@ void FakeWorld::Finish(Coll& c) {
   if (c.kind == kAllreduce) {
     std::vector<const void*> srcs(c.bufs.begin(), c.bufs.end());
     ByteVec sum(std::max<size_t>(n, 1));
-    Sum(srcs, sum.data(), c.dtype, static_cast<size_t>(c.count));
+    Reduce(srcs, sum.data(), c.dtype, static_cast<size_t>(c.count), c.reduce_op);
     for (void* b : c.bufs) std::memcpy(b, sum.data(), n);
+  } else if (c.kind == kReduceScatter) {
+    std::vector<const void*> srcs(c.sends.begin(), c.sends.end());
+    ByteVec all(std::max<size_t>(n, 1));
+    Reduce(srcs, all.data(), c.dtype, static_cast<size_t>(c.count), c.reduce_op);
+    const size_t es = DtypeSize(c.dtype);
+    size_t at = 0;
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(c.bufs[r], all.data() + at, c.split[r] * es);
+      at += c.split[r] * es;
+    }
   } else if (c.kind == kBroadcast) {
     for (int r = 0; r < size_; ++r)
       if (r != c.root) std::memcpy(c.bufs[r], c.bufs[c.root], n);
@@ -110,6 +120,8 @@ void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel) {
     c.dtype = mine.dtype;
     c.count = mine.count;
     c.root = mine.root;
+    c.reduce_op = mine.reduce_op;
+    c.split = mine.split;
     c.bufs.assign(info_.size, nullptr);
     c.sends.assign(info_.size, nullptr);
     c.counts.assign(info_.size, 0);
@@ -123,9 +135,10 @@ void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel) {
   }
 }
 
-void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int, Callback done) {
+void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int, Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllreduce;
+  c.reduce_op = reduce_op;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
@@ -159,6 +172,19 @@ void FakeBackend::Allgatherv(const void* send, int64_t count, void* recv, const 
   c.sends = {send};
   c.count = count;
   c.dtype = dtype;
+  Collective(std::move(c), std::move(done));
+}
+
+void FakeBackend::ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
+                                int reduce_op, Callback done) {
+  FakeWorld::Coll c;
+  c.kind = kReduceScatter;
+  c.bufs = {recv};
+  c.sends = {send};
+  c.split = counts;
+  for (int64_t k : counts) c.count += k;
+  c.dtype = dtype;
+  c.reduce_op = reduce_op;
   Collective(std::move(c), std::move(done));
 }
 

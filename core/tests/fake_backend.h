@@ -40,8 +40,9 @@ class FakeWorld {
     std::vector<void*> bufs;
     std::vector<const void*> sends;
     std::vector<int64_t> counts;
+    std::vector<int64_t> split;  // reducescatter: every rank's share
     int64_t count = 0;
-    int dtype = 0, root = 0;
+    int dtype = 0, root = 0, reduce_op = 0;
   };
   Clock::time_point Due(int src, int dst, int tag);  // mu_ held
   void Finish(Coll& c);                              // mu_ held: computes every rank's result
@@ -64,10 +65,12 @@ class FakeBackend : public Backend {
   void SendFrom(int dst, int tag, const void* data, size_t n, Callback done) override;
   void ReceiveInto(int src, int tag, void* data, size_t n, Callback done) override;
   bool Receive(const std::vector<int>& tags, int* tag, int* src, ByteVec* msg, Status* st) override;
-  void Allreduce(void* buf, int64_t count, int dtype, int scope, Callback done) override;
+  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) override;
   void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override;
   void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts, int dtype,
                   Callback done) override;
+  void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
+                     Callback done) override;
   void Barrier(Callback done) override;
   void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override;
   bool Progress() override;

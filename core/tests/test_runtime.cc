@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "fake_backend.h"
+#include "reduce.h"
 #include "runtime.h"
 
 using namespace shoal;
@@ -75,6 +77,7 @@ struct Op {
   std::vector<double> recv_w, send_w;
   double self_w = 1.0;
   bool uniform = true;
+  int reduce_op = SHOAL_REDUCE_SUM;
   int64_t handle = 0;
 
   int64_t Enqueue(Runtime& rt) {
@@ -86,7 +89,7 @@ struct Op {
     d.input = {x.data(), dtype, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
     d.output = d.input;
     d.output.data = out.data();
-    d.reduce_op = SHOAL_REDUCE_SUM;
+    d.reduce_op = reduce_op;
     d.n_recv = static_cast<int32_t>(recv.size());
     d.recv_ranks = recv.data();
     d.recv_weights = recv_w.empty() ? nullptr : recv_w.data();
@@ -416,6 +419,156 @@ static void TestCachedFailures(int n) {
   });
 }
 
+// Allreduce with every reduce op over int8, int32, float16 and float64, all in flight at
+// once (fused or not): exact element-wise results (int8 products wrap, float16 computes in
+// float32), batches never mix ops. Then ranks that disagree on the op all get one error
+// naming both, and bad ops are refused at the call.
+static void TestReduceOps(int n, int64_t fusion) {
+  g_case = "reduce ops n=" + std::to_string(n) + " fusion=" + std::to_string(fusion);
+  Job job(n, TestConfig(fusion), 11 + n, 100);
+  const int rops[] = {SHOAL_REDUCE_SUM, SHOAL_REDUCE_MIN, SHOAL_REDUCE_MAX, SHOAL_REDUCE_PRODUCT};
+  const int dtypes[] = {SHOAL_INT8, SHOAL_INT32, SHOAL_FLOAT16, SHOAL_FLOAT64};
+  auto value = [](int r, size_t i) { return static_cast<int>(i % 3) - 1 + r % 2 + (i == 5 ? r : 0); };
+  // Stored as `dtype` (float16 bits for halves), read back as double.
+  auto put = [](int dtype, char* p, double v) {
+    switch (dtype) {
+      case SHOAL_INT8: { int8_t x = static_cast<int8_t>(static_cast<int64_t>(v)); std::memcpy(p, &x, 1); break; }
+      case SHOAL_INT32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); break; }
+      case SHOAL_FLOAT16: { uint16_t x = FloatToHalf(static_cast<float>(v)); std::memcpy(p, &x, 2); break; }
+      default: std::memcpy(p, &v, 8);
+    }
+  };
+  job.Run([&](int r, Runtime& rt) {
+    const size_t len = 6;
+    struct T { std::vector<char> in, out, want; int64_t handle = 0; int rop = 0, dtype = 0; };
+    std::vector<T> ts;
+    std::vector<int64_t> shape = {static_cast<int64_t>(len)};
+    for (int rop : rops)
+      for (int dtype : dtypes) {
+        T t;
+        t.rop = rop;
+        t.dtype = dtype;
+        const size_t es = DtypeSize(dtype);
+        t.in.resize(len * es);
+        t.out.resize(len * es);
+        t.want.resize(len * es);
+        for (size_t i = 0; i < len; ++i) {
+          put(dtype, &t.in[i * es], value(r, i));
+          double acc = value(0, i);  // exact in double: |values| <= 8, products <= 2^24
+          for (int q = 1; q < n; ++q) {
+            const double v = value(q, i);
+            acc = rop == SHOAL_REDUCE_SUM ? acc + v : rop == SHOAL_REDUCE_MIN ? std::min(acc, v)
+                  : rop == SHOAL_REDUCE_MAX ? std::max(acc, v) : acc * v;
+          }
+          put(dtype, &t.want[i * es], acc);
+        }
+        ts.push_back(std::move(t));
+      }
+    for (auto& t : ts) {
+      shoal_op_desc d{};
+      d.op = SHOAL_OP_ALLREDUCE;
+      const std::string name = "rop." + std::to_string(t.rop) + "." + std::to_string(t.dtype);
+      d.name = name.c_str();
+      d.input = {t.in.data(), t.dtype, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+      d.output = d.input;
+      d.output.data = t.out.data();
+      d.reduce_op = t.rop;
+      t.handle = rt.Enqueue(d);
+    }
+    for (auto& t : ts) {
+      Status st = rt.Wait(t.handle);
+      rt.Release(t.handle);
+      CHECK(st.ok() && t.out == t.want, "rank %d op %s dtype %s: %s", r, ReduceOpName(t.rop), DtypeName(t.dtype),
+            st.message.c_str());
+    }
+    // Rank 0 asks for Min, the others for Max: the same error everywhere.
+    Op a;
+    a.name = "rop.mismatch";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, 3);
+    a.reduce_op = r == 0 ? SHOAL_REDUCE_MIN : SHOAL_REDUCE_MAX;
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find("mismatched reduce ops across ranks: op=Min on rank 0; op=Max on rank") !=
+                                           std::string::npos,
+          "rank %d: %s", r, st.message.c_str());
+    a.reduce_op = SHOAL_REDUCE_MAX;  // the name is usable again
+    a.Enqueue(rt);
+    st = a.Wait(rt);
+    CHECK(st.ok() && a.out[0] == Data(n - 1, 0, 3)[0], "rank %d: %s", r, st.message.c_str());
+    for (int bad : {-1, 5}) {
+      Op b;
+      b.name = "rop.bad";
+      b.op = SHOAL_OP_ALLREDUCE;
+      b.x = {1.0};
+      b.reduce_op = bad;
+      std::string msg;
+      try { b.Enqueue(rt); } catch (const ArgumentError& ex) { msg = ex.what(); }
+      CHECK(msg.find("unknown reduce op code " + std::to_string(bad)) != std::string::npos, "rank %d: %s", r,
+            msg.c_str());
+    }
+  });
+}
+
+// Reducescatter of [d0, 2] float64 (Sum and Average), float16 and int32 (Sum) tensors,
+// d0 even, uneven, smaller than the number of ranks and 0: rank r gets its rows of the
+// exact reduction (Horovod's split); mismatched shapes fail on every rank.
+static void TestReduceScatter(int n) {
+  g_case = "reducescatter n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 13 + n, 100);
+  job.Run([&](int r, Runtime& rt) {
+    int k = 0;
+    for (int64_t d0 : {int64_t(2 * n), int64_t(2 * n + n - 1), int64_t(1), int64_t(0)})
+      for (int dtype : {SHOAL_FLOAT64, SHOAL_FLOAT16, SHOAL_INT32})
+        for (int rop : {SHOAL_REDUCE_SUM, SHOAL_REDUCE_AVERAGE}) {
+          if (rop == SHOAL_REDUCE_AVERAGE && dtype != SHOAL_FLOAT64) continue;
+          const size_t es = DtypeSize(dtype), len = static_cast<size_t>(d0) * 2;
+          auto at = [&](int q, size_t i) { return static_cast<double>(q + 1) * static_cast<double>(i % 5); };
+          std::vector<char> in(std::max<size_t>(len * es, 1));
+          for (size_t i = 0; i < len; ++i) {
+            if (dtype == SHOAL_FLOAT64) { double v = at(r, i); std::memcpy(&in[i * es], &v, 8); }
+            if (dtype == SHOAL_INT32) { int32_t v = static_cast<int32_t>(at(r, i)); std::memcpy(&in[i * es], &v, 4); }
+            if (dtype == SHOAL_FLOAT16) { uint16_t v = FloatToHalf(static_cast<float>(at(r, i))); std::memcpy(&in[i * es], &v, 2); }
+          }
+          std::vector<int64_t> shape = {d0, 2};
+          shoal_op_desc d{};
+          d.op = SHOAL_OP_REDUCESCATTER;
+          const std::string name = "rs." + std::to_string(k++);
+          d.name = name.c_str();
+          d.input = {in.data(), dtype, 2, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+          d.reduce_op = rop;
+          const int64_t h = rt.Enqueue(d);
+          Status st = rt.Wait(h);
+          EntryPtr e = rt.Find(h);
+          const int64_t rows = d0 / n + (r < d0 % n ? 1 : 0), first = r * (d0 / n) + std::min<int64_t>(r, d0 % n);
+          bool same = st.ok() && e->result_shape == std::vector<int64_t>({rows, 2}) &&
+                      e->result_nbytes == static_cast<size_t>(rows * 2) * es;
+          for (int64_t i = 0; same && i < rows * 2; ++i) {
+            double want = 0, got = 0;
+            for (int q = 0; q < n; ++q) want += at(q, first * 2 + i);
+            if (rop == SHOAL_REDUCE_AVERAGE) want /= n;
+            const char* p = static_cast<const char*>(e->result) + i * es;
+            if (dtype == SHOAL_FLOAT64) std::memcpy(&got, p, 8);
+            if (dtype == SHOAL_INT32) { int32_t v; std::memcpy(&v, p, 4); got = v; }
+            if (dtype == SHOAL_FLOAT16) { uint16_t v; std::memcpy(&v, p, 2); got = HalfToFloat(v); }
+            same = got == want;
+          }
+          rt.Release(h);
+          CHECK(same, "rank %d d0 %lld %s %s: %s", r, static_cast<long long>(d0), DtypeName(dtype), ReduceOpName(rop),
+                st.message.c_str());
+        }
+    Op a;
+    a.name = "rs.mismatch";
+    a.op = SHOAL_OP_REDUCESCATTER;
+    a.x = Data(r, 0, r == 0 ? 4 : 6);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find("reducescatter 'rs.mismatch': mismatched shapes across ranks: "
+                                                       "[4] on rank 0; [6] on rank") != std::string::npos,
+          "rank %d: %s", r, st.message.c_str());
+  });
+}
+
 int main() {
   for (int n : {2, 4, 8}) {
     TestNeighborOrders(n, 8 << 20, 200);  // fused
@@ -427,6 +580,9 @@ int main() {
     TestCachedAllreduce(n, 8 << 20);
     TestCachedAllreduce(n, 0);
     TestCachedFailures(n);
+    TestReduceOps(n, 8 << 20);
+    TestReduceOps(n, 0);
+    TestReduceScatter(n);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

@@ -12,6 +12,7 @@ import shoal
 from checks import check, run_all
 from shoal import _gpu
 from shoal._ops import DTYPE_CODES
+from shoal._loader import _core
 
 shoal.init()
 R, N = shoal.rank(), shoal.size()
@@ -19,6 +20,7 @@ T = _gpu.plugin()
 DEV = R % T.device_count(None)
 assert _gpu.is_fake(T.build) and N == 3, (T.build, N)
 _ids = iter(range(1 << 30))
+SUM, MIN, MAX, PROD = (_core.REDUCE_OPS[k] for k in ("sum", "min", "max", "product"))
 
 
 def ok(err):
@@ -67,12 +69,12 @@ def collectives_exact():
     c, s = comm(list(range(N))), stream()
     for name in ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]:
         x = (np.arange(5) + 40 * R).astype(name)  # int8: 0+40+80 (+4) wraps like NCCL's
-        ok(T.nccl_allreduce(x.ctypes.data, x.size, DTYPE_CODES[name], c, s))
+        ok(T.nccl_allreduce(x.ctypes.data, x.size, DTYPE_CODES[name], SUM, c, s))
         assert failure(s) is None
         want = sum((np.arange(5) + 40 * r).astype(name) for r in range(N)).astype(name)
         assert np.array_equal(x, want), (name, x, want)
     b = bf16(np.arange(4) + R)
-    ok(T.nccl_allreduce(b.ctypes.data, 4, DTYPE_CODES["bfloat16"], c, s))
+    ok(T.nccl_allreduce(b.ctypes.data, 4, DTYPE_CODES["bfloat16"], SUM, c, s))
     assert failure(s) is None and np.array_equal(b, bf16(3 * np.arange(4) + 3)), b
     y = np.full(6, R, np.int32)
     ok(T.nccl_broadcast(y.ctypes.data, y.nbytes, N - 1, c, s))
@@ -85,8 +87,30 @@ def collectives_exact():
     assert failure(s) is None
     assert np.array_equal(y, np.full(6, N - 1, np.int32)), y
     assert np.array_equal(out, np.concatenate([np.full(r + 1, r, np.uint8) for r in range(N)])), out
-    err = T.nccl_allreduce(np.zeros(2, np.int16).ctypes.data, 2, DTYPE_CODES["int16"], c, s)
+    err = T.nccl_allreduce(np.zeros(2, np.int16).ctypes.data, 2, DTYPE_CODES["int16"], SUM, c, s)
     assert err and b"int16" in err, err
+    # ncclMin/ncclMax/ncclProd: element-wise over the ranks, exact.
+    for name in ["float16", "float32", "int8", "int64"]:
+        for code, fold in ((MIN, np.minimum), (MAX, np.maximum), (PROD, np.multiply)):
+            x = (np.array([3, -2, 1, 5]) * (R + 1) - R).astype(name)
+            ok(T.nccl_allreduce(x.ctypes.data, x.size, DTYPE_CODES[name], code, c, s))
+            assert failure(s) is None
+            want = (np.array([3, -2, 1, 5]) * 1).astype(name)
+            for r in range(1, N):
+                want = fold(want, (np.array([3, -2, 1, 5]) * (r + 1) - r).astype(name))
+            assert np.array_equal(x, want), (name, code, x, want)
+    # nccl_reducescatter: uneven shares (grouped ncclReduce) and even ones (ncclReduceScatter).
+    i64 = ctypes.POINTER(ctypes.c_int64)
+    for shares in ([r + 1 for r in range(N)], [2] * N):
+        counts = np.array(shares, np.int64)
+        x = (np.arange(counts.sum()) * (R + 1)).astype("float32")
+        out = np.zeros(shares[R], np.float32)
+        ok(T.nccl_reducescatter(x.ctypes.data, out.ctypes.data, counts.ctypes.data_as(i64), N, DTYPE_CODES["float32"],
+                                SUM, c, s))
+        assert failure(s) is None
+        start = int(counts[:R].sum())
+        want = (np.arange(counts.sum()) * (N * (N + 1) // 2)).astype("float32")[start:start + shares[R]]
+        assert np.array_equal(out, want), (shares, out, want)
 
 
 @check
@@ -107,12 +131,12 @@ def misordered_collectives_are_reported():
     c, s = comm([0, 1]), stream()
     if R == 2:  # not a member; its own communicator is unaffected
         solo, x = comm([2]), np.ones(3, np.float32)
-        ok(T.nccl_allreduce(x.ctypes.data, 3, DTYPE_CODES["float32"], solo, s))
+        ok(T.nccl_allreduce(x.ctypes.data, 3, DTYPE_CODES["float32"], SUM, solo, s))
         assert failure(s) is None and np.array_equal(x, np.ones(3, np.float32))
         return
     comm([2])
     a, b = np.ones(4, np.float32), np.ones(16, np.uint8)
-    calls = [lambda: T.nccl_allreduce(a.ctypes.data, 4, DTYPE_CODES["float32"], c, s),
+    calls = [lambda: T.nccl_allreduce(a.ctypes.data, 4, DTYPE_CODES["float32"], SUM, c, s),
              lambda: T.nccl_broadcast(b.ctypes.data, 16, 0, c, s)]
     for call in calls if R == 0 else calls[::-1]:
         ok(call())  # issuing is fine: the calls fail where they run, on the stream
@@ -121,14 +145,14 @@ def misordered_collectives_are_reported():
     assert err and "would deadlock" in err and "allreduce" in err and "broadcast" in err, err
     assert T.nccl_check(c) and b"would deadlock" in T.nccl_check(c)
     x = np.ones(4, np.float32)  # the communicator is dead from then on, as NCCL's after an error
-    assert T.nccl_allreduce(x.ctypes.data, 4, DTYPE_CODES["float32"], c, stream()) is None
+    assert T.nccl_allreduce(x.ctypes.data, 4, DTYPE_CODES["float32"], SUM, c, stream()) is None
 
 
 @check
 def mismatched_sizes_are_reported():
     c, s = comm(list(range(N))), stream()
     x = np.zeros(4 if R == 0 else 5, np.float32)
-    ok(T.nccl_allreduce(x.ctypes.data, x.size, DTYPE_CODES["float32"], c, s))
+    ok(T.nccl_allreduce(x.ctypes.data, x.size, DTYPE_CODES["float32"], SUM, c, s))
     err = failure(s)
     assert err and "disagree" in err and ("4 float32" in err and "5 float32" in err), err
     # Rank 0 sends 16 bytes to rank 1, which expects 8; rank 2 receives what rank 1 sends.
@@ -153,7 +177,7 @@ def collective_against_group_is_reported():
     if R == 1:
         exchange(c, s, [(0, x)], [(0, x)])
     else:
-        ok(T.nccl_allreduce(x.ctypes.data, 4, DTYPE_CODES["float32"], c, s))
+        ok(T.nccl_allreduce(x.ctypes.data, 4, DTYPE_CODES["float32"], SUM, c, s))
     err = failure(s)
     assert err and "would deadlock" in err and "grouped send/recv" in err and "allreduce" in err, err
     assert R < 2 or "rank 0 failed this call" in err, err

@@ -39,6 +39,31 @@ def allreduce_sum_and_average():
 
 
 @check
+def allreduce_min_max_product():
+    # ncclMin/ncclMax/ncclProd on the NCCL backend; the host path's MPI_MIN/MAX/PROD staged.
+    for dt in DTYPES + [torch.int32]:
+        x = (base(dt) - 1) * (R % 2 + 1)  # products of |x| <= 2 over 8 ranks: exact in bfloat16
+        xs = [(base(dt) - 1) * (r % 2 + 1) for r in range(N)]
+        for op, fold in ((bf.Min, torch.minimum), (bf.Max, torch.maximum), (bf.Product, torch.mul)):
+            got = on_device(bf.allreduce(x, op=op, name=f"g.{op.name}.{dt}"))
+            want = xs[0]
+            for y in xs[1:]:
+                want = fold(want, y)
+            assert got.dtype == dt and torch.equal(got, want), (op, dt, got, want)
+
+
+@check
+def reducescatter_uneven():
+    # ncclReduceScatter / grouped ncclReduce, or MPI staged; the result comes back on the device.
+    d0 = 2 * N + 1
+    rows = d0 // N + (1 if R < d0 % N else 0)
+    start = R * (d0 // N) + min(R, d0 % N)
+    for dt in DTYPES:
+        got = on_device(bf.reducescatter(base(dt, d0) * (R + 1), name=f"g.rs.{dt}", op=bf.Sum))
+        assert torch.equal(got, (base(torch.int64, d0) * (N * (N + 1) // 2)).to(dt)[start:start + rows]), (dt, got)
+
+
+@check
 def inplace_nonblocking_and_fused():
     x = torch.full((3,), float(R), device=DEV)
     h = bf.allreduce_nonblocking_(x, average=False, name="g.inplace")

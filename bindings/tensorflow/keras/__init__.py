@@ -22,7 +22,7 @@ from shoal.tensorflow import ops as _tf_ops
 from shoal.tensorflow._horovod import *  # noqa: F401,F403
 from shoal.tensorflow._horovod import __all__ as _horovod_all
 from shoal.tensorflow._horovod import Compression, global_process_set
-from shoal._ops import Average, Sum  # noqa: F401
+from shoal._ops import Average, Max, Min, Product, Sum  # noqa: F401
 
 from . import callbacks  # noqa: F401
 from ._optimizer import DistributedOptimizer, load_model  # noqa: F401
@@ -67,5 +67,5 @@ def broadcast_global_variables(root_rank):
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "mpi_threads_supported", "nccl_built", "is_homogeneous", "ShoalError", "allreduce", "allgather",
            "broadcast", "broadcast_object", "allgather_object", "broadcast_global_variables",
-           "DistributedOptimizer", "load_model", "callbacks", "Average", "Sum"]
+           "DistributedOptimizer", "load_model", "callbacks", "Average", "Sum", "Min", "Max", "Product"]
 __all__ += [n for n in _horovod_all if n not in __all__] + list(_callbacks_all)

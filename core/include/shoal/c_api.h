@@ -36,12 +36,18 @@ typedef enum { SHOAL_DEVICE_CPU = 0, SHOAL_DEVICE_CUDA = 1 } shoal_device_type;
 
 typedef enum {
   SHOAL_OP_ALLREDUCE = 0, SHOAL_OP_BROADCAST = 1, SHOAL_OP_ALLGATHER = 2,
-  SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4, SHOAL_OP_NEIGHBOR_ALLGATHER = 5
+  SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4, SHOAL_OP_NEIGHBOR_ALLGATHER = 5,
+  SHOAL_OP_REDUCESCATTER = 6
 } shoal_op_type;
 
 typedef enum { SHOAL_SCOPE_WORLD = 0, SHOAL_SCOPE_MACHINE = 1 } shoal_scope;
 
-typedef enum { SHOAL_REDUCE_SUM = 0, SHOAL_REDUCE_AVERAGE = 1 } shoal_reduce_op;
+/* Element-wise over the ranks (Horovod's hvd.Sum, Average, Min, Max, Product). Average is
+ * the sum divided by the number of ranks. */
+typedef enum {
+  SHOAL_REDUCE_SUM = 0, SHOAL_REDUCE_AVERAGE = 1, SHOAL_REDUCE_MIN = 2, SHOAL_REDUCE_MAX = 3,
+  SHOAL_REDUCE_PRODUCT = 4
+} shoal_reduce_op;
 
 /* A dense, C-contiguous tensor. `stream` and `ready_event` (CUDA) let the core
  * wait for the producer without a device-wide synchronisation; CPU tensors pass NULL. */
@@ -60,8 +66,12 @@ typedef struct {
   int32_t op;          /* shoal_op_type */
   const char* name;    /* NULL or "" for a deterministic generated name */
   shoal_tensor input;
-  shoal_tensor output; /* same shape/dtype as input; may alias it. Unused by allgather/barrier */
-  int32_t reduce_op;   /* allreduce */
+  shoal_tensor output; /* same shape/dtype as input; may alias it. Unused by allgather,
+                        * reducescatter (core-allocated results) and barrier */
+  /* allreduce, reducescatter (Sum or Average). reducescatter: the reduction of every rank's
+   * [d0, ...] tensor, split along dim 0 in rank order, the first d0 % size ranks one row
+   * more (Horovod's split): this rank's [d0 / size (+1), ...] slice is the result. */
+  int32_t reduce_op;
   int32_t root_rank;   /* broadcast: rank in the scope's communicator */
   int32_t scope;       /* allreduce, broadcast: shoal_scope (machine = the ranks of this machine) */
   /* neighbor_allreduce: receive from recv_ranks, combine
@@ -145,7 +155,7 @@ int shoal_wait(int64_t handle, char* err, size_t err_len);
 /* As shoal_wait, but returns SHOAL_TIMEOUT after `timeout_ms` if the op is still
  * running (so a binding can check for Ctrl-C between waits). */
 int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t err_len);
-/* Results the core allocated (allgather): ownership moves to the caller, who frees
+/* Results the core allocated (allgather, reducescatter, neighbor_allgather): ownership moves to the caller, who frees
  * the buffer with shoal_free_buffer. shape must hold 32 entries. */
 int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape);
 void shoal_free_buffer(void* data);

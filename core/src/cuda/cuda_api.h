@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_CUDA_ABI_VERSION 3
+#define SHOAL_CUDA_ABI_VERSION 5
 
 typedef const char* shoal_cuda_error;
 
@@ -89,9 +89,10 @@ typedef struct {
                                      void** comm);
   shoal_cuda_error (*nccl_comm_destroy)(void* comm);
   shoal_cuda_error (*nccl_check)(void* comm);
-  /* Sum in place; int16 and bool are not supported by NCCL (an error). */
-  shoal_cuda_error (*nccl_allreduce)(void* buf, int64_t count, int dtype, void* comm,
-                                     void* stream);
+  /* In place; reduce_op SHOAL_REDUCE_SUM, MIN, MAX or PRODUCT (ncclSum, ncclMin, ncclMax,
+   * ncclProd); int16 and bool are not supported by NCCL (an error). */
+  shoal_cuda_error (*nccl_allreduce)(void* buf, int64_t count, int dtype, int reduce_op,
+                                     void* comm, void* stream);
   shoal_cuda_error (*nccl_broadcast)(void* buf, int64_t nbytes, int root, void* comm,
                                      void* stream);
   /* Rank r's `nbytes[r]` bytes land at recv + offsets[r] (variable sizes: one
@@ -105,6 +106,12 @@ typedef struct {
                                     void* stream);
   /* ncclCommAbort: ends the communicator's outstanding work (its streams stop waiting). */
   shoal_cuda_error (*nccl_comm_abort)(void* comm);
+  /* Reduces every rank's `send` (counts[0] + ... + counts[nranks-1] elements) with
+   * reduce_op (as nccl_allreduce) and leaves rank r its counts[r] elements, from offset
+   * counts[0] + ... + counts[r-1], in `recv`: ncclReduceScatter when the counts are equal,
+   * else one ncclReduce per rank in one group. */
+  shoal_cuda_error (*nccl_reducescatter)(const void* send, void* recv, const int64_t* counts, int nranks,
+                                         int dtype, int reduce_op, void* comm, void* stream);
 
   /* 1 when the MPI library in this process can read and write this plugin's device
    * memory (CUDA-aware MPI: MPIX_Query_cuda_support() of Open MPI or MPICH), else 0;

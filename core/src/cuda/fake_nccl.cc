@@ -32,7 +32,7 @@
 namespace shoal_fake {
 namespace {
 
-enum Kind : int64_t { kAllreduce = 1, kBroadcast, kAllgather, kGroup };
+enum Kind : int64_t { kAllreduce = 1, kBroadcast, kAllgather, kGroup, kReduceScatter };
 constexpr int kTagCall = 1, kTagVerdict = 2;                             // a communicator's own (and kTagData)
 // Setup messages on MPI_COMM_WORLD use tags of the id's serial number, so communicators can
 // be set up concurrently (from several threads, as the core sets up its per-edge ones):
@@ -93,9 +93,14 @@ std::string Sizes(const int64_t* v, int64_t n) {
 std::string Describe(const Body& b, const std::string& who, const std::string& other) {
   if (b.empty()) return "an empty message";
   switch (b[0]) {
-    case kAllreduce: return "an allreduce of " + std::to_string(b[2]) + " " + shoal::DtypeName(static_cast<int>(b[1]));
+    case kAllreduce:
+      return "an allreduce (op=" + std::string(shoal::ReduceOpName(static_cast<int>(b[3]))) + ") of " +
+             std::to_string(b[2]) + " " + shoal::DtypeName(static_cast<int>(b[1]));
     case kBroadcast: return "a broadcast of " + std::to_string(b[1]) + " bytes from rank " + std::to_string(b[2]);
     case kAllgather: return "an allgather of " + Sizes(&b[2], b[1]) + " bytes";
+    case kReduceScatter:
+      return "a reducescatter (op=" + std::string(shoal::ReduceOpName(static_cast<int>(b[2]))) + ") of " +
+             shoal::DtypeName(static_cast<int>(b[1])) + " shares " + Sizes(&b[4], b[3]);
     case kGroup: {
       const int64_t ns = b[1], nr = b[2 + ns];
       return "grouped send/recv in which " + who + " sends " + Sizes(&b[2], ns) + " bytes to " + other +
@@ -400,15 +405,18 @@ shoal_cuda_error CheckComm(void* comm) {
   return c->error.empty() ? nullptr : Fail("fake NCCL: " + c->error);
 }
 
-shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, void* comm, void* stream) {
+shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, int reduce_op, void* comm, void* stream) {
   if (dtype == SHOAL_INT16 || dtype == SHOAL_BOOL || dtype < 0 || dtype > SHOAL_BOOL)
-    return Fail(std::string("NCCL cannot sum ") + (dtype == SHOAL_INT16 ? "int16" : dtype == SHOAL_BOOL ? "bool" : "this dtype") + " tensors");
+    return Fail(std::string("NCCL cannot reduce ") + (dtype == SHOAL_INT16 ? "int16" : dtype == SHOAL_BOOL ? "bool" : "this dtype") + " tensors");
+  if (reduce_op != SHOAL_REDUCE_SUM && reduce_op != SHOAL_REDUCE_MIN && reduce_op != SHOAL_REDUCE_MAX &&
+      reduce_op != SHOAL_REDUCE_PRODUCT)
+    return Fail("ncclAllReduce: invalid argument (reduce op " + std::to_string(reduce_op) + ")");
   auto m = Peek(comm);
   if (!m) return Fail("ncclAllReduce: invalid argument (unknown communicator)");
   const int64_t bytes = count * static_cast<int64_t>(shoal::DtypeSize(dtype));
   if (shoal_cuda_error e = TooLarge("ncclAllReduce", bytes)) return e;
   if (count <= 0) return nullptr;
-  auto c = Collective(*m, {kAllreduce, dtype, count});
+  auto c = Collective(*m, {kAllreduce, dtype, count, reduce_op});
   auto from = std::make_shared<std::vector<shoal::ByteVec>>(m->size);
   c->move = [=](Comm& cm, Requests& r) -> std::string {
     for (int p = 0; p < cm.size; ++p) {
@@ -419,13 +427,55 @@ shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, void* comm, void
     for (int p = 0; p < cm.size; ++p)
       if (p != cm.rank) r.Send(buf, bytes, p, kTagData, cm.mpi);
     if (!r.Wait(Deadline())) return "the data of an allreduce did not arrive " + Within();
-    // The sum in rank order: the same bits on every rank.
+    // The reduction in rank order: the same bits on every rank.
     std::vector<const void*> srcs(cm.size);
     for (int p = 0; p < cm.size; ++p) srcs[p] = p == cm.rank ? buf : (*from)[p].data();
-    shoal::Sum(srcs, buf, dtype, static_cast<size_t>(count));
+    shoal::Reduce(srcs, buf, dtype, static_cast<size_t>(count), reduce_op);
     return "";
   };
   return Issue(comm, stream, "ncclAllReduce", c);
+}
+
+shoal_cuda_error ReduceScatter(const void* send, void* recv, const int64_t* counts, int nranks, int dtype,
+                               int reduce_op, void* comm, void* stream) {
+  if (dtype == SHOAL_INT16 || dtype == SHOAL_BOOL || dtype < 0 || dtype > SHOAL_BOOL)
+    return Fail(std::string("NCCL cannot reduce ") + (dtype == SHOAL_INT16 ? "int16" : dtype == SHOAL_BOOL ? "bool" : "this dtype") + " tensors");
+  auto m = Peek(comm);
+  if (!m) return Fail("ncclReduceScatter: invalid argument (unknown communicator)");
+  if (nranks != m->size) return Fail("reducescatter: " + std::to_string(nranks) + " shares for " + std::to_string(m->size) + " ranks");
+  Body body{kReduceScatter, dtype, reduce_op, nranks};
+  int64_t total = 0;
+  for (int r = 0; r < nranks; ++r) {
+    body.push_back(counts[r]);
+    total += counts[r];
+  }
+  const size_t es = shoal::DtypeSize(dtype);
+  if (shoal_cuda_error e = TooLarge("ncclReduceScatter", total * static_cast<int64_t>(es))) return e;
+  if (total == 0) return nullptr;
+  auto c = Collective(*m, body);
+  std::vector<int64_t> share(counts, counts + nranks);
+  c->move = [=](Comm& cm, Requests& r) -> std::string {
+    // Every rank's whole input to every rank, then the reduction in rank order (the same
+    // bits everywhere), of which this rank keeps its share.
+    std::vector<shoal::ByteVec> from(cm.size);
+    for (int p = 0; p < cm.size; ++p) {
+      if (p == cm.rank) continue;
+      from[p].resize(total * es);
+      r.Recv(from[p].data(), total * es, p, cm.mpi);
+    }
+    for (int p = 0; p < cm.size; ++p)
+      if (p != cm.rank) r.Send(send, total * es, p, kTagData, cm.mpi);
+    if (!r.Wait(Deadline())) return "the data of a reducescatter did not arrive " + Within();
+    std::vector<const void*> srcs(cm.size);
+    for (int p = 0; p < cm.size; ++p) srcs[p] = p == cm.rank ? send : from[p].data();
+    shoal::ByteVec all(total * es);
+    shoal::Reduce(srcs, all.data(), dtype, static_cast<size_t>(total), reduce_op);
+    int64_t off = 0;
+    for (int p = 0; p < cm.rank; ++p) off += share[p];
+    std::memcpy(recv, all.data() + off * es, share[cm.rank] * es);
+    return "";
+  };
+  return Issue(comm, stream, "ncclReduceScatter", c);
 }
 
 shoal_cuda_error Broadcast(void* buf, int64_t nbytes, int root, void* comm, void* stream) {

@@ -53,4 +53,5 @@ inline shoal_cuda_error KeepError(std::string msg) {
     (t)->nccl_allgatherv = Allgatherv;        \
     (t)->nccl_exchange = Exchange;            \
     (t)->nccl_comm_abort = CommAbort;         \
+    (t)->nccl_reducescatter = ReduceScatter;  \
   } while (0)

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <climits>
@@ -35,7 +36,17 @@ MPI_Datatype ReduceType(int dtype) {
     case SHOAL_INT32: return MPI_INT32_T;
     case SHOAL_INT64: return MPI_INT64_T;
   }
-  throw std::invalid_argument(std::string("no MPI sum for ") + DtypeName(dtype));
+  throw std::invalid_argument(std::string("no MPI reduction for ") + DtypeName(dtype));
+}
+
+MPI_Op ReduceOp(int reduce_op) {
+  switch (reduce_op) {
+    case SHOAL_REDUCE_SUM: return MPI_SUM;
+    case SHOAL_REDUCE_MIN: return MPI_MIN;
+    case SHOAL_REDUCE_MAX: return MPI_MAX;
+    case SHOAL_REDUCE_PRODUCT: return MPI_PROD;
+  }
+  throw std::invalid_argument(std::string("no MPI op for reduce op ") + ReduceOpName(reduce_op));
 }
 
 // Data movement only needs the element width.
@@ -163,9 +174,9 @@ class MpiBackend : public Backend {
     return true;
   }
 
-  void Allreduce(void* buf, int64_t count, int dtype, int scope, Callback done) override {
+  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM,
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), ReduceOp(reduce_op),
                             Comm(scope), r);
     });
   }
@@ -198,6 +209,20 @@ class MpiBackend : public Backend {
       return MPI_Iallgatherv(send, CheckedCount(count), MoveType(dtype), recv, c->data(),
                              d->data(), MoveType(dtype), coll_, r);
     });
+  }
+
+  void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
+                     Callback done) override {
+    auto c = std::make_shared<std::vector<int>>(counts.size());
+    Callback keep_alive = [c, done = std::move(done)](const Status& s) { done(s); };
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int64_t k) { return k == counts[0]; });
+    Start(Op{{}, std::move(keep_alive), even ? "MPI_Ireduce_scatter_block" : "MPI_Ireduce_scatter"},
+          [&](MPI_Request* r) {
+            for (size_t i = 0; i < counts.size(); ++i) (*c)[i] = CheckedCount(counts[i]);
+            if (even)  // the block form: MPI libraries have faster algorithms for it
+              return MPI_Ireduce_scatter_block(send, recv, (*c)[0], ReduceType(dtype), ReduceOp(reduce_op), coll_, r);
+            return MPI_Ireduce_scatter(send, recv, c->data(), ReduceType(dtype), ReduceOp(reduce_op), coll_, r);
+          });
   }
 
   void Barrier(Callback done) override {

@@ -25,7 +25,7 @@ namespace {
 #define SHOAL_NCCL_SYMBOLS(X)                                                                     \
   X(GetUniqueId) X(CommInitRank) X(CommDestroy) X(CommAbort) X(CommGetAsyncError)                 \
   X(GetErrorString) X(GetLastError) X(AllReduce) X(Broadcast) X(Send) X(Recv) X(GroupStart)       \
-  X(GroupEnd)
+  X(GroupEnd) X(ReduceScatter) X(Reduce)
 
 struct Nccl {
 #define SHOAL_NCCL_FIELD(name) decltype(&nccl##name) name = nullptr;
@@ -98,6 +98,16 @@ bool ReduceType(int dtype, ncclDataType_t* t) {
   }
 }
 
+bool ReduceOp(int reduce_op, ncclRedOp_t* op) {
+  switch (reduce_op) {
+    case SHOAL_REDUCE_SUM: *op = ncclSum; return true;
+    case SHOAL_REDUCE_MIN: *op = ncclMin; return true;
+    case SHOAL_REDUCE_MAX: *op = ncclMax; return true;
+    case SHOAL_REDUCE_PRODUCT: *op = ncclProd; return true;
+    default: return false;
+  }
+}
+
 shoal_cuda_error UniqueId(void* id) {
   SHOAL_NCCL_LOADED();
   static_assert(sizeof(ncclUniqueId) == 128, "NCCL unique id size");
@@ -132,11 +142,41 @@ shoal_cuda_error CheckComm(void* comm) {
   return NcclCheck(L, async, "NCCL operation failed", C(comm));
 }
 
-shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, void* comm, void* stream) {
+shoal_cuda_error AllReduce(void* buf, int64_t count, int dtype, int reduce_op, void* comm, void* stream) {
   SHOAL_NCCL_LOADED();
   ncclDataType_t t;
-  if (!ReduceType(dtype, &t)) return Fail(std::string("NCCL cannot sum ") + (dtype == SHOAL_INT16 ? "int16" : "bool") + " tensors");
-  return NcclCheck(L, L.AllReduce(buf, buf, count, t, ncclSum, C(comm), S(stream)), "ncclAllReduce", C(comm));
+  ncclRedOp_t op;
+  if (!ReduceType(dtype, &t)) return Fail(std::string("NCCL cannot reduce ") + (dtype == SHOAL_INT16 ? "int16" : "bool") + " tensors");
+  if (!ReduceOp(reduce_op, &op)) return Fail("ncclAllReduce: unknown reduce op " + std::to_string(reduce_op));
+  return NcclCheck(L, L.AllReduce(buf, buf, count, t, op, C(comm), S(stream)), "ncclAllReduce", C(comm));
+}
+
+shoal_cuda_error ReduceScatter(const void* send, void* recv, const int64_t* counts, int nranks, int dtype,
+                               int reduce_op, void* comm, void* stream) {
+  SHOAL_NCCL_LOADED();
+  ncclDataType_t t;
+  ncclRedOp_t op;
+  if (!ReduceType(dtype, &t)) return Fail(std::string("NCCL cannot reduce ") + (dtype == SHOAL_INT16 ? "int16" : "bool") + " tensors");
+  if (!ReduceOp(reduce_op, &op)) return Fail("ncclReduceScatter: unknown reduce op " + std::to_string(reduce_op));
+  bool even = true;
+  for (int r = 1; r < nranks; ++r) even = even && counts[r] == counts[0];
+  if (even)
+    return NcclCheck(L, L.ReduceScatter(send, recv, counts[0], t, op, C(comm), S(stream)), "ncclReduceScatter", C(comm));
+  // Uneven shares (Horovod's split): each rank is the root of a reduction of its share.
+  const size_t es = dtype == SHOAL_FLOAT64 || dtype == SHOAL_INT64 ? 8
+                    : dtype == SHOAL_FLOAT32 || dtype == SHOAL_INT32 ? 4
+                    : dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16 ? 2 : 1;  // the plugin has no common.cc
+  SHOAL_CUDA_TRY(NcclCheck(L, L.GroupStart(), "ncclGroupStart"));
+  shoal_cuda_error err = nullptr;
+  int64_t off = 0;
+  for (int r = 0; r < nranks && !err; ++r) {
+    if (counts[r] > 0)
+      err = NcclCheck(L, L.Reduce(static_cast<const char*>(send) + off * es, recv, counts[r], t, op, r, C(comm), S(stream)),
+                      "ncclReduce (reducescatter)", C(comm));
+    off += counts[r];
+  }
+  shoal_cuda_error end = NcclCheck(L, L.GroupEnd(), "ncclGroupEnd", C(comm));
+  return err ? err : end;
 }
 
 shoal_cuda_error Broadcast(void* buf, int64_t nbytes, int root, void* comm, void* stream) {
