@@ -26,6 +26,8 @@ def build(tmp_path_factory):
     return build
 
 
+# The first one also builds (three sanitized binaries: minutes on 2 busy cores).
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join"])
 def test_unit_tests_under_thread_sanitizer(build, binary):
     out = subprocess.run([str(build / binary)], capture_output=True, text=True, timeout=600,

@@ -1,6 +1,6 @@
 """Horovod's join under shoalrun (core/src/runtime_join.cc): each check of
-tests/workers/join.py is its own item, at 2 and 4 ranks (4: also with fusion off, so every
-name is its own batch); and a Horovod-style PyTorch training script with uneven data per
+tests/workers/join.py is its own item, at 2 and 4 ranks (fusion off, every name its own
+batch, is covered by core/tests/test_join.cc); and a Horovod-style PyTorch training script with uneven data per
 rank ending in hvd.join() (tests/workers/horovod_join_train.py) at 2 and 4 ranks."""
 import pytest
 
@@ -8,7 +8,7 @@ from conftest import Job, run_ok, worker_checks
 
 pytest.importorskip("torch")
 
-SETTINGS = [(2, "fusion"), (4, "nofusion"), (4, "fusion")]
+SETTINGS = [(2, "fusion"), (4, "fusion")]
 
 
 def job(ranks, fusion):
