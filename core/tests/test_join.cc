@@ -17,54 +17,12 @@
 #include <thread>
 #include <vector>
 
-#include "fake_backend.h"
+#include "runtime_harness.h"
 #include "runtime.h"
 
 using namespace shoal;
-using shoal::testing::FakeBackend;
-using shoal::testing::FakeWorld;
 
-static std::atomic<int> g_failed{0}, g_passed{0};
-static std::string g_case;
-#define CHECK(cond, ...)                                                                  \
-  do {                                                                                    \
-    if (cond) {                                                                           \
-      ++g_passed;                                                                         \
-    } else {                                                                              \
-      ++g_failed;                                                                         \
-      std::printf("FAILED %s:%d (%s): %s\n  ", __FILE__, __LINE__, g_case.c_str(), #cond); \
-      std::printf(__VA_ARGS__);                                                           \
-      std::printf("\n");                                                                  \
-    }                                                                                     \
-  } while (0)
-
-struct Job {
-  std::shared_ptr<FakeWorld> world;
-  std::vector<std::unique_ptr<Runtime>> rt;
-  Job(int n, const Config& cfg, uint64_t seed) : world(std::make_shared<FakeWorld>(n, seed, 100)) {
-    for (int r = 0; r < n; ++r) rt.push_back(std::make_unique<Runtime>(cfg, std::make_unique<FakeBackend>(world, r), 1));
-  }
-  ~Job() {
-    std::vector<std::thread> t;
-    for (auto& r : rt) t.emplace_back([&r] { r->Stop(); });
-    for (auto& x : t) x.join();
-  }
-  void Run(const std::function<void(int, Runtime&)>& fn) {
-    std::vector<std::thread> t;
-    for (int r = 0; r < static_cast<int>(rt.size()); ++r) t.emplace_back([&, r] { fn(r, *rt[r]); });
-    for (auto& x : t) x.join();
-  }
-};
-
-static Config TestConfig(int64_t fusion) {
-  Config c;
-  c.fusion_threshold = fusion;
-  c.cycle_time_ms = 0.5;
-  c.stall_check_time = 0.3;
-  c.stall_shutdown_time = 1.0;
-  c.log_level = LOG_ERROR;
-  return c;
-}
+using namespace shoal::testing;
 
 // One float64 op; its arrays outlive it (the core reads and writes them until it completes).
 struct Op {
