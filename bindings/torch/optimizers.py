@@ -405,11 +405,14 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
 
     def _launch(self, p):
         g = self._dense_grad(p)
-        self._start(p, g, f"{self._prefix}.grad.{self._names[p]}", [(p, g, g._version)])
+        self._start(p, g, f"{self._prefix}.grad.{self._names[p]}", [(p, g, None)])
+        h, grads, sent, ctx = self._grad_handles[p]  # its version after a prescale in place
+        self._grad_handles[p] = (h, [(p, g, g._version)], sent, ctx)
 
     def _launch_bucket(self, bucket):
         ready = self._ready.pop(bucket)
-        grads = [(p, *ready[p]) for p in bucket.params]
+        # A member frozen since the plan was made (requires_grad off) sends zeros.
+        grads = [(p, *ready[p]) if p in ready else (p, torch.zeros_like(p), -1) for p in bucket.params]
         with torch.no_grad():
             _buckets._copy_all(bucket.flat_views, [g for _, g, _ in grads])
         self._start(bucket, bucket.flat, bucket.name, grads)
@@ -429,6 +432,8 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                     self._ready.setdefault(bucket, {})[p] = (self._dense_grad(p), p.grad._version)
                     if len(self._ready[bucket]) == len(bucket.params):
                         self._launch_bucket(bucket)
+        for bucket in [b for b, ready in self._ready.items() if ready]:
+            self._launch_bucket(bucket)  # members frozen after the plan: the others still go
         touched = self._wait_gradients()
         self.communications += 1
         if not touched:
@@ -450,7 +455,8 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                 _buckets.synchronize(key, h)
             else:
                 _ops.synchronize(h)
-            touched += [self._names[p] for p, g, version in grads if p.grad is not g or g._version != version]
+            touched += [self._names[p] for p, g, version in grads
+                        if version != -1 and (p.grad is not g or g._version != version)]
         self._passes.clear()
         if not touched:  # the average back into the gradient (unless it was averaged in place)
             with torch.no_grad():

@@ -84,6 +84,19 @@ def gradient_buckets_average_exactly_with_unused_parameters():
                 assert torch.equal(p.grad, want), (n, users, p.grad, want)
         assert bf.stats()["allreduce"] == 3 * 2, bf.stats()  # one bucket and the large one per step
         opt.remove_hooks()
+    # A member frozen after the plan was made, and Horovod's predivide (in place on the
+    # large gradient): the others still average exactly.
+    opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                                   gradient_predivide_factor=2.0)
+    model["p00"].requires_grad_(False)
+    opt.zero_grad()
+    sum((p * coef[n]).sum() for n, p in model.items() if n not in ("odd", "p00")).backward()
+    opt.step()
+    for n, p in model.items():
+        if n not in ("odd", "p00"):
+            want = sum(coef[n] - R + r for r in range(N)) / N
+            assert torch.equal(p.grad, want), (n, p.grad, want)
+    opt.remove_hooks()
 
 
 @check
