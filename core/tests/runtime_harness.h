@@ -62,4 +62,11 @@ inline Config TestConfig(int64_t fusion) {
   return c;
 }
 
+// Rank r's k-th input of `len` small exact values (sums and averages stay exact).
+inline std::vector<double> Data(int r, int k, size_t len) {
+  std::vector<double> v(len);
+  for (size_t i = 0; i < len; ++i) v[i] = r * 1000.0 + k * 10.0 + static_cast<double>(i % 7);
+  return v;
+}
+
 }  // namespace shoal::testing

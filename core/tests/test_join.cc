@@ -56,12 +56,6 @@ struct Op {
   }
 };
 
-static std::vector<double> Data(int r, int k, size_t len) {
-  std::vector<double> v(len);
-  for (size_t i = 0; i < len; ++i) v[i] = r * 1000.0 + k * 10.0 + static_cast<double>(i % 7);
-  return v;
-}
-
 // Joins, returns the last rank to join (-1 on failure, with the error in *st).
 static int Join(Runtime& rt, Status* st) {
   shoal_op_desc d{};

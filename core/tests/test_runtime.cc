@@ -62,12 +62,6 @@ struct Op {
   }
 };
 
-static std::vector<double> Data(int r, int k, size_t len) {
-  std::vector<double> v(len);
-  for (size_t i = 0; i < len; ++i) v[i] = r * 1000.0 + k * 10.0 + static_cast<double>(i % 7);
-  return v;
-}
-
 static std::vector<int32_t> Ring(int r, int n) {
   if (n == 2) return {1 - r};
   return {(r + n - 1) % n, (r + 1) % n};
