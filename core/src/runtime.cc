@@ -212,6 +212,12 @@ std::string Runtime::NameLocked(int op, const char* name) {
   return std::string(OpName(op)) + ".noname." + std::to_string(noname_counter_[op]++ % kUnnamed);
 }
 
+void Runtime::FollowUnnamed(int op, const std::string& name) {
+  const std::string prefix = std::string(OpName(op)) + ".noname.";
+  if (name.compare(0, prefix.size(), prefix) != 0) return;
+  noname_counter_[op] = std::strtoll(name.c_str() + prefix.size(), nullptr, 10) + 1;  // the next one's index
+}
+
 void Runtime::Reject(int op, const char* name, int code, const std::string& error) {
   if (op < SHOAL_OP_ALLREDUCE || op > SHOAL_OP_REDUCESCATTER || world().size == 1) return;
   std::unique_lock<std::mutex> lock(mu_);

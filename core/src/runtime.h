@@ -112,6 +112,7 @@ class Runtime {
   void OnLeave(int rank);
   bool FailIfUnreachable(const EntryPtr& e);
   std::string NameLocked(int op, const char* name);  // mu_ held
+  void FollowUnnamed(int op, const std::string& name);  // an unnamed op ran here without a call; mu_ held
   void FailAll(const std::string& why);
   double Now() const;
   std::chrono::microseconds CycleTime() const {
@@ -144,7 +145,7 @@ class Runtime {
     return rank < static_cast<int>(peer_joined_at_.size()) && peer_joined_at_[rank] == join_epoch_;
   }
   bool AnyPeerJoined() const;
-  EntryPtr JoinedEntry(const Response& r, size_t i) const;
+  EntryPtr JoinedEntry(const Response& r, size_t i);  // mu_ held
   void FinishJoin(const Response& r, const std::vector<EntryPtr>& batch);
   static bool IsJoinNotice(const ByteVec& msg, uint64_t* generation, int64_t* epoch);
 

@@ -85,12 +85,17 @@ void Runtime::OnJoinNotice(int rank, int64_t epoch) {
                                                         "every rank has joined"));
 }
 
-EntryPtr Runtime::JoinedEntry(const Response& r, size_t i) const {
+EntryPtr Runtime::JoinedEntry(const Response& r, size_t i) {
   if (i >= r.sigs.size() || std::find(r.joined.begin(), r.joined.end(), world().rank) == r.joined.end())
     return nullptr;
   auto e = std::make_shared<Entry>();
   e->name = r.names[i];
   e->sig = r.sigs[i];
+  // The op counts as this rank's call of the name: its step, and for an unnamed op the
+  // generated-name counter, stay those of the ranks that ran it, so the ops after the join
+  // pair up again.
+  e->step = names_[e->name].calls++;
+  FollowUnnamed(e->sig.op, e->name);
   // Zeros: the identity of the reductions that run while ranks are joined (Sum, Average).
   e->result = std::calloc(std::max<size_t>(e->nbytes(), 1), 1);
   e->input.data = e->output.data = e->result;

@@ -74,6 +74,21 @@ def after_join_a_full_epoch_then_a_second_join():
 
 
 @check
+def unnamed_ops_pair_up_after_a_join():
+    # The joined ranks run the others' unnamed allreduces on zeros: their generated names
+    # must advance too, or the first unnamed op after the join waits for a name nobody sends.
+    for step in range(steps_of(R)):
+        got = shoal.allreduce(value(R, step, "float64"), average=False)
+        expect(got, running_sum(step, "float64"))
+        got = hvd.allreduce(torch.from_numpy(value(R, step, "float64")), op=hvd.Sum)
+        expect(got.numpy(), running_sum(step, "float64"))
+    assert shoal.join() == last_rank()
+    for step in range(2):
+        got = shoal.allreduce(value(R, step, "float64"), average=False)
+        expect(got, sum(value(q, step, "float64") for q in range(N)))
+
+
+@check
 def broadcast_and_allgather_fail_while_ranks_are_joined():
     if N == 1:
         raise Skip("needs 2 ranks")
