@@ -118,9 +118,14 @@ def communicates_exactly_every_k_steps():
         opt.step()
         opt.zero_grad()
     assert bf.stats()["allreduce"] == 4 and opt.communications == 4, bf.stats()
-    torch.nn.functional.mse_loss(model(X), Y).backward()
-    torch.nn.functional.mse_loss(model(X), Y).backward()
-    averaging = model.weight.grad.clone()
+    # The local sum of two passes, from a copy (the gradient itself is averaged in place
+    # from the second pass on: reading it now would race with the op).
+    twin = torch.nn.Linear(5, 1, bias=False)
+    twin.load_state_dict(model.state_dict())
+    for m in (twin, model):
+        torch.nn.functional.mse_loss(m(X), Y).backward()
+        torch.nn.functional.mse_loss(m(X), Y).backward()
+    averaging = twin.weight.grad
     try:
         torch.nn.functional.mse_loss(model(X), Y).backward()
     except RuntimeError as e:
