@@ -2,14 +2,15 @@
 
     shoalrun -np 4 python benchmarks/small_ops.py [--iters 400] [--bytes 4096]
 
-Two 4 KiB exchanges, each through every entry point and through a hand-written mpi4py
+Three 4 KiB exchanges, each through every entry point and through a hand-written mpi4py
 reference on the same ranks in the same run:
 
   * one-peer neighbor_allreduce: blocking, named, dynamic weights (0.5 self, 0.5 from
     rank r - 2^t, sent to r + 2^t, t cycling over log2(n)); the reference is Sendrecv plus
     a numpy combine;
   * allreduce (average); the reference is Allreduce plus a divide; also as
-    allreduce_nonblocking_ + synchronize (an optimizer hook's form).
+    allreduce_nonblocking_ + synchronize (an optimizer hook's form);
+  * broadcast from the last rank; the reference is Bcast into a new array.
 
 Timing as in benchmarks/neighbor_ops.py (barrier before each iteration, alternating blocks,
 median of the slowest rank). "cpu us" is this process's CPU time per op (time.process_time),
@@ -83,6 +84,10 @@ def main():
         comm.Allreduce(x_np, out, op=MPI.SUM)
         out /= n
 
+    def bc_ref():
+        out = x_np.copy() if r == n - 1 else np.empty_like(x_np)
+        comm.Bcast(out, root=n - 1)
+
     cases = [
         ("neighbor_allreduce", "numpy", nar_numpy, nar_ref),
         ("neighbor_allreduce", "torch eager", nar_torch, nar_ref),
@@ -95,6 +100,8 @@ def main():
          ar_ref),
         ("allreduce_nb_", "torch eager", lambda: bf.synchronize(bf.allreduce_nonblocking_(x_t, name="small.nb")),
          ar_ref),
+        ("broadcast", "numpy", lambda: shoal.broadcast(x_np, n - 1, name="small.bc"), bc_ref),
+        ("broadcast", "torch eager", lambda: bf.broadcast(x_t, n - 1, name="small.bc"), bc_ref),
     ]
     rows = []
     for op, entry, mine, ref in cases:

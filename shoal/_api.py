@@ -14,7 +14,7 @@ def _scope(is_hierarchical_local):
     return _ops.MACHINE if is_hierarchical_local else _ops.WORLD
 
 
-_BLOCKING = ("allreduce", "allreduce_", "neighbor_allreduce")
+_BLOCKING = ("allreduce", "allreduce_", "broadcast", "broadcast_", "neighbor_allreduce")
 
 
 def build_api(adapter):
@@ -215,6 +215,8 @@ def build_api(adapter):
         if name.startswith("allreduce"):
             api[name] = _core.native_allreduce(f, doc, adapter.module, _ops.REDUCE_OP_CODES,
                                                inplace=name.endswith("_"), **kw)
+        elif name.startswith("broadcast"):
+            api[name] = _core.native_broadcast(f, doc, adapter.module, inplace=name.endswith("_"), **kw)
         else:
             api[name] = _core.native_neighbor_allreduce(f, doc, adapter.module, **kw)
     api.update(synchronize=_ops.synchronize, wait=_ops.synchronize, poll=_ops.poll,

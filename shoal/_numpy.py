@@ -14,6 +14,7 @@ class NumpyAdapter:
     module = "shoal"
     # Plain arrays go to the core from C in these (shoal._api).
     native = ("allreduce", "allreduce_", "allreduce_nonblocking", "allreduce_nonblocking_",
+              "broadcast", "broadcast_", "broadcast_nonblocking", "broadcast_nonblocking_",
               "neighbor_allreduce", "neighbor_allreduce_nonblocking")
     torch_api = None
 

@@ -172,17 +172,30 @@ def allreduce(adapter, tensor, average=None, name=None, op=None, inplace=False, 
                    reduce_op=rop.code, scope=scope)
 
 
-@_told(BROADCAST)
-def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD, block=False):
+def root_int(root_rank):
+    """`root_rank` as an int (numpy integers, 0-d int tensors); TypeError for a bool or a
+    non-integer."""
     if isinstance(root_rank, bool):
         raise TypeError("root_rank must be an int, got bool")
     try:
-        root_rank = operator.index(root_rank)  # int, numpy integers, 0-d int tensors
+        return operator.index(root_rank)
     except TypeError:
         raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}") from None
+
+
+def root(root_rank, scope=WORLD):
+    """`root_rank` as an int in [0, n) of the scope's n ranks: TypeError as `root_int`,
+    ValueError outside the range."""
+    root_rank = root_int(root_rank)
     n = _process.local_size() if scope == MACHINE else _process.size()
     if not 0 <= root_rank < n:
         raise ValueError(f"broadcast: root rank {root_rank} is outside [0, {n})")
+    return root_rank
+
+
+@_told(BROADCAST)
+def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD, block=False):
+    root_rank = root(root_rank, scope)
     src, out = adapter.prepare(tensor, inplace, "broadcast")
     return _submit(BROADCAST, name, adapter, src, out, (tensor, src, out), lambda: out, block,
                    root=root_rank, scope=scope)

@@ -1,6 +1,6 @@
-// shoal.neighbor_allreduce and shoal.allreduce for numpy arrays as C functions. A small
-// op's Python layers (dispatch, weight resolution, argument conversion) cost as much CPU as
-// its exchange, and on shared cores CPU is latency; so the common case (a C-contiguous
+// neighbor_allreduce, allreduce and broadcast (numpy arrays, torch tensors) as C functions.
+// A small op's Python layers (dispatch, weight resolution, argument conversion) cost as
+// much CPU as its exchange, and on shared cores CPU is latency; so the common case (a C-contiguous
 // array, plain arguments, weights seen before) runs without them. Anything else calls the
 // Python implementation given at creation, which converts, resolves or raises exactly as
 // before.
@@ -131,7 +131,8 @@ bool TorchInput(const TorchApi& t, PyObject* x, bool any, Input* in) {
   if (layout != t.strided.ptr()) return false;
   if (IsTrue(Attr(x, SHOAL_NAME("requires_grad"))) && IsTrue(PyObject_CallNoArgs(t.is_grad_enabled.ptr()))) return false;
   if (!IsTrue(CallMethod(x, SHOAL_NAME("is_contiguous")))) return false;
-  if (!IsFalse(CallMethod(x, SHOAL_NAME("is_neg"))) || !IsFalse(CallMethod(x, SHOAL_NAME("is_conj")))) return false;
+  // (No is_conj(): only complex tensors carry a conjugation bit, and the core has no complex dtype.)
+  if (!IsFalse(CallMethod(x, SHOAL_NAME("is_neg")))) return false;
   PyObject* ptr = CallMethod(x, SHOAL_NAME("data_ptr"));
   if (!ptr) return false;
   in->data = PyLong_AsVoidPtr(ptr);
@@ -409,6 +410,32 @@ PyObject* CallAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
   });
 }
 
+// broadcast(tensor, root_rank, name=None), vectorcall convention (and its in-place and
+// nonblocking forms): an exact int root in [0, size()) takes the one-call path; any other
+// root (bool, numpy integer, out of range) is the fallback's to convert or refuse.
+PyObject* CallBroadcast(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  static const char* const kParams[] = {"tensor", "root_rank", "name"};
+  constexpr Py_ssize_t kN = 3;
+  auto* st = *static_cast<Native**>(PyModule_GetState(self));
+  PyObject* a[kN] = {nullptr, nullptr, Py_None};
+  bool given[kN] = {};
+  const bool simple = Parse(args, nargs, kwnames, kParams, kN, a, given);
+  return Guard([&]() -> PyObject* {
+    Input in;
+    const char* name = simple && given[0] && given[1] && PyLong_CheckExact(a[1]) && PlainInput(*st, a[0], true, &in)
+                           ? PlainName(a[2]) : nullptr;
+    int overflow = 0;
+    const long long root = name ? PyLong_AsLongLongAndOverflow(a[1], &overflow) : -1;
+    if (!name || overflow || root < 0 || root >= shoal_size())
+      return PyObject_Vectorcall(st->fallback.ptr(), args, nargs, kwnames);
+    shoal_op_desc d;
+    py::object out = Describe(*st, a[0], in, SHOAL_OP_BROADCAST, name, &d);
+    d.root_rank = static_cast<int32_t>(root);
+    d.scope = SHOAL_SCOPE_WORLD;
+    return Finish(*st, d, a[0], std::move(out));
+  });
+}
+
 // synchronize(handle), vectorcall convention: shoal._ops.synchronize for a registered
 // handle whose op completes without error; anything else (an unknown handle, a failed op,
 // Ctrl-C) is the fallback's, which reports it and cleans up exactly as before.
@@ -536,6 +563,12 @@ void DefineNeighborNative(py::module_& m) {
                       doc, module);
   }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("ops"),
      py::arg("torch") = py::none(), py::arg("state") = py::none(), py::arg("inplace") = false);
+  m.def("native_broadcast", [=](py::object fallback, const std::string& doc, const std::string& module,
+                                py::object torch, py::object nonblocking, bool inplace) {
+    return MakeNative(name(fallback), fn(CallBroadcast),
+                      state(fallback, py::dict(), std::move(torch), std::move(nonblocking), inplace), doc, module);
+  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("torch") = py::none(),
+     py::arg("state") = py::none(), py::arg("inplace") = false);
   m.def("native_synchronize", [=](py::object fallback, const std::string& doc, const std::string& module,
                                   py::object process_state) {
     return MakeNative(name(fallback), fn(CallSynchronize), state(fallback, py::dict(), py::none(), std::move(process_state)),

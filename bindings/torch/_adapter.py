@@ -22,9 +22,11 @@ _CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
 class TorchAdapter:
     name = "torch"
     module = "shoal.torch"
-    # Plain tensors go to the core from C in these (shoal._api); blocking allreduce and
-    # neighbor_allreduce are bindings/torch/_ops.py's (torch.library ops, autograd).
-    native = ("allreduce_", "allreduce_nonblocking", "allreduce_nonblocking_", "neighbor_allreduce_nonblocking")
+    # Plain tensors go to the core from C in these (shoal._api); blocking allreduce,
+    # broadcast and neighbor_allreduce are bindings/torch/_ops.py's (torch.library ops,
+    # autograd).
+    native = ("allreduce_", "allreduce_nonblocking", "allreduce_nonblocking_", "broadcast_",
+              "broadcast_nonblocking", "broadcast_nonblocking_", "neighbor_allreduce_nonblocking")
 
     @staticmethod
     def _check(t, op):

@@ -79,8 +79,8 @@ _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, 
 # ---- The eager fast path ----
 # A plain CPU tensor that autograd need not record skips the torch.library dispatch and
 # argument rebuilding, which cost several times the exchange itself for a small tensor:
-# broadcast and allgather hand it to the numpy entry points as a numpy view of its memory;
-# allreduce and neighbor_allreduce to one C function. The same op layer and error messages;
+# allgather hands it to the numpy entry point as a numpy view of its memory; allreduce,
+# broadcast and neighbor_allreduce go to one C function each. The same op layer and error messages;
 # anything else, and everything traced by torch.compile, takes the registered ops.
 _NUMPY_DTYPES = {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
                  torch.int64, torch.bool}
@@ -181,11 +181,17 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
     return torch.ops.shoal.allreduce(tensor, rop.code, bool(is_hierarchical_local), _ops.op_name(name))
 
 
-@_told(_ops.BROADCAST, _numpy_api.broadcast, _NUMPY_DTYPES)
+def make_broadcast(fallback, doc, module, torch):
+    """The C broadcast entry (for `native`)."""
+    return _core.native_broadcast(fallback, doc, module, torch=torch)
+
+
+@_native(_ops.BROADCAST, make_broadcast)
 def broadcast(tensor, root_rank, name=None):
     """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast`."""
     ADAPTER._check(tensor, "broadcast")
-    return torch.ops.shoal.broadcast(tensor, root_rank, _ops.op_name(name))
+    # Typed here: the registered op's int argument would take a bool (the range is the op's).
+    return torch.ops.shoal.broadcast(tensor, _ops.root_int(root_rank), _ops.op_name(name))
 
 
 @_told(_ops.ALLGATHER, _numpy_api.allgather, _NUMPY_DTYPES)

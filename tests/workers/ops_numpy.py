@@ -78,6 +78,14 @@ def broadcast_every_dtype_and_root():
             assert got.dtype == x.dtype and np.array_equal(got, want), (dt, root, got)
     y = np.full(3, float(R))
     assert shoal.broadcast_(y, 0, name="bc.inplace") is y and np.array_equal(y, np.zeros(3))
+    # The forms the one-call path leaves to Python: a numpy integer root, a strided view,
+    # a nonblocking in-place op; the result is the same.
+    z = np.arange(8.0).reshape(2, 4)[:, ::2] + R
+    got = shoal.broadcast(z, np.int64(N - 1), name="bc.strided")
+    assert np.array_equal(got, np.arange(8.0).reshape(2, 4)[:, ::2] + N - 1), got
+    y = np.full(3, float(R))
+    assert shoal.synchronize(shoal.broadcast_nonblocking_(y, N - 1, name="bc.nb_")) is y
+    assert np.array_equal(y, np.full(3, float(N - 1))), y
 
 
 @check

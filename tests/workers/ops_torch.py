@@ -88,6 +88,7 @@ def broadcast_and_allgather_every_dtype():
         root = N - 1
         want = torch.full((2,), root % 2 == 1) if dt == torch.bool else base(dt) + root
         assert torch.equal(bf.broadcast(x, root, name=f"t.bc.{dt}"), want), dt
+        assert torch.equal(bf.broadcast_(x, root, name=f"t.bc_.{dt}"), want) and torch.equal(x, want), dt
         y = torch.full((R % 3, 2), R).to(dt)
         got = bf.allgather(y, name=f"t.ag.{dt}")
         want = torch.cat([torch.full((r % 3, 2), r).to(dt) for r in range(N)])
@@ -124,11 +125,12 @@ def neighbor_allreduce_weighted_graph_bfloat16():
 def compiled_fullgraph():
     @torch.compile(fullgraph=True, backend="aot_eager")
     def step(x):
-        y = bf.allreduce(x * 2, average=False, name="t.compiled.ar")
+        b = bf.broadcast(x + 1, N - 1, name="t.compiled.bc")  # N on every rank
+        y = bf.allreduce(x * 2 + b, average=False, name="t.compiled.ar")
         return bf.neighbor_allreduce(y + 1, name="t.compiled.nbr")
 
     out = step(torch.full((4,), float(R)))
-    assert torch.equal(out, torch.full((4,), float(N * (N - 1) + 1))), out
+    assert torch.equal(out, torch.full((4,), float(N * (N - 1) + N * N + 1))), out
 
 
 @check
@@ -148,6 +150,9 @@ def rejects_bad_input():
                      (lambda: bf.neighbor_allreduce(torch.ones(2, dtype=torch.int32)), ValueError),
                      (lambda: bf.allreduce_(torch.ones(4, 4).t()), ValueError),
                      (lambda: bf.broadcast(torch.ones(2), N), ValueError),
+                     (lambda: bf.broadcast(torch.ones(2), True), TypeError),
+                     (lambda: bf.broadcast(torch.ones(2, requires_grad=True), True), TypeError),
+                     (lambda: bf.broadcast_(torch.ones(2), -1), ValueError),
                      (lambda: bf.neighbor_allreduce(torch.ones(2), self_weight=0.5), ValueError)]:
         try:
             bad()
