@@ -58,7 +58,7 @@ class TorchAdapter:
             if not tensor.is_contiguous():
                 raise ValueError(f"{op}: in-place ops need a contiguous tensor; call .contiguous() first")
             return tensor, tensor
-        src = tensor.detach().contiguous()
+        src = tensor.detach().resolve_neg().contiguous()  # a lazy negation's memory holds -x
         return src, (torch.empty_like(src) if need_output else None)
 
     # Window ops (shoal/_win.py): the registered tensor is written in place (through its
@@ -70,7 +70,7 @@ class TorchAdapter:
 
     def contiguous(self, t, op):
         self._check(t, op)
-        return t.detach().contiguous()
+        return t.detach().resolve_neg().contiguous()
 
     def clone(self, t):
         return t.detach().clone()

@@ -190,8 +190,12 @@ def make_broadcast(fallback, doc, module, torch):
 def broadcast(tensor, root_rank, name=None):
     """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast`."""
     ADAPTER._check(tensor, "broadcast")
-    # Typed here: the registered op's int argument would take a bool (the range is the op's).
-    return torch.ops.shoal.broadcast(tensor, _ops.root_int(root_rank), _ops.op_name(name))
+    # Typed here: the registered op's int argument would take a bool, and refuse an int
+    # beyond int64 with a RuntimeError the peers never hear of; the op checks the range.
+    root_rank = _ops.root_int(root_rank)
+    if not 0 <= root_rank < 2**31:
+        _ops.root(root_rank)  # ValueError: outside [0, size())
+    return torch.ops.shoal.broadcast(tensor, root_rank, _ops.op_name(name))
 
 
 @_told(_ops.ALLGATHER, _numpy_api.allgather, _NUMPY_DTYPES)

@@ -145,12 +145,26 @@ def bluefog_script():
 
 
 @check
+def lazily_negated_tensors_give_their_values():
+    # A _neg_view's memory holds -x: every path reads the values, not the memory.
+    x = torch._neg_view(torch.full((3,), float(R + 1)))
+    want = torch.full((3,), -float(N))
+    assert torch.equal(bf.broadcast(x, N - 1, name="t.neg.bc"), want)
+    assert torch.equal(bf.synchronize(bf.broadcast_nonblocking(x, N - 1, name="t.neg.bc.nb")), want)
+    total = -float(N * (N + 1) // 2)
+    assert torch.equal(bf.allreduce(x, average=False, name="t.neg.ar"), torch.full((3,), total))
+    assert torch.equal(bf.synchronize(bf.allreduce_nonblocking(x, average=False, name="t.neg.ar.nb")),
+                       torch.full((3,), total))
+
+
+@check
 def rejects_bad_input():
     for bad, exc in [(lambda: bf.allreduce([1.0, 2.0]), TypeError),
                      (lambda: bf.neighbor_allreduce(torch.ones(2, dtype=torch.int32)), ValueError),
                      (lambda: bf.allreduce_(torch.ones(4, 4).t()), ValueError),
                      (lambda: bf.broadcast(torch.ones(2), N), ValueError),
                      (lambda: bf.broadcast(torch.ones(2), True), TypeError),
+                     (lambda: bf.broadcast(torch.ones(2), 2**70), ValueError),
                      (lambda: bf.broadcast(torch.ones(2, requires_grad=True), True), TypeError),
                      (lambda: bf.broadcast_(torch.ones(2), -1), ValueError),
                      (lambda: bf.neighbor_allreduce(torch.ones(2), self_weight=0.5), ValueError)]:
