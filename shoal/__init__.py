@@ -17,6 +17,7 @@ else:
     from ._api import build_api
     from ._numpy import ADAPTER as _ADAPTER
     from ._ops import Average, Max, Min, Product, ReduceOp, Sum
+    from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
     from .basics import *  # noqa: F401,F403
     from .basics import __all__ as _basics_all
 
@@ -27,5 +28,6 @@ else:
 
     __version__ = "0.1.0"
     __all__ = list(_basics_all) + sorted(build_api(_ADAPTER)) + sorted(build_win_api(_ADAPTER)) + [
-        "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology", "InferSourceFromDestinationRanks",
+        "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "ProcessSet", "add_process_set", "global_process_set",
+        "remove_process_set", "topology", "InferSourceFromDestinationRanks",
         "InferDestinationFromSourceRanks"] + list(topology.BLUEFOG_NAMES)

@@ -20,7 +20,8 @@ _BLOCKING = ("allreduce", "allreduce_", "broadcast", "broadcast_", "neighbor_all
 def build_api(adapter):
     """Return {name: function} of the collective API over `adapter`'s tensor type."""
 
-    def allreduce_nonblocking(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
+    def allreduce_nonblocking(tensor, average=None, is_hierarchical_local=False, name=None, op=None,
+                              process_set=None):
         """Start an allreduce; returns a handle for `synchronize`/`poll`/`wait`.
 
         Args:
@@ -33,6 +34,9 @@ def build_api(adapter):
             name: negotiation key; all ranks use the same name for the same op.
                 Omitted: "allreduce.noname.<k>" (ranks must then issue ops in one order).
             op: shoal.Sum, Average, Min, Max or Product (Horovod's hvd.Sum, ...).
+            process_set: a `shoal.ProcessSet` (Horovod's): only its members call it, and
+                the reduction is over them (Average divides by its size); names are
+                scoped per set. Default: every rank.
         Result: element-wise over the ranks: the sum, or the sum then divided by size()
             (exact when representable), or the minimum, maximum or product (Horovod's
             semantics: MPI_MIN/MAX/PROD, ncclMin/Max/Prod). Half types compute in float32
@@ -40,59 +44,65 @@ def build_api(adapter):
             and dtype.
         Raises:
             ValueError: average of an integer tensor, average= with Min/Max/Product, bool
-                tensors, a second in-flight op with the same name. NotImplementedError:
+                tensors, a second in-flight op with the same name, a rank outside
+                `process_set` or a set not added (or removed). NotImplementedError:
                 Horovod's Adasum. ShoalError (at synchronize): ranks disagree on shape,
                 dtype or op (the same error on every rank).
         """
-        return _ops.allreduce(adapter, tensor, average, name, op, scope=_scope(is_hierarchical_local))
+        return _ops.allreduce(adapter, tensor, average, name, op, scope=_scope(is_hierarchical_local),
+                              process_set=process_set)
 
-    def allreduce_nonblocking_(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
+    def allreduce_nonblocking_(tensor, average=None, is_hierarchical_local=False, name=None, op=None,
+                               process_set=None):
         """In-place `allreduce_nonblocking`: the result overwrites `tensor` (contiguous)."""
         return _ops.allreduce(adapter, tensor, average, name, op, inplace=True,
-                              scope=_scope(is_hierarchical_local))
+                              scope=_scope(is_hierarchical_local), process_set=process_set)
 
-    def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
+    def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, process_set=None):
         """Blocking allreduce: `synchronize(allreduce_nonblocking(...))`; see there."""
         return _ops.allreduce(adapter, tensor, average, name, op, scope=_scope(is_hierarchical_local),
-                              block=True)
+                              block=True, process_set=process_set)
 
-    def allreduce_(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
+    def allreduce_(tensor, average=None, is_hierarchical_local=False, name=None, op=None, process_set=None):
         """Blocking in-place allreduce; returns `tensor`."""
         return _ops.allreduce(adapter, tensor, average, name, op, inplace=True,
-                              scope=_scope(is_hierarchical_local), block=True)
+                              scope=_scope(is_hierarchical_local), block=True, process_set=process_set)
 
-    def broadcast_nonblocking(tensor, root_rank, name=None):
+    def broadcast_nonblocking(tensor, root_rank, name=None, process_set=None):
         """Start a broadcast of `root_rank`'s tensor (any dtype incl. bool, any shape);
-        every rank gets a copy of the same shape and dtype.
+        every rank gets a copy of the same shape and dtype. `process_set` (a
+        `shoal.ProcessSet`): only its members call it; `root_rank` is still a world rank,
+        one of the set's (Horovod's rule).
 
-        Raises ValueError for a root outside [0, size()); ShoalError (at synchronize) when
-        ranks disagree on shape, dtype or root.
+        Raises ValueError for a root outside [0, size()) or outside the set, a rank outside
+        the set; ShoalError (at synchronize) when ranks disagree on shape, dtype or root.
         """
-        return _ops.broadcast(adapter, tensor, root_rank, name)
+        return _ops.broadcast(adapter, tensor, root_rank, name, process_set=process_set)
 
-    def broadcast_nonblocking_(tensor, root_rank, name=None):
+    def broadcast_nonblocking_(tensor, root_rank, name=None, process_set=None):
         """In-place `broadcast_nonblocking`: `tensor` is overwritten on non-root ranks."""
-        return _ops.broadcast(adapter, tensor, root_rank, name, inplace=True)
+        return _ops.broadcast(adapter, tensor, root_rank, name, inplace=True, process_set=process_set)
 
-    def broadcast(tensor, root_rank, name=None):
+    def broadcast(tensor, root_rank, name=None, process_set=None):
         """Blocking broadcast; see `broadcast_nonblocking`."""
-        return _ops.broadcast(adapter, tensor, root_rank, name, block=True)
+        return _ops.broadcast(adapter, tensor, root_rank, name, block=True, process_set=process_set)
 
-    def broadcast_(tensor, root_rank, name=None):
+    def broadcast_(tensor, root_rank, name=None, process_set=None):
         """Blocking in-place broadcast; returns `tensor`."""
-        return _ops.broadcast(adapter, tensor, root_rank, name, inplace=True, block=True)
+        return _ops.broadcast(adapter, tensor, root_rank, name, inplace=True, block=True, process_set=process_set)
 
-    def allgather_nonblocking(tensor, name=None):
+    def allgather_nonblocking(tensor, name=None, process_set=None):
         """Start an allgather: concatenation of every rank's tensor along dim 0, in rank
         order. Shapes [n_r, *rest]: n_r may differ per rank, `rest` and dtype must match
-        (ShoalError otherwise). 0-d tensors raise ValueError. Any dtype incl. bool."""
-        return _ops.allgather(adapter, tensor, name)
+        (ShoalError otherwise). 0-d tensors raise ValueError. Any dtype incl. bool.
+        `process_set` (a `shoal.ProcessSet`): its members' tensors, in their rank order."""
+        return _ops.allgather(adapter, tensor, name, process_set=process_set)
 
-    def allgather(tensor, name=None):
+    def allgather(tensor, name=None, process_set=None):
         """Blocking allgather; see `allgather_nonblocking`."""
-        return _ops.synchronize(allgather_nonblocking(tensor, name))
+        return _ops.synchronize(allgather_nonblocking(tensor, name, process_set))
 
-    def reducescatter_nonblocking(tensor, op=None, name=None):
+    def reducescatter_nonblocking(tensor, op=None, name=None, process_set=None):
         """Start a reducescatter; returns a handle for `synchronize`/`poll`/`wait`.
 
         Semantics: Horovod's `reducescatter`. Every rank passes a tensor of the same shape
@@ -102,17 +112,18 @@ def build_api(adapter):
         dim 0 in rank order: rank r gets rows [start_r, start_r + n_r) with
         n_r = d0 // size() plus one for the first d0 % size() ranks, as a new
         [n_r, *rest] tensor of the input's dtype (n_r may be 0). Half types compute in
-        float32 and round once; integer sums wrap.
+        float32 and round once; integer sums wrap. `process_set` (a `shoal.ProcessSet`):
+        over its members (size() and r: the set's size and `ProcessSet.rank()`).
         Raises:
             ValueError: a 0-d tensor, op other than Sum/Average, Average of an integer
                 tensor, bool tensors. ShoalError (at synchronize): ranks disagree on shape,
                 dtype or op (the same error on every rank).
         """
-        return _ops.reducescatter(adapter, tensor, op, name)
+        return _ops.reducescatter(adapter, tensor, op, name, process_set=process_set)
 
-    def reducescatter(tensor, op=None, name=None):
+    def reducescatter(tensor, op=None, name=None, process_set=None):
         """Blocking reducescatter: `synchronize(reducescatter_nonblocking(...))`; see there."""
-        return _ops.synchronize(reducescatter_nonblocking(tensor, op, name))
+        return _ops.synchronize(reducescatter_nonblocking(tensor, op, name, process_set))
 
     def neighbor_allreduce_nonblocking(tensor, self_weight=None, src_weights=None,
                                        dst_weights=None, enable_topo_check=True, name=None):

@@ -2,9 +2,9 @@
 `process_sets.py`, `compression.py`'s interface), shared by `shoal.torch` and
 `shoal.tensorflow`/`shoal.keras` (their `_horovod.py` add the tensor casts and op wrappers).
 
-Differences from Horovod kept here: only the global process set exists (another
-`process_set=` raises NotImplementedError); `Adasum` is not implemented
-(NotImplementedError naming it); the timeline is per rank and configured at `init()`.
+Process sets are `shoal.process_sets`' (re-exported here). Differences from Horovod kept
+here: `Adasum` is not implemented (NotImplementedError naming it); the timeline is per
+rank and configured at `init()`.
 """
 import os
 import warnings
@@ -12,6 +12,7 @@ import warnings
 from . import basics
 from ._loader import _core
 from ._ops import ReduceOp
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
 
 HorovodInternalError = basics.ShoalError
 """Horovod's runtime-failure exception: Shoal's `ShoalError` itself (a RuntimeError), so
@@ -29,52 +30,12 @@ def check_op(op, what):
             "op=Average or op=Sum, or a decentralized optimizer (DistributedAdaptWithCombineOptimizer)")
 
 
-class ProcessSet:
-    """Horovod's process set object; Shoal has only the global one yet
-    (`global_process_set`: every rank)."""
-
-    process_set_id = 0
-
-    @property
-    def ranks(self):
-        return list(range(basics.size()))
-
-    def size(self):
-        return basics.size()
-
-    def rank(self):
-        return basics.rank()
-
-    def included(self):
-        return True
-
-    def __repr__(self):
-        return "ProcessSet(process_set_id=0, ranks=<all>)"
-
-
-global_process_set = ProcessSet()
-
-
 def check_process_set(process_set, what):
-    """Accept Horovod's global process set (or None); NotImplementedError for any other."""
+    """NotImplementedError for a process set other than the global one (or None), for the
+    few functions that run only over every rank (they say so where they are defined)."""
     if process_set is None or process_set is global_process_set:
         return
-    raise NotImplementedError(
-        f"{what}: process_set={process_set!r}: Shoal supports only the global process set "
-        "(hvd.global_process_set) so far; sub-communicators (add_process_set) are not available yet")
-
-
-def add_process_set(process_set):
-    """Horovod's add_process_set: not available yet (NotImplementedError)."""
-    check_process_set(process_set, "add_process_set")
-    return global_process_set
-
-
-def remove_process_set(process_set):
-    """Horovod's remove_process_set: the global process set cannot be removed (False, as
-    in Horovod); any other is refused (NotImplementedError)."""
-    check_process_set(process_set, "remove_process_set")
-    return False
+    raise NotImplementedError(f"{what}: process_set={process_set!r}: only the global process set is supported here")
 
 
 # ---- Compression: Horovod's compress(tensor) -> (tensor, ctx) / decompress(tensor, ctx) ----

@@ -9,7 +9,7 @@ import functools
 import inspect
 import operator
 
-from . import _process
+from . import _process, process_sets
 from ._loader import _core
 from ._process import STATE
 
@@ -69,7 +69,8 @@ def reduce_op(average, op):
 def _told(op):
     """Decorates an op entry point: an argument error raised before the call reaches the
     core (which tells its peers itself) is told to the core, so every rank that submits
-    this call gets the same error instead of waiting for this rank (shoal_reject)."""
+    this call gets the same error instead of waiting for this rank (shoal_reject), in the
+    call's process set (an argument error about the process set itself is nobody's to hear)."""
     def wrap(fn):
         sig = inspect.signature(fn)
 
@@ -84,11 +85,12 @@ def _told(op):
             except (ValueError, TypeError) as exc:
                 if not calls.reached and _core.is_initialized():
                     try:
-                        name = sig.bind(*args, **kwargs).arguments.get("name")
-                    except TypeError:
-                        name = 0  # not a call of this op at all
+                        bound = sig.bind(*args, **kwargs).arguments
+                        name, pset = bound.get("name"), process_sets.id_of(bound.get("process_set"), "")
+                    except (TypeError, ValueError):
+                        name = 0  # not a call of this op at all, or not in a process set of this rank's
                     if name is None or (isinstance(name, str) and "\0" not in name):
-                        _core.reject(op, name or None, isinstance(exc, TypeError), str(exc))
+                        _core.reject(op, name or None, isinstance(exc, TypeError), str(exc), process_set=pset)
                 raise
             finally:
                 calls.inside = False
@@ -118,9 +120,10 @@ def op_name(name):
 
 
 def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce_op=0, root=0,
-            scope=WORLD, peers=None):
+            scope=WORLD, peers=None, process_set=0):
     """Enqueue one op; returns its handle, or with `block` waits and returns finish().
-    `peers`: a neighbor op's lists (`_core.NeighborArgs`, see `peers_of`)."""
+    `peers`: a neighbor op's lists (`_core.NeighborArgs`, see `peers_of`); `process_set`:
+    the core's id of the set that runs it."""
     name = op_name(name)
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
@@ -128,7 +131,7 @@ def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce
     STATE.calls.reached = True
     handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, peers=peers, reduce_op=reduce_op, root=root,
                            scope=scope, device_type=device_type, device_id=device_id, stream=stream,
-                           block=block, keep=keep)
+                           block=block, keep=keep, process_set=process_set)
     if block:  # waited for and released by the core already
         return finish()
     with STATE.lock:
@@ -165,11 +168,12 @@ def then(handle, fn, on_failure=None):
 # and returns the result (one call into the core instead of two).
 @_told(ALLREDUCE)
 def allreduce(adapter, tensor, average=None, name=None, op=None, inplace=False, scope=WORLD,
-              block=False):
+              block=False, process_set=None):
     rop = reduce_op(average, op)
+    pset = process_sets.id_of(process_set, "allreduce")
     src, out = adapter.prepare(tensor, inplace, "allreduce")
     return _submit(ALLREDUCE, name, adapter, src, out, (tensor, src, out), lambda: out, block,
-                   reduce_op=rop.code, scope=scope)
+                   reduce_op=rop.code, scope=scope, process_set=pset)
 
 
 def root_int(root_rank):
@@ -185,7 +189,8 @@ def root_int(root_rank):
 
 def root(root_rank, scope=WORLD):
     """`root_rank` as an int in [0, n) of the scope's n ranks: TypeError as `root_int`,
-    ValueError outside the range."""
+    ValueError outside the range (in a process set, a world rank: the core checks that it
+    is in the set)."""
     root_rank = root_int(root_rank)
     n = _process.local_size() if scope == MACHINE else _process.size()
     if not 0 <= root_rank < n:
@@ -194,25 +199,28 @@ def root(root_rank, scope=WORLD):
 
 
 @_told(BROADCAST)
-def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD, block=False):
+def broadcast(adapter, tensor, root_rank, name=None, inplace=False, scope=WORLD, block=False, process_set=None):
     root_rank = root(root_rank, scope)
+    pset = process_sets.id_of(process_set, "broadcast")
     src, out = adapter.prepare(tensor, inplace, "broadcast")
     return _submit(BROADCAST, name, adapter, src, out, (tensor, src, out), lambda: out, block,
-                   root=root_rank, scope=scope)
+                   root=root_rank, scope=scope, process_set=pset)
 
 
 @_told(ALLGATHER)
-def allgather(adapter, tensor, name=None):
-    return _submit_gather(ALLGATHER, name, adapter, tensor)
+def allgather(adapter, tensor, name=None, process_set=None):
+    pset = process_sets.id_of(process_set, "allgather")
+    return _submit_gather(ALLGATHER, name, adapter, tensor, process_set=pset)
 
 
 @_told(REDUCESCATTER)
-def reducescatter(adapter, tensor, op=None, name=None):
+def reducescatter(adapter, tensor, op=None, name=None, process_set=None):
     """See `shoal.reducescatter_nonblocking` for the semantics."""
     rop = Average if op is None else reduce_op(None, op)
     if rop is not Sum and rop is not Average:
         raise ValueError(f"reducescatter: op must be Sum or Average (as in Horovod), got {rop!r}")
-    return _submit_gather(REDUCESCATTER, name, adapter, tensor, reduce_op=rop.code)
+    pset = process_sets.id_of(process_set, "reducescatter")
+    return _submit_gather(REDUCESCATTER, name, adapter, tensor, reduce_op=rop.code, process_set=pset)
 
 
 def reducescatter_rows(rows, size, rank):
@@ -442,9 +450,10 @@ def _forget(handle):
     _core.release(handle)
 
 
-def barrier():
-    """Block until every rank has called barrier()."""
-    h = _core.enqueue(BARRIER, "", 0, 0, [], 0)
+def barrier(process_set=None):
+    """Block until every rank (of `process_set`, a ProcessSet: its members only call it)
+    has called barrier(). ValueError on a rank outside the set."""
+    h = _core.enqueue(BARRIER, "", 0, 0, [], 0, process_set=process_sets.id_of(process_set, "barrier"))
     try:
         _core.wait(h)
     finally:

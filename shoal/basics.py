@@ -17,6 +17,7 @@ from . import _compat_env, _lifecycle, _ops, _win
 from . import topology as _topo
 from ._loader import _core
 from ._numpy import ADAPTER
+from .process_sets import init_process_sets as _init_process_sets
 from ._process import (STATE, in_neighbor_ranks, is_homogeneous, local_rank, local_size, machine_rank,
                        machine_size, out_neighbor_ranks, rank, require_init as _require_init, size)
 
@@ -27,13 +28,16 @@ class TopologySizeError(ValueError, TypeError):
     """A graph whose node count is not the number of ranks (or machines). A ValueError,
     like Shoal's other argument errors, and a TypeError, as BlueFog raised it."""
 
-def init(topology_fn=None, is_weighted=False):
+def init(topology_fn=None, is_weighted=False, *, process_sets=None):
     """Start the runtime (idempotent, thread-safe) and set the topology.
 
     Args:
         topology_fn: callable ``size -> networkx.DiGraph`` (or mixing matrix); default
             the exponential-2 graph (BlueFog's default).
         is_weighted: use the graph's edge weights in neighbor_allreduce (else uniform).
+        process_sets: Horovod's keyword: "dynamic" or None (add sets later with
+            `add_process_set`), or a list of `ProcessSet` to add now, in order (every rank
+            gives the same list; errors as `add_process_set`).
 
     Works whether or not MPI was initialised before (e.g. by mpi4py).
     Raises ShoalError if MPI cannot start, in a process forked after init(), or when a
@@ -58,6 +62,7 @@ def init(topology_fn=None, is_weighted=False):
             STATE.atexit_registered = True
     topo = topology_fn(size()) if topology_fn is not None else _topo.exponential_two_graph(size())
     set_topology(topo, is_weighted)
+    _init_process_sets(process_sets)
 
 
 def shutdown():

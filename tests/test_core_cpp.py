@@ -4,7 +4,10 @@ format, the dtype math) and test_runtime (the Runtime itself over the fake backe
 core/tests/fake_backend.h: neighbor exchange in random orders with and without fusion,
 mismatches, stalls, a dead peer, dynamic weights, at 2, 4 and 8 ranks) and test_join
 (Horovod's join in the Runtime: uneven steps, zeros in fused and cached allreduces, the
-last rank returned, the ops that fail while ranks are joined, a rank that leaves)."""
+last rank returned, the ops that fail while ranks are joined, a rank that leaves) and
+test_process_sets (process sets: disjoint sets whose ops never wait for each other,
+negotiation at each set's leader, cached batches per set, mismatched membership, a member
+that leaves or dies)."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,14 +24,15 @@ def build(tmp_path_factory):
     build = tmp_path_factory.mktemp("unit") / "build"
     subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), "-DSHOAL_BUILD_RUNTIME=OFF",
                     "-DSHOAL_BUILD_TESTS=ON", "-DSHOAL_SANITIZE=thread"], check=True, capture_output=True, timeout=300)
-    subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join"],
+    subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join",
+                    "test_process_sets"],
                    check=True, capture_output=True, timeout=900)
     return build
 
 
-# The first one also builds (three sanitized binaries: minutes on 2 busy cores).
+# The first one also builds (four sanitized binaries: minutes on 2 busy cores).
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join"])
+@pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join", "test_process_sets"])
 def test_unit_tests_under_thread_sanitizer(build, binary):
     out = subprocess.run([str(build / binary)], capture_output=True, text=True, timeout=600,
                          env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})

@@ -128,7 +128,7 @@ void SetPeers(shoal_op_desc* d, const NeighborArgs& a) {
 // Any op, from its parts (the shoal._ops path); `peers`: a neighbor op's lists (None: no peers).
 int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, const std::vector<int64_t>& shape,
                 py::handle output, const NeighborArgs* peers, int reduce_op, int root, int scope, int device_type,
-                int device_id, uintptr_t stream, bool block, py::object keep) {
+                int device_id, uintptr_t stream, bool block, py::object keep, int process_set) {
   static const NeighborArgs kNoPeers{};
   shoal_op_desc d{};
   d.op = op;
@@ -142,6 +142,7 @@ int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, co
   d.reduce_op = reduce_op;
   d.root_rank = root;
   d.scope = scope;
+  d.process_set = process_set;
   SetPeers(&d, peers ? *peers : kNoPeers);
   return Submit(d, block, keep.is_none() ? py::object(py::make_tuple(input, output)) : keep);
 }
@@ -271,11 +272,43 @@ PYBIND11_MODULE(_core, m) {
   });
   // `failed`: not an argument error but a failure of an earlier stage (ShoalError on the peers).
   m.def("reject", [](int op, std::optional<std::string> name, bool type_error, const std::string& message,
-                     bool failed) {
+                     bool failed, int process_set) {
     py::gil_scoped_release nogil;
     shoal_reject(op, name ? name->c_str() : nullptr,
-                 failed ? SHOAL_ABORTED : type_error ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT, message.c_str());
-  }, py::arg("op"), py::arg("name"), py::arg("type_error"), py::arg("message"), py::arg("failed") = false);
+                 failed ? SHOAL_ABORTED : type_error ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT, message.c_str(),
+                 process_set);
+  }, py::arg("op"), py::arg("name"), py::arg("type_error"), py::arg("message"), py::arg("failed") = false,
+     py::arg("process_set") = 0);
+  // Process sets (shoal/process_sets.py): blocking, collective over every rank. `refusal`:
+  // this rank's TypeError text (every rank raises it).
+  m.def("add_process_set", [](const std::vector<int32_t>& ranks, const std::string& refusal) {
+    char err[kErrLen];
+    int32_t id = 0;
+    int rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = shoal_add_process_set(ranks.data(), static_cast<int32_t>(ranks.size()),
+                                 refusal.empty() ? nullptr : refusal.c_str(), &id, err, kErrLen);
+    }
+    Check(rc, err);
+    return id;
+  }, py::arg("ranks"), py::arg("refusal") = "");
+  m.def("remove_process_set", [](int32_t id, const std::string& refusal) {
+    char err[kErrLen];
+    int rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = shoal_remove_process_set(id, refusal.empty() ? nullptr : refusal.c_str(), err, kErrLen);
+    }
+    Check(rc, err);
+  }, py::arg("id"), py::arg("refusal") = "");
+  m.def("process_set_ranks", [](int32_t id) -> py::object {  // None for an unknown set
+    std::vector<int32_t> ranks(shoal_size() > 0 ? shoal_size() : 1);
+    const int n = shoal_process_set_ranks(id, ranks.data(), static_cast<int32_t>(ranks.size()));
+    if (n < 0) return py::none();
+    ranks.resize(n);
+    return py::cast(ranks);
+  });
   m.def("forked", [] { return shoal_forked() != 0; });
   m.def("is_initialized", [] { return shoal_is_initialized() != 0; });
   m.def("rank", &shoal_rank);
@@ -295,7 +328,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("enqueue", &Enqueue, py::arg("op"), py::arg("name"), py::arg("input"), py::arg("dtype"),
         py::arg("shape"), py::arg("output"), py::kw_only(), py::arg("peers") = py::none(),
         py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("scope") = 0, py::arg("device_type") = 0,
-        py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false, py::arg("keep") = py::none());
+        py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false, py::arg("keep") = py::none(),
+        py::arg("process_set") = 0);
   // Keeps `keep` referenced until the core no longer uses `handle`'s memory (a failed op
   // with a send in flight), then releases the handle: the one registry of such tensors.
   m.def("linger", &Linger);

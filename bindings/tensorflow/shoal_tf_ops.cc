@@ -86,6 +86,7 @@ class ShoalKernel : public AsyncOpKernel {
     if (c->HasAttr("root_rank")) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
     if (c->HasAttr("uniform")) OP_REQUIRES_OK(c, c->GetAttr("uniform", &uniform_));
     if (c->HasAttr("topo_check")) OP_REQUIRES_OK(c, c->GetAttr("topo_check", &topo_check_));
+    if (c->HasAttr("process_set")) OP_REQUIRES_OK(c, c->GetAttr("process_set", &process_set_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -114,6 +115,7 @@ class ShoalKernel : public AsyncOpKernel {
     d.scope = scope_;
     d.uniform = uniform_;
     d.topo_check = topo_check_;
+    d.process_set = process_set_;
     if (op_ == SHOAL_OP_NEIGHBOR_ALLREDUCE) {
       d.self_weight = ctx->input(1).scalar<double>()();
       recv = Ranks(ctx->input(2));
@@ -144,7 +146,7 @@ class ShoalKernel : public AsyncOpKernel {
  private:
   int op_;
   std::string name_;
-  int reduce_op_ = 0, scope_ = 0, root_ = 0;
+  int reduce_op_ = 0, scope_ = 0, root_ = 0, process_set_ = 0;
   bool uniform_ = true, topo_check_ = false;
 };
 
@@ -176,14 +178,16 @@ Status GatherShape(shape_inference::InferenceContext* c) {
   return OkStatus();
 }
 
+// process_set: shoal_op_desc's (0: every rank).
 REGISTER_OP("ShoalAllreduce").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
-    .Attr("scope: int = 0").Input("tensor: T").Output("sum: T").SetShapeFn(SameShape);
+    .Attr("scope: int = 0").Attr("process_set: int = 0").Input("tensor: T").Output("sum: T").SetShapeFn(SameShape);
 REGISTER_OP("ShoalBroadcast").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("root_rank: int")
-    .Attr("scope: int = 0").Input("tensor: T").Output("output: T").SetShapeFn(SameShape);
-REGISTER_OP("ShoalAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Input("tensor: T")
-    .Output("output: T").SetShapeFn(GatherShape);
-REGISTER_OP("ShoalReducescatter").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
+    .Attr("scope: int = 0").Attr("process_set: int = 0").Input("tensor: T").Output("output: T")
+    .SetShapeFn(SameShape);
+REGISTER_OP("ShoalAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("process_set: int = 0")
     .Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
+REGISTER_OP("ShoalReducescatter").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
+    .Attr("process_set: int = 0").Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
 REGISTER_OP("ShoalNeighborAllreduce").Attr(SHOAL_TYPES).Attr("op_name: string")
     .Attr("uniform: bool").Attr("topo_check: bool").Input("tensor: T").Input("self_weight: double")
     .Input("recv_ranks: int32").Input("recv_weights: double").Input("send_ranks: int32")

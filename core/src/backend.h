@@ -37,25 +37,35 @@ class Backend {
   // false if none.
   virtual bool Receive(const std::vector<int>& tags, int* tag, int* src, ByteVec* msg, Status* st) = 0;
 
-  // Collectives; every rank starts them in the same order.
-  // scope: SHOAL_SCOPE_WORLD or SHOAL_SCOPE_MACHINE (root is then a local rank).
+  // Collectives of process set `set` (0: every rank; else a set made by AddSet), which
+  // every member starts in the same order. Ranks in them (root, counts) are indices in the
+  // set's ranks (ascending world ranks).
+  // scope: SHOAL_SCOPE_WORLD or SHOAL_SCOPE_MACHINE (root is then a local rank; set 0 only).
   // reduce_op: SHOAL_REDUCE_SUM, MIN, MAX or PRODUCT (an average is a sum here).
-  virtual void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) = 0;
-  virtual void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) = 0;
-  virtual void Allgatherv(const void* send, int64_t count, void* recv,
-                          const std::vector<int64_t>& counts, int dtype, Callback done) = 0;
-  // Reduces every rank's `send` (the sum of `counts` elements) with reduce_op (SUM, MIN,
-  // MAX, PRODUCT) and leaves rank r the counts[r] elements at offset counts[0] + ... +
-  // counts[r-1] in its `recv` (MPI_Reduce_scatter). World scope.
+  virtual void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, int set, Callback done) = 0;
+  virtual void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, int set, Callback done) = 0;
+  virtual void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts,
+                          int dtype, int set, Callback done) = 0;
+  // Reduces every member's `send` (the sum of `counts` elements) with reduce_op (SUM, MIN,
+  // MAX, PRODUCT) and leaves member r the counts[r] elements at offset counts[0] + ... +
+  // counts[r-1] in its `recv` (MPI_Reduce_scatter).
   virtual void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
-                             int reduce_op, Callback done) = 0;
-  virtual void Barrier(Callback done) = 0;
-  // Allreduce (sum) on collective channel `channel` in [0, kChannels): each channel has
-  // its own collective order (an MPI communicator), independent of the others and of the
+                             int reduce_op, int set, Callback done) = 0;
+  virtual void Barrier(int set, Callback done) = 0;
+  // Allreduce (sum) on collective channel `channel` of process set `set`, in
+  // [0, kChannels) for set 0 and [0, kSetChannels) for the others: each channel has its
+  // own collective order (an MPI communicator), independent of the others and of the
   // collectives above, so ops cached on different channels never wait for each other
-  // (runtime_cache.cc). Made at start-up, when every rank is there.
-  static constexpr int kChannels = 64;
-  virtual void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) = 0;
+  // (runtime_cache.cc). Made with their set.
+  static constexpr int kChannels = 64, kSetChannels = 16;
+  virtual void AllreduceOn(int set, int channel, void* buf, int64_t count, int dtype, Callback done) = 0;
+
+  // Process sets (process_sets.h): the members of set `id` (ascending world ranks, this
+  // rank among them) make its communicators together, every member calling AddSet for
+  // the sets it belongs to in the same order (blocking until every member has called it);
+  // RemoveSet frees them (every member, in the same order). The progress driver calls both.
+  virtual Status AddSet(int id, const std::vector<int>& ranks) = 0;
+  virtual void RemoveSet(int id) = 0;
 
   // Completes finished operations (running their callbacks); true if any finished.
   virtual bool Progress() = 0;

@@ -132,9 +132,50 @@ void shoal_leave(void) {
   if (auto rt = Current()) rt->Leave();
 }
 
-void shoal_reject(int op, const char* name, int code, const char* message) {
+void shoal_reject(int op, const char* name, int code, const char* message, int32_t process_set) {
   if (g_forked) return;
-  if (auto rt = Current()) rt->Reject(op, name, code, message ? message : "");
+  if (auto rt = Current()) rt->Reject(op, name, code, message ? message : "", process_set);
+}
+
+int shoal_add_process_set(const int32_t* ranks, int32_t n, const char* refusal, int32_t* id, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  std::string why = refusal ? refusal : "";
+  if (why.empty() && (n < 0 || (n > 0 && !ranks))) why = "add_process_set: missing rank list";
+  try {
+    *id = rt->AddProcessSet(why.empty() ? std::vector<int>(ranks, ranks + n) : std::vector<int>{}, why);
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_remove_process_set(int32_t id, const char* refusal, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  try {
+    rt->RemoveProcessSet(id, refusal ? refusal : "");
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_process_set_ranks(int32_t id, int32_t* ranks, int32_t capacity) {
+  auto rt = Current();
+  if (!rt) return -1;
+  std::vector<int> all;
+  if (id == 0) {
+    for (int r = 0; r < rt->world().size; ++r) all.push_back(r);
+  } else if (auto s = rt->FindSet(id)) {
+    all = s->ranks;
+  } else {
+    return -1;
+  }
+  for (int32_t i = 0; i < capacity && i < static_cast<int32_t>(all.size()); ++i) ranks[i] = all[i];
+  return static_cast<int>(all.size());
 }
 
 int shoal_forked(void) { return g_forked ? 1 : 0; }

@@ -44,6 +44,9 @@ const char* OpName(int op);
 // Horovod's join (runtime_join.cc): an op of the runtime and the coordinator only, not of
 // the C ABI's shoal_op_type (shoal_enqueue_join starts it).
 constexpr int kOpJoin = 100;
+// Process sets' agreement and creation on the progress driver (process_sets.cc): an op of
+// the runtime only.
+constexpr int kOpSetControl = 101;
 const char* ReduceOpName(int reduce_op);  // "Sum", "Average", "Min", "Max", "Product"
 bool IsFloating(int dtype);
 std::string ShapeString(const std::vector<int64_t>& shape);

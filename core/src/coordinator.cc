@@ -13,6 +13,7 @@ namespace {
 
 // The fields of a request and of a response, in wire order, for both directions.
 template <typename IO, typename R> void RequestFields(IO& io, R& r) {
+  io.Field(r.set);
   io.Field(r.name);
   io.Field(r.sig);
   io.Field(r.step);
@@ -28,6 +29,7 @@ template <typename IO, typename R> void RequestFields(IO& io, R& r) {
 
 template <typename IO, typename R> void ResponseFields(IO& io, R& r) {
   io.Field(r.kind);
+  io.Field(r.set);
   io.Field(r.op);
   io.Field(r.names);
   io.Field(r.error);
@@ -72,7 +74,7 @@ std::vector<Response> DecodeResponses(const char* p, size_t n) {
 void Coordinator::Add(int rank, const Request& req, double now) {
   if (!req.reject.empty()) {
     // One rank refused the call: the ranks that submitted it, or will, get its error.
-    Response r = Abort(req.name, req.reject + " (raised at the call on rank " + std::to_string(rank) + ")");
+    Response r = Abort(req.name, req.reject + " (raised at the call on rank " + std::to_string(World(rank)) + ")");
     r.kind = Response::REJECTED;
     r.op = req.sig.op;
     r.step = req.step;
@@ -185,17 +187,19 @@ std::string RankList(const std::vector<int>& ranks) {
   return s.str();
 }
 
-// "<value> on rank 0, 2; <value> on rank 1" when `field` differs, else "".
+// "<value> on rank 0, 2; <value> on rank 1" when `field` differs, else "" (`world`: the
+// world rank of each index, empty for the identity).
 std::string Differences(const std::vector<Request>& req,
-                        const std::function<std::string(const Request&)>& field) {
+                        const std::function<std::string(const Request&)>& field, const std::vector<int>& world) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;
   for (int r = 0; r < static_cast<int>(req.size()); ++r) {
     if (req[r].name.empty()) continue;  // a rank that joined instead
     std::string v = field(req[r]);
     auto g = std::find_if(groups.begin(), groups.end(),
                           [&](const auto& x) { return x.first == v; });
-    if (g == groups.end()) groups.push_back({v, {r}});
-    else g->second.push_back(r);
+    const int who = world.empty() ? r : world[r];
+    if (g == groups.end()) groups.push_back({v, {who}});
+    else g->second.push_back(who);
   }
   if (groups.size() == 1) return "";
   std::string s;
@@ -282,7 +286,7 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
   if (!all_cached) {
     // Operations first: other fields are meaningless across different ops.
     for (auto& c : checks) {
-      std::string d = Differences(p.req, c.second);
+      std::string d = Differences(p.req, c.second, world_);
       if (!d.empty()) return fail(c.first, d);
     }
     ++negotiations_;
@@ -344,6 +348,7 @@ std::string Coordinator::LeftError(const std::string& name, int op) const {
 }
 
 std::vector<Response> Coordinator::Leave(int rank) {
+  rank = World(rank);  // left_ names world ranks
   if (std::find(left_.begin(), left_.end(), rank) == left_.end()) left_.push_back(rank);
   std::vector<Response> out;
   if (num_joined_ > 0) {  // the ranks that joined wait for one that will not
@@ -454,8 +459,8 @@ std::vector<Stall> Coordinator::Stalled(double now, double older_than) const {
     s.name = kv.first;
     s.waited = now - p.first_seen;
     for (int r = 0; r < size_; ++r) {
-      if (p.have[r]) s.ready.push_back(r);
-      else if (num_joined_ == 0 || !joined_[r]) s.missing.push_back(r);  // a joined rank is not late
+      if (p.have[r]) s.ready.push_back(World(r));
+      else if (num_joined_ == 0 || !joined_[r]) s.missing.push_back(World(r));  // a joined rank is not late
     }
     if (!s.missing.empty()) out.push_back(std::move(s));
   }

@@ -26,6 +26,7 @@ struct Request {
   // A cached allreduce (runtime_cache.cc) whose round has waited long on this rank: not an
   // op to run, only news for the stall check, which then names the ranks that are missing.
   bool probe = false;
+  int32_t set = 0;  // the process set whose coordinator it is for (process_sets.h; 0: every rank)
 };
 
 struct Response {
@@ -33,6 +34,7 @@ struct Response {
   // (a ValueError everywhere); LEFT: a rank left the job.
   enum Kind : int32_t { EXECUTE = 0, ERROR = 1, REJECTED = 2, LEFT = 3 };
   int32_t kind = EXECUTE;
+  int32_t set = 0;  // the process set it is for (its names are scoped by it)
   int32_t op = 0;
   std::vector<std::string> names;  // > 1 only for a fused allreduce batch
   std::string error;
@@ -65,8 +67,10 @@ std::vector<Response> DecodeResponses(const char* p, size_t n);
 class Coordinator {
  public:
   // `channels`: how many collective channels cached batches may use (0: no caching).
-  Coordinator(int size, int64_t fusion_threshold, int channels = 0)
-      : size_(size), fusion_threshold_(fusion_threshold) {
+  // `world_ranks`: for a process set's coordinator, the world rank of each of its `size`
+  // members (Add's `rank` is an index in it; errors and stalls name world ranks).
+  Coordinator(int size, int64_t fusion_threshold, int channels = 0, std::vector<int> world_ranks = {})
+      : size_(size), fusion_threshold_(fusion_threshold), world_(std::move(world_ranks)) {
     for (int c = channels; c-- > 0;) free_channels_.push_back(c);
   }
 
@@ -107,8 +111,11 @@ class Coordinator {
   static constexpr int64_t kMaxCachedBytes = 256 << 10;  // cached batches: at most this much data
   std::string CheckEdges(const Pending& p) const;
 
+  int World(int index) const { return world_.empty() ? index : world_[index]; }
+
   int size_;
   int64_t fusion_threshold_;
+  std::vector<int> world_;
   std::map<std::string, Pending> pending_;
   std::vector<std::string> complete_;  // in order of completion
   static constexpr size_t kValidatedNames = 1 << 16;

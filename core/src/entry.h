@@ -12,6 +12,7 @@
 namespace shoal {
 
 struct GpuOp;  // gpu.h
+struct ProcessSet;  // process_sets.h
 
 using Clock = std::chrono::steady_clock;
 
@@ -27,6 +28,12 @@ struct Entry {
   int64_t handle = 0;
   std::string name;
   Signature sig;
+  // The process set that runs it (0: every rank) and, for another, its members, and the
+  // name's key in the runtime's tables (SetKey: names are scoped per set).
+  int set = 0;
+  std::shared_ptr<const ProcessSet> pset;
+  std::string set_key;
+  const std::string& key() const { return set ? set_key : name; }
   TensorRef input, output;
   // neighbor_allreduce
   std::vector<int> recv_ranks, send_ranks;

@@ -258,8 +258,8 @@ void Runtime::StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator) 
   if (neighbor) {
     g.direct = nccl || (cfg_.cuda_aware_mpi && g.api->mpi_cuda_aware(nullptr));
     e->sig.path = !g.direct ? kPathStaged : nccl ? kPathNccl : kPathMpi;
-  } else {
-    g.nccl = nccl && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER ||
+  } else {  // a process set's collectives are staged (NCCL's communicators here span every rank)
+    g.nccl = nccl && e->set == 0 && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER ||
                       ((op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_REDUCESCATTER) && dt != SHOAL_INT16 &&
                        dt != SHOAL_BOOL));
     e->sig.path = g.nccl ? kPathNccl : kPathStaged;

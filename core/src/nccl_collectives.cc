@@ -24,7 +24,7 @@ void NcclCollectives::StartComm(Comm& c, int scope, int device) {
   }
   auto setup = std::make_shared<Comm::Setup>();
   c.setup = setup;
-  backend_->Broadcast(buf->data(), buf->size(), SHOAL_UINT8, 0, scope, [api, buf, setup, device, n, me](const Status& st) {
+  backend_->Broadcast(buf->data(), buf->size(), SHOAL_UINT8, 0, scope, 0, [api, buf, setup, device, n, me](const Status& st) {
     if (!st.ok() || (*buf)[0] != 1) {
       setup->error = !st.ok() ? "broadcasting the NCCL id: " + st.message
                               : "rank 0 could not create the NCCL id: " + std::string(buf->data() + 129);

@@ -91,6 +91,21 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   auto e = std::make_shared<Entry>();
   if ((d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_REDUCESCATTER) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
   const char* op = OpName(d.op);
+  ProcessSetPtr pset;
+  if (d.process_set != 0) {  // refused before the try: a call in no set of this rank's is nobody's to wait for
+    if (d.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || d.op == SHOAL_OP_NEIGHBOR_ALLGATHER || d.op == kOpJoin)
+      Bad(std::string(op) + ": process sets apply to collectives (allreduce, broadcast, allgather, reducescatter, "
+                            "barrier); " + (d.op == kOpJoin ? "join is global" : "neighbor ops run over the topology"));
+    pset = FindSet(d.process_set);
+    if (!pset) Bad(std::string(op) + ": no process set has id " + std::to_string(d.process_set) +
+                   " (never added, or removed)");
+    if (pset->index < 0)
+      Bad(std::string(op) + ": rank " + std::to_string(w.rank) + " is not a member of " + pset->Describe());
+    if (d.scope != SHOAL_SCOPE_WORLD)
+      Bad(std::string(op) + ": machine scope (is_hierarchical_local) cannot be combined with a process set");
+    e->set = d.process_set;
+    e->pset = pset;
+  }
   try {
   e->sig.op = d.op;
   if (d.op != SHOAL_OP_BARRIER && d.op != kOpJoin) {
@@ -128,6 +143,8 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     case SHOAL_OP_BROADCAST:
       if (d.root_rank < 0 || d.root_rank >= scope_size)
         Bad("broadcast: root rank " + std::to_string(d.root_rank) + " is outside [0, " + std::to_string(scope_size) + ")");
+      if (pset && !pset->Has(d.root_rank))  // Horovod's root: a world rank, in the set
+        Bad("broadcast: root rank " + std::to_string(d.root_rank) + " is not in " + pset->Describe());
       e->sig.root_rank = d.root_rank;
       break;
     case SHOAL_OP_ALLGATHER:
@@ -161,7 +178,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
       break;
   }
   } catch (const ArgumentError& ex) {
-    Reject(d.op, d.name, ex.code, ex.what());
+    Reject(d.op, d.name, ex.code, ex.what(), e->set);
     throw;
   }
   // Last, after validation: marks the point the producer reached on the caller's stream.
@@ -173,9 +190,13 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     throw ArgumentError(d.op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
                         std::string(op) + ": this rank called join(), which is still in flight; it takes part "
                                           "in no new ops until every rank has joined");
+  if (d.op == kOpJoin && !sets_.empty())
+    throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
+                                                "exist (remove_process_set them first)");
   if (d.op == kOpJoin) join_in_flight_ = true;
-  e->name = NameLocked(d.op, d.name);
-  NameState& ns = names_[e->name];
+  e->name = NameLocked(d.op, d.name, e->set);
+  if (e->set) e->set_key = SetKey(e->set, e->name);
+  NameState& ns = names_[e->key()];
   if (ns.in_flight)
     throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
                                                   "' is already in flight on this rank; wait for it or use another name");
@@ -205,27 +226,33 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   return handle;
 }
 
-std::string Runtime::NameLocked(int op, const char* name) {
+std::string Runtime::NameLocked(int op, const char* name, int set) {
   // Unnamed ops cycle through kUnnamed names per op, so caches stay bounded and repeated
-  // unnamed neighbor ops hit the negotiated-name cache.
+  // unnamed neighbor ops hit the negotiated-name cache; one count per process set (only
+  // its members run its ops).
   if (name && *name) return name;
-  return std::string(OpName(op)) + ".noname." + std::to_string(noname_counter_[op]++ % kUnnamed);
+  return std::string(OpName(op)) + ".noname." + std::to_string(noname_counter_[{set, op}]++ % kUnnamed);
 }
 
 void Runtime::FollowUnnamed(int op, const std::string& name) {
   const std::string prefix = std::string(OpName(op)) + ".noname.";
   if (name.compare(0, prefix.size(), prefix) != 0) return;
-  noname_counter_[op] = std::strtoll(name.c_str() + prefix.size(), nullptr, 10) + 1;  // the next one's index
+  noname_counter_[{0, op}] = std::strtoll(name.c_str() + prefix.size(), nullptr, 10) + 1;  // the next one's index
 }
 
-void Runtime::Reject(int op, const char* name, int code, const std::string& error) {
+void Runtime::Reject(int op, const char* name, int code, const std::string& error, int set) {
   if (op < SHOAL_OP_ALLREDUCE || op > SHOAL_OP_REDUCESCATTER || world().size == 1) return;
+  ProcessSetPtr pset = set ? FindSet(set) : nullptr;
+  if (set && (!pset || pset->index < 0 || pset->size() == 1)) return;  // nobody waits for this rank's call
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_ || left_) return;
   auto e = std::make_shared<Entry>();
   e->sig.op = op;
-  e->name = NameLocked(op, name);
-  NameState& ns = names_[e->name];
+  e->name = NameLocked(op, name, set);
+  e->set = set;
+  e->pset = pset;
+  if (set) e->set_key = SetKey(set, e->name);
+  NameState& ns = names_[e->key()];
   if (ns.in_flight) return;  // the call is refused as a duplicate: it is not this step's
   e->step = ns.calls++;
   e->reject = error;
@@ -236,6 +263,26 @@ void Runtime::Reject(int op, const char* name, int code, const std::string& erro
   if (driving_) return;
   if (waiters_ > 0) done_cv_.notify_all();
   else Drive(lock, nullptr, nullptr);
+}
+
+Status Runtime::OnDriver(std::function<Status()> job) {
+  auto e = std::make_shared<Entry>();
+  e->sig.op = kOpSetControl;
+  e->name = "process_sets.control";
+  int64_t handle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ || left_) return Status::Error(SHOAL_ABORTED, "Shoal is shutting down");
+    e->handle = handle = g_next_handle++;
+    handles_[handle] = e;
+    set_jobs_[handle] = std::move(job);
+    queue_.push_back(e);
+    queued_ = queue_.size();
+  }
+  work_cv_.notify_one();
+  Status st = Wait(handle);  // drives the cycle that runs it, unless another thread does
+  Release(handle);
+  return st;
 }
 
 void Runtime::Leave() {
@@ -399,7 +446,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
     if (e->done) return;
     e->done = true;
     e->status = st;
-    auto ns = names_.find(e->name);
+    auto ns = names_.find(e->key());
     if (ns != names_.end()) ns->second.in_flight = false;
     if (e->sig.op == kOpJoin) join_in_flight_ = false;
   }
@@ -474,7 +521,6 @@ void Runtime::Loop() {
 }
 
 bool Runtime::Cycle(bool start_only) {
-  const WorldInfo& w = world();
   bool progressed = false;
   // Swapped with queue_ and cleared after use: both keep their capacity.
   std::vector<EntryPtr>& fresh = fresh_;
@@ -499,26 +545,22 @@ bool Runtime::Cycle(bool start_only) {
 
   if (!to_coordinator.empty()) {
     ++stats_.coordinator_rounds;
-    if (coordinator_) {
-      for (auto& r : to_coordinator) coordinator_->Add(0, r, Now());
-    } else {
-      auto msg = std::make_shared<ByteVec>(EncodeRequests(to_coordinator));
-      backend_->Send(0, kRequestTag, msg, [this](const Status& st) {
-        if (!st.ok()) FailAll("cannot reach the coordinator (rank 0): " + st.message);
-      });
-    }
+    SendRequests(&to_coordinator);
   }
   // Every arrived message. The control tag is probed first: that probe also runs MPI's
   // progress, so neighbor data that just arrived is matched by the next probe in this same
   // cycle (probing neighbor data first, or MPI_ANY_TAG, left small messages unseen for up
   // to hundreds of microseconds with the MPICH wheel).
   static const std::vector<int> kCoordinatorTags = {kRequestTag, NeighborExchange::kTag},
-                                kWorkerTags = {kResponseTag, NeighborExchange::kTag};
+                                kWorkerTags = {kResponseTag, NeighborExchange::kTag},
+                                kLeaderTags = {kRequestTag, kResponseTag, NeighborExchange::kTag};  // of a process set
   Status st;
   int src = -1, tag = -1;
   while (!start_only) {
     if (!spare_) spare_ = recv_pool_->Get(0);
-    if (!backend_->Receive(coordinator_ ? kCoordinatorTags : kWorkerTags, &tag, &src, spare_.get(), &st)) break;
+    if (!backend_->Receive(coordinator_ ? kCoordinatorTags : set_leader_ ? kLeaderTags : kWorkerTags, &tag, &src,
+                           spare_.get(), &st))
+      break;
     if (!st.ok()) throw std::runtime_error(st.message);
     progressed = true;
     Bytes msg = std::move(spare_);
@@ -529,8 +571,8 @@ bool Runtime::Cycle(bool start_only) {
       else if (IsJoinNotice(*msg, &generation, &join_epoch)) { if (generation == generation_) OnJoinNotice(src, join_epoch); }
       else if (!NeighborExchange::IsLeaveNotice(*msg, &generation)) neighbors_.Accept(src, std::move(msg));
       else if (generation == generation_) OnLeave(src);  // else: from a runtime before a shutdown
-    } else if (tag == kRequestTag && coordinator_) {
-      for (auto& r : DecodeRequests(msg->data(), msg->size())) coordinator_->Add(src, r, Now());
+    } else if (tag == kRequestTag) {
+      OnRequests(src, *msg);
     } else if (tag == kResponseTag && !coordinator_) {
       for (auto& r : DecodeResponses(msg->data(), msg->size())) Apply(r);
     } else {
@@ -541,14 +583,12 @@ bool Runtime::Cycle(bool start_only) {
   if (coordinator_ && !start_only) {
     std::vector<Response> resps = coordinator_->TakeResponses();
     if (!resps.empty()) {
-      auto msg = std::make_shared<ByteVec>(EncodeResponses(resps));
-      for (int r = 1; r < w.size; ++r)
-        if (!any_left_ || !peer_left_[r]) backend_->Send(r, kResponseTag, msg, [](const Status&) {});
-      for (auto& r : resps) Apply(r);
+      Respond(nullptr, std::move(resps));
       progressed = true;
     }
     stats_.negotiations = coordinator_->negotiations();
   }
+  if (set_leader_ && !start_only) progressed |= RespondForSets();
 
   if (!neighbor_ready_.empty()) {
     neighbors_.Start(neighbor_ready_);

@@ -14,6 +14,7 @@
 #pragma once
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,6 +31,7 @@
 #include "device_plane.h"
 #include "nccl_collectives.h"
 #include "entry.h"
+#include "process_sets.h"
 #include "gpu.h"
 #include "neighbor.h"
 #include "stats.h"
@@ -78,7 +80,15 @@ class Runtime {
   // A call of `op` named `name` (null: unnamed) refused at the call on this rank with
   // `error`: its name and step are used up as if it ran, and every rank that submits it
   // gets the same error instead of waiting for this rank.
-  void Reject(int op, const char* name, int code, const std::string& error);
+  void Reject(int op, const char* name, int code, const std::string& error, int set = 0);
+  // Horovod's add_process_set / remove_process_set, called by every rank in the same order
+  // (process_sets.h; semantics: shoal_add_process_set). `refusal`: this rank refuses the
+  // call (bad arguments above the core): every rank raises it. Throw ArgumentError (the same
+  // on every rank). Blocking.
+  int32_t AddProcessSet(const std::vector<int>& ranks, const std::string& refusal = "");
+  void RemoveProcessSet(int32_t id, const std::string& refusal = "");
+  // Set `id`'s members, or null for a set that does not exist (any thread).
+  ProcessSetPtr FindSet(int32_t id);
   // This rank takes part in no more ops: tells every peer, so ops that need this rank fail
   // there instead of waiting. Later enqueues are refused. Idempotent; Stop() calls it.
   void Leave();
@@ -111,7 +121,7 @@ class Runtime {
   void CheckStalls();
   void OnLeave(int rank);
   bool FailIfUnreachable(const EntryPtr& e);
-  std::string NameLocked(int op, const char* name);  // mu_ held
+  std::string NameLocked(int op, const char* name, int set = 0);  // mu_ held
   void FollowUnnamed(int op, const std::string& name);  // an unnamed op ran here without a call; mu_ held
   void FailAll(const std::string& why);
   double Now() const;
@@ -130,12 +140,36 @@ class Runtime {
   void Doom(const CachedPtr& b);
   void Contribute(const CachedPtr& b, bool ready);
   void OnRound(const CachedPtr& b, const Status& st);
-  void DoomAllCached();
+  void DoomAllCached(int with_rank = -1);  // >= 0: only the batches of the sets that have this rank
+  void DropCached(int set);  // set removed: its (idle) batches go
   bool CachedInFlight() const;
   void KeepRoundBuffers();
   void CheckCached(Clock::time_point now);
   void FailCached(const std::string& name, int64_t step, const Status& st, bool fail_round);
   void Ask(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  // Process sets (process_sets.cc).
+  struct SetState {
+    ProcessSetPtr info;
+    std::unique_ptr<Coordinator> coordinator;  // at the set's leader only
+  };
+  // The allgather through which every rank's add/remove calls agree: every rank's vote.
+  std::vector<SetVote> Agree(const SetVote& mine, const std::string& what);
+  Status OnDriver(std::function<Status()> job);  // runs `job` on the progress driver; waits
+  void RunControl(const EntryPtr& e);
+  Status MakeSet(int32_t id, const std::vector<int>& ranks);  // driver
+  void DropSet(int32_t id);                                   // driver
+  Coordinator* CoordinatorOf(int set);                        // driver: null if not this rank's
+  const ProcessSet* SetOf(int set) const;                     // driver: null for set 0 and unknown sets
+  int IndexIn(int set, int world_rank) const;                 // driver
+  int SetSize(int set) const { const ProcessSet* s = SetOf(set); return s ? s->size() : world().size; }
+  bool Lost(int set) const;  // driver: a member of `set` left the job
+  void SendRequests(std::vector<Request>* reqs);
+  void OnRequests(int src, const ByteVec& msg);
+  bool RespondForSets();     // the set coordinators' responses of this cycle
+  void Respond(const ProcessSet* set, std::vector<Response> resps);
+  void LeaveSets(int rank);  // `rank` left: the sets it is in
+  // Fails, with `code` and "<op> '<name>': <why>", the ops waiting for a coordinator that `which` picks.
+  void FailAwaiting(const std::function<bool(const Entry&)>& which, int code, const std::string& why);
   // Join (runtime_join.cc).
   void RouteJoin(const EntryPtr& e);
   void SendJoin(std::vector<Request>* to_coordinator);
@@ -169,7 +203,7 @@ class Runtime {
   std::condition_variable work_cv_, done_cv_;
   std::vector<EntryPtr> queue_;
   std::unordered_map<int64_t, EntryPtr> handles_;
-  std::map<int, int64_t> noname_counter_;
+  std::map<std::pair<int, int>, int64_t> noname_counter_;  // by (process set, op)
   struct NameState {
     int64_t calls = 0;  // ops submitted so far
     bool in_flight = false;
@@ -193,7 +227,7 @@ class Runtime {
   // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
   std::map<std::string, Response> rejections_;
   std::vector<EntryPtr> neighbor_ready_;
-  std::vector<CachedPtr> cached_;  // by collective channel (null: none yet)
+  std::map<int64_t, CachedPtr> cached_;  // by (process set << 32 | collective channel)
   std::vector<CachedPtr> retired_;  // replaced on their channel while their last round ran
   std::unordered_map<std::string, std::pair<CachedPtr, size_t>> cached_members_;  // name -> (batch, index)
   std::vector<Request> late_requests_;  // from batches that died, for the next cycle's round
@@ -207,6 +241,14 @@ class Runtime {
   int64_t join_epoch_ = 0;
   std::vector<int64_t> peer_joined_at_;
   bool join_in_flight_ = false;  // mu_: this rank's join is in flight (new ops refused)
+  // Process sets other than the global one, by id: written by the driver with mu_ held,
+  // read by the driver and (mu_ held) by user threads. One add/remove at a time per rank
+  // (sets_mu_); the agreement's step numbers the sets.
+  std::map<int, SetState> sets_;
+  bool set_leader_ = false;  // driver: this rank coordinates some process set
+  std::mutex sets_mu_;
+  int64_t set_calls_ = 0;  // sets_mu_: add/remove agreements so far (Vote::calls)
+  std::unordered_map<int64_t, std::function<Status()>> set_jobs_;  // by handle (mu_)
   std::thread thread_;
   std::unique_ptr<WindowQueue> windows_;
 };

@@ -26,8 +26,9 @@
 namespace shoal {
 
 struct Runtime::CachedBatch {
-  int channel = 0;
-  std::vector<std::string> names;
+  int set = 0, size = 0;  // its process set, and how many ranks it has
+  int channel = 0;        // of that set
+  std::vector<std::string> names, keys;  // keys: SetKey(set, name)
   std::vector<Signature> sigs;
   int dtype = 0, wire = 0;  // members' dtype; the dtype of the round (half types: float32)
   bool average = false;
@@ -44,6 +45,8 @@ struct Runtime::CachedBatch {
 namespace {
 
 constexpr int kWaitedMs = 50;
+
+int64_t Slot(int set, int channel) { return (static_cast<int64_t>(set) << 32) | static_cast<uint32_t>(channel); }
 
 bool IsHalfType(int dtype) { return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16; }
 
@@ -68,8 +71,9 @@ double GetCount(const void* p, int dtype) {
 }  // namespace
 
 void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
-  awaiting_response_[e->name] = e;
+  awaiting_response_[e->key()] = e;
   Request req{e->name, e->sig, e->step, {}, 0, e->topo_check, {}, {}};
+  req.set = e->set;
   if (e->topo_check) {
     req.send = e->send_ranks;
     req.recv = e->recv_ranks;
@@ -78,33 +82,36 @@ void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
 }
 
 void Runtime::CacheBatch(const Response& r, const std::vector<EntryPtr>& batch) {
-  if (r.channel < 0 || r.channel >= Backend::kChannels || any_left_) return;
+  if (r.channel < 0 || r.channel >= (r.set ? Backend::kSetChannels : Backend::kChannels) || Lost(r.set)) return;
   auto b = std::make_shared<CachedBatch>();
+  b->set = r.set;
+  b->size = SetSize(r.set);
   b->channel = r.channel;
   b->dtype = batch[0]->sig.dtype;
   b->wire = IsHalfType(b->dtype) ? SHOAL_FLOAT32 : b->dtype;
   b->average = batch[0]->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
   for (auto& e : batch) {
     b->names.push_back(e->name);
+    b->keys.push_back(e->key());
     b->sigs.push_back(e->sig);
     b->total += e->count();
   }
   b->held.resize(batch.size());
-  if (cached_.size() <= static_cast<size_t>(r.channel)) cached_.resize(r.channel + 1);
   // The channel's previous batch died on every rank; its last round may still be running
   // here (rounds on one channel complete in order).
   retired_.erase(std::remove_if(retired_.begin(), retired_.end(), [](const CachedPtr& x) { return !x->in_flight; }),
                  retired_.end());
-  if (cached_[r.channel] && cached_[r.channel]->in_flight) retired_.push_back(cached_[r.channel]);
-  cached_[r.channel] = b;
-  for (size_t i = 0; i < b->names.size(); ++i) cached_members_[b->names[i]] = {b, i};
+  CachedPtr& slot = cached_[Slot(r.set, r.channel)];
+  if (slot && slot->in_flight) retired_.push_back(slot);
+  slot = b;
+  for (size_t i = 0; i < b->keys.size(); ++i) cached_members_[b->keys[i]] = {b, i};
   // Negotiated before the coordinator heard of a join: a joined rank takes part in no
   // rounds (runtime_join.cc), so the batch must go back to the coordinator.
   if (joining_ || (!peer_joined_at_.empty() && AnyPeerJoined())) Doom(b);
 }
 
 bool Runtime::RouteCached(const EntryPtr& e) {
-  auto it = cached_members_.find(e->name);
+  auto it = cached_members_.find(e->key());
   if (it == cached_members_.end()) return false;
   const CachedPtr b = it->second.first;
   const size_t i = it->second.second;
@@ -151,24 +158,25 @@ void Runtime::Contribute(const CachedPtr& b, bool ready) {
   b->waited_since = {};
   ++stats_.global_collectives;
   if (ready) ++stats_.cache_hits;
-  backend_->AllreduceOn(b->channel, p, b->total + 1, b->wire, [this, b](const Status& st) { OnRound(b, st); });
+  backend_->AllreduceOn(b->set, b->channel, p, b->total + 1, b->wire, [this, b](const Status& st) { OnRound(b, st); });
 }
 
 void Runtime::OnRound(const CachedPtr& b, const Status& st) {
   b->in_flight = false;
   const size_t ws = DtypeSize(b->wire);
   const char* p = b->buf->data();
-  const bool all_ready = st.ok() && GetCount(p + b->total * ws, b->wire) == world().size;
+  const bool all_ready = st.ok() && GetCount(p + b->total * ws, b->wire) == b->size;
   std::vector<EntryPtr> round = std::move(b->in_round);
   b->in_round.clear();
   if (all_ready && b->ready_round) {
     size_t off = 0;
+    Coordinator* c = CoordinatorOf(b->set);
     for (auto& e : round) {
-      if (coordinator_) coordinator_->RoundDone(e->name, e->step);
+      if (c) c->RoundDone(e->name, e->step);
       e->t_comm_end = Clock::now();
       if (!b->abandoned) {
         char* q = b->buf->data() + off;
-        if (b->average) Divide(q, q, b->wire, e->count(), world().size);
+        if (b->average) Divide(q, q, b->wire, e->count(), b->size);
         if (b->wire != b->dtype) NarrowFromFloat32(reinterpret_cast<float*>(q), b->dtype, e->output.data, e->count());
         else std::memcpy(e->output.data, q, e->nbytes());
         Finish(e, Status::Ok());
@@ -184,13 +192,14 @@ void Runtime::OnRound(const CachedPtr& b, const Status& st) {
   }
   // Dead on every rank: its ops go to the coordinator (or fail with the channel's error).
   b->dead = true;
-  for (auto& n : b->names) {
+  for (auto& n : b->keys) {
     auto it = cached_members_.find(n);
     if (it != cached_members_.end() && it->second.first == b) cached_members_.erase(it);
   }
-  if (coordinator_) {
-    coordinator_->ForgetRounds(b->names);
-    if (b->channel < static_cast<int>(cached_.size()) && cached_[b->channel] == b) coordinator_->ReleaseChannel(b->channel);
+  if (Coordinator* c = CoordinatorOf(b->set)) {
+    c->ForgetRounds(b->names);
+    auto slot = cached_.find(Slot(b->set, b->channel));
+    if (slot != cached_.end() && slot->second == b) c->ReleaseChannel(b->channel);
   }
   std::vector<EntryPtr> rest = std::move(round);
   for (auto& e : b->held) if (e) rest.push_back(e);
@@ -204,37 +213,59 @@ void Runtime::OnRound(const CachedPtr& b, const Status& st) {
   }
 }
 
-void Runtime::DoomAllCached() {
-  for (auto& b : cached_) if (b) Doom(b);
+void Runtime::DoomAllCached(int with_rank) {
+  for (auto& kv : cached_) {
+    const ProcessSet* s = SetOf(kv.second->set);
+    if (with_rank < 0 || !s || s->Has(with_rank)) Doom(kv.second);
+  }
+}
+
+void Runtime::DropCached(int set) {
+  // No op of the set is in flight on any rank (remove_process_set checked): its batches are
+  // idle; a round still running keeps its batch alive until it completes.
+  for (auto c = cached_.begin(); c != cached_.end();) {
+    if (c->second->set != set) {
+      ++c;
+      continue;
+    }
+    for (auto& k : c->second->keys) cached_members_.erase(k);
+    c->second->dead = true;
+    if (c->second->in_flight) retired_.push_back(c->second);
+    c = cached_.erase(c);
+  }
 }
 
 bool Runtime::CachedInFlight() const {
-  for (auto& b : cached_) if (b && b->in_flight) return true;
+  for (auto& kv : cached_) if (kv.second->in_flight) return true;
   return false;
 }
 
 // This rank's ops are in some batch that is not dead (its join waits until they are not).
 bool Runtime::OwnCachedOps() const {
-  for (auto* list : {&cached_, &retired_})
-    for (auto& b : *list)
-      if (b && !b->dead && (b->num_held > 0 || !b->later.empty() || (!b->in_round.empty() && !b->abandoned)))
-        return true;
+  auto own = [](const CachedPtr& b) {
+    return !b->dead && (b->num_held > 0 || !b->later.empty() || (!b->in_round.empty() && !b->abandoned));
+  };
+  for (auto& kv : cached_) if (own(kv.second)) return true;
+  for (auto& b : retired_) if (own(b)) return true;
   return false;
 }
 
 void Runtime::KeepRoundBuffers() {
   // A round still running at shutdown (a peer never took part) may be completed by MPI
   // after this runtime is gone, into its buffer: that buffer must outlive the runtime.
-  for (auto* list : {&cached_, &retired_})
-    for (auto& b : *list)
-      if (b && b->in_flight && b->buf) new Bytes(b->buf);  // deliberately never freed
+  auto keep = [](const CachedPtr& b) {
+    if (b->in_flight && b->buf) new Bytes(b->buf);  // deliberately never freed
+  };
+  for (auto& kv : cached_) keep(kv.second);
+  for (auto& b : retired_) keep(b);
 }
 
 void Runtime::CheckCached(Clock::time_point now) {
   const double warn = cfg_.stall_check_time > 0 ? cfg_.stall_check_time : cfg_.stall_shutdown_time;
   const double kill = cfg_.stall_shutdown_time;
-  for (auto& b : cached_) {
-    if (!b || b->dead) continue;
+  for (auto& kv : cached_) {
+    const CachedPtr& b = kv.second;
+    if (b->dead) continue;
     if (!b->in_flight && b->num_held > 0 && !b->dying) {
       // Part of the batch is here. Waiting for the rest is right while the program goes
       // on submitting (a backward pass); not when it waits for one of these ops first.
@@ -258,6 +289,7 @@ void Runtime::CheckCached(Clock::time_point now) {
           e->probed = true;
           Request req{e->name, e->sig, e->step, {}, 0, false, {}, {}};
           req.probe = true;
+          req.set = b->set;
           late_requests_.push_back(std::move(req));
         }
     }
@@ -281,7 +313,7 @@ void Runtime::FailCached(const std::string& name, int64_t step, const Status& st
   auto it = cached_members_.find(name);
   if (it == cached_members_.end()) return;
   const CachedPtr b = it->second.first;
-  auto matches = [&](const EntryPtr& e) { return e && e->name == name && (step < 0 || e->step == step); };
+  auto matches = [&](const EntryPtr& e) { return e && e->key() == name && (step < 0 || e->step == step); };
   if (fail_round) {
     if (!b->abandoned && std::any_of(b->in_round.begin(), b->in_round.end(), matches)) {
       b->abandoned = true;

@@ -32,10 +32,15 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
     RouteCached(e);  // a batch of that name will not run as cached
     Request req{e->name, e->sig, e->step, e->reject, e->reject_code, false, {}, {}};
-    if (coordinator_) coordinator_->Add(0, req, Now());
+    req.set = e->set;
+    if (Coordinator* c = CoordinatorOf(e->set)) c->Add(IndexIn(e->set, world().rank), req, Now());
     else to_coordinator->push_back(std::move(req));
     return;
   }
+  if (e->sig.op == kOpSetControl) return RunControl(e);
+  if (e->set && !SetOf(e->set))
+    return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, std::string(OpName(e->sig.op)) + " '" + e->name + "': " +
+                                                               e->pset->Describe() + " was removed"));
   if (FailIfUnreachable(e)) return;
   if (e->sig.op == kOpJoin) return RouteJoin(e);
   if (e->sig.op == SHOAL_OP_ALLREDUCE && !cached_members_.empty() && RouteCached(e)) return;
@@ -50,7 +55,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
 
 bool Runtime::FailIfUnreachable(const EntryPtr& e) {
   if (!rejections_.empty()) {
-    auto it = rejections_.find(e->name);
+    auto it = rejections_.find(e->key());
     if (it != rejections_.end() && it->second.step == e->step) {
       const Status st = Status::Error(it->second.code, it->second.error);
       rejections_.erase(it);
@@ -83,8 +88,9 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
       e->send_ranks.erase(e->send_ranks.begin() + k);
       if (k < e->send_weights.size()) e->send_weights.erase(e->send_weights.begin() + k);
     }
-  } else {  // every rank takes part in a collective and in a negotiation
-    for (size_t r = 0; r < peer_left_.size(); ++r) if (peer_left_[r]) gone.push_back(static_cast<int>(r));
+  } else {  // every rank (of its process set) takes part in a collective and in a negotiation
+    for (size_t r = 0; r < peer_left_.size(); ++r)
+      if (peer_left_[r] && (!e->pset || e->pset->Has(static_cast<int>(r)))) gone.push_back(static_cast<int>(r));
   }
   if (gone.empty()) return false;
   Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " +
@@ -108,7 +114,7 @@ void Runtime::OnLeave(int rank) {
   if (peer_left_[rank]) return;
   peer_left_[rank] = 1;
   any_left_ = true;
-  DoomAllCached();  // its rounds would never complete
+  DoomAllCached(rank);  // its rounds would never complete
   {
     std::lock_guard<std::mutex> lock(left_mu_);
     left_ranks_.push_back(rank);
@@ -121,18 +127,11 @@ void Runtime::OnLeave(int rank) {
                                                std::to_string(rank) + why));
   if (coordinator_) {
     std::vector<Response> resps = coordinator_->Leave(rank);
-    if (resps.empty()) return;
-    auto msg = std::make_shared<ByteVec>(EncodeResponses(resps));
-    for (int q = 1; q < world().size; ++q)
-      if (!peer_left_[q]) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
-    for (auto& r : resps) Apply(r);
+    if (!resps.empty()) Respond(nullptr, std::move(resps));
   } else if (rank == 0) {  // no coordinator any more: nothing waiting for it can complete
-    std::vector<EntryPtr> waiting;
-    for (auto& kv : awaiting_response_) waiting.push_back(kv.second);
-    awaiting_response_.clear();
-    for (auto& e : waiting)
-      Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': rank 0" + why));
+    FailAwaiting([](const Entry& e) { return e.set == 0; }, SHOAL_ABORTED, "rank 0" + why);
   }
+  if (!sets_.empty()) LeaveSets(rank);
 }
 
 void Runtime::Apply(const Response& r) {
@@ -142,7 +141,7 @@ void Runtime::Apply(const Response& r) {
                    : r.kind == Response::LEFT   ? SHOAL_ABORTED
                                                 : SHOAL_MISMATCH;
   for (size_t i = 0; i < r.names.size(); ++i) {
-    const std::string& name = r.names[i];
+    const std::string name = SetKey(r.set, r.names[i]);
     stall_warned_.erase(name);
     auto it = awaiting_response_.find(name);
     if (it == awaiting_response_.end() || (r.step >= 0 && it->second->step != r.step)) {
@@ -166,10 +165,12 @@ void Runtime::Apply(const Response& r) {
   }
   if (r.kind != Response::EXECUTE) {
     if (r.kind == Response::REJECTED) {
-      for (auto& name : r.names) {
-        for (auto& e : neighbors_.TakeNamed(name, r.step)) batch.push_back(e);
+      for (auto& user_name : r.names) {
+        if (r.set == 0)
+          for (auto& e : neighbors_.TakeNamed(user_name, r.step)) batch.push_back(e);
         if (!batch.empty()) continue;
         // Remember it for when this rank submits that step, unless it is past it already.
+        const std::string name = SetKey(r.set, user_name);
         std::lock_guard<std::mutex> lock(mu_);
         auto ns = names_.find(name);
         if ((ns == names_.end() || ns->second.calls <= r.step) && rejections_.size() < 1024)
@@ -197,6 +198,8 @@ void Runtime::Apply(const Response& r) {
 
 void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   const WorldInfo& w = world();
+  const int set = batch[0]->set;
+  const ProcessSet* pset = batch[0]->pset.get();
   ++stats_.global_collectives;
   const auto t0 = Clock::now();
   for (auto& e : batch) e->t_comm_start = t0;
@@ -204,7 +207,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   // Completion of the communication itself (the timeline's COMMUNICATE phase).
   auto communicated = [](const EntryPtr& e) { e->t_comm_end = Clock::now(); };
   if (r.op == SHOAL_OP_BARRIER) {
-    backend_->Barrier([this, communicated, e = batch[0]](const Status& st) { communicated(e); Finish(e, st); });
+    backend_->Barrier(set, [this, communicated, e = batch[0]](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
   if (r.op == SHOAL_OP_BROADCAST) {
@@ -212,7 +215,8 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     if (w.rank == e->sig.root_rank && e->output.data != e->input.data)
       std::memcpy(e->output.data, e->input.data, e->nbytes());
     if (e->count() == 0) return Finish(e, Status::Ok());
-    backend_->Broadcast(e->output.data, e->count(), e->sig.dtype, e->sig.root_rank, e->sig.scope,
+    const int root = pset ? pset->IndexOf(e->sig.root_rank) : e->sig.root_rank;
+    backend_->Broadcast(e->output.data, e->count(), e->sig.dtype, root, e->sig.scope, set,
                         [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
@@ -232,7 +236,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     e->result_nbytes = rows * row * DtypeSize(e->sig.dtype);
     e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
     if (e->result_nbytes == 0) return Finish(e, Status::Ok());
-    backend_->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype,
+    backend_->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype, set,
                          [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
@@ -242,7 +246,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   const bool average = batch[0]->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
   const int rop = average ? SHOAL_REDUCE_SUM : batch[0]->sig.reduce_op;
   const int scope = batch[0]->sig.scope;
-  const int n = scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
+  const int n = scope == SHOAL_SCOPE_MACHINE ? w.local_size : pset ? pset->size() : w.size;
   int64_t total = 0;
   for (auto& e : batch) total += e->count();
   if (total == 0) {
@@ -252,7 +256,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   if (batch.size() == 1 && !IsHalf(dtype)) {
     EntryPtr e = batch[0];
     if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
-    backend_->Allreduce(e->output.data, e->count(), dtype, rop, scope, [this, communicated, e, average, n](const Status& st) {
+    backend_->Allreduce(e->output.data, e->count(), dtype, rop, scope, set, [this, communicated, e, average, n](const Status& st) {
       communicated(e);
       e->t_reduce_start = Clock::now();
       if (st.ok() && average) Divide(e->output.data, e->output.data, e->sig.dtype, e->count(), n);
@@ -275,7 +279,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     e->t_copy_end = Clock::now();
   }
   if (batch.size() > 1) ++stats_.fused_batches;
-  backend_->Allreduce(fused->data(), total, wire, rop, scope, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
+  backend_->Allreduce(fused->data(), total, wire, rop, scope, set, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
     size_t at = 0;
     for (auto& e : batch) {
       communicated(e);
@@ -294,15 +298,16 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
 }
 
 void Runtime::RunReduceScatter(const EntryPtr& e) {
-  const WorldInfo& w = world();
+  // Over the members of its process set, in rank order.
+  const int size = e->pset ? e->pset->size() : world().size, rank = e->pset ? e->pset->index : world().rank;
   const int dtype = e->sig.dtype;
   // Horovod's split of dim 0: d0 / size rows each, one more for the first d0 % size ranks.
   const int64_t d0 = e->sig.shape[0], row = e->count() / std::max<int64_t>(d0, 1);
-  std::vector<int64_t> counts(w.size);
-  for (int q = 0; q < w.size; ++q) counts[q] = (d0 / w.size + (q < d0 % w.size ? 1 : 0)) * row;
-  const int64_t mine = counts[w.rank];
+  std::vector<int64_t> counts(size);
+  for (int q = 0; q < size; ++q) counts[q] = (d0 / size + (q < d0 % size ? 1 : 0)) * row;
+  const int64_t mine = counts[rank];
   e->result_shape = e->sig.shape;
-  e->result_shape[0] = d0 / w.size + (w.rank < d0 % w.size ? 1 : 0);
+  e->result_shape[0] = d0 / size + (rank < d0 % size ? 1 : 0);
   e->result_nbytes = mine * DtypeSize(dtype);
   e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
   if (e->count() == 0) return Finish(e, Status::Ok());
@@ -322,8 +327,8 @@ void Runtime::RunReduceScatter(const EntryPtr& e) {
     e->t_copy_end = Clock::now();
   }
   const bool average = e->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
-  backend_->ReduceScatter(send, recv, counts, wire, SHOAL_REDUCE_SUM,
-                          [this, e, in, out, average, dtype, wire, mine, n = w.size](const Status& st) {
+  backend_->ReduceScatter(send, recv, counts, wire, SHOAL_REDUCE_SUM, e->set,
+                          [this, e, in, out, average, dtype, wire, mine, n = size](const Status& st) {
     e->t_comm_end = e->t_reduce_start = Clock::now();
     if (st.ok()) {
       void* p = out ? static_cast<void*>(out->data()) : e->result;
@@ -342,24 +347,31 @@ void Runtime::CheckStalls() {
   last_stall_check_ = now_tp;
   const double kill = cfg_.stall_shutdown_time;
   const double warn = cfg_.stall_check_time > 0 ? cfg_.stall_check_time : kill;
-  if (coordinator_) {
-    for (auto& s : coordinator_->Stalled(Now(), std::min(warn, kill > 0 ? kill : warn))) {
+  // Every coordinator here (the global one, process sets' leaders) names the late ranks.
+  auto check = [&](Coordinator* c, const ProcessSet* set) {
+    for (auto& s : c->Stalled(Now(), std::min(warn, kill > 0 ? kill : warn))) {
+      // Process set agreements end in an error even without SHOAL_STALL_SHUTDOWN_TIME: a
+      // rank that never calls add/remove_process_set fails the call everywhere.
+      const double end = kill > 0 || s.name != kSetsAgreement ? kill : warn;
       std::string what = "'" + s.name + "' waited " + std::to_string(static_cast<int>(s.waited)) +
                          " s: submitted by ranks " + Ranks(s.ready) + "; missing ranks " + Ranks(s.missing);
-      if (kill > 0 && s.waited >= kill) {
+      const std::string key = SetKey(set ? set->id : 0, s.name);
+      if (end > 0 && s.waited >= end) {
         ++stats_.stalls;
-        Response r = coordinator_->Abort(
-            s.name, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME=" + Seconds(kill) + " s)");
-        auto msg = std::make_shared<ByteVec>(EncodeResponses({r}));
-        for (int q = 1; q < world().size; ++q)
-          if (!any_left_ || !peer_left_[q]) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
-        Apply(r);
-      } else if (s.waited >= warn && stall_warned_.insert(s.name).second) {
+        Response r = c->Abort(s.name, "stalled op " + what + " (" +
+                                          (kill > 0 ? "SHOAL_STALL_SHUTDOWN_TIME=" : "SHOAL_STALL_CHECK_TIME=") +
+                                          Seconds(end) + " s)");
+        r.set = set ? set->id : 0;
+        Respond(set, {r});
+      } else if (s.waited >= warn && stall_warned_.insert(key).second) {
         ++stats_.stalls;
         Log(LOG_WARNING, "stall: " + what);
       }
     }
-  }
+  };
+  if (coordinator_) check(coordinator_.get(), nullptr);
+  for (auto& kv : sets_)
+    if (kv.second.coordinator) check(kv.second.coordinator.get(), kv.second.info.get());
   for (auto& wt : neighbors_.Waiting()) {
     const EntryPtr& e = wt.first;
     double waited = std::chrono::duration<double>(now_tp - e->enqueued).count();

@@ -19,6 +19,7 @@ void FakeWorld::Kill(int rank) {
   inbox_[rank].clear();
   for (auto& box : inbox_)  // what it sent and nobody took yet vanishes with it
     box.erase(std::remove_if(box.begin(), box.end(), [&](const Msg& m) { return m.src == rank; }), box.end());
+  made_.notify_all();  // members waiting in AddSet for it
 }
 
 FakeWorld::Clock::time_point FakeWorld::Due(int src, int dst, int tag) {
@@ -43,18 +44,18 @@ void FakeWorld::Finish(Coll& c) {
     Reduce(srcs, all.data(), c.dtype, static_cast<size_t>(c.count), c.reduce_op);
     const size_t es = DtypeSize(c.dtype);
     size_t at = 0;
-    for (int r = 0; r < size_; ++r) {
+    for (int r = 0; r < c.members; ++r) {
       std::memcpy(c.bufs[r], all.data() + at, c.split[r] * es);
       at += c.split[r] * es;
     }
   } else if (c.kind == kBroadcast) {
-    for (int r = 0; r < size_; ++r)
+    for (int r = 0; r < c.members; ++r)
       if (r != c.root) std::memcpy(c.bufs[r], c.bufs[c.root], n);
   } else if (c.kind == kAllgather) {
     const size_t es = DtypeSize(c.dtype);
-    for (int r = 0; r < size_; ++r) {
+    for (int r = 0; r < c.members; ++r) {
       size_t at = 0;
-      for (int q = 0; q < size_; ++q) {
+      for (int q = 0; q < c.members; ++q) {
         std::memcpy(static_cast<char*>(c.bufs[r]) + at, c.sends[q], c.counts[q] * es);
         at += c.counts[q] * es;
       }
@@ -109,74 +110,86 @@ bool FakeBackend::Receive(const std::vector<int>& tags, int* tag, int* src, Byte
   return false;
 }
 
-void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel) {
-  // Every rank issues the collectives of one channel in the same order.
-  const uint64_t seq = (static_cast<uint64_t>(channel + 1) << 40) | next_coll_[channel]++;
-  pending_colls_.push_back({seq, std::move(done)});
+void FakeBackend::Collective(FakeWorld::Coll mine, int set, Callback done, int channel) {
+  // Every member issues the collectives of one (set, channel) in the same order.
+  int members = info_.size, me = info_.rank;
+  if (set != 0) {
+    auto s = sets_.find(set);
+    if (s == sets_.end()) {
+      sent_.push_back({std::move(done), Status::Error(SHOAL_INVALID_ARGUMENT, "fake backend: no process set " +
+                                                                                   std::to_string(set) + " here")});
+      return;
+    }
+    members = static_cast<int>(s->second.size());
+    me = static_cast<int>(std::find(s->second.begin(), s->second.end(), info_.rank) - s->second.begin());
+  }
+  const CollKey key{set, channel, next_coll_[{set, channel}]++};
+  pending_colls_.push_back({key, std::move(done)});
   std::lock_guard<std::mutex> lock(w_->mu_);
-  auto& c = w_->colls_[seq];
+  auto& c = w_->colls_[key];
   if (c.arrived == 0) {
+    c.members = members;
     c.kind = mine.kind;
     c.dtype = mine.dtype;
     c.count = mine.count;
     c.root = mine.root;
     c.reduce_op = mine.reduce_op;
     c.split = mine.split;
-    c.bufs.assign(info_.size, nullptr);
-    c.sends.assign(info_.size, nullptr);
-    c.counts.assign(info_.size, 0);
+    c.bufs.assign(members, nullptr);
+    c.sends.assign(members, nullptr);
+    c.counts.assign(members, 0);
   }
-  c.bufs[info_.rank] = mine.bufs.empty() ? nullptr : mine.bufs[0];
-  c.sends[info_.rank] = mine.sends.empty() ? nullptr : mine.sends[0];
-  c.counts[info_.rank] = mine.count;
-  if (++c.arrived == info_.size) {
+  c.bufs[me] = mine.bufs.empty() ? nullptr : mine.bufs[0];
+  c.sends[me] = mine.sends.empty() ? nullptr : mine.sends[0];
+  c.counts[me] = mine.count;
+  if (++c.arrived == members) {
     w_->Finish(c);  // the last to arrive computes every rank's result
     c.complete = true;
   }
 }
 
-void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int, Callback done) {
+void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int, int set, Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllreduce;
   c.reduce_op = reduce_op;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
-  Collective(std::move(c), std::move(done));
+  Collective(std::move(c), set, std::move(done));
 }
 
-void FakeBackend::AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) {
+void FakeBackend::AllreduceOn(int set, int channel, void* buf, int64_t count, int dtype, Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllreduce;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
-  Collective(std::move(c), std::move(done), channel);
+  Collective(std::move(c), set, std::move(done), channel);
 }
 
-void FakeBackend::Broadcast(void* buf, int64_t count, int dtype, int root, int, Callback done) {
+void FakeBackend::Broadcast(void* buf, int64_t count, int dtype, int root, int, int set, Callback done) {
   FakeWorld::Coll c;
   c.kind = kBroadcast;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
   c.root = root;
-  Collective(std::move(c), std::move(done));
+  Collective(std::move(c), set, std::move(done));
 }
 
 void FakeBackend::Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>&, int dtype,
-                             Callback done) {
+                             int set, Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllgather;
   c.bufs = {recv};
   c.sends = {send};
   c.count = count;
   c.dtype = dtype;
-  Collective(std::move(c), std::move(done));
+  Collective(std::move(c), set, std::move(done));
 }
 
 void FakeBackend::ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
-                                int reduce_op, Callback done) {
+                                int reduce_op, int set, Callback done) {
   FakeWorld::Coll c;
   c.kind = kReduceScatter;
   c.bufs = {recv};
@@ -185,14 +198,35 @@ void FakeBackend::ReduceScatter(const void* send, void* recv, const std::vector<
   for (int64_t k : counts) c.count += k;
   c.dtype = dtype;
   c.reduce_op = reduce_op;
-  Collective(std::move(c), std::move(done));
+  Collective(std::move(c), set, std::move(done));
 }
 
-void FakeBackend::Barrier(Callback done) {
+void FakeBackend::Barrier(int set, Callback done) {
   FakeWorld::Coll c;
   c.kind = kBarrier;
-  Collective(std::move(c), std::move(done));
+  Collective(std::move(c), set, std::move(done));
 }
+
+Status FakeBackend::AddSet(int id, const std::vector<int>& ranks) {
+  // As MPI_Comm_create_group: returns once every member has called it (or one is dead).
+  std::unique_lock<std::mutex> lock(w_->mu_);
+  ++w_->making_[id];
+  w_->made_.notify_all();
+  auto dead = [&] {
+    for (int r : ranks) if (w_->dead_[r]) return r;
+    return -1;
+  };
+  w_->made_.wait_for(lock, std::chrono::seconds(30), [&] {
+    return w_->making_[id] >= static_cast<int>(ranks.size()) || dead() >= 0;
+  });
+  if (w_->making_[id] < static_cast<int>(ranks.size()))
+    return Status::Error(SHOAL_ABORTED, "fake backend: process set " + std::to_string(id) + ": rank " +
+                                            std::to_string(dead()) + " never made it");
+  sets_[id] = ranks;
+  return Status::Ok();
+}
+
+void FakeBackend::RemoveSet(int id) { sets_.erase(id); }
 
 bool FakeBackend::Progress() {
   std::vector<std::pair<Callback, Status>> run;
@@ -229,7 +263,7 @@ bool FakeBackend::Progress() {
         ++c;
         continue;
       }
-      if (++it->second.seen == info_.size) w_->colls_.erase(it);
+      if (++it->second.seen == it->second.members) w_->colls_.erase(it);
       run.push_back({std::move(c->second), Status::Ok()});
       c = pending_colls_.erase(c);
     }

@@ -91,6 +91,12 @@ typedef struct {
   /* neighbor ops: have the coordinator check, for this call, that every send has a
    * matching receive (a global round trip; static topologies are checked once instead). */
   int32_t topo_check;
+  /* Collectives (allreduce, broadcast, allgather, reducescatter, barrier): the process set
+   * that runs it (shoal_add_process_set's id; 0: every rank). Only its members call it; names
+   * are scoped per set; Average divides by the set's size; broadcast's root_rank is a world
+   * rank in the set; reducescatter splits over the set's ranks in ascending order, and
+   * allgather concatenates in that order. Neighbor ops and machine scope: 0 only. */
+  int32_t process_set;
 } shoal_op_desc;
 
 int shoal_init(char* err, size_t err_len);
@@ -108,7 +114,7 @@ void shoal_leave(void);
 /* A call of `op` refused at the call above the core (bad arguments): its name (NULL:
  * the next unnamed one) and step are used up, and every rank that submits the same call
  * gets `code` (SHOAL_INVALID_ARGUMENT or SHOAL_INVALID_TYPE) with `message` instead of waiting for this rank. */
-void shoal_reject(int op, const char* name, int code, const char* message);
+void shoal_reject(int op, const char* name, int code, const char* message, int32_t process_set);
 /* 1 in a child process forked after shoal_init: queries (rank, size) work, every call
  * that communicates fails at once (the MPI state belongs to the parent), and shutdown
  * and finalize do nothing. */
@@ -125,6 +131,23 @@ int shoal_is_homogeneous(void);
 int shoal_mpi_threads_supported(void);
 /* Writes e.g. "MPICH 5.0.2" into buf. */
 void shoal_mpi_library_version(char* buf, size_t len);
+
+/* Horovod's process sets: sub-communicators over some of the ranks. Every rank calls
+ * add/remove, with the same arguments and in the same order (they agree through one global
+ * exchange); any disagreement (other ranks, a rank calling the other function, a rank that
+ * refused the call above the core with `refusal`, SHOAL_INVALID_TYPE) is the same error on
+ * every rank, and a rank that never calls ends in a stall error after SHOAL_STALL_CHECK_TIME.
+ * add: `ranks` (any order, world ranks) become a set whose id (> 0, never reused) it writes;
+ * SHOAL_INVALID_ARGUMENT for an empty or bad list or the ranks of a set that exists.
+ * remove: SHOAL_INVALID_ARGUMENT for an unknown id or when ops of the set are in flight on
+ * some rank. Members make (free) the set's communicator together; ops in disjoint sets
+ * negotiate with their own coordinator (the set's first rank) and never wait for each other. */
+int shoal_add_process_set(const int32_t* ranks, int32_t n, const char* refusal, int32_t* id, char* err,
+                          size_t err_len);
+int shoal_remove_process_set(int32_t id, const char* refusal, char* err, size_t err_len);
+/* The world ranks of set `id` (ascending) into `ranks` (up to `capacity`); returns how many it
+ * has, or -1 for an unknown set (never added, or removed). */
+int shoal_process_set_ranks(int32_t id, int32_t* ranks, int32_t capacity);
 
 /* Queues an op; it may also start it on the calling thread (one communication cycle). */
 int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t err_len);

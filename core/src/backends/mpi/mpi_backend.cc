@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <list>
+#include <map>
 
 #include "../../backend.h"
 
@@ -84,7 +85,8 @@ class MpiBackend : public Backend {
     info_.threads_multiple = provided == MPI_THREAD_MULTIPLE;
     MPI_Comm_dup(MPI_COMM_WORLD, &ctrl_);
     MPI_Comm_dup(MPI_COMM_WORLD, &coll_);
-    for (MPI_Comm c : {ctrl_, coll_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    MPI_Comm_dup(MPI_COMM_WORLD, &sets_parent_);
+    for (MPI_Comm c : {ctrl_, coll_, sets_parent_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
     MPI_Comm_rank(ctrl_, &info_.rank);
     MPI_Comm_size(ctrl_, &info_.size);
     if (cfg.ranks_per_machine > 0)
@@ -112,7 +114,8 @@ class MpiBackend : public Backend {
   ~MpiBackend() override {
     // Requests still open here belong to peers that never answered; freeing the
     // communicators defers to MPI, which completes or discards them.
-    for (MPI_Comm* c : {&ctrl_, &coll_, &local_})
+    for (auto& kv : sets_) Free(&kv.second);
+    for (MPI_Comm* c : {&ctrl_, &coll_, &local_, &sets_parent_})
       if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
     for (MPI_Comm& c : channels_)
       if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
@@ -174,28 +177,28 @@ class MpiBackend : public Backend {
     return true;
   }
 
-  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) override {
+  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, int set, Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
       return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), ReduceOp(reduce_op),
-                            Comm(scope), r);
+                            Comm(scope, set), r);
     });
   }
 
-  void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override {
+  void AllreduceOn(int set, int channel, void* buf, int64_t count, int dtype, Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
       return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM,
-                            channels_.at(channel), r);
+                            set == 0 ? channels_.at(channel) : Set(set).channels.at(channel), r);
     });
   }
 
-  void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override {
+  void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, int set, Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Ibcast"}, [&](MPI_Request* r) {
-      return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, Comm(scope), r);
+      return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, Comm(scope, set), r);
     });
   }
 
   void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts,
-                  int dtype, Callback done) override {
+                  int dtype, int set, Callback done) override {
     auto c = std::make_shared<std::vector<int>>(counts.size());
     auto d = std::make_shared<std::vector<int>>(counts.size());
     Callback keep_alive = [c, d, done = std::move(done)](const Status& s) { done(s); };
@@ -207,27 +210,60 @@ class MpiBackend : public Backend {
         off += counts[i];
       }
       return MPI_Iallgatherv(send, CheckedCount(count), MoveType(dtype), recv, c->data(),
-                             d->data(), MoveType(dtype), coll_, r);
+                             d->data(), MoveType(dtype), Comm(SHOAL_SCOPE_WORLD, set), r);
     });
   }
 
   void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
-                     Callback done) override {
+                     int set, Callback done) override {
     auto c = std::make_shared<std::vector<int>>(counts.size());
     Callback keep_alive = [c, done = std::move(done)](const Status& s) { done(s); };
     const bool even = std::all_of(counts.begin(), counts.end(), [&](int64_t k) { return k == counts[0]; });
     Start(Op{{}, std::move(keep_alive), even ? "MPI_Ireduce_scatter_block" : "MPI_Ireduce_scatter"},
           [&](MPI_Request* r) {
             for (size_t i = 0; i < counts.size(); ++i) (*c)[i] = CheckedCount(counts[i]);
+            MPI_Comm comm = Comm(SHOAL_SCOPE_WORLD, set);
             if (even)  // the block form: MPI libraries have faster algorithms for it
-              return MPI_Ireduce_scatter_block(send, recv, (*c)[0], ReduceType(dtype), ReduceOp(reduce_op), coll_, r);
-            return MPI_Ireduce_scatter(send, recv, c->data(), ReduceType(dtype), ReduceOp(reduce_op), coll_, r);
+              return MPI_Ireduce_scatter_block(send, recv, (*c)[0], ReduceType(dtype), ReduceOp(reduce_op), comm, r);
+            return MPI_Ireduce_scatter(send, recv, c->data(), ReduceType(dtype), ReduceOp(reduce_op), comm, r);
           });
   }
 
-  void Barrier(Callback done) override {
+  void Barrier(int set, Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Ibarrier"},
-          [&](MPI_Request* r) { return MPI_Ibarrier(coll_, r); });
+          [&](MPI_Request* r) { return MPI_Ibarrier(Comm(SHOAL_SCOPE_WORLD, set), r); });
+  }
+
+  Status AddSet(int id, const std::vector<int>& ranks) override {
+    // MPI_Comm_create_group: only the members take part (the other ranks go on with their
+    // own ops), matched by a tag of this set among the sets being made.
+    MPI_Group world = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+    MPI_Comm_group(sets_parent_, &world);
+    MPI_Group_incl(world, static_cast<int>(ranks.size()), ranks.data(), &group);
+    SetComms s;
+    int rc = MPI_Comm_create_group(sets_parent_, group, id % 32768, &s.comm);  // MPI_TAG_UB >= 32767
+    MPI_Group_free(&group);
+    MPI_Group_free(&world);
+    if (rc != MPI_SUCCESS) return Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Comm_create_group"));
+    MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN);
+    s.channels.assign(kSetChannels, MPI_COMM_NULL);
+    for (MPI_Comm& c : s.channels) {
+      rc = MPI_Comm_dup(s.comm, &c);
+      if (rc != MPI_SUCCESS) {
+        Free(&s);
+        return Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Comm_dup"));
+      }
+      MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    }
+    sets_[id] = std::move(s);
+    return Status::Ok();
+  }
+
+  void RemoveSet(int id) override {
+    auto it = sets_.find(id);
+    if (it == sets_.end()) return;
+    Free(&it->second);  // outstanding requests on them complete first (MPI defers the free)
+    sets_.erase(it);
   }
 
   bool Progress() override {
@@ -262,9 +298,29 @@ class MpiBackend : public Backend {
     }
   };
 
+  struct SetComms {
+    MPI_Comm comm = MPI_COMM_NULL;
+    std::vector<MPI_Comm> channels;
+  };
+
+  static void Free(SetComms* s) {
+    for (MPI_Comm& c : s->channels)
+      if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
+    if (s->comm != MPI_COMM_NULL) MPI_Comm_free(&s->comm);
+  }
+
+  const SetComms& Set(int set) const {
+    auto it = sets_.find(set);
+    if (it == sets_.end()) throw std::invalid_argument("process set " + std::to_string(set) + " has no communicator here");
+    return it->second;
+  }
+
   // Machine-scope collectives run on the local communicator; the coordinator's one
-  // global order keeps every machine's order consistent too.
-  MPI_Comm Comm(int scope) const { return scope == SHOAL_SCOPE_MACHINE ? local_ : coll_; }
+  // global order keeps every machine's order consistent too. A process set's run on its own.
+  MPI_Comm Comm(int scope, int set) const {
+    if (set != 0) return Set(set).comm;
+    return scope == SHOAL_SCOPE_MACHINE ? local_ : coll_;
+  }
 
   // Never throws: a failure to start is reported through the op's callback.
   template <typename F> void Start(Op op, F&& start) {
@@ -284,6 +340,8 @@ class MpiBackend : public Backend {
 
   WorldInfo info_;
   MPI_Comm ctrl_ = MPI_COMM_NULL, coll_ = MPI_COMM_NULL, local_ = MPI_COMM_NULL;
+  MPI_Comm sets_parent_ = MPI_COMM_NULL;  // process sets are made from it (AddSet)
+  std::map<int, SetComms> sets_;
   std::array<MPI_Comm, kChannels> channels_;
   std::list<Op> ops_;
 };
