@@ -37,11 +37,11 @@ def reduce_op_grad(op):
     return op if op in (Sum.code, Average.code) else Sum.code
 
 
-def reducescatter_grad(gathered, op):
-    """The gradient of a reducescatter with reduce op code `op`, from the allgather of the
-    incoming gradients."""
+def reducescatter_grad(gathered, op, size=None):
+    """The gradient of a reducescatter with reduce op code `op` over `size` ranks (default
+    size(); a process set's size), from the allgather of the incoming gradients."""
     from ._ops import Average
-    return gathered / _process.size() if op == Average.code else gathered
+    return gathered / (size or _process.size()) if op == Average.code else gathered
 
 
 def extremum_grad(x, y, grad, allreduce_sum, indicator):
@@ -65,10 +65,11 @@ def broadcast_keeps(root, scope):
     return (_process.local_rank() if scope == MACHINE else _process.rank()) == root
 
 
-def allgather_start(rows_of_every_rank, reduce_sum=sum):
+def allgather_start(rows_of_every_rank, reduce_sum=sum, rank=None):
     """Where this rank's rows start in an allgather's result: `reduce_sum` (the framework's
-    sum) of `rows_of_every_rank`[q < rank], the rows each lower rank contributed."""
-    return reduce_sum(rows_of_every_rank[:_process.rank()])
+    sum) of `rows_of_every_rank`[q < rank], the rows each lower rank contributed (`rank`:
+    this rank's place in the gather's ranks, default rank(); a process set's rank())."""
+    return reduce_sum(rows_of_every_rank[:_process.rank() if rank is None else rank])
 
 
 def neighbor_peers(self_weight, recv_ranks, recv_weights, send_ranks, send_weights, uniform):

@@ -5,13 +5,13 @@
 names reach is one of `shoal.tensorflow.ops`' kernels over the one runtime.
 
 Differences from Horovod kept here (each said where it applies):
-* Only the global process set exists: another `process_set=` raises NotImplementedError.
 * `Adasum` is not implemented (NotImplementedError naming it).
+Process sets (`process_set=`, `add_process_set`) are `shoal.process_sets`', as Horovod's.
 """
 import tensorflow as tf
 
 from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
-from shoal._horovod import Compressor, NoneCompressor, check_compression, check_op, check_process_set  # noqa: F401
+from shoal._horovod import Compressor, NoneCompressor, check_compression, check_op  # noqa: F401
 from shoal._horovod import __all__ as _NEUTRAL
 from shoal import _ops
 

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import shoal
-from shoal import _gradients, _hierarchical, _metrics, _ops
+from shoal import _gradients, _hierarchical, _metrics, _ops, process_sets
 from shoal._gradients import grad_name
 from shoal._process import STATE
 
@@ -14,20 +14,23 @@ from . import _build, _horovod
 _lib = _build.load()
 
 
-def _name(op, name):
+def _name(op, name, process_set=0):
     # Unnamed ops: eagerly, a process-wide count (ranks run eager ops in one order); in a
     # traced function, the function's name and a count that restarts for every trace, so a
-    # retrace on one rank only (e.g. an uneven last batch) yields the same names.
+    # retrace on one rank only (e.g. an uneven last batch) yields the same names. One count
+    # per process set: only its members run its ops.
     if name:
         return _ops.op_name(name)
+    in_set = f".ps{process_set}" if process_set else ""
     if tf.executing_eagerly():
-        return STATE.unnamed(f"tf.{op}")  # bounded, like the core's unnamed ops
+        return STATE.unnamed(f"tf.{op}{in_set}")  # bounded, like the core's unnamed ops
     graph = tf.compat.v1.get_default_graph()
     with STATE.lock:
-        k = STATE.traced.get(graph, 0)  # ops named in this traced graph so far
-        STATE.traced[graph] = k + 1
+        counts = STATE.traced.setdefault(graph, {})  # ops named in this traced graph so far, by set
+        k = counts.get(process_set, 0)
+        counts[process_set] = k + 1
     fn = re.sub(r"^__inference_|_\d+$", "", getattr(graph, "name", "graph"))
-    return f"tf.{fn}.{op}.{k}"
+    return f"tf.{fn}.{op}{in_set}.{k}"
 
 
 def _no_xla(op):
@@ -66,17 +69,18 @@ def _scale(t, factor):
     return tf.cast(tf.math.trunc(tf.cast(t, tf.float64) * factor), t.dtype)
 
 
-def _sparse_allreduce(slices, rop, name, pre, post):
+def _sparse_allreduce(slices, rop, name, pre, post, process_set):
     """Horovod's allreduce of a tf.IndexedSlices: two allgathers (values, indices), the
-    values divided by size() for Average: the IndexedSlices of the sum or average."""
+    values divided by the number of ranks for Average: the IndexedSlices of the sum or average."""
     if pre != 1.0 or post != 1.0:
         raise NotImplementedError("allreduce: prescale_factor/postscale_factor are not supported with "
                                   "tf.IndexedSlices (as in Horovod); use sparse_as_dense=True")
-    base = _ops.op_name(name) or _name("allreduce.sparse", None)
-    values = allgather(slices.values, name=base + ".values")
-    indices = allgather(slices.indices, name=base + ".indices")
+    ps = process_sets.id_of(process_set, "allreduce")
+    base = _ops.op_name(name) or _name("allreduce.sparse", None, ps)
+    values = allgather(slices.values, name=base + ".values", process_set=ps)
+    indices = allgather(slices.indices, name=base + ".indices", process_set=ps)
     if rop is Average:
-        values = values / tf.cast(shoal.size(), values.dtype)
+        values = values / tf.cast(process_sets.layout(ps)[0], values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -92,18 +96,19 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
     compression (hvd.Compression.fp16/bf16: floating tensors travel in 16 bits, the
     result comes back in the input's dtype), prescale_factor/postscale_factor (multiply
     each rank's tensor before and the result after the reduction; integers truncate
-    toward zero), process_set (the global one only: else NotImplementedError), op=Adasum
-    (NotImplementedError). op=Average of an integer tensor is Horovod's: the sum divided
-    by size() and truncated toward zero. A tf.IndexedSlices is reduced as in Horovod: an
-    allgather of its values and indices (values divided by size() for Average).
+    toward zero), process_set (a `ProcessSet`: over its members, whose size divides the
+    Average; only they call it), op=Adasum (NotImplementedError). op=Average of an integer
+    tensor is Horovod's: the sum divided by size() and truncated toward zero. A
+    tf.IndexedSlices is reduced as in Horovod: an allgather of its values and indices
+    (values divided by size() for Average).
     """
-    _horovod.check_process_set(process_set, "allreduce")
     _horovod.check_op(op, "allreduce")
     compression = _horovod.check_compression(compression, "allreduce")
     rop = _ops.reduce_op(average, op)
     pre, post = float(prescale_factor), float(postscale_factor)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, rop, name, pre, post)
+        return _sparse_allreduce(tensor, rop, name, pre, post, process_set)
+    ps = process_sets.id_of(process_set, "allreduce")
     tensor = tf.convert_to_tensor(tensor)
     sent, ctx = compression.compress(tensor)
     integer_average = rop is Average and not (sent.dtype.is_floating or sent.dtype.is_complex)
@@ -111,9 +116,9 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
     code = Sum.code if integer_average else rop.code
     sent = _scale(sent, pre)
     out = _run("allreduce", lambda: _lib.shoal_allreduce(
-        sent, op_name=_name("allreduce", name), reduce_op=code, scope=scope))
+        sent, op_name=_name("allreduce", name, ps), reduce_op=code, scope=scope, process_set=ps))
     if integer_average:
-        n = shoal.local_size() if is_hierarchical_local else shoal.size()
+        n = shoal.local_size() if is_hierarchical_local else process_sets.layout(ps)[0]
         out = tf.truncatediv(out, tf.cast(n, out.dtype)) if post == 1.0 else _scale(out, post / n)
     else:
         out = _scale(out, post)
@@ -123,19 +128,21 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
 def broadcast(tensor, root_rank, name=None, is_hierarchical_local=False, *,
               process_set=_horovod.global_process_set):
     """`root_rank`'s tensor on every rank; semantics of `shoal.broadcast`. `process_set`
-    (Horovod's keyword): the global one only."""
-    _horovod.check_process_set(process_set, "broadcast")
+    (Horovod's keyword, a `ProcessSet`): only its members call it; root_rank is a world
+    rank of the set."""
+    ps = process_sets.id_of(process_set, "broadcast")
     return _run("broadcast", lambda: _lib.shoal_broadcast(
-        tf.convert_to_tensor(tensor), op_name=_name("broadcast", name), root_rank=int(root_rank),
-        scope=int(bool(is_hierarchical_local))))
+        tf.convert_to_tensor(tensor), op_name=_name("broadcast", name, ps), root_rank=int(root_rank),
+        scope=int(bool(is_hierarchical_local)), process_set=ps))
 
 
 def allgather(tensor, name=None, *, process_set=_horovod.global_process_set):
     """Concatenation along dim 0 of every rank's tensor (first dims may differ).
-    `process_set` (Horovod's keyword): the global one only."""
-    _horovod.check_process_set(process_set, "allgather")
+    `process_set` (Horovod's keyword, a `ProcessSet`): its members' tensors, in their
+    rank order."""
+    ps = process_sets.id_of(process_set, "allgather")
     return _run("allgather", lambda: _lib.shoal_allgather(tf.convert_to_tensor(tensor),
-                                                          op_name=_name("allgather", name)))
+                                                          op_name=_name("allgather", name, ps), process_set=ps))
 
 
 def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none, op=None, name=None,
@@ -148,10 +155,11 @@ def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none
     Differentiable: the gradient is the allgather of the gradients (divided by size() for
     Average). compression, prescale_factor/postscale_factor and the integer average
     (truncated toward zero) as in `allreduce`; device_dense and ignore_name_scope change
-    nothing. Raises ValueError for a 0-d tensor, bool tensors or an op other than
-    Average/Sum; NotImplementedError for Adasum and process sets other than the global
-    one; ShoalError (eagerly) when ranks disagree on shape, dtype or op."""
-    _horovod.check_process_set(process_set, "reducescatter")
+    nothing; process_set (a `ProcessSet`): over its members (size(): the set's). Raises
+    ValueError for a 0-d tensor, bool tensors or an op other than Average/Sum;
+    NotImplementedError for Adasum; ShoalError (eagerly) when ranks disagree on shape,
+    dtype or op."""
+    ps = process_sets.id_of(process_set, "reducescatter")
     _horovod.check_op(op, "reducescatter")
     compression = _horovod.check_compression(compression, "reducescatter")
     rop = Average if op is None else _ops.reduce_op(None, op)
@@ -162,10 +170,10 @@ def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none
     code = Sum.code if integer_average else rop.code
     sent = _scale(sent, float(prescale_factor))
     out = _run("reducescatter", lambda: _lib.shoal_reducescatter(
-        sent, op_name=_name("reducescatter", name), reduce_op=code))
+        sent, op_name=_name("reducescatter", name, ps), reduce_op=code, process_set=ps))
     post = float(postscale_factor)
     if integer_average:
-        n = shoal.size()
+        n = process_sets.layout(ps)[0]
         out = tf.truncatediv(out, tf.cast(n, out.dtype)) if post == 1.0 else _scale(out, post / n)
     else:
         out = _scale(out, post)
@@ -223,11 +231,12 @@ def _grad_name(op):
 
 @tf.RegisterGradient("ShoalAllreduce")
 def _allreduce_grad(op, grad):
-    forward, scope, name = op.get_attr("reduce_op"), op.get_attr("scope"), _grad_name(op)
+    forward, scope, name, ps = op.get_attr("reduce_op"), op.get_attr("scope"), _grad_name(op), op.get_attr("process_set")
     rop = _gradients.reduce_op_grad(forward)
 
     def allreduce_sum(t, suffix):
-        return _lib.shoal_allreduce(t, op_name=name + suffix if name else "", reduce_op=rop, scope=scope)
+        return _lib.shoal_allreduce(t, op_name=name + suffix if name else "", reduce_op=rop, scope=scope,
+                                    process_set=ps)
 
     if forward in (Min.code, Max.code):
         return _gradients.extremum_grad(op.inputs[0], op.outputs[0], grad, allreduce_sum,
@@ -238,8 +247,8 @@ def _allreduce_grad(op, grad):
                                       "not implemented (it needs a machine-local allgather)")
 
         def others_product(t, suffix):
-            every = _lib.shoal_allgather(tf.expand_dims(t, 0), op_name=name + suffix if name else "")
-            r = shoal.rank()
+            every = _lib.shoal_allgather(tf.expand_dims(t, 0), op_name=name + suffix if name else "", process_set=ps)
+            r = process_sets.layout(ps)[1]
             return tf.reduce_prod(tf.concat([every[:r], every[r + 1:]], 0), 0)
         return _gradients.product_grad(op.inputs[0], grad, allreduce_sum, others_product)
     return allreduce_sum(grad, "")
@@ -247,24 +256,27 @@ def _allreduce_grad(op, grad):
 
 @tf.RegisterGradient("ShoalBroadcast")
 def _broadcast_grad(op, grad):
-    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=op.get_attr("scope"))
+    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=op.get_attr("scope"),
+                                 process_set=op.get_attr("process_set"))
     keeps = _gradients.broadcast_keeps(op.get_attr("root_rank"), op.get_attr("scope"))
     return total if keeps else tf.zeros_like(total)
 
 
 @tf.RegisterGradient("ShoalAllgather")
 def _allgather_grad(op, grad):
-    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=_ops.WORLD)
+    ps = op.get_attr("process_set")
+    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=_ops.WORLD, process_set=ps)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
-    every = _lib.shoal_allgather(rows, op_name=_grad_name(op) + ".rows")
-    start = _gradients.allgather_start(every, tf.reduce_sum)
+    every = _lib.shoal_allgather(rows, op_name=_grad_name(op) + ".rows", process_set=ps)
+    start = _gradients.allgather_start(every, tf.reduce_sum, process_sets.layout(ps)[1])
     return total[start:start + rows[0]]
 
 
 @tf.RegisterGradient("ShoalReducescatter")
 def _reducescatter_grad(op, grad):
-    gathered = _lib.shoal_allgather(grad, op_name=_grad_name(op))
-    return _gradients.reducescatter_grad(gathered, op.get_attr("reduce_op"))
+    ps = op.get_attr("process_set")
+    gathered = _lib.shoal_allgather(grad, op_name=_grad_name(op), process_set=ps)
+    return _gradients.reducescatter_grad(gathered, op.get_attr("reduce_op"), process_sets.layout(ps)[0])
 
 
 @tf.RegisterGradient("ShoalNeighborAllreduce")
@@ -293,14 +305,19 @@ def consensus_distance(variables, name="consensus_distance"):
 
 def reduce_gradients(grads, variables, prefix, compression=_horovod.Compression.none, op=Average,
                      gradient_predivide_factor=1.0, sparse_as_dense=False, none_as_zeros=False,
-                     what="DistributedOptimizer"):
+                     what="DistributedOptimizer", process_set=_horovod.global_process_set):
     """Horovod's gradient allreduce (`_make_allreduce_grads_fn`): each gradient through
     `allreduce` named `<prefix>.<i>`, op Average or Sum; for Average the division is split
     around the sum (each gradient times 1/gradient_predivide_factor before, the average
     times gradient_predivide_factor after). A tf.IndexedSlices is densified with
     sparse_as_dense, else reduced by allgather. A None gradient stays None (Horovod's
-    optimizer), or with `none_as_zeros` is reduced as zeros (every rank takes part)."""
+    optimizer), or with `none_as_zeros` is reduced as zeros (every rank takes part). In
+    `process_set` (a ProcessSet) over its members; on a rank outside it the gradients are
+    returned as they are (Horovod's optimizers skip the reduction there)."""
     _horovod.check_op(op, what)
+    process_sets.id_of(process_set, what)
+    if isinstance(process_set, process_sets.ProcessSet) and not process_set.included():
+        return list(grads)
     if op is not Average and op is not Sum:
         raise ValueError(f"{what}: op must be hvd.Average or hvd.Sum, got {op!r}")
     f = float(gradient_predivide_factor)
@@ -317,7 +334,7 @@ def reduce_gradients(grads, variables, prefix, compression=_horovod.Compression.
         if sparse_as_dense and isinstance(g, tf.IndexedSlices):
             g = tf.convert_to_tensor(g)
         out.append(allreduce(g, op=op, name=f"{prefix}.{i}", compression=compression,
-                             prescale_factor=pre, postscale_factor=post))
+                             prescale_factor=pre, postscale_factor=post, process_set=process_set))
     return out
 
 
@@ -334,7 +351,8 @@ class DistributedGradientTape:
     device_dense, Shoal's is `communication`): compression (Compression.none/fp16/bf16),
     op (Average or Sum), gradient_predivide_factor, sparse_as_dense (a tf.IndexedSlices
     gradient is densified; else reduced by allgather of values and indices, as Horovod
-    does), process_set (the global one only: NotImplementedError otherwise); device_dense,
+    does), process_set (a `ProcessSet`: averaged over its members; a rank outside it gets
+    its own gradients); device_dense,
     device_sparse, num_groups, groups are accepted and change nothing (Shoal places by
     the tensor's device and fuses whatever is ready in one cycle). With
     communication="neighbor" only the defaults of these are accepted, and sparse
@@ -347,18 +365,19 @@ class DistributedGradientTape:
                  process_set=_horovod.global_process_set, scale_local_gradients=True):
         if communication not in ("allreduce", "neighbor"):
             raise ValueError("communication must be 'allreduce' or 'neighbor'")
-        _horovod.check_process_set(process_set, "DistributedGradientTape")
         _horovod.check_op(op, "DistributedGradientTape")
+        process_sets.id_of(process_set, "DistributedGradientTape")
         _horovod.check_compression(compression, "DistributedGradientTape")
         if op is not Average and op is not Sum:
             raise ValueError(f"DistributedGradientTape: op must be hvd.Average or hvd.Sum, got {op!r}")
         if communication == "neighbor" and (compression is not _horovod.Compression.none or op is not Average
-                                            or gradient_predivide_factor != 1.0):
-            raise ValueError("DistributedGradientTape: compression, op and gradient_predivide_factor apply "
-                             "to communication='allreduce' only")
+                                            or gradient_predivide_factor != 1.0
+                                            or process_sets.id_of(process_set, "DistributedGradientTape")):
+            raise ValueError("DistributedGradientTape: compression, op, gradient_predivide_factor and process_set "
+                             "apply to communication='allreduce' only")
         self._tape, self._communication, self._name = tape, communication, name
         self._reduce_kw = dict(compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
-                               sparse_as_dense=sparse_as_dense)
+                               sparse_as_dense=sparse_as_dense, process_set=process_set)
 
     def __getattr__(self, attr):
         return getattr(self._tape, attr)
@@ -397,31 +416,29 @@ def _pickle(obj):
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=_horovod.global_process_set):
     """Horovod's `broadcast_object`: root_rank's `obj` (pickled there, cloudpickle when
     installed) unpickled on every rank, root too. Eager only (`session`, TF1's, must be
-    None); `process_set`: the global one only. Two broadcasts (`<name>.sz`, `<name>.t`);
-    the default name is "broadcast_object" (Horovod's is the object's type name, which
-    can differ between root and the others)."""
+    None); `process_set` (a ProcessSet): among its members, root_rank one of them. Two
+    broadcasts (`<name>.sz`, `<name>.t`); the default name is "broadcast_object" (Horovod's
+    is the object's type name, which can differ between root and the others)."""
     import pickle
-    _horovod.check_process_set(process_set, "broadcast_object")
     if session is not None:
         raise NotImplementedError("broadcast_object: TF1 sessions are not supported; call it eagerly")
     name = name or "broadcast_object"
     root = shoal.rank() == root_rank
     data = _pickle(obj) if root else np.zeros(0, np.uint8)
-    size = broadcast(tf.constant([data.size], tf.int64), root_rank, name=name + ".sz")
+    size = broadcast(tf.constant([data.size], tf.int64), root_rank, name=name + ".sz", process_set=process_set)
     buf = data if root else np.zeros(int(size.numpy()[0]), np.uint8)
-    buf = broadcast(tf.constant(buf), root_rank, name=name + ".t")
+    buf = broadcast(tf.constant(buf), root_rank, name=name + ".t", process_set=process_set)
     return pickle.loads(buf.numpy().tobytes())
 
 
 def allgather_object(obj, name=None, process_set=_horovod.global_process_set):
     """Horovod's `allgather_object`: the list of every rank's (picklable) `obj`, in rank
-    order. Eager only; `process_set`: the global one only."""
+    order (of `process_set`'s members if given). Eager only."""
     import pickle
-    _horovod.check_process_set(process_set, "allgather_object")
     name = name or "allgather_object"
     data = _pickle(obj)
-    sizes = allgather(tf.constant([data.size], tf.int64), name=name + ".sz").numpy().tolist()
-    flat = allgather(tf.constant(data), name=name + ".t").numpy()
+    sizes = allgather(tf.constant([data.size], tf.int64), name=name + ".sz", process_set=process_set).numpy().tolist()
+    flat = allgather(tf.constant(data), name=name + ".t", process_set=process_set).numpy()
     out, at = [], 0
     for s in sizes:
         out.append(pickle.loads(flat[at:at + s].tobytes()))

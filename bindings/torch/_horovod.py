@@ -11,7 +11,8 @@ What a script can observe follows Horovod, except (each said where it applies):
 * `allreduce`/`allreduce_` keep BlueFog's positional order (tensor, average,
   is_hierarchical_local, name, op); a str third positional argument is Horovod's `name`,
   and the positional arguments after it are then read in Horovod's order.
-* Only the global process set exists (`process_set=` anything else: NotImplementedError).
+* Process sets (`process_set=`, shoal.process_sets): as Horovod's; `broadcast_optimizer_state`
+  runs over every rank only (NotImplementedError for another set).
 * `Adasum` is not implemented (NotImplementedError naming it).
 * The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`.
 """
@@ -19,7 +20,7 @@ import inspect
 
 import torch
 
-from shoal import _ops, basics
+from shoal import _ops, basics, process_sets
 from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 
 from shoal._api import build_api
@@ -38,6 +39,17 @@ TORCH_API = build_api(ADAPTER)
 
 # ---- Errors, reduce ops, process sets, compression's interface: shoal/_horovod.py ----
 _check_op, _check_process_set = check_op, check_process_set
+
+
+def _in_set(process_set):
+    """The keyword of `process_set=` for Shoal's ops: none for the global set (the C
+    entries' one-call path takes only plain calls)."""
+    return {} if process_set is global_process_set or process_set is None else {"process_set": process_set}
+
+
+def _set_size(process_set, what):
+    """The number of ranks an op in `process_set` (None or a ProcessSet) reduces over."""
+    return process_sets.layout(process_sets.id_of(process_set, what))[0]
 
 
 def _cast_compressor(dtype, doc):
@@ -109,9 +121,9 @@ def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=
                       inplace=False, what="allreduce"):
     """Enqueue one allreduce with Horovod's extras; returns its handle."""
     ADAPTER._check(tensor, what)
-    _check_process_set(process_set, what)
     _check_op(op, what)
     rop = _ops.reduce_op(average, op)
+    n = basics.local_size() if is_hierarchical_local else _set_size(process_set, what)
     pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
     integer_average = rop is Average and not tensor.is_floating_point()
     src = tensor
@@ -123,9 +135,8 @@ def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=
         src = _scale_(tensor.detach().clone(memory_format=torch.contiguous_format), pre)
     scope = _ops.MACHINE if is_hierarchical_local else _ops.WORLD
     h = _ops.allreduce(ADAPTER, src, None, name, op=Sum if integer_average else rop,
-                       inplace=inplace or src is not tensor, scope=scope)
+                       inplace=inplace or src is not tensor, scope=scope, process_set=process_set)
     if integer_average or post != 1.0:
-        n = basics.local_size() if is_hierarchical_local else basics.size()
         _ops.then(h, lambda out: _allreduce_finish(out, integer_average, n, post))
     return h
 
@@ -141,7 +152,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
       the postscale factor: the same value up to rounding).
     * op=Average on an integer tensor: the sum divided by size(), truncated toward zero
       (Horovod's integer average; Shoal's own names refuse it with ValueError).
-    * op=Adasum, process_set other than the global one: NotImplementedError.
+    * process_set: a `ProcessSet` (add_process_set): over its members (size(): the set's).
+    * op=Adasum: NotImplementedError.
     """
     return _allreduce_submit(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
                              what="allreduce_async")
@@ -209,18 +221,17 @@ def allreduce(tensor, *args, **kwargs):
              or not a["tensor"].is_floating_point())
     if not extra:
         # Horovod's allreduce: compress, the differentiable allreduce, decompress.
-        _check_process_set(a["process_set"], "allreduce")
         _check_op(a["op"], "allreduce")
         sent, ctx = compression.compress(a["tensor"])
-        out = _torch_ops.allreduce(sent, a["average"], a["is_hierarchical_local"], a["name"], a["op"])
+        out = _torch_ops.allreduce(sent, a["average"], a["is_hierarchical_local"], a["name"], a["op"],
+                                   **_in_set(a["process_set"]))
         return compression.decompress(out, ctx)
     sent, ctx = compression.compress(a["tensor"])
     if sent.requires_grad and torch.is_grad_enabled():
         # Differentiable: scale around the registered op (the gradient is scaled the same way).
-        _check_process_set(a["process_set"], "allreduce")
         _check_op(a["op"], "allreduce")
         out = _torch_ops.allreduce(sent * a["prescale_factor"], a["average"], a["is_hierarchical_local"],
-                                   a["name"], a["op"]) * a["postscale_factor"]
+                                   a["name"], a["op"], **_in_set(a["process_set"])) * a["postscale_factor"]
         return compression.decompress(out, ctx)
     h = _allreduce_submit(sent, a["average"], a["name"], a["op"], a["prescale_factor"], a["postscale_factor"],
                           a["process_set"], a["is_hierarchical_local"], what="allreduce")
@@ -234,9 +245,9 @@ allreduce.__doc__ = f"""Blocking allreduce; BlueFog's and Horovod's `allreduce`.
     `average=`), or the element-wise minimum, maximum or product (op=Min/Max/Product),
     same shape and dtype; differentiable (the gradient is the same allreduce
     of the gradient). Horovod's keywords: compression (hvd.Compression.fp16: floating
-    tensors travel as float16), prescale_factor/postscale_factor, process_set (global
-    only), op=Adasum (NotImplementedError); op=Average on integers as in
-    `allreduce_async`.
+    tensors travel as float16), prescale_factor/postscale_factor, process_set (a
+    `ProcessSet`: over its members), op=Adasum (NotImplementedError); op=Average on
+    integers as in `allreduce_async`.
 
     Positional order: BlueFog's (tensor, average, is_hierarchical_local, name, op). A
     str third positional argument is Horovod's `name`; the positional arguments are then
@@ -262,48 +273,39 @@ allreduce_.__doc__ = f"""Blocking in-place allreduce (returns `tensor`); BlueFog
     then read in Horovod's order {_SIGS["allreduce_"][1]}."""
 
 
-# ---- Broadcast / allgather: Horovod's names and its process_set keyword ----
+# ---- Broadcast / allgather: Horovod's names and its process_set keyword (a ProcessSet:
+# only its members call it; root_rank is a world rank of the set) ----
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Horovod's `broadcast_async` = `broadcast_nonblocking`: returns a handle; `tensor`
     is not modified."""
-    _check_process_set(process_set, "broadcast_async")
-    return TORCH_API["broadcast_nonblocking"](tensor, root_rank, name)
+    return TORCH_API["broadcast_nonblocking"](tensor, root_rank, name, **_in_set(process_set))
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """Horovod's `broadcast_async_` = `broadcast_nonblocking_` (in place)."""
-    _check_process_set(process_set, "broadcast_async_")
-    return TORCH_API["broadcast_nonblocking_"](tensor, root_rank, name)
+    return TORCH_API["broadcast_nonblocking_"](tensor, root_rank, name, **_in_set(process_set))
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
-    """Blocking broadcast of `root_rank`'s tensor (BlueFog's and Horovod's; differentiable);
-    `process_set`: the global one only."""
-    if process_set is not global_process_set:
-        _check_process_set(process_set, "broadcast")
-    return _torch_ops.broadcast(tensor, root_rank, name)
+    """Blocking broadcast of `root_rank`'s tensor (BlueFog's and Horovod's; differentiable)."""
+    return _torch_ops.broadcast(tensor, root_rank, name, **_in_set(process_set))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Blocking in-place broadcast; returns `tensor` (BlueFog's and Horovod's)."""
-    if process_set is not global_process_set:
-        _check_process_set(process_set, "broadcast_")
-    return TORCH_API["broadcast_"](tensor, root_rank, name)
+    return TORCH_API["broadcast_"](tensor, root_rank, name, **_in_set(process_set))
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Horovod's `allgather_async` = `allgather_nonblocking`: returns a handle."""
-    _check_process_set(process_set, "allgather_async")
-    return TORCH_API["allgather_nonblocking"](tensor, name)
+    return TORCH_API["allgather_nonblocking"](tensor, name, **_in_set(process_set))
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
-    """Blocking allgather along dim 0 (first dims may differ), in rank order; BlueFog's and
-    Horovod's (differentiable). `process_set`: the global one only."""
-    if process_set is not global_process_set:
-        _check_process_set(process_set, "allgather")
-    return _torch_ops.allgather(tensor, name)
+    """Blocking allgather along dim 0 (first dims may differ), in rank order (of the set's
+    ranks in `process_set`); BlueFog's and Horovod's (differentiable)."""
+    return _torch_ops.allgather(tensor, name, **_in_set(process_set))
 
 
 # ---- Reducescatter: Horovod's names, positional order and extras ----
@@ -312,14 +314,13 @@ def _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_se
     """(reduce op for the core, prescale, finish(out)) of a Horovod reducescatter; the
     integer average is the sum divided by size(), truncated toward zero (as allreduce)."""
     ADAPTER._check(tensor, what)
-    _check_process_set(process_set, what)
     _check_op(op, what)
     rop = _ops.reduce_op(None, op)
     if rop is not Average and rop is not Sum:
         raise ValueError(f"{what}: op must be hvd.Average or hvd.Sum (as in Horovod), got {rop!r}")
     pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
     integer_average = rop is Average and not tensor.is_floating_point()
-    n = basics.size()
+    n = _set_size(process_set, what)
 
     def finish(out):
         return _allreduce_finish(out, integer_average, n, post) if integer_average or post != 1.0 else out
@@ -336,17 +337,17 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     Differentiable for floating tensors (the gradient is the allgather of the gradients,
     divided by size() for Average, as in Horovod). compression
     (Compression.fp16/bf16), prescale_factor/postscale_factor and the integer average
-    (truncated toward zero) as in `allreduce_async`. Raises ValueError for a 0-d tensor,
-    bool tensors or an op other than Average/Sum; NotImplementedError for Adasum and
-    process sets other than the global one; ShoalError when ranks disagree on shape,
-    dtype or op."""
+    (truncated toward zero) as in `allreduce_async`. `process_set` (a ProcessSet): over
+    its members (size(): the set's). Raises ValueError for a 0-d tensor, bool tensors or
+    an op other than Average/Sum; NotImplementedError for Adasum; ShoalError when ranks
+    disagree on shape, dtype or op."""
     compression = check_compression(compression, "reducescatter")
     rop, pre, finish = _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_set,
                                           "reducescatter")
     sent, ctx = compression.compress(tensor)
     if pre != 1.0:
         sent = sent * pre if sent.is_floating_point() else _scale_(sent.clone(), pre)
-    out = _torch_ops.reducescatter(sent, rop, name)
+    out = _torch_ops.reducescatter(sent, rop, name, **_in_set(process_set))
     if postscale_factor != 1.0 and out.is_floating_point():
         out = out * _factor(postscale_factor, "postscale_factor")  # differentiable
     else:
@@ -362,14 +363,15 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     rop, pre, finish = _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_set,
                                           "reducescatter_async")
     src = _scale_(tensor.detach().clone(memory_format=torch.contiguous_format), pre) if pre != 1.0 else tensor
-    return _ops.then(TORCH_API["reducescatter_nonblocking"](src, rop, name), finish)
+    return _ops.then(TORCH_API["reducescatter_nonblocking"](src, rop, name, **_in_set(process_set)), finish)
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
     """`broadcast_optimizer_state(optimizer, root_rank)` (BlueFog's and Horovod's): every
     rank's optimizer state becomes root_rank's, bit-exact (see
     `shoal.torch.utility.broadcast_optimizer_state`). `model` (Horovod's form) is accepted
-    and not needed: the root's whole state_dict travels."""
+    and not needed: the root's whole state_dict travels. Over every rank only:
+    NotImplementedError for another `process_set`."""
     _check_process_set(process_set, "broadcast_optimizer_state")
     return _utility.broadcast_optimizer_state(optimizer, root_rank)
 

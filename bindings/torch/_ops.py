@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import shoal as _numpy_api
-from shoal import _gradients, _ops, _process
+from shoal import _gradients, _ops, _process, process_sets
 from shoal._loader import _core
 from shoal._gradients import grad_name
 
@@ -27,32 +27,34 @@ def _define(schema, impl, fake):
     _register_fake(name)(fake)
 
 
-def _allreduce_impl(tensor, reduce_op, local, name):
+# `process_set`: the core's id of the set that runs the op (0: every rank).
+def _allreduce_impl(tensor, reduce_op, local, name, process_set=0):
     return _ops.allreduce(ADAPTER, tensor, None, name or None, op=_ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op),
-                          scope=_ops.MACHINE if local else _ops.WORLD, block=True)
+                          scope=_ops.MACHINE if local else _ops.WORLD, block=True, process_set=process_set)
 
 
-def _broadcast_impl(tensor, root_rank, name):
-    return _ops.broadcast(ADAPTER, tensor, root_rank, name or None, block=True)
+def _broadcast_impl(tensor, root_rank, name, process_set=0):
+    return _ops.broadcast(ADAPTER, tensor, root_rank, name or None, block=True, process_set=process_set)
 
 
-def _allgather_impl(tensor, name):
-    return _ops.synchronize(_ops.allgather(ADAPTER, tensor, name or None))
+def _allgather_impl(tensor, name, process_set=0):
+    return _ops.synchronize(_ops.allgather(ADAPTER, tensor, name or None, process_set=process_set))
 
 
-def _allgather_fake(tensor, name):
-    from shoal._process import size
+def _allgather_fake(tensor, name, process_set=0):
     rows = torch.library.get_ctx().new_dynamic_size()
-    return tensor.new_empty((rows,) + tuple(tensor.shape[1:])) if size() > 1 else tensor.new_empty(tensor.shape)
+    return (tensor.new_empty((rows,) + tuple(tensor.shape[1:])) if process_sets.layout(process_set)[0] > 1
+            else tensor.new_empty(tensor.shape))
 
 
-def _reducescatter_impl(tensor, reduce_op, name):
+def _reducescatter_impl(tensor, reduce_op, name, process_set=0):
     rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
-    return _ops.synchronize(_ops.reducescatter(ADAPTER, tensor, rop, name or None))
+    return _ops.synchronize(_ops.reducescatter(ADAPTER, tensor, rop, name or None, process_set=process_set))
 
 
-def _reducescatter_fake(tensor, reduce_op, name):
-    rows = _ops.reducescatter_rows(tensor.shape[0], _process.size(), _process.rank()) if tensor.dim() else 0
+def _reducescatter_fake(tensor, reduce_op, name, process_set=0):
+    size, rank = process_sets.layout(process_set)
+    rows = _ops.reducescatter_rows(tensor.shape[0], size, rank) if tensor.dim() else 0
     return tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
 
 
@@ -64,12 +66,13 @@ def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, se
     return _ops.neighbor_allreduce_submit(ADAPTER, tensor, name or None, peers, block=True)
 
 
-_define("allreduce(Tensor tensor, int reduce_op, bool local, str name) -> Tensor", _allreduce_impl,
-        lambda tensor, reduce_op, local, name: torch.empty_like(tensor))
-_define("broadcast(Tensor tensor, int root_rank, str name) -> Tensor", _broadcast_impl,
-        lambda tensor, root_rank, name: torch.empty_like(tensor))
-_define("allgather(Tensor tensor, str name) -> Tensor", _allgather_impl, _allgather_fake)
-_define("reducescatter(Tensor tensor, int reduce_op, str name) -> Tensor", _reducescatter_impl, _reducescatter_fake)
+_define("allreduce(Tensor tensor, int reduce_op, bool local, str name, int process_set=0) -> Tensor", _allreduce_impl,
+        lambda tensor, reduce_op, local, name, process_set=0: torch.empty_like(tensor))
+_define("broadcast(Tensor tensor, int root_rank, str name, int process_set=0) -> Tensor", _broadcast_impl,
+        lambda tensor, root_rank, name, process_set=0: torch.empty_like(tensor))
+_define("allgather(Tensor tensor, str name, int process_set=0) -> Tensor", _allgather_impl, _allgather_fake)
+_define("reducescatter(Tensor tensor, int reduce_op, str name, int process_set=0) -> Tensor", _reducescatter_impl,
+        _reducescatter_fake)
 _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, "
         "float[] recv_weights, int[] send_ranks, float[] send_weights, bool uniform, bool topo_check, "
         "str name) "
@@ -171,14 +174,16 @@ def make_allreduce(fallback, doc, module, torch):
 
 
 @_native(_ops.ALLREDUCE, make_allreduce)
-def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None):
+def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, process_set=None):
     """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce` (sum, sum then
-    divide by size(), min, max or product; BlueFog's `average=` or Horovod's `op=`).
-    Differentiable (shoal/_gradients.py); op=Product with is_hierarchical_local has no
-    gradient (NotImplementedError at backward)."""
+    divide by size(), min, max or product; BlueFog's `average=` or Horovod's `op=`; over
+    the members of `process_set`, a `shoal.ProcessSet`, if given). Differentiable
+    (shoal/_gradients.py; the backward op runs in the same set); op=Product with
+    is_hierarchical_local has no gradient (NotImplementedError at backward)."""
     ADAPTER._check(tensor, "allreduce")
     rop = _ops.reduce_op(average, op)
-    return torch.ops.shoal.allreduce(tensor, rop.code, bool(is_hierarchical_local), _ops.op_name(name))
+    return torch.ops.shoal.allreduce(tensor, rop.code, bool(is_hierarchical_local), _ops.op_name(name),
+                                     process_sets.id_of(process_set, "allreduce"))
 
 
 def make_broadcast(fallback, doc, module, torch):
@@ -187,32 +192,35 @@ def make_broadcast(fallback, doc, module, torch):
 
 
 @_native(_ops.BROADCAST, make_broadcast)
-def broadcast(tensor, root_rank, name=None):
-    """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast`."""
+def broadcast(tensor, root_rank, name=None, process_set=None):
+    """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast` (in
+    `process_set` if given: root_rank is a world rank of the set)."""
     ADAPTER._check(tensor, "broadcast")
     # Typed here: the registered op's int argument would take a bool, and refuse an int
     # beyond int64 with a RuntimeError the peers never hear of; the op checks the range.
     root_rank = _ops.root_int(root_rank)
     if not 0 <= root_rank < 2**31:
         _ops.root(root_rank)  # ValueError: outside [0, size())
-    return torch.ops.shoal.broadcast(tensor, root_rank, _ops.op_name(name))
+    return torch.ops.shoal.broadcast(tensor, root_rank, _ops.op_name(name), process_sets.id_of(process_set, "broadcast"))
 
 
 @_told(_ops.ALLGATHER, _numpy_api.allgather, _NUMPY_DTYPES)
-def allgather(tensor, name=None):
-    """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather`."""
+def allgather(tensor, name=None, process_set=None):
+    """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather` (of
+    `process_set`'s members if given)."""
     ADAPTER._check(tensor, "allgather")
-    return torch.ops.shoal.allgather(tensor, _ops.op_name(name))
+    return torch.ops.shoal.allgather(tensor, _ops.op_name(name), process_sets.id_of(process_set, "allgather"))
 
 
 @_told(_ops.REDUCESCATTER, _numpy_api.reducescatter, _NUMPY_DTYPES)
-def reducescatter(tensor, op=None, name=None):
-    """Blocking reducescatter along dim 0 (op Average or Sum); as `shoal.reducescatter`.
-    Differentiable: the gradient is the allgather of the gradients (divided by size() for
-    Average)."""
+def reducescatter(tensor, op=None, name=None, process_set=None):
+    """Blocking reducescatter along dim 0 (op Average or Sum); as `shoal.reducescatter`
+    (over `process_set`'s members if given). Differentiable: the gradient is the allgather
+    of the gradients (divided by the number of ranks for Average)."""
     ADAPTER._check(tensor, "reducescatter")
     rop = _ops.Average if op is None else _ops.reduce_op(None, op)
-    return torch.ops.shoal.reducescatter(tensor, rop.code, _ops.op_name(name))
+    return torch.ops.shoal.reducescatter(tensor, rop.code, _ops.op_name(name),
+                                         process_sets.id_of(process_set, "reducescatter"))
 
 
 @_native(_ops.NEIGHBOR_ALLREDUCE, _core.native_neighbor_allreduce)
@@ -230,18 +238,23 @@ def neighbor_allreduce(tensor, self_weight=None, src_weights=None, dst_weights=N
 
 # ---- Autograd (the blocking ops are differentiable; the nonblocking forms are not) ----
 # The formulas are shoal/_gradients.py's; here they run as the registered torch ops.
+def _process_set(inputs, at):
+    return inputs[at] if len(inputs) > at else 0
+
+
 def _allreduce_setup(ctx, inputs, output):
     ctx.reduce_op, ctx.local, ctx.name = inputs[1], inputs[2], inputs[3]
+    ctx.process_set = _process_set(inputs, 4)
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code, _ops.Product.code):
         ctx.save_for_backward(inputs[0], output)
 
 
 def _allreduce_backward(ctx, grad):
-    grad, name = grad.contiguous(), grad_name(ctx.name)
+    grad, name, ps = grad.contiguous(), grad_name(ctx.name), ctx.process_set
     rop = _gradients.reduce_op_grad(ctx.reduce_op)
 
     def allreduce_sum(t, suffix):
-        return torch.ops.shoal.allreduce(t.contiguous(), rop, ctx.local, name + suffix if name else "")
+        return torch.ops.shoal.allreduce(t.contiguous(), rop, ctx.local, name + suffix if name else "", ps)
 
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code):
         x, y = ctx.saved_tensors
@@ -253,43 +266,44 @@ def _allreduce_backward(ctx, grad):
         x, _ = ctx.saved_tensors
 
         def others_product(t, suffix):
-            every = torch.ops.shoal.allgather(t.contiguous().unsqueeze(0), name + suffix if name else "")
-            r = _process.rank()
+            every = torch.ops.shoal.allgather(t.contiguous().unsqueeze(0), name + suffix if name else "", ps)
+            r = process_sets.layout(ps)[1]
             return torch.cat([every[:r], every[r + 1:]]).prod(0)
         g = _gradients.product_grad(x, grad, allreduce_sum, others_product)
     else:
         g = allreduce_sum(grad, "")
-    return g, None, None, None
+    return g, None, None, None, None
 
 
 def _broadcast_setup(ctx, inputs, output):
-    ctx.root, ctx.name = inputs[1], inputs[2]
+    ctx.root, ctx.name, ctx.process_set = inputs[1], inputs[2], _process_set(inputs, 3)
 
 
 def _broadcast_backward(ctx, grad):
-    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name))
-    return (total if _gradients.broadcast_keeps(ctx.root, _ops.WORLD) else torch.zeros_like(total)), None, None
+    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name), ctx.process_set)
+    return (total if _gradients.broadcast_keeps(ctx.root, _ops.WORLD) else torch.zeros_like(total)), None, None, None
 
 
 def _allgather_setup(ctx, inputs, output):
-    ctx.rows, ctx.name = inputs[0].shape[0], inputs[1]
+    ctx.rows, ctx.name, ctx.process_set = inputs[0].shape[0], inputs[1], _process_set(inputs, 2)
 
 
 def _allgather_backward(ctx, grad):
-    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name))
+    ps = ctx.process_set
+    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name), ps)
     rows = torch.ops.shoal.allgather(torch.tensor([ctx.rows], dtype=torch.int64),
-                                     grad_name(ctx.name) + ".rows" if ctx.name else "")
-    start = int(_gradients.allgather_start(rows, torch.sum))
-    return total[start:start + ctx.rows], None
+                                     grad_name(ctx.name) + ".rows" if ctx.name else "", ps)
+    start = int(_gradients.allgather_start(rows, torch.sum, process_sets.layout(ps)[1]))
+    return total[start:start + ctx.rows], None, None
 
 
 def _reducescatter_setup(ctx, inputs, output):
-    ctx.reduce_op, ctx.name = inputs[1], inputs[2]
+    ctx.reduce_op, ctx.name, ctx.process_set = inputs[1], inputs[2], _process_set(inputs, 3)
 
 
 def _reducescatter_backward(ctx, grad):
-    g = torch.ops.shoal.allgather(grad.contiguous(), grad_name(ctx.name))
-    return _gradients.reducescatter_grad(g, ctx.reduce_op), None, None
+    g = torch.ops.shoal.allgather(grad.contiguous(), grad_name(ctx.name), ctx.process_set)
+    return _gradients.reducescatter_grad(g, ctx.reduce_op, process_sets.layout(ctx.process_set)[0]), None, None, None
 
 
 def _neighbor_setup(ctx, inputs, output):

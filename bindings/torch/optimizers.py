@@ -33,12 +33,11 @@ import warnings
 
 import torch
 
-from shoal import _hierarchical, _ops
+from shoal import _hierarchical, _ops, process_sets
 
 from . import _buckets
 from ._adapter import ADAPTER
-from ._horovod import (TORCH_API, Average, Compression, Sum, _check_op, _check_process_set, check_compression,
-                       global_process_set)
+from ._horovod import TORCH_API, Average, Compression, Sum, _check_op, _in_set, check_compression, global_process_set
 from ._optimizer_base import (CommunicationType, CommunicationTypeError, GradientsInFlightError,  # noqa: F401
                               _Distributed)
 from .consensus import ConsensusControl, consensus_distance
@@ -323,11 +322,13 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
     `gradient_predivide_factor` f (Average only: each gradient times 1/f before the sum,
     the average times f after it, as Horovod splits the average), `sparse_as_dense`
     (sparse gradients are densified before the exchange; without it they raise
-    ValueError: Shoal exchanges dense tensors only).
+    ValueError: Shoal exchanges dense tensors only), `process_set` (a `ProcessSet`:
+    gradients are averaged over its members only; on a rank outside it the optimizer
+    takes local steps and communicates nothing, as Horovod's).
     """
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, *, compression=Compression.none,
-                 op=Average, gradient_predivide_factor=1.0, sparse_as_dense=False):
+                 op=Average, gradient_predivide_factor=1.0, sparse_as_dense=False, process_set=global_process_set):
         compression = check_compression(compression, type(self).__name__)
         _check_op(op, type(self).__name__)
         if op is not Average and op is not Sum:
@@ -337,7 +338,10 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
             raise ValueError("gradient_predivide_factor is only supported with op=Average (as in Horovod)")
         if not f > 0.0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
+        process_sets.id_of(process_set, type(self).__name__)  # TypeError/ValueError for a bad one
         super().__init__(optimizer, model, num_steps_per_communication)
+        self._in_set = _in_set(process_set)
+        self._member = process_set is None or process_set.included()
         self._compression = compression
         # Horovod's split of the average: each gradient times 1/f before the sum, the
         # average times f after it.
@@ -353,6 +357,8 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                 self._bucket_of[q] = bucket
         self._ready = {}  # Bucket -> {parameter: (gradient, _version)} of members whose gradient is in
         self.communications = 0
+        if not self._member:
+            return  # outside its process set: local steps (no hooks, nothing to average)
         self._count_passes(self._on_grad)
         for p in self._params():  # before accumulation: an in-flight gradient stays untouched
             self._hooks.append(p.register_hook(lambda grad, p=p: self._before_accumulation(p)))
@@ -400,7 +406,7 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                 sent.mul_(self._prescale)
         # allreduce_nonblocking_: a plain gradient goes to the core from C (the hook runs
         # once per parameter, on the backward pass's critical path).
-        h = TORCH_API["allreduce_nonblocking_"](sent, self._op is Average, False, name)
+        h = TORCH_API["allreduce_nonblocking_"](sent, self._op is Average, False, name, **self._in_set)
         self._grad_handles[key] = (h, grads, sent, ctx)
 
     def _launch(self, p):
@@ -421,6 +427,8 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         """Wait for every gradient's average (launching, with zeros, those never produced).
         Raises GradientsInFlightError (after all averages are in) if a gradient was zeroed,
         replaced or modified in place while it was being averaged."""
+        if not self._member:
+            return super().synchronize()
         for p in self._params():
             if not self._in_flight(p):
                 if p.grad is None:
@@ -558,7 +566,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             accepted and checked as Horovod does. Results do not depend on it: Shoal's
             fusion packs the gradients ready in one cycle anyway (SHOAL_FUSION_THRESHOLD).
         sparse_as_dense: densify sparse gradients before the exchange.
-        process_set: None or hvd.global_process_set; others raise NotImplementedError.
+        process_set: a `ProcessSet` (add_process_set): gradients are averaged over its
+            members (Average divides by its size); ranks outside it take local steps.
     Shoal's form: a torch.nn.Module (or list of modules) as the second argument (or
     model=) names the parameters by the model's named_parameters(); its third positional
     argument, an int, is num_steps_per_communication (= backward_passes_per_step).
@@ -584,11 +593,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             raise ValueError("DistributedOptimizer: backward_passes_per_step and num_steps_per_communication "
                              "differ (they are the same setting)")
         k = num_steps_per_communication
-    _check_process_set(process_set, "DistributedOptimizer")
     _check_op(op, "DistributedOptimizer")
     _check_groups(num_groups, groups)
     if model is None:
         model = _NamedParameters(_horovod_names(optimizer, named_parameters))
     return DistributedGradientAllreduceOptimizer(
         optimizer, model, k, compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
-        sparse_as_dense=sparse_as_dense)
+        sparse_as_dense=sparse_as_dense, process_set=process_set)

@@ -5,7 +5,8 @@
 `cross_size`, `is_initialized`, the `*_built()` facts, `allreduce`/`allgather`/`broadcast`
 (Horovod's Keras signatures, over the shoal.tensorflow kernels), `broadcast_object`,
 `DistributedOptimizer` (gradient allreduce before a Keras 3 optimizer's `apply`;
-`_optimizer.py`), `load_model`, `Compression`, `global_process_set`, and Horovod's callbacks
+`_optimizer.py`), `load_model`, `Compression`, process sets (`ProcessSet`,
+`add_process_set`, `remove_process_set`, `global_process_set`), and Horovod's callbacks
 as `hvd.callbacks.X` (and `hvd.X`): `BroadcastGlobalVariablesCallback`,
 `MetricAverageCallback`, `LearningRateScheduleCallback`, `LearningRateWarmupCallback`
 (`callbacks.py`). Beyond Horovod: `NeighborAveragingCallback` (average the weights with
@@ -38,7 +39,7 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
     """Horovod's Keras `allreduce(value, name, average, prescale_factor, postscale_factor,
     op, compression)`: the average (default) or sum over all ranks of a tensor-compatible
     value, as a tf.Tensor (`shoal.tensorflow.allreduce`; integer averages truncate toward
-    zero as in Horovod). `process_set`: the global one only."""
+    zero as in Horovod). `process_set` (a ProcessSet): over its members only."""
     return _tf_ops.allreduce(tf.convert_to_tensor(value), average, name=name, op=op, compression=compression,
                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                              process_set=process_set)

@@ -14,7 +14,7 @@ is supported (NotImplementedError otherwise).
 import keras
 import tensorflow as tf
 
-from shoal import basics
+from shoal import process_sets
 from shoal.tensorflow import _horovod
 from shoal.tensorflow import ops as _tf_ops
 from shoal._ops import Average, Sum
@@ -24,8 +24,10 @@ class _Settings:
     """What DistributedOptimizer was given (a plain object: Keras does not track it)."""
 
     def __init__(self, name, compression, sparse_as_dense, gradient_predivide_factor, op,
-                 backward_passes_per_step, average_aggregated_gradients, scale_local_gradients):
+                 backward_passes_per_step, average_aggregated_gradients, scale_local_gradients,
+                 process_set=None):
         self.name, self.compression, self.sparse_as_dense = name, compression, sparse_as_dense
+        self.process_set = process_set
         self.gradient_predivide_factor, self.op = gradient_predivide_factor, op
         self.passes, self.average_aggregated = backward_passes_per_step, average_aggregated_gradients
         self.scale_local_gradients = scale_local_gradients
@@ -49,7 +51,7 @@ def _state(opt):
 
 
 def _check(op, process_set, compression, backward_passes_per_step, num_groups, groups, what):
-    _horovod.check_process_set(process_set, what)
+    process_sets.id_of(process_set, what)
     if op is _horovod.Adasum or (op is not Average and op is not Sum):
         raise ValueError(f"{what}: op currently only supports Average and Sum (Horovod's rule), got {op!r}")
     _horovod.check_compression(compression, what)
@@ -77,12 +79,13 @@ def _distributed_class(base, settings):
             [grads[i] for i in picked], [variables[i] for i in picked], settings.name,
             compression=settings.compression, op=settings.op,
             gradient_predivide_factor=settings.gradient_predivide_factor,
-            sparse_as_dense=settings.sparse_as_dense, what="DistributedOptimizer")
+            sparse_as_dense=settings.sparse_as_dense, what="DistributedOptimizer",
+            process_set=settings.process_set)
         out = list(grads)
         for i, g in zip(picked, reduced):
             out[i] = g
         if settings.scale_local_gradients and state.local:  # Horovod: local gradients / size()
-            n = basics.size()
+            n = process_sets.layout(process_sets.id_of(settings.process_set, "DistributedOptimizer"))[0]
             for i, v in enumerate(variables):
                 g = out[i]
                 if id(v) in state.local and g is not None:
@@ -188,7 +191,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             the other calls only count `iterations`.
         num_groups, groups: checked as Horovod does; they change nothing (Shoal fuses
             whatever is ready in one cycle).
-        process_set: the global one only (NotImplementedError otherwise).
+        process_set: a `ProcessSet`: gradients are reduced over its members only; on a
+            rank outside it they are applied as they are (Horovod's rule).
         scale_local_gradients: gradients of variables given to `register_local_var` are
             not reduced, and divided by size() when True.
 
@@ -205,7 +209,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     base = getattr(base, "_shoal_base", base)  # wrapping a wrapped optimizer wraps its base once
     settings = _Settings(name or f"Distributed{base.__name__}", compression, bool(sparse_as_dense),
                          float(gradient_predivide_factor), op, backward_passes_per_step,
-                         bool(average_aggregated_gradients), bool(scale_local_gradients))
+                         bool(average_aggregated_gradients), bool(scale_local_gradients), process_set)
     cls = _distributed_class(base, settings)
     cls._shoal_base = base
     return cls.from_config(optimizer.get_config())
