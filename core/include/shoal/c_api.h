@@ -111,9 +111,10 @@ void shoal_abort(int exit_code);
  * rank fail with SHOAL_ABORTED naming it instead of waiting. Later enqueues are refused.
  * Idempotent; shoal_shutdown calls it. */
 void shoal_leave(void);
-/* A call of `op` refused at the call above the core (bad arguments): its name (NULL:
- * the next unnamed one) and step are used up, and every rank that submits the same call
- * gets `code` (SHOAL_INVALID_ARGUMENT or SHOAL_INVALID_TYPE) with `message` instead of waiting for this rank. */
+/* A call of `op` in `process_set` (0: every rank) refused at the call above the core (bad
+ * arguments): its name (NULL: the next unnamed one) and step are used up, and every rank that
+ * submits the same call gets `code` (SHOAL_INVALID_ARGUMENT or SHOAL_INVALID_TYPE) with
+ * `message` instead of waiting for this rank. */
 void shoal_reject(int op, const char* name, int code, const char* message, int32_t process_set);
 /* 1 in a child process forked after shoal_init: queries (rank, size) work, every call
  * that communicates fails at once (the MPI state belongs to the parent), and shutdown
