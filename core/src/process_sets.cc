@@ -280,6 +280,21 @@ bool Runtime::Lost(int set) const {
 
 void Runtime::SendRequests(std::vector<Request>* reqs) {
   const int me = world().rank;
+  auto send = [this](int leader, const std::vector<Request>& to) {
+    auto msg = std::make_shared<ByteVec>(EncodeRequests(to));
+    backend_->Send(leader, kRequestTag, msg, [this, leader](const Status& st) {
+      if (st.ok()) return;
+      if (leader == 0) return FailAll("cannot reach the coordinator (rank 0): " + st.message);
+      // Only the sets it leads lose their coordinator.
+      FailAwaiting([leader](const Entry& e) { return e.pset && e.pset->leader() == leader; }, SHOAL_ABORTED,
+                   "cannot reach rank " + std::to_string(leader) + ", the coordinator of its process set: " + st.message);
+    });
+  };
+  if (std::all_of(reqs->begin(), reqs->end(), [](const Request& r) { return r.set == 0; })) {  // the common case
+    if (!coordinator_) return send(0, *reqs);
+    for (auto& r : *reqs) coordinator_->Add(0, r, Now());
+    return;
+  }
   std::map<int, std::vector<Request>> by_leader;
   for (auto& r : *reqs) {
     if (Coordinator* c = CoordinatorOf(r.set)) {
@@ -290,17 +305,7 @@ void Runtime::SendRequests(std::vector<Request>* reqs) {
     if (r.set != 0 && !s) continue;  // removed meanwhile: its ops failed (DropSet)
     by_leader[s ? s->leader() : 0].push_back(std::move(r));
   }
-  for (auto& kv : by_leader) {
-    const int leader = kv.first;
-    auto msg = std::make_shared<ByteVec>(EncodeRequests(kv.second));
-    backend_->Send(leader, kRequestTag, msg, [this, leader](const Status& st) {
-      if (st.ok()) return;
-      if (leader == 0) return FailAll("cannot reach the coordinator (rank 0): " + st.message);
-      // Only the sets it leads lose their coordinator.
-      FailAwaiting([leader](const Entry& e) { return e.pset && e.pset->leader() == leader; }, SHOAL_ABORTED,
-                   "cannot reach rank " + std::to_string(leader) + ", the coordinator of its process set: " + st.message);
-    });
-  }
+  for (auto& kv : by_leader) send(kv.first, kv.second);
 }
 
 void Runtime::OnRequests(int src, const ByteVec& msg) {

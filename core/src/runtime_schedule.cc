@@ -141,7 +141,8 @@ void Runtime::Apply(const Response& r) {
                    : r.kind == Response::LEFT   ? SHOAL_ABORTED
                                                 : SHOAL_MISMATCH;
   for (size_t i = 0; i < r.names.size(); ++i) {
-    const std::string name = SetKey(r.set, r.names[i]);
+    std::string keyed;  // names are scoped per process set
+    const std::string& name = r.set ? (keyed = SetKey(r.set, r.names[i])) : r.names[i];
     stall_warned_.erase(name);
     auto it = awaiting_response_.find(name);
     if (it == awaiting_response_.end() || (r.step >= 0 && it->second->step != r.step)) {

@@ -2,7 +2,7 @@
 17): a synthetic-benchmark-style training loop (small ResNet-style model,
 broadcast_parameters / broadcast_optimizer_state, DistributedOptimizer with Horovod's
 keywords) checked against a one-process reference computed here from every rank's data;
-exact values of the Horovod op aliases; the clear refusals (process sets, Adasum).
+exact values of the Horovod op aliases; the clear refusals (bad process sets, Adasum).
 Our own scripts, written the way Horovod's examples use the API (not copies)."""
 import os
 import sys
@@ -230,20 +230,23 @@ def runtime_failure_is_horovod_internal_error():
 
 
 @check
-def process_sets_and_adasum_are_refused_clearly():
-    other = object()
-    for call in (lambda: hvd.allreduce(ones(), process_set=other),
-                 lambda: hvd.allreduce_async(ones(), process_set=other),
-                 lambda: hvd.allreduce_async_(ones(), process_set=other),
-                 lambda: hvd.broadcast(ones(), 0, process_set=other),
-                 lambda: hvd.allgather(ones(), process_set=other),
-                 lambda: hvd.DistributedOptimizer(torch.optim.SGD([nn.Parameter(ones())], lr=1), process_set=other)):
-        try:
-            call()
-        except NotImplementedError as e:
-            assert "process set" in str(e), e
-        else:
-            raise AssertionError("a process set other than the global one was accepted")
+def bad_process_sets_and_adasum_are_refused_clearly():
+    # (Process sets themselves: tests/workers/psets.py.) Something that is not a ProcessSet
+    # is a TypeError; a set never added (or removed), a ValueError.
+    for other, exc in ((object(), TypeError), (hvd.ProcessSet([0]), ValueError)):
+        for call in (lambda: hvd.allreduce(ones(), process_set=other),
+                     lambda: hvd.allreduce_async(ones(), process_set=other),
+                     lambda: hvd.allreduce_async_(ones(), process_set=other),
+                     lambda: hvd.broadcast(ones(), 0, process_set=other),
+                     lambda: hvd.allgather(ones(), process_set=other),
+                     lambda: hvd.DistributedOptimizer(torch.optim.SGD([nn.Parameter(ones())], lr=1),
+                                                      process_set=other)):
+            try:
+                call()
+            except exc as e:
+                assert "process_set" in str(e) or "ProcessSet" in str(e), e
+            else:
+                raise AssertionError(f"process_set={other!r} was accepted")
     for call in (lambda: hvd.allreduce(ones(), op=hvd.Adasum), lambda: hvd.allreduce_async_(ones(), op=hvd.Adasum),
                  lambda: hvd.DistributedOptimizer(torch.optim.SGD([nn.Parameter(ones())], lr=1), op=hvd.Adasum)):
         try:
