@@ -108,6 +108,19 @@ def sets_as_horovod():
 
 
 @check
+def init_with_process_sets():
+    ps = hvd.ProcessSet([3, 0])
+    hvd.init(process_sets=[ps])  # Horovod's static form (init is idempotent)
+    assert ps.process_set_id and ps.ranks == [0, 3] and ps.size() == 2, ps
+    if ps.included():
+        got = array(hvd.allreduce(tensor(np.array([R]), "int64"), op=hvd.Sum, name="init.ps", process_set=ps))
+        assert np.array_equal(got, [3]), got
+    assert hvd.remove_process_set(ps) is True
+    hvd.init(process_sets="dynamic")  # nothing to add
+    raises(TypeError, hvd.init, process_sets="static")
+
+
+@check
 def disjoint_sets_run_different_ops_at_once():
     # {0, 2}: allreduce Sum and reducescatter; {1, 3}: allgather (uneven rows) and a
     # broadcast from world rank 3, all with the same names in both sets (names are per set).
