@@ -34,6 +34,7 @@
 #include "neighbor.h"
 #include "stats.h"
 #include "timeline.h"
+#include "topology.h"
 #include "windows.h"
 
 namespace shoal {
@@ -67,6 +68,8 @@ class Runtime {
   const Config& config() const { return cfg_; }
   Stats& stats() { return stats_; }
   Timeline& timeline() { return timeline_; }
+  // The static graphs over ranks and machines (any thread).
+  Topologies& topologies() { return topologies_; }
   // One-sided window ops run on their own thread (windows.h); null until attached.
   void AttachWindows(std::unique_ptr<WindowQueue> w) { windows_ = std::move(w); }
   WindowQueue* windows() { return windows_.get(); }
@@ -112,6 +115,18 @@ class Runtime {
   void OnLeave(int rank);
   bool FailIfUnreachable(const EntryPtr& e);
   std::string NameLocked(int op, const char* name);  // mu_ held
+  // Uses up `name`'s next step with a refusal its peers hear of; false if an op of that name
+  // is in flight here (mu_ held).
+  bool RejectLocked(int op, const std::string& name, int code, const std::string& error);
+  // Queues an op of the runtime's own (a stage) under a handle of its own (mu_ held).
+  void QueueLocked(const EntryPtr& e);
+  // Multi-stage ops (runtime_stages.cc): the stages' ops and the suffixes of their names.
+  static const std::pair<int, const char*> kHierarchicalStages[3];
+  // Makes the stages of hierarchical op `e` (named, on its handle); returns the first (mu_ held).
+  EntryPtr StartStages(const EntryPtr& e);
+  // Stage `s` finished with `st`: queue the next stage, or finish the op.
+  void NextStage(const EntryPtr& s, const Status& st);
+  Status DivideResult(const Entry& e, int divisor);
   void FollowUnnamed(int op, const std::string& name);  // an unnamed op ran here without a call; mu_ held
   void FailAll(const std::string& why);
   double Now() const;
@@ -154,6 +169,7 @@ class Runtime {
   uint64_t generation_;
   Stats stats_;
   Timeline timeline_;
+  Topologies topologies_;
   DevicePlane device_plane_;  // neighbor data of CUDA tensors from device memory (driver only)
   NcclCollectives nccl_;      // collectives of CUDA tensors by NCCL (driver only)
   std::shared_ptr<BufferPool> fusion_pool_ = BufferPool::Create(4);
