@@ -50,7 +50,6 @@ std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ra
 Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation)
     : cfg_(cfg), backend_(std::move(backend)), generation_(generation ? generation : ++g_generations),
       device_plane_(backend_.get(), &stats_),
-      nccl_(backend_.get(), [this](const EntryPtr& e, const Status& st) { Finish(e, st); }),
       neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold, Backend::kChannels);
   if (!cfg_.timeline.empty()) {
@@ -78,7 +77,7 @@ void Runtime::Stop() {
   FailAll("Shoal was shut down before the op completed");
   KeepRoundBuffers();
   device_plane_.Stop();
-  nccl_.Stop();
+  for (auto& kv : nccl_) kv.second->Stop();
   timeline_.Close();
 }
 
@@ -376,7 +375,7 @@ std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pac
   auto wait = std::chrono::microseconds(0);
   if (pace) {
     *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
-            (gpu_ && !gpu_->Idle()) || !nccl_.Idle() || !device_plane_.Idle();
+            (gpu_ && !gpu_->Idle()) || NcclBusy() || !device_plane_.Idle();
     wait = pace->Next(progressed, *busy);
     // A waiter whose op is not done yields even after progress (its own send, say): on a
     // shared core the rank it waits for may be the one ready to run.

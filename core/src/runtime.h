@@ -28,7 +28,7 @@
 #include "buffer_pool.h"
 #include "coordinator.h"
 #include "device_plane.h"
-#include "nccl_collectives.h"
+#include "nccl_backend.h"
 #include "entry.h"
 #include "gpu.h"
 #include "neighbor.h"
@@ -54,6 +54,12 @@ class Pacer {
   std::chrono::microseconds longest_, poll_, idle_{0};
   Clock::time_point last_progress_ = Clock::now();
 };
+
+// The element counts of every rank of an allgather (from the ranks' first dims) or of a
+// reducescatter (Horovod's split of dim 0); each also sets the entry's result shape and
+// allocates its result (host memory).
+std::vector<int64_t> GatherCounts(Entry& e, const std::vector<int64_t>& first_dims);
+std::vector<int64_t> ScatterCounts(Entry& e, const WorldInfo& w);
 
 class Runtime {
  public:
@@ -137,6 +143,12 @@ class Runtime {
   void StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator);
   bool PollGpu(std::vector<Request>* to_coordinator);
   Status CompleteGpu(Entry& e, const Status& st);
+  // A negotiated batch of collectives of CUDA tensors on their device, by NCCL.
+  void RunOnDevice(const Response& r, const std::vector<EntryPtr>& batch);
+  bool NcclBusy() const {
+    for (auto& kv : nccl_) if (kv.second->num_in_flight() > 0) return true;
+    return false;
+  }
   // Cached allreduce batches (runtime_cache.cc).
   struct CachedBatch;
   using CachedPtr = std::shared_ptr<CachedBatch>;
@@ -171,7 +183,7 @@ class Runtime {
   Timeline timeline_;
   Topologies topologies_;
   DevicePlane device_plane_;  // neighbor data of CUDA tensors from device memory (driver only)
-  NcclCollectives nccl_;      // collectives of CUDA tensors by NCCL (driver only)
+  std::map<int, std::unique_ptr<NcclBackend>> nccl_;  // by device: collectives of CUDA tensors (driver only)
   std::shared_ptr<BufferPool> fusion_pool_ = BufferPool::Create(4);
   Clock::time_point last_flush_ = Clock::now();
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
