@@ -158,7 +158,9 @@ void Runtime::Contribute(const CachedPtr& b, bool ready) {
   b->waited_since = {};
   ++stats_.global_collectives;
   if (ready) ++stats_.cache_hits;
-  backend_->AllreduceOn(b->set, b->channel, p, b->total + 1, b->wire, [this, b](const Status& st) { OnRound(b, st); });
+  GroupCollectives* engine = Group(b->set);  // there while the set is (DropSet drops its batches)
+  if (!engine) return OnRound(b, Status::Error(SHOAL_ABORTED, "internal error: a cached batch of a removed process set"));
+  engine->AllreduceOn(b->channel, p, b->total + 1, b->wire, [this, b](const Status& st) { OnRound(b, st); });
 }
 
 void Runtime::OnRound(const CachedPtr& b, const Status& st) {

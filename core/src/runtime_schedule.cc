@@ -28,6 +28,34 @@ std::string Ranks(const std::vector<int>& r) {
 
 }  // namespace
 
+std::vector<int64_t> GatherCounts(Entry& e, const std::vector<int64_t>& first_dims) {
+  int64_t row = 1;
+  for (size_t i = 1; i < e.sig.shape.size(); ++i) row *= e.sig.shape[i];
+  std::vector<int64_t> counts;
+  int64_t rows = 0;
+  for (int64_t d : first_dims) {
+    counts.push_back(d * row);
+    rows += d;
+  }
+  e.result_shape = e.sig.shape;
+  e.result_shape[0] = rows;
+  e.result_nbytes = rows * row * DtypeSize(e.sig.dtype);
+  e.result = std::malloc(std::max<size_t>(e.result_nbytes, 1));
+  return counts;
+}
+
+std::vector<int64_t> ScatterCounts(Entry& e, int size, int rank) {
+  // Horovod's split of dim 0: d0 / size rows each, one more for the first d0 % size ranks.
+  const int64_t d0 = e.sig.shape[0], row = e.count() / std::max<int64_t>(d0, 1);
+  std::vector<int64_t> counts(size);
+  for (int q = 0; q < size; ++q) counts[q] = (d0 / size + (q < d0 % size ? 1 : 0)) * row;
+  e.result_shape = e.sig.shape;
+  e.result_shape[0] = d0 / size + (rank < d0 % size ? 1 : 0);
+  e.result_nbytes = counts[rank] * DtypeSize(e.sig.dtype);
+  e.result = std::malloc(std::max<size_t>(e.result_nbytes, 1));
+  return counts;
+}
+
 void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
     RouteCached(e);  // a batch of that name will not run as cached
@@ -197,18 +225,25 @@ void Runtime::Apply(const Response& r) {
   RunCollective(r, std::move(batch));
 }
 
+GroupCollectives* Runtime::Group(int set) { return set == 0 ? backend_.get() : backend_->OfSet(set); }
+
 void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   const WorldInfo& w = world();
-  const int set = batch[0]->set;
   const ProcessSet* pset = batch[0]->pset.get();
   ++stats_.global_collectives;
   const auto t0 = Clock::now();
   for (auto& e : batch) e->t_comm_start = t0;
-  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return nccl_.Run(r, batch, gpu_.get());
+  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return RunOnDevice(r, batch);
+  // The engine of its group: every rank's, or its process set's.
+  GroupCollectives* engine = Group(batch[0]->set);
+  if (!engine) {
+    for (auto& e : batch) Finish(e, Status::Error(SHOAL_ABORTED, "internal error: no communicator for " + pset->Describe()));
+    return;
+  }
   // Completion of the communication itself (the timeline's COMMUNICATE phase).
   auto communicated = [](const EntryPtr& e) { e->t_comm_end = Clock::now(); };
   if (r.op == SHOAL_OP_BARRIER) {
-    backend_->Barrier(set, [this, communicated, e = batch[0]](const Status& st) { communicated(e); Finish(e, st); });
+    engine->Barrier([this, communicated, e = batch[0]](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
   if (r.op == SHOAL_OP_BROADCAST) {
@@ -217,28 +252,17 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
       std::memcpy(e->output.data, e->input.data, e->nbytes());
     if (e->count() == 0) return Finish(e, Status::Ok());
     const int root = pset ? pset->IndexOf(e->sig.root_rank) : e->sig.root_rank;
-    backend_->Broadcast(e->output.data, e->count(), e->sig.dtype, root, e->sig.scope, set,
-                        [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
+    engine->Broadcast(e->output.data, e->count(), e->sig.dtype, root, e->sig.scope,
+                      [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
-  if (r.op == SHOAL_OP_REDUCESCATTER) return RunReduceScatter(batch[0]);
+  if (r.op == SHOAL_OP_REDUCESCATTER) return RunReduceScatter(batch[0], engine);
   if (r.op == SHOAL_OP_ALLGATHER) {
     EntryPtr e = batch[0];
-    int64_t row = 1;
-    for (size_t i = 1; i < e->sig.shape.size(); ++i) row *= e->sig.shape[i];
-    std::vector<int64_t> counts;
-    int64_t rows = 0;
-    for (int64_t d : r.first_dims[0]) {
-      counts.push_back(d * row);
-      rows += d;
-    }
-    e->result_shape = e->sig.shape;
-    e->result_shape[0] = rows;
-    e->result_nbytes = rows * row * DtypeSize(e->sig.dtype);
-    e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
+    const std::vector<int64_t> counts = GatherCounts(*e, r.first_dims[0]);
     if (e->result_nbytes == 0) return Finish(e, Status::Ok());
-    backend_->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype, set,
-                         [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
+    engine->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype,
+                       [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
     return;
   }
   // Allreduce: a batch (fused when > 1 or half precision) reduced in one call. The
@@ -257,7 +281,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   if (batch.size() == 1 && !IsHalf(dtype)) {
     EntryPtr e = batch[0];
     if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
-    backend_->Allreduce(e->output.data, e->count(), dtype, rop, scope, set, [this, communicated, e, average, n](const Status& st) {
+    engine->Allreduce(e->output.data, e->count(), dtype, rop, scope, [this, communicated, e, average, n](const Status& st) {
       communicated(e);
       e->t_reduce_start = Clock::now();
       if (st.ok() && average) Divide(e->output.data, e->output.data, e->sig.dtype, e->count(), n);
@@ -280,7 +304,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     e->t_copy_end = Clock::now();
   }
   if (batch.size() > 1) ++stats_.fused_batches;
-  backend_->Allreduce(fused->data(), total, wire, rop, scope, set, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
+  engine->Allreduce(fused->data(), total, wire, rop, scope, [this, communicated, fused, batch, dtype, wire, wsize, average, n](const Status& st) {
     size_t at = 0;
     for (auto& e : batch) {
       communicated(e);
@@ -298,19 +322,12 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   });
 }
 
-void Runtime::RunReduceScatter(const EntryPtr& e) {
+void Runtime::RunReduceScatter(const EntryPtr& e, GroupCollectives* engine) {
   // Over the members of its process set, in rank order.
   const int size = e->pset ? e->pset->size() : world().size, rank = e->pset ? e->pset->index : world().rank;
   const int dtype = e->sig.dtype;
-  // Horovod's split of dim 0: d0 / size rows each, one more for the first d0 % size ranks.
-  const int64_t d0 = e->sig.shape[0], row = e->count() / std::max<int64_t>(d0, 1);
-  std::vector<int64_t> counts(size);
-  for (int q = 0; q < size; ++q) counts[q] = (d0 / size + (q < d0 % size ? 1 : 0)) * row;
+  const std::vector<int64_t> counts = ScatterCounts(*e, size, rank);
   const int64_t mine = counts[rank];
-  e->result_shape = e->sig.shape;
-  e->result_shape[0] = d0 / size + (rank < d0 % size ? 1 : 0);
-  e->result_nbytes = mine * DtypeSize(dtype);
-  e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
   if (e->count() == 0) return Finish(e, Status::Ok());
   // Half types are reduced in float32 and rounded once, as allreduce does.
   const bool half = IsHalf(dtype);
@@ -328,8 +345,8 @@ void Runtime::RunReduceScatter(const EntryPtr& e) {
     e->t_copy_end = Clock::now();
   }
   const bool average = e->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
-  backend_->ReduceScatter(send, recv, counts, wire, SHOAL_REDUCE_SUM, e->set,
-                          [this, e, in, out, average, dtype, wire, mine, n = size](const Status& st) {
+  engine->ReduceScatter(send, recv, counts, wire, SHOAL_REDUCE_SUM,
+                        [this, e, in, out, average, dtype, wire, mine, n = size](const Status& st) {
     e->t_comm_end = e->t_reduce_start = Clock::now();
     if (st.ok()) {
       void* p = out ? static_cast<void*>(out->data()) : e->result;

@@ -10,8 +10,9 @@ namespace testing {
 
 enum { kAllreduce = 1, kBroadcast, kAllgather, kBarrier, kReduceScatter };
 
-FakeWorld::FakeWorld(int size, uint64_t seed, int max_delay_us)
-    : size_(size), rng_(seed), max_delay_us_(max_delay_us), inbox_(size), dead_(size, 0) {}
+FakeWorld::FakeWorld(int size, uint64_t seed, int max_delay_us, int ranks_per_machine)
+    : size_(size), per_machine_(ranks_per_machine > 0 ? ranks_per_machine : size), rng_(seed),
+      max_delay_us_(max_delay_us), inbox_(size), dead_(size, 0) {}
 
 void FakeWorld::Kill(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -64,10 +65,14 @@ void FakeWorld::Finish(Coll& c) {
 }
 
 FakeBackend::FakeBackend(std::shared_ptr<FakeWorld> world, int rank) : w_(std::move(world)) {
+  const int per = w_->ranks_per_machine();
   info_.rank = rank;
   info_.size = w_->size();
-  info_.local_rank = rank;
-  info_.local_size = w_->size();
+  info_.local_rank = rank % per;
+  info_.local_size = per;
+  info_.machine_rank = rank / per;
+  info_.machine_size = (w_->size() + per - 1) / per;
+  info_.homogeneous = w_->size() % per == 0;
 }
 
 void FakeBackend::Send(int dst, int tag, Bytes msg, Callback done) {
@@ -110,31 +115,28 @@ bool FakeBackend::Receive(const std::vector<int>& tags, int* tag, int* src, Byte
   return false;
 }
 
-void FakeBackend::Collective(FakeWorld::Coll mine, int set, Callback done, int channel) {
-  // Every member issues the collectives of one (set, channel) in the same order.
-  int members = info_.size, me = info_.rank;
-  if (set != 0) {
-    auto s = sets_.find(set);
-    if (s == sets_.end()) {
-      sent_.push_back({std::move(done), Status::Error(SHOAL_INVALID_ARGUMENT, "fake backend: no process set " +
-                                                                                   std::to_string(set) + " here")});
-      return;
-    }
-    members = static_cast<int>(s->second.size());
-    me = static_cast<int>(std::find(s->second.begin(), s->second.end(), info_.rank) - s->second.begin());
+void FakeBackend::Collective(const FakeGroup& group, FakeWorld::Coll mine, Callback done, int channel, int scope) {
+  // Every rank of the group's scope issues the collectives of one channel in the same order.
+  const bool machine = scope == SHOAL_SCOPE_MACHINE && group.set_ == 0;
+  int members = machine ? info_.local_size : info_.size, me = machine ? info_.local_rank : info_.rank;
+  if (group.set_ != 0) {
+    members = static_cast<int>(group.ranks_.size());
+    me = static_cast<int>(std::find(group.ranks_.begin(), group.ranks_.end(), info_.rank) - group.ranks_.begin());
   }
-  const CollKey key{set, channel, next_coll_[{set, channel}]++};
+  const uint64_t space = machine ? 1000 + info_.machine_rank : channel + 1;
+  const std::pair<int, uint64_t> key{
+      group.set_, (space << 40) | next_coll_[{group.set_, channel, machine ? info_.machine_rank : -1}]++};
   pending_colls_.push_back({key, std::move(done)});
   std::lock_guard<std::mutex> lock(w_->mu_);
   auto& c = w_->colls_[key];
   if (c.arrived == 0) {
-    c.members = members;
     c.kind = mine.kind;
     c.dtype = mine.dtype;
     c.count = mine.count;
     c.root = mine.root;
     c.reduce_op = mine.reduce_op;
     c.split = mine.split;
+    c.members = members;
     c.bufs.assign(members, nullptr);
     c.sends.assign(members, nullptr);
     c.counts.assign(members, 0);
@@ -148,48 +150,48 @@ void FakeBackend::Collective(FakeWorld::Coll mine, int set, Callback done, int c
   }
 }
 
-void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int, int set, Callback done) {
+void FakeGroup::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllreduce;
   c.reduce_op = reduce_op;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
-  Collective(std::move(c), set, std::move(done));
+  b_->Collective(*this, std::move(c), std::move(done), -1, scope);
 }
 
-void FakeBackend::AllreduceOn(int set, int channel, void* buf, int64_t count, int dtype, Callback done) {
+void FakeGroup::AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllreduce;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
-  Collective(std::move(c), set, std::move(done), channel);
+  b_->Collective(*this, std::move(c), std::move(done), channel);
 }
 
-void FakeBackend::Broadcast(void* buf, int64_t count, int dtype, int root, int, int set, Callback done) {
+void FakeGroup::Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) {
   FakeWorld::Coll c;
   c.kind = kBroadcast;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
   c.root = root;
-  Collective(std::move(c), set, std::move(done));
+  b_->Collective(*this, std::move(c), std::move(done), -1, scope);
 }
 
-void FakeBackend::Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>&, int dtype,
-                             int set, Callback done) {
+void FakeGroup::Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>&, int dtype,
+                           Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllgather;
   c.bufs = {recv};
   c.sends = {send};
   c.count = count;
   c.dtype = dtype;
-  Collective(std::move(c), set, std::move(done));
+  b_->Collective(*this, std::move(c), std::move(done));
 }
 
-void FakeBackend::ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
-                                int reduce_op, int set, Callback done) {
+void FakeGroup::ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
+                              int reduce_op, Callback done) {
   FakeWorld::Coll c;
   c.kind = kReduceScatter;
   c.bufs = {recv};
@@ -198,14 +200,17 @@ void FakeBackend::ReduceScatter(const void* send, void* recv, const std::vector<
   for (int64_t k : counts) c.count += k;
   c.dtype = dtype;
   c.reduce_op = reduce_op;
-  Collective(std::move(c), set, std::move(done));
+  b_->Collective(*this, std::move(c), std::move(done));
 }
 
-void FakeBackend::Barrier(int set, Callback done) {
+void FakeGroup::Barrier(Callback done) {
   FakeWorld::Coll c;
   c.kind = kBarrier;
-  Collective(std::move(c), set, std::move(done));
+  b_->Collective(*this, std::move(c), std::move(done));
 }
+
+bool FakeGroup::Progress() { return b_->Progress(); }
+size_t FakeGroup::num_in_flight() const { return b_->num_in_flight(); }
 
 Status FakeBackend::AddSet(int id, const std::vector<int>& ranks) {
   // As MPI_Comm_create_group: returns once every member has called it (or one is dead).
@@ -222,11 +227,14 @@ Status FakeBackend::AddSet(int id, const std::vector<int>& ranks) {
   if (w_->making_[id] < static_cast<int>(ranks.size()))
     return Status::Error(SHOAL_ABORTED, "fake backend: process set " + std::to_string(id) + ": rank " +
                                             std::to_string(dead()) + " never made it");
-  sets_[id] = ranks;
+  sets_[id] = std::make_unique<FakeGroup>(this, id, ranks);
   return Status::Ok();
 }
 
-void FakeBackend::RemoveSet(int id) { sets_.erase(id); }
+GroupCollectives* FakeBackend::OfSet(int id) {
+  auto it = sets_.find(id);
+  return it == sets_.end() ? nullptr : it->second.get();
+}
 
 bool FakeBackend::Progress() {
   std::vector<std::pair<Callback, Status>> run;

@@ -5,13 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <list>
 #include <map>
+#include <memory>
 
 #include "../../backend.h"
 
@@ -65,6 +65,160 @@ int CheckedCount(int64_t n, const char* unit = "elements") {
   return static_cast<int>(n);
 }
 
+// An MPI request in flight and what to run when it completes.
+struct Op {
+  Bytes keep;
+  Callback done;
+  const char* what;  // the MPI call ("... to rank", followed by the peer, formatted only on failure)
+  MPI_Request req = MPI_REQUEST_NULL;
+  int peer = -1;
+  std::string Describe() const {
+    if (peer < 0) return what;
+    return std::string(what) + " " + std::to_string(peer);
+  }
+};
+
+// The requests in flight of one backend (its groups' collectives too).
+class Requests {
+ public:
+  // Never throws: a failure to start is reported through the op's callback.
+  template <typename F> void Start(Op op, F&& start) {
+    int rc;
+    try {
+      rc = start(&op.req);
+    } catch (const std::exception& ex) {
+      op.done(Status::Error(SHOAL_INVALID_ARGUMENT, op.Describe() + ": " + ex.what()));
+      return;
+    }
+    if (rc != MPI_SUCCESS) {
+      op.done(Status::Error(SHOAL_ABORTED, MpiError(rc, op.Describe().c_str())));
+      return;
+    }
+    ops_.push_back(std::move(op));
+  }
+
+  bool Progress() {
+    bool any = false;
+    for (auto it = ops_.begin(); it != ops_.end();) {
+      int flag = 0;
+      int rc = MPI_Test(&it->req, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS || flag) {
+        Op op = std::move(*it);
+        it = ops_.erase(it);
+        op.done(rc == MPI_SUCCESS ? Status::Ok() : Status::Error(SHOAL_ABORTED, MpiError(rc, op.Describe().c_str())));
+        any = true;
+      } else {
+        ++it;
+      }
+    }
+    return any;
+  }
+
+  size_t size() const { return ops_.size(); }
+
+ private:
+  std::list<Op> ops_;
+};
+
+// The collectives of every rank (on duplicates of MPI_COMM_WORLD, machine scope on the
+// machine's communicator) or of a process set (on the communicator its members made): the
+// group owns its communicators; its requests complete in the backend's Progress().
+class MpiGroup : public GroupCollectives {
+ public:
+  MpiGroup(Requests* requests, MPI_Comm comm, MPI_Comm local, int channels)
+      : requests_(requests), comm_(comm), local_(local), channels_(channels, MPI_COMM_NULL) {
+    for (MPI_Comm c : {comm_, local_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  }
+  ~MpiGroup() override {
+    // Requests still open here belong to peers that never answered; freeing the
+    // communicators defers to MPI, which completes or discards them.
+    for (MPI_Comm& c : channels_)
+      if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
+    if (local_ != comm_ && local_ != MPI_COMM_NULL) MPI_Comm_free(&local_);
+    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+  // The channels of cached batches: duplicates of the group's communicator (collective
+  // over its members).
+  Status MakeChannels() {
+    for (MPI_Comm& c : channels_) {
+      int rc = MPI_Comm_dup(comm_, &c);
+      if (rc != MPI_SUCCESS) return Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Comm_dup"));
+      MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    }
+    return Status::Ok();
+  }
+
+  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) override {
+    requests_->Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), ReduceOp(reduce_op),
+                            Comm(scope), r);
+    });
+  }
+
+  void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override {
+    requests_->Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM,
+                            channels_.at(channel), r);
+    });
+  }
+
+  void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override {
+    requests_->Start(Op{{}, std::move(done), "MPI_Ibcast"}, [&](MPI_Request* r) {
+      return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, Comm(scope), r);
+    });
+  }
+
+  void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts,
+                  int dtype, Callback done) override {
+    auto c = std::make_shared<std::vector<int>>(counts.size());
+    auto d = std::make_shared<std::vector<int>>(counts.size());
+    Callback keep_alive = [c, d, done = std::move(done)](const Status& s) { done(s); };
+    requests_->Start(Op{{}, std::move(keep_alive), "MPI_Iallgatherv"}, [&](MPI_Request* r) {
+      int64_t off = 0;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        (*c)[i] = CheckedCount(counts[i]);
+        (*d)[i] = CheckedCount(off);
+        off += counts[i];
+      }
+      return MPI_Iallgatherv(send, CheckedCount(count), MoveType(dtype), recv, c->data(),
+                             d->data(), MoveType(dtype), comm_, r);
+    });
+  }
+
+  void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
+                     Callback done) override {
+    auto c = std::make_shared<std::vector<int>>(counts.size());
+    Callback keep_alive = [c, done = std::move(done)](const Status& s) { done(s); };
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int64_t k) { return k == counts[0]; });
+    requests_->Start(Op{{}, std::move(keep_alive), even ? "MPI_Ireduce_scatter_block" : "MPI_Ireduce_scatter"},
+                     [&](MPI_Request* r) {
+                       for (size_t i = 0; i < counts.size(); ++i) (*c)[i] = CheckedCount(counts[i]);
+                       if (even)  // the block form: MPI libraries have faster algorithms for it
+                         return MPI_Ireduce_scatter_block(send, recv, (*c)[0], ReduceType(dtype), ReduceOp(reduce_op),
+                                                          comm_, r);
+                       return MPI_Ireduce_scatter(send, recv, c->data(), ReduceType(dtype), ReduceOp(reduce_op),
+                                                  comm_, r);
+                     });
+  }
+
+  void Barrier(Callback done) override {
+    requests_->Start(Op{{}, std::move(done), "MPI_Ibarrier"},
+                     [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
+  }
+
+  bool Progress() override { return requests_->Progress(); }
+  size_t num_in_flight() const override { return requests_->size(); }
+
+ private:
+  // Machine-scope collectives run on the local communicator; the coordinator's one
+  // global order keeps every machine's order consistent too.
+  MPI_Comm Comm(int scope) const { return scope == SHOAL_SCOPE_MACHINE ? local_ : comm_; }
+
+  Requests* requests_;
+  MPI_Comm comm_, local_;
+  std::vector<MPI_Comm> channels_;
+};
+
 class MpiBackend : public Backend {
  public:
   MpiBackend(const Config& cfg, Status* st) {
@@ -83,23 +237,21 @@ class MpiBackend : public Backend {
       MPI_Query_thread(&provided);
     }
     info_.threads_multiple = provided == MPI_THREAD_MULTIPLE;
+    MPI_Comm coll = MPI_COMM_NULL, local = MPI_COMM_NULL;
     MPI_Comm_dup(MPI_COMM_WORLD, &ctrl_);
-    MPI_Comm_dup(MPI_COMM_WORLD, &coll_);
+    MPI_Comm_dup(MPI_COMM_WORLD, &coll);
     MPI_Comm_dup(MPI_COMM_WORLD, &sets_parent_);
-    for (MPI_Comm c : {ctrl_, coll_, sets_parent_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    for (MPI_Comm c : {ctrl_, sets_parent_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
     MPI_Comm_rank(ctrl_, &info_.rank);
     MPI_Comm_size(ctrl_, &info_.size);
     if (cfg.ranks_per_machine > 0)
-      MPI_Comm_split(ctrl_, info_.rank / cfg.ranks_per_machine, info_.rank, &local_);
+      MPI_Comm_split(ctrl_, info_.rank / cfg.ranks_per_machine, info_.rank, &local);
     else
-      MPI_Comm_split_type(ctrl_, MPI_COMM_TYPE_SHARED, info_.rank, MPI_INFO_NULL, &local_);
-    MPI_Comm_set_errhandler(local_, MPI_ERRORS_RETURN);
-    for (MPI_Comm& c : channels_) {
-      MPI_Comm_dup(coll_, &c);
-      MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
-    }
-    MPI_Comm_rank(local_, &info_.local_rank);
-    MPI_Comm_size(local_, &info_.local_size);
+      MPI_Comm_split_type(ctrl_, MPI_COMM_TYPE_SHARED, info_.rank, MPI_INFO_NULL, &local);
+    world_ = std::make_unique<MpiGroup>(&requests_, coll, local, kChannels);
+    world_->MakeChannels();
+    MPI_Comm_rank(local, &info_.local_rank);
+    MPI_Comm_size(local, &info_.local_size);
     // Homogeneous: equal local sizes and contiguous placement (rank = m*L + l).
     int mine[2] = {info_.local_size, info_.rank % info_.local_size == info_.local_rank};
     std::vector<int> all(2 * info_.size);
@@ -112,13 +264,10 @@ class MpiBackend : public Backend {
   }
 
   ~MpiBackend() override {
-    // Requests still open here belong to peers that never answered; freeing the
-    // communicators defers to MPI, which completes or discards them.
-    for (auto& kv : sets_) Free(&kv.second);
-    for (MPI_Comm* c : {&ctrl_, &coll_, &local_, &sets_parent_})
+    sets_.clear();
+    world_.reset();
+    for (MPI_Comm* c : {&ctrl_, &sets_parent_})
       if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
-    for (MPI_Comm& c : channels_)
-      if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
   }
 
   const WorldInfo& world() const override { return info_; }
@@ -129,7 +278,7 @@ class MpiBackend : public Backend {
     op.done = std::move(done);
     op.what = "MPI_Isend to rank";
     op.peer = dst;
-    Start(std::move(op), [&](MPI_Request* r) {
+    requests_.Start(std::move(op), [&](MPI_Request* r) {
       return MPI_Isend(msg->data(), CheckedCount(msg->size(), "bytes"), MPI_BYTE, dst, tag, ctrl_, r);
     });
   }
@@ -137,7 +286,7 @@ class MpiBackend : public Backend {
   void SendFrom(int dst, int tag, const void* data, size_t n, Callback done) override {
     Op op{{}, std::move(done), "MPI_Isend to rank"};
     op.peer = dst;
-    Start(std::move(op), [&](MPI_Request* r) {
+    requests_.Start(std::move(op), [&](MPI_Request* r) {
       return MPI_Isend(data, CheckedCount(n, "bytes"), MPI_BYTE, dst, tag, ctrl_, r);
     });
   }
@@ -145,7 +294,7 @@ class MpiBackend : public Backend {
   void ReceiveInto(int src, int tag, void* data, size_t n, Callback done) override {
     Op op{{}, std::move(done), "MPI_Irecv from rank"};
     op.peer = src;
-    Start(std::move(op), [&](MPI_Request* r) {
+    requests_.Start(std::move(op), [&](MPI_Request* r) {
       return MPI_Irecv(data, CheckedCount(n, "bytes"), MPI_BYTE, src, tag, ctrl_, r);
     });
   }
@@ -177,62 +326,25 @@ class MpiBackend : public Backend {
     return true;
   }
 
-  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, int set, Callback done) override {
-    Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), ReduceOp(reduce_op),
-                            Comm(scope, set), r);
-    });
+  // Every rank's collectives: the world group's.
+  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) override {
+    world_->Allreduce(buf, count, dtype, reduce_op, scope, std::move(done));
   }
-
-  void AllreduceOn(int set, int channel, void* buf, int64_t count, int dtype, Callback done) override {
-    Start(Op{{}, std::move(done), "MPI_Iallreduce"}, [&](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf, CheckedCount(count), ReduceType(dtype), MPI_SUM,
-                            set == 0 ? channels_.at(channel) : Set(set).channels.at(channel), r);
-    });
+  void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override {
+    world_->AllreduceOn(channel, buf, count, dtype, std::move(done));
   }
-
-  void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, int set, Callback done) override {
-    Start(Op{{}, std::move(done), "MPI_Ibcast"}, [&](MPI_Request* r) {
-      return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, Comm(scope, set), r);
-    });
+  void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override {
+    world_->Broadcast(buf, count, dtype, root, scope, std::move(done));
   }
-
-  void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts,
-                  int dtype, int set, Callback done) override {
-    auto c = std::make_shared<std::vector<int>>(counts.size());
-    auto d = std::make_shared<std::vector<int>>(counts.size());
-    Callback keep_alive = [c, d, done = std::move(done)](const Status& s) { done(s); };
-    Start(Op{{}, std::move(keep_alive), "MPI_Iallgatherv"}, [&](MPI_Request* r) {
-      int64_t off = 0;
-      for (size_t i = 0; i < counts.size(); ++i) {
-        (*c)[i] = CheckedCount(counts[i]);
-        (*d)[i] = CheckedCount(off);
-        off += counts[i];
-      }
-      return MPI_Iallgatherv(send, CheckedCount(count), MoveType(dtype), recv, c->data(),
-                             d->data(), MoveType(dtype), Comm(SHOAL_SCOPE_WORLD, set), r);
-    });
+  void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts, int dtype,
+                  Callback done) override {
+    world_->Allgatherv(send, count, recv, counts, dtype, std::move(done));
   }
-
   void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
-                     int set, Callback done) override {
-    auto c = std::make_shared<std::vector<int>>(counts.size());
-    Callback keep_alive = [c, done = std::move(done)](const Status& s) { done(s); };
-    const bool even = std::all_of(counts.begin(), counts.end(), [&](int64_t k) { return k == counts[0]; });
-    Start(Op{{}, std::move(keep_alive), even ? "MPI_Ireduce_scatter_block" : "MPI_Ireduce_scatter"},
-          [&](MPI_Request* r) {
-            for (size_t i = 0; i < counts.size(); ++i) (*c)[i] = CheckedCount(counts[i]);
-            MPI_Comm comm = Comm(SHOAL_SCOPE_WORLD, set);
-            if (even)  // the block form: MPI libraries have faster algorithms for it
-              return MPI_Ireduce_scatter_block(send, recv, (*c)[0], ReduceType(dtype), ReduceOp(reduce_op), comm, r);
-            return MPI_Ireduce_scatter(send, recv, c->data(), ReduceType(dtype), ReduceOp(reduce_op), comm, r);
-          });
+                     Callback done) override {
+    world_->ReduceScatter(send, recv, counts, dtype, reduce_op, std::move(done));
   }
-
-  void Barrier(int set, Callback done) override {
-    Start(Op{{}, std::move(done), "MPI_Ibarrier"},
-          [&](MPI_Request* r) { return MPI_Ibarrier(Comm(SHOAL_SCOPE_WORLD, set), r); });
-  }
+  void Barrier(Callback done) override { world_->Barrier(std::move(done)); }
 
   Status AddSet(int id, const std::vector<int>& ranks) override {
     // MPI_Comm_create_group: only the members take part (the other ranks go on with their
@@ -240,110 +352,35 @@ class MpiBackend : public Backend {
     MPI_Group world = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
     MPI_Comm_group(sets_parent_, &world);
     MPI_Group_incl(world, static_cast<int>(ranks.size()), ranks.data(), &group);
-    SetComms s;
-    int rc = MPI_Comm_create_group(sets_parent_, group, id % 32768, &s.comm);  // MPI_TAG_UB >= 32767
+    MPI_Comm comm = MPI_COMM_NULL;
+    int rc = MPI_Comm_create_group(sets_parent_, group, id % 32768, &comm);  // MPI_TAG_UB >= 32767
     MPI_Group_free(&group);
     MPI_Group_free(&world);
     if (rc != MPI_SUCCESS) return Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Comm_create_group"));
-    MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN);
-    s.channels.assign(kSetChannels, MPI_COMM_NULL);
-    for (MPI_Comm& c : s.channels) {
-      rc = MPI_Comm_dup(s.comm, &c);
-      if (rc != MPI_SUCCESS) {
-        Free(&s);
-        return Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Comm_dup"));
-      }
-      MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
-    }
-    sets_[id] = std::move(s);
+    auto set = std::make_unique<MpiGroup>(&requests_, comm, comm, kSetChannels);
+    Status st = set->MakeChannels();
+    if (!st.ok()) return st;
+    sets_[id] = std::move(set);
     return Status::Ok();
   }
 
-  void RemoveSet(int id) override {
+  void RemoveSet(int id) override { sets_.erase(id); }  // outstanding requests complete first (MPI defers the free)
+
+  GroupCollectives* OfSet(int id) override {
     auto it = sets_.find(id);
-    if (it == sets_.end()) return;
-    Free(&it->second);  // outstanding requests on them complete first (MPI defers the free)
-    sets_.erase(it);
+    return it == sets_.end() ? nullptr : it->second.get();
   }
 
-  bool Progress() override {
-    bool any = false;
-    for (auto it = ops_.begin(); it != ops_.end();) {
-      int flag = 0;
-      int rc = MPI_Test(&it->req, &flag, MPI_STATUS_IGNORE);
-      if (rc != MPI_SUCCESS || flag) {
-        Op op = std::move(*it);
-        it = ops_.erase(it);
-        op.done(rc == MPI_SUCCESS ? Status::Ok() : Status::Error(SHOAL_ABORTED, MpiError(rc, op.Describe().c_str())));
-        any = true;
-      } else {
-        ++it;
-      }
-    }
-    return any;
-  }
-
-  size_t num_in_flight() const override { return ops_.size(); }
+  bool Progress() override { return requests_.Progress(); }
+  size_t num_in_flight() const override { return requests_.size(); }
 
  private:
-  struct Op {
-    Bytes keep;
-    Callback done;
-    const char* what;  // the MPI call ("... to rank", followed by the peer, formatted only on failure)
-    MPI_Request req = MPI_REQUEST_NULL;
-    int peer = -1;
-    std::string Describe() const {
-      if (peer < 0) return what;
-      return std::string(what) + " " + std::to_string(peer);
-    }
-  };
-
-  struct SetComms {
-    MPI_Comm comm = MPI_COMM_NULL;
-    std::vector<MPI_Comm> channels;
-  };
-
-  static void Free(SetComms* s) {
-    for (MPI_Comm& c : s->channels)
-      if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
-    if (s->comm != MPI_COMM_NULL) MPI_Comm_free(&s->comm);
-  }
-
-  const SetComms& Set(int set) const {
-    auto it = sets_.find(set);
-    if (it == sets_.end()) throw std::invalid_argument("process set " + std::to_string(set) + " has no communicator here");
-    return it->second;
-  }
-
-  // Machine-scope collectives run on the local communicator; the coordinator's one
-  // global order keeps every machine's order consistent too. A process set's run on its own.
-  MPI_Comm Comm(int scope, int set) const {
-    if (set != 0) return Set(set).comm;
-    return scope == SHOAL_SCOPE_MACHINE ? local_ : coll_;
-  }
-
-  // Never throws: a failure to start is reported through the op's callback.
-  template <typename F> void Start(Op op, F&& start) {
-    int rc;
-    try {
-      rc = start(&op.req);
-    } catch (const std::exception& ex) {
-      op.done(Status::Error(SHOAL_INVALID_ARGUMENT, op.Describe() + ": " + ex.what()));
-      return;
-    }
-    if (rc != MPI_SUCCESS) {
-      op.done(Status::Error(SHOAL_ABORTED, MpiError(rc, op.Describe().c_str())));
-      return;
-    }
-    ops_.push_back(std::move(op));
-  }
-
   WorldInfo info_;
-  MPI_Comm ctrl_ = MPI_COMM_NULL, coll_ = MPI_COMM_NULL, local_ = MPI_COMM_NULL;
+  Requests requests_;
+  MPI_Comm ctrl_ = MPI_COMM_NULL;
   MPI_Comm sets_parent_ = MPI_COMM_NULL;  // process sets are made from it (AddSet)
-  std::map<int, SetComms> sets_;
-  std::array<MPI_Comm, kChannels> channels_;
-  std::list<Op> ops_;
+  std::unique_ptr<MpiGroup> world_;
+  std::map<int, std::unique_ptr<MpiGroup>> sets_;
 };
 
 }  // namespace
