@@ -342,8 +342,8 @@ bool Runtime::RespondForSets() {
   for (auto& kv : sets_) {
     Coordinator* c = kv.second.coordinator.get();
     if (!c) continue;
-    negotiations += c->negotiations();
     std::vector<Response> resps = c->TakeResponses();
+    negotiations += c->negotiations();  // with this cycle's, before their ops can complete
     if (resps.empty()) continue;
     Respond(kv.second.info.get(), std::move(resps));
     any = true;

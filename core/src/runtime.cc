@@ -627,9 +627,9 @@ bool Runtime::Cycle(bool start_only) {
       Respond(nullptr, std::move(resps));
       progressed = true;
     }
-    stats_.negotiations = coordinator_->negotiations();
+    if (!set_leader_) stats_.negotiations = coordinator_->negotiations();
   }
-  if (set_leader_ && !start_only) progressed |= RespondForSets();
+  if (set_leader_ && !start_only) progressed |= RespondForSets();  // (and counts every coordinator's negotiations)
 
   if (!neighbor_ready_.empty()) {
     neighbors_.Start(neighbor_ready_);
