@@ -273,4 +273,84 @@ def job_layout_build_facts_and_timeline():
         assert n in names, n
 
 
+SIZES = [3, 0, 1, 4]  # uneven per-rank batches (rank 1 has none)
+
+
+def close(got, want, what):
+    """float64 batch norm in a different summation order: equal to ~1e-15 relative."""
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-10, atol=1e-12), \
+        (what, (got - want).abs().max())
+
+
+def bn_batch(step, rank, shape):
+    g = torch.Generator().manual_seed(500 + 10 * step + rank)
+    n = SIZES[rank % len(SIZES)]
+    return torch.randn(n, *shape, generator=g, dtype=torch.float64) * 3 + 1, \
+        torch.randn(n, *shape, generator=g, dtype=torch.float64)
+
+
+def summed(t, name):
+    return hvd.allreduce(t, name=name, op=hvd.Sum)
+
+
+@check
+def sync_batch_norm_equals_batch_norm_on_the_global_batch():
+    """Forward, input/weight/bias gradients and running stats of hvd.SyncBatchNorm on uneven
+    per-rank batches equal one process's BatchNorm on the concatenated batch (float64)."""
+    for shape, momentum in [((3, 2, 2), 0.3), ((3,), None), ((3, 5), 0.1)]:
+        c = shape[0]
+        sync = hvd.SyncBatchNorm(c, momentum=momentum, dtype=torch.float64)
+        ref = {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d}[len(shape)](c, momentum=momentum,
+                                                                                  dtype=torch.float64)
+        with torch.no_grad():
+            for m in (sync, ref):
+                m.weight.copy_(torch.arange(1.0, c + 1) / 2)
+                m.bias.copy_(torch.arange(c) - 1.0)
+        for step in range(2):
+            x, w = bn_batch(step, R, shape)
+            x.requires_grad_(True)
+            sync.zero_grad()
+            out = sync(x)
+            (out * w).sum().backward()
+            every = [bn_batch(step, r, shape) for r in range(N)]
+            xs = torch.cat([e[0] for e in every]).requires_grad_(True)
+            ref.zero_grad()
+            ref_out = ref(xs)
+            (ref_out * torch.cat([e[1] for e in every])).sum().backward()
+            at = sum(SIZES[r % len(SIZES)] for r in range(R))
+            mine = slice(at, at + x.shape[0])
+            close(out, ref_out[mine].detach(), ("output", shape, step))
+            close(x.grad, xs.grad[mine], ("input grad", shape, step))
+            close(summed(sync.weight.grad, f"sbn.w.{len(shape)}.{step}"), ref.weight.grad, ("weight grad", shape))
+            close(summed(sync.bias.grad, f"sbn.b.{len(shape)}.{step}"), ref.bias.grad, ("bias grad", shape))
+            close(sync.running_mean, ref.running_mean, ("running_mean", shape, step))
+            close(sync.running_var, ref.running_var, ("running_var", shape, step))
+            assert int(sync.num_batches_tracked) == int(ref.num_batches_tracked) == step + 1
+        assert not torch.equal(sync.running_var, torch.ones(c)), "running stats were not updated"
+        # Eval with running stats: local normalization, as BatchNorm.
+        sync.eval(), ref.eval()
+        x, _ = bn_batch(5, R, shape)
+        close(sync(x), ref(x), ("eval", shape))
+
+
+@check
+def sync_batch_norm_without_running_stats_and_conversion():
+    c, shape = 2, (2, 3)
+    sync = hvd.SyncBatchNorm(c, track_running_stats=False, dtype=torch.float64).eval()  # batch stats in eval too
+    ref = nn.BatchNorm1d(c, track_running_stats=False, dtype=torch.float64).eval()
+    x, _ = bn_batch(9, R, shape)
+    at = sum(SIZES[r % len(SIZES)] for r in range(R))
+    close(sync(x), ref(torch.cat([bn_batch(9, r, shape)[0] for r in range(N)]))[at:at + x.shape[0]], "eval no stats")
+    model = hvd.SyncBatchNorm.convert_sync_batchnorm(TinyResNet())
+    kinds = [type(m) for m in model.modules()]
+    assert nn.BatchNorm2d not in kinds and kinds.count(hvd.SyncBatchNorm) == 3, kinds
+    plain = TinyResNet()
+    assert hvd.SyncBatchNorm.convert_sync_batchnorm(plain).bn.weight is plain.bn.weight  # parameters shared
+    # One value per channel over all ranks' batches: the same ValueError on every rank.
+    one = torch.ones(1 if R == 0 else 0, 3, dtype=torch.float64)
+    raises(ValueError, hvd.SyncBatchNorm(3, dtype=torch.float64), one)
+    raises(ValueError, hvd.SyncBatchNorm(3), torch.ones(3))  # 1-D input
+    raises(NotImplementedError, hvd.SyncBatchNorm, 3, process_set=object())
+
+
 sys.exit(1 if run_all(R) else 0)
