@@ -25,6 +25,7 @@ from ._horovod import __all__ as _horovod_all
 from .ops import (DistributedGradientTape, allgather, allgather_object, allreduce, broadcast,  # noqa: F401
                   broadcast_object, broadcast_variables, consensus_distance, hierarchical_neighbor_allreduce,
                   neighbor_allgather, neighbor_allreduce, reducescatter)
+from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
@@ -45,5 +46,5 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 __all__ = list(_basics_all) + [
     "allreduce", "broadcast", "allgather", "reducescatter", "neighbor_allreduce", "neighbor_allgather",
     "hierarchical_neighbor_allreduce", "broadcast_variables", "consensus_distance",
-    "DistributedGradientTape", "DistributedOptimizer", "broadcast_object", "allgather_object",
+    "DistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization", "broadcast_object", "allgather_object",
     "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology"] + list(_horovod_all)

@@ -252,4 +252,85 @@ def positional_orders_and_refusals():
     assert np.array_equal(hvd.allreduce(ones, name="k.after.refusals").numpy(), ones)  # still usable
 
 
+SIZES = [3, 0, 1, 4]  # uneven per-rank batches (rank 1 has none)
+
+
+def bn_batch(step, rank, shape):
+    g = np.random.RandomState(700 + 10 * step + rank)
+    n = SIZES[rank % len(SIZES)]
+    return g.randn(n, *shape) * 3 + 1, g.randn(n, *shape)
+
+
+def close(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and np.allclose(got, want, rtol=1e-10, atol=1e-12), \
+        (what, np.abs(got - want).max() if got.shape == want.shape else (got.shape, want.shape))
+
+
+def bn_step(layer, x, w):
+    x = tf.convert_to_tensor(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = layer(x, training=True)
+        loss = tf.reduce_sum(out * w)
+    return [out] + tape.gradient(loss, [x, layer.gamma, layer.beta])
+
+
+@check
+def sync_batch_normalization_equals_batch_norm_on_the_global_batch():
+    """hvd.SyncBatchNormalization on uneven per-rank batches (eagerly and in a tf.function):
+    output, input/gamma/beta gradients and moving statistics equal one process's Keras
+    BatchNormalization on the concatenated batch (float64)."""
+    for shape in [(2, 2, 3), (3,)]:
+        c = shape[-1]
+        init = dict(momentum=0.7, dtype="float64", gamma_initializer=keras.initializers.Constant(np.arange(1.0, c + 1)),
+                    beta_initializer=keras.initializers.Constant(np.arange(c) - 1.0))
+        layer, ref = hvd.SyncBatchNormalization(**init), keras.layers.BatchNormalization(**init)
+        layer.build((None,) + shape), ref.build((None,) + shape)
+        graph_step = tf.function(bn_step)
+        for step in range(2):
+            x, w = bn_batch(step, R, shape)
+            got = (bn_step if step == 0 else graph_step)(layer, x, w)
+            every = [bn_batch(step, r, shape) for r in range(N)]
+            want = bn_step(ref, np.concatenate([e[0] for e in every]), np.concatenate([e[1] for e in every]))
+            at = sum(SIZES[r % len(SIZES)] for r in range(R))
+            mine = slice(at, at + x.shape[0])
+            close(got[0], want[0][mine], ("output", shape, step))
+            close(got[1], want[1][mine], ("input grad", shape, step))
+            close(hvd.allreduce(got[2], name=f"ksbn.g.{len(shape)}.{step}", op=hvd.Sum), want[2], ("gamma grad", shape))
+            close(hvd.allreduce(got[3], name=f"ksbn.b.{len(shape)}.{step}", op=hvd.Sum), want[3], ("beta grad", shape))
+            close(layer.moving_mean, ref.moving_mean, ("moving_mean", shape, step))
+            close(layer.moving_variance, ref.moving_variance, ("moving_variance", shape, step))
+        assert not np.allclose(layer.moving_variance, 1.0), "moving statistics were not updated"
+        x, _ = bn_batch(5, R, shape)
+        close(layer(x, training=False), ref(x, training=False), ("inference", shape))  # moving stats, local
+
+
+@check
+def sync_batch_normalization_masks_fit_and_refusals():
+    # A mask: only unmasked samples count (the moving mean after one step with momentum 0).
+    g = np.random.RandomState(80 + R)
+    x, mask = g.randn(2, 3, 2), g.rand(2, 3) < 0.5
+    mask[0, 0] = True  # every rank has a sample
+    layer = hvd.SyncBatchNormalization(momentum=0.0, dtype="float64")
+    layer(x, training=True, mask=mask)
+    pairs = hvd.allgather_object((x[mask], mask.sum()))
+    values = np.concatenate([v for v, _ in pairs])
+    close(layer.moving_mean, values.mean(0), "masked mean")
+    close(layer.moving_variance, values.var(0), "masked variance")
+    # In a model trained with fit and the DistributedOptimizer: the models stay identical.
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(4), hvd.SyncBatchNormalization(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    xs, ys = rank_data(R)
+    model.fit(xs, ys / 1000, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    same_on_all_ranks(model.get_weights(), "syncbn.fit")  # moving statistics included
+    raises(ValueError, hvd.SyncBatchNormalization, fused=True)
+    raises(NotImplementedError, hvd.SyncBatchNormalization, process_set=object())
+    one = np.ones((1 if R == 0 else 0, 3))
+    raises(ValueError, hvd.SyncBatchNormalization(), one, training=True)  # one value per channel in all
+
+
 sys.exit(1 if run_all(R) else 0)

@@ -19,6 +19,7 @@ import tensorflow as tf
 from shoal.basics import (ShoalError, init, is_homogeneous, is_initialized, local_rank,  # noqa: F401
                           local_size, mpi_threads_supported, nccl_built, rank, shutdown, size)
 from shoal.tensorflow import ops as _tf_ops
+from shoal.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from shoal.tensorflow._horovod import *  # noqa: F401,F403
 from shoal.tensorflow._horovod import __all__ as _horovod_all
 from shoal.tensorflow._horovod import Compression, global_process_set
@@ -67,5 +68,6 @@ def broadcast_global_variables(root_rank):
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "mpi_threads_supported", "nccl_built", "is_homogeneous", "ShoalError", "allreduce", "allgather",
            "broadcast", "broadcast_object", "allgather_object", "broadcast_global_variables",
-           "DistributedOptimizer", "load_model", "callbacks", "Average", "Sum", "Min", "Max", "Product"]
+           "DistributedOptimizer", "load_model", "SyncBatchNormalization", "callbacks", "Average", "Sum", "Min",
+           "Max", "Product"]
 __all__ += [n for n in _horovod_all if n not in __all__] + list(_callbacks_all)
