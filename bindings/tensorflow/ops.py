@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import shoal
-from shoal import _gradients, _hierarchical, _metrics, _ops
+from shoal import _gradients, _hierarchical, _metrics, _ops, _sparse
 from shoal._gradients import grad_name
 from shoal._process import STATE
 
@@ -67,17 +67,17 @@ def _scale(t, factor):
 
 
 def _sparse_allreduce(slices, rop, name, pre, post):
-    """Horovod's allreduce of a tf.IndexedSlices: two allgathers (values, indices), the
-    values divided by size() for Average: the IndexedSlices of the sum or average."""
+    """Horovod's allreduce of a tf.IndexedSlices (shoal/_sparse.py): two allgathers
+    (values, indices), the values divided by size() for Average: the IndexedSlices of
+    the sum or average."""
+    _sparse.check_op(rop, "allreduce")
     if pre != 1.0 or post != 1.0:
         raise NotImplementedError("allreduce: prescale_factor/postscale_factor are not supported with "
                                   "tf.IndexedSlices (as in Horovod); use sparse_as_dense=True")
-    base = _ops.op_name(name) or _name("allreduce.sparse", None)
-    values = allgather(slices.values, name=base + ".values")
-    indices = allgather(slices.indices, name=base + ".indices")
-    if rop is Average:
-        values = values / tf.cast(shoal.size(), values.dtype)
-    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+    indices_name, values_name = _sparse.names(_ops.op_name(name) or _name("allreduce.sparse", None))
+    values = allgather(slices.values, name=values_name)
+    indices = allgather(slices.indices, name=indices_name)
+    return tf.IndexedSlices(_sparse.scale(values, rop), indices, dense_shape=slices.dense_shape)
 
 
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, *,

@@ -105,7 +105,8 @@ class Recording(keras.optimizers.SGD):
     """SGD that keeps the gradients it was given (after the wrapper's reduction)."""
 
     def update_step(self, gradient, variable, learning_rate):
-        self.seen.append(np.asarray(gradient))
+        self.sparse = getattr(self, "sparse", []) + [isinstance(gradient, tf.IndexedSlices)]
+        self.seen.append(np.asarray(tf.convert_to_tensor(gradient)))
         super().update_step(gradient, variable, learning_rate)
 
 
@@ -331,6 +332,46 @@ def sync_batch_normalization_masks_fit_and_refusals():
     raises(NotImplementedError, hvd.SyncBatchNormalization, process_set=object())
     one = np.ones((1 if R == 0 else 0, 3))
     raises(ValueError, hvd.SyncBatchNormalization(), one, training=True)  # one value per channel in all
+
+
+@check
+def sparse_gradients_allgathered_or_densified_equal_the_dense_average():
+    """tf.IndexedSlices gradients (an embedding lookup) through the Keras DistributedOptimizer
+    and DistributedGradientTape: allgathered by default, dense with sparse_as_dense; the
+    dense form equals the average of every rank's dense gradient exactly."""
+    table = tf.Variable(tf.reshape(tf.range(12.0), [6, 2]))
+
+    def slices_of(r):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, [r % 6, 1, 1]) * float(r + 1))
+        return tape.gradient(loss, table)
+
+    mine = slices_of(R)
+    assert isinstance(mine, tf.IndexedSlices)
+    want = sum(tf.convert_to_tensor(slices_of(r)).numpy() for r in range(N)) / N  # small integers / N: exact
+    for as_dense in (False, True):
+        opt = recording(sparse_as_dense=as_dense)
+        opt.apply([mine], [table])
+        assert opt.sparse == [not as_dense], (as_dense, opt.sparse)
+        assert np.array_equal(opt.seen[0], want), (as_dense, opt.seen[0], want)
+        with st.DistributedGradientTape(tf.GradientTape(), sparse_as_dense=as_dense) as tape:
+            loss = tf.reduce_sum(tf.gather(table, [R % 6, 1, 1]) * float(R + 1))
+        (got,) = tape.gradient(loss, [table])
+        assert isinstance(got, tf.Tensor if as_dense else tf.IndexedSlices), type(got)
+        assert np.array_equal(tf.convert_to_tensor(got).numpy(), want), (as_dense, got)
+    # Horovod's rules: no pre/postscale with IndexedSlices, no accumulation of them.
+    raises(NotImplementedError, recording(gradient_predivide_factor=2.0).apply, [mine], [table])
+    raises(ValueError, recording(backward_passes_per_step=2).apply, [mine], [table])
+    raises(NotImplementedError, st.allreduce, mine, op=hvd.Max)
+    # In model.fit: an Embedding's sparse gradients keep the models identical.
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(6, 2),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    g = np.random.RandomState(30 + R)
+    model.fit(g.randint(0, 6, (8, 3)), g.randn(8, 1), batch_size=4, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    same_on_all_ranks(model.get_weights(), "sparse.fit")
 
 
 sys.exit(1 if run_all(R) else 0)

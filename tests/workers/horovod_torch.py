@@ -148,13 +148,15 @@ def compression_none_sum_predivide_and_shoal_form():
             opt.step()
         same_on_all_ranks(model, what)
         opt.remove_hooks()
-    # sparse_as_dense: a sparse embedding gradient is densified, then averaged.
+    # sparse_as_dense: a sparse embedding gradient is densified, averaged, and sparse again
+    # (Horovod's conversion back, so SparseAdam still gets a sparse gradient).
     emb = nn.Embedding(N, 2, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=LR), emb.named_parameters(),
                                    sparse_as_dense=True)
     emb(torch.tensor([R])).sum().backward()
     opt.synchronize()
-    assert emb.weight.grad.layout == torch.strided and torch.equal(emb.weight.grad, torch.full((N, 2), 1.0 / N))
+    assert emb.weight.grad.layout == torch.sparse_coo, emb.weight.grad.layout
+    assert torch.equal(emb.weight.grad.to_dense(), torch.full((N, 2), 1.0 / N))
     opt.remove_hooks()
     # Shoal's own form keeps working: (optimizer, model, num_steps_per_communication).
     model = model_of(0)
@@ -351,6 +353,90 @@ def sync_batch_norm_without_running_stats_and_conversion():
     raises(ValueError, hvd.SyncBatchNorm(3, dtype=torch.float64), one)
     raises(ValueError, hvd.SyncBatchNorm(3), torch.ones(3))  # 1-D input
     raises(NotImplementedError, hvd.SyncBatchNorm, 3, process_set=object())
+
+
+def sparse_of(rank, step=0):
+    """Rank `rank`'s sparse [5, 3] tensor: nnz = (rank + step) % 3 entries (0 for some rank),
+    a repeated index, small integer values (every sum and average by N = 2 or 4 is exact)."""
+    nnz = (rank + step) % 3
+    idx = torch.tensor([[(rank + j) % 5 for j in range(nnz)] + [rank % 5] * (nnz > 0)], dtype=torch.int64)
+    vals = torch.arange(3.0 * (nnz + (nnz > 0)), dtype=torch.float64).reshape(-1, 3) + rank
+    return torch.sparse_coo_tensor(idx, vals, (5, 3), check_invariants=True)
+
+
+class EmbeddingBag(nn.Module):
+    """An embedding with sparse gradients next to a dense layer (the two share a bucket)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(6, 2, sparse=True, dtype=torch.float64)
+        self.head = nn.Linear(2, 1, dtype=torch.float64)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.arange(12.0).reshape(6, 2) / 4)
+            self.head.weight.fill_(0.5), self.head.bias.zero_()
+
+    def forward(self, idx):
+        return self.head(self.emb(idx)).sum()
+
+
+def lookups(step, rank):
+    """Rank `rank`'s indices at `step` (rank 0 skips the embedding at step 1)."""
+    return None if (step, rank) == (1, 0) else torch.tensor([rank % 6, (rank + step) % 6, 1])
+
+
+@check
+def sparse_gradients_allgathered_or_densified_equal_the_dense_average():
+    # hvd.sparse_allreduce_async: the dense form is the sum / average of the dense forms.
+    for op, div in [(hvd.Sum, 1), (hvd.Average, N)]:
+        got = hvd.sparse_allreduce_async(sparse_of(R), f"sparse.{op.name}", op)()
+        assert got.layout == torch.sparse_coo and got.shape == (5, 3)
+        want = sum(sparse_of(r).to_dense() for r in range(N)) / div
+        assert torch.equal(got.to_dense(), want), (op, got.to_dense(), want)
+        assert got._nnz() == sum(sparse_of(r)._nnz() for r in range(N))  # every rank's entries
+    raises(ValueError, hvd.sparse_allreduce_async, torch.ones(2), "dense", hvd.Sum)
+    raises(NotImplementedError, hvd.sparse_allreduce_async, sparse_of(R), "min", hvd.Min)
+    # DistributedOptimizer on nn.Embedding(sparse=True): allgathered (default) or densified;
+    # either way the update is the dense average's, exactly (a replay of every rank's step).
+    for as_dense in (False, True):
+        model, replay = EmbeddingBag(), EmbeddingBag()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
+                                       sparse_as_dense=as_dense)
+        for step in range(2):
+            opt.zero_grad()
+            idx = lookups(step, R)
+            if idx is not None:
+                model(idx).backward()
+            else:  # no embedding lookup here: only the head has a gradient
+                model.head(torch.zeros(1, 2, dtype=torch.float64)).sum().backward()
+            opt.synchronize()
+            assert model.emb.weight.grad.layout == torch.sparse_coo, (as_dense, step)
+            total = {n: torch.zeros_like(p) for n, p in replay.named_parameters()}
+            for r in range(N):
+                replay.zero_grad()
+                i = lookups(step, r)
+                (replay(i) if i is not None else replay.head(torch.zeros(1, 2, dtype=torch.float64)).sum()).backward()
+                for n, p in replay.named_parameters():
+                    if p.grad is not None:
+                        total[n] += p.grad.to_dense()
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad.to_dense(), total[n] / N), (as_dense, step, n)
+            with opt.skip_synchronize():
+                opt.step()
+            with torch.no_grad():
+                for n, p in replay.named_parameters():
+                    p -= 0.5 * total[n] / N
+        for (n, p), (_, q) in zip(model.named_parameters(), replay.named_parameters()):
+            assert torch.equal(p, q), (as_dense, n)
+        opt.remove_hooks()
+    # SparseAdam needs sparse gradients: it runs with both forms.
+    for as_dense in (False, True):
+        model = EmbeddingBag()
+        opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(model.emb.parameters()), lr=0.1),
+                                       [("emb.weight", model.emb.weight)], sparse_as_dense=as_dense)
+        model.emb(torch.tensor([R % 6])).sum().backward()
+        opt.step()
+        same_on_all_ranks(model.emb, f"sparse_adam.{as_dense}")
+        opt.remove_hooks()
 
 
 sys.exit(1 if run_all(R) else 0)
