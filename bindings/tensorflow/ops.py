@@ -279,8 +279,11 @@ def _neighbor_grad(op, grad):
 
 
 # ---- training helpers ----
-def broadcast_variables(variables, root_rank):
-    """Assign `root_rank`'s values to every variable (sorted by name), on every rank."""
+def broadcast_variables(variables, root_rank, process_set=_horovod.global_process_set, inplace=False):
+    """Assign `root_rank`'s values to every variable (sorted by name), on every rank
+    (Horovod's `broadcast_variables`; `inplace` changes nothing: the values are assigned;
+    `process_set`: the global one only)."""
+    _horovod.check_process_set(process_set, "broadcast_variables")
     for i, v in enumerate(sorted(variables, key=lambda v: v.name)):
         v.assign(broadcast(v, root_rank, name=f"broadcast_variables.{i}.{v.name}"))
 
@@ -339,6 +342,10 @@ class DistributedGradientTape:
     the tensor's device and fuses whatever is ready in one cycle). With
     communication="neighbor" only the defaults of these are accepted, and sparse
     gradients are densified (neighbor averaging has no sparse form).
+
+    `register_local_source(variable)` (Horovod's; `PartialDistributedGradientTape` calls
+    it for local layers): that variable's gradient is not reduced, and is divided by
+    size() with scale_local_gradients=True (as in Horovod).
     """
 
     def __init__(self, tape, communication="allreduce", name=None, *, device_dense="", device_sparse="",
@@ -357,6 +364,7 @@ class DistributedGradientTape:
             raise ValueError("DistributedGradientTape: compression, op and gradient_predivide_factor apply "
                              "to communication='allreduce' only")
         self._tape, self._communication, self._name = tape, communication, name
+        self._local, self._scale_local = set(), bool(scale_local_gradients)
         self._reduce_kw = dict(compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
                                sparse_as_dense=sparse_as_dense)
 
@@ -370,19 +378,78 @@ class DistributedGradientTape:
     def __exit__(self, *exc):
         return self._tape.__exit__(*exc)
 
+    def register_local_source(self, source):
+        """Horovod's: `source`'s gradient stays this rank's (see the class docstring)."""
+        self._local.add(source.ref())
+
     def gradient(self, target, sources, output_gradients=None):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients)
         # Every rank must take part in every reduction: a gradient that is None here (the
         # variable did not affect this rank's loss) is reduced as zeros.
         prefix = self._name or _name("grad", None)
-        flat, variables = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        flat, variables = list(tf.nest.flatten(grads)), tf.nest.flatten(sources)
+        picked = [i for i, v in enumerate(variables) if v.ref() not in self._local]
         if self._communication == "allreduce":
-            out = reduce_gradients(flat, variables, prefix, none_as_zeros=True, what="DistributedGradientTape",
-                                   **self._reduce_kw)
+            out = reduce_gradients([flat[i] for i in picked], [variables[i] for i in picked], prefix,
+                                   none_as_zeros=True, what="DistributedGradientTape", **self._reduce_kw)
         else:
-            out = [neighbor_allreduce(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g),
-                                      name=f"{prefix}.{i}") for i, (g, v) in enumerate(zip(flat, variables))]
-        return tf.nest.pack_sequence_as(grads, out)
+            out = [neighbor_allreduce(tf.zeros_like(variables[i]) if flat[i] is None else
+                                      tf.convert_to_tensor(flat[i]), name=f"{prefix}.{i}") for i in picked]
+        for i, v in enumerate(variables):
+            if v.ref() in self._local:
+                flat[i] = local_gradient(flat[i], self._scale_local)
+        for i, g in zip(picked, out):
+            flat[i] = g
+        return tf.nest.pack_sequence_as(grads, flat)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """Horovod's: ([(local source, gradient)], [(other source, reduced gradient)])."""
+        grads = self.gradient(target, sources, output_gradients)
+        pairs = list(zip(sources, grads))
+        return ([(s, g) for s, g in pairs if s.ref() in self._local],
+                [(s, g) for s, g in pairs if s.ref() not in self._local])
+
+
+def local_gradient(grad, scale):
+    """A local variable's gradient (Horovod's scale_local_gradients): divided by size()
+    when `scale`, else as it is; None stays None."""
+    if grad is None or not scale:
+        return grad
+    n = shoal.size()
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / n, grad.indices, grad.dense_shape)
+    return grad / tf.cast(n, grad.dtype)
+
+
+def _local_layers_variables(local_layers):
+    import keras
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    return [v for layer in local_layers for v in layer.trainable_weights]
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
+                                   compression=_horovod.Compression.none, sparse_as_dense=False, op=Average,
+                                   gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                                   process_set=_horovod.global_process_set, local_layers=None,
+                                   scale_local_gradients=True):
+    """Horovod's `PartialDistributedGradientTape` (its positional order): a
+    DistributedGradientTape whose `local_layers` (Keras layers) keep their gradients
+    local (not reduced; divided by size() with scale_local_gradients). ValueError for a
+    local layer that is not a Keras layer."""
+    local = _local_layers_variables(local_layers)
+    tape = DistributedGradientTape(gradtape, device_dense=device_dense, device_sparse=device_sparse,
+                                   compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                                   groups=groups, process_set=process_set,
+                                   scale_local_gradients=scale_local_gradients)
+    for v in local:
+        tape.register_local_source(v)
+    return tape
 
 
 # ---- Python objects (Horovod's horovod/tensorflow/functions.py) ----
@@ -413,11 +480,20 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=_hor
     return pickle.loads(buf.numpy().tobytes())
 
 
-def allgather_object(obj, name=None, process_set=_horovod.global_process_set):
-    """Horovod's `allgather_object`: the list of every rank's (picklable) `obj`, in rank
-    order. Eager only; `process_set`: the global one only."""
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=_horovod.global_process_set):
+    """Horovod's `broadcast_object_fn`: a function obj -> `broadcast_object(obj, root_rank,
+    session, name, process_set)`."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
+
+
+def allgather_object(obj, session=None, name=None, process_set=_horovod.global_process_set):
+    """Horovod's `allgather_object` (its positional order): the list of every rank's
+    (picklable) `obj`, in rank order. Eager only (`session`, TF1's, must be None);
+    `process_set`: the global one only."""
     import pickle
     _horovod.check_process_set(process_set, "allgather_object")
+    if session is not None:
+        raise NotImplementedError("allgather_object: TF1 sessions are not supported; call it eagerly")
     name = name or "allgather_object"
     data = _pickle(obj)
     sizes = allgather(tf.constant([data.size], tf.int64), name=name + ".sz").numpy().tolist()

@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from shoal import _hierarchical, _ops
+from shoal import _consensus, _hierarchical, _ops
 
 from . import _buckets
 from ._sparse_grads import SparseGradients
@@ -135,32 +135,23 @@ class _ParameterMixing(_Distributed):
             self.communications += 1
 
     def _control(self):
-        cc = self.consensus_control
-        if cc is None or not cc.active(self.steps, self.communications):
-            return
         params = list(self._params())
-        target = cc.target_at(self.steps)
-        xi = consensus_distance(params, name=f"{self._prefix}.xi")
-        rounds = 0
-        while cc.method == "gossip" and xi > target and rounds < cc.max_extra_rounds:
-            handles = [(p, _ops.neighbor_allreduce(ADAPTER, p.data,
-                                                   name=f"{self._prefix}.cc.{self._names[p]}"))
-                       for p in params]
+
+        def mix(start):
+            handles = [(p, start(p)) for p in params]
             with torch.no_grad():
                 for p, h in handles:
                     p.copy_(_ops.synchronize(h))
-            rounds += 1
-            xi = consensus_distance(params, name=f"{self._prefix}.xi")
-        if xi > target:  # gossip could not get there (or method="allreduce"): average exactly
-            handles = [(p, _ops.allreduce(ADAPTER, p.data, True, f"{self._prefix}.avg.{self._names[p]}"))
-                       for p in params]
-            with torch.no_grad():
-                for p, h in handles:
-                    p.copy_(_ops.synchronize(h))
-            self.exact_averages += 1
-            xi = 0.0
-        self.extra_rounds += rounds
-        self.last_consensus_distance = xi
+
+        checked = _consensus.control(
+            self.consensus_control, self.steps, self.communications,
+            lambda: consensus_distance(params, name=f"{self._prefix}.xi"),
+            lambda: mix(lambda p: _ops.neighbor_allreduce(ADAPTER, p.data, name=f"{self._prefix}.cc.{self._names[p]}")),
+            lambda: mix(lambda p: _ops.allreduce(ADAPTER, p.data, True, f"{self._prefix}.avg.{self._names[p]}")))
+        if checked is not None:
+            self.last_consensus_distance, rounds, exact = checked
+            self.extra_rounds += rounds
+            self.exact_averages += int(exact)
 
 
 class DistributedAdaptWithCombineOptimizer(_ParameterMixing):

@@ -1,4 +1,4 @@
-"""Horovod's Keras `DistributedOptimizer` and `load_model` for Keras 3 (issue 17;
+"""Horovod's Keras `DistributedOptimizer`, `PartialDistributedOptimizer` and `load_model` for Keras 3 (issue 17;
 Horovod 0.28 `horovod/tensorflow/keras/__init__.py`, `horovod/_keras/__init__.py`,
 `horovod/tensorflow/gradient_aggregation_eager.py`).
 
@@ -14,7 +14,6 @@ is supported (NotImplementedError otherwise).
 import keras
 import tensorflow as tf
 
-from shoal import basics
 from shoal.tensorflow import _horovod
 from shoal.tensorflow import ops as _tf_ops
 from shoal._ops import Average, Sum
@@ -81,13 +80,9 @@ def _distributed_class(base, settings):
         out = list(grads)
         for i, g in zip(picked, reduced):
             out[i] = g
-        if settings.scale_local_gradients and state.local:  # Horovod: local gradients / size()
-            n = basics.size()
-            for i, v in enumerate(variables):
-                g = out[i]
-                if id(v) in state.local and g is not None:
-                    out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g / tf.cast(n, g.dtype))
+        for i, v in enumerate(variables):
+            if id(v) in state.local:  # Horovod: local gradients / size() with scale_local_gradients
+                out[i] = _tf_ops.local_gradient(out[i], settings.scale_local_gradients)
         return out
 
     def build(self, variables):
@@ -209,6 +204,25 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     cls = _distributed_class(base, settings)
     cls._shoal_base = base
     return cls.from_config(optimizer.get_config())
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
+                                compression=_horovod.Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                                average_aggregated_gradients=False, groups=None,
+                                process_set=_horovod.global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """Horovod's `PartialDistributedOptimizer` (horovod.keras; its positional order): a
+    DistributedOptimizer whose `local_layers` (Keras layers) keep their gradients local
+    (not reduced; divided by size() with scale_local_gradients, as Horovod).
+    ValueError for a local layer that is not a Keras layer."""
+    local = _tf_ops._local_layers_variables(local_layers)
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step,
+                               average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    for v in local:
+        opt.register_local_var(v)
+    return opt
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=_horovod.Compression.none,
