@@ -380,7 +380,7 @@ class DistributedGradientTape:
 
     def register_local_source(self, source):
         """Horovod's: `source`'s gradient stays this rank's (see the class docstring)."""
-        self._local.add(source.ref())
+        self._local.add(_ref(source))
 
     def gradient(self, target, sources, output_gradients=None):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients)
@@ -388,7 +388,7 @@ class DistributedGradientTape:
         # variable did not affect this rank's loss) is reduced as zeros.
         prefix = self._name or _name("grad", None)
         flat, variables = list(tf.nest.flatten(grads)), tf.nest.flatten(sources)
-        picked = [i for i, v in enumerate(variables) if v.ref() not in self._local]
+        picked = [i for i, v in enumerate(variables) if _ref(v) not in self._local]
         if self._communication == "allreduce":
             out = reduce_gradients([flat[i] for i in picked], [variables[i] for i in picked], prefix,
                                    none_as_zeros=True, what="DistributedGradientTape", **self._reduce_kw)
@@ -396,7 +396,7 @@ class DistributedGradientTape:
             out = [neighbor_allreduce(tf.zeros_like(variables[i]) if flat[i] is None else
                                       tf.convert_to_tensor(flat[i]), name=f"{prefix}.{i}") for i in picked]
         for i, v in enumerate(variables):
-            if v.ref() in self._local:
+            if _ref(v) in self._local:
                 flat[i] = local_gradient(flat[i], self._scale_local)
         for i, g in zip(picked, out):
             flat[i] = g
@@ -406,8 +406,13 @@ class DistributedGradientTape:
         """Horovod's: ([(local source, gradient)], [(other source, reduced gradient)])."""
         grads = self.gradient(target, sources, output_gradients)
         pairs = list(zip(sources, grads))
-        return ([(s, g) for s, g in pairs if s.ref() in self._local],
-                [(s, g) for s, g in pairs if s.ref() not in self._local])
+        return ([(s, g) for s, g in pairs if _ref(s) in self._local],
+                [(s, g) for s, g in pairs if _ref(s) not in self._local])
+
+
+def _ref(variable):
+    """A hashable key of a tf.Variable (its ref()) or a Keras 3 Variable (its id)."""
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
 
 
 def local_gradient(grad, scale):

@@ -374,4 +374,112 @@ def sparse_gradients_allgathered_or_densified_equal_the_dense_average():
     same_on_all_ranks(model.get_weights(), "sparse.fit")
 
 
+# Every public name of horovod.tensorflow.keras and horovod.keras (Horovod 0.28), and of
+# their callbacks and elastic modules.
+HOROVOD_KERAS = """init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank
+local_rank cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built ProcessSet
+global_process_set add_process_set remove_process_set nccl_built ddl_built ccl_built cuda_built rocm_built Average
+Sum Adasum Compression callbacks elastic DistributedOptimizer PartialDistributedOptimizer
+broadcast_global_variables allreduce allgather broadcast reducescatter load_model""".split()
+HOROVOD_CALLBACKS = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+                     "LearningRateWarmupCallback", "BestModelCheckpoint"]
+HOROVOD_ELASTIC = ["KerasState", "run", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
+
+
+class Split(keras.Model):
+    """Two dense layers, the second to be local (PartialDistributed*)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.own = keras.layers.Dense(2), keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.own(self.shared(x))
+
+
+@check
+def keras_entry_point_has_horovods_names_and_values():
+    missing = [n for n in HOROVOD_KERAS if n not in hvd.__all__ or not hasattr(hvd, n)]
+    missing += [n for n in HOROVOD_CALLBACKS if not hasattr(hvd.callbacks, n)]
+    missing += [n for n in HOROVOD_ELASTIC if not hasattr(hvd.elastic, n)]
+    assert not missing, missing
+    # reducescatter(value, name, op): Horovod's split of the rows, average or sum.
+    x = np.arange(2 * (N + 1), dtype=np.float32).reshape(N + 1, 2) * (R + 1)
+    rows = np.arange(2 * (N + 1), dtype=np.float32).reshape(N + 1, 2) * (N * (N + 1) / 2)
+    start = R + (1 if R > 0 else 0)  # rank 0 gets the extra row
+    mine = rows[start:start + (2 if R == 0 else 1)]
+    assert np.array_equal(hvd.reducescatter(x, "k.rs", hvd.Sum).numpy(), mine)
+    assert np.array_equal(hvd.reducescatter(x, name="k.rs.avg").numpy(), mine / N)
+    # Objects, join, Horovod's TF ops of the job layout.
+    assert hvd.allgather_object(R * 10, None, "k.ago") == [10 * r for r in range(N)]  # (obj, session, name)
+    assert st.broadcast_object_fn(N - 1, name="k.bfn")(("from", R)) == ("from", N - 1)
+    assert [int(f().numpy()) for f in (st.rank_op, st.local_rank_op, st.size_op, st.local_size_op,
+                                       st.process_set_included_op)] == [R, hvd.local_rank(), N, hvd.local_size(), 1]
+    last = hvd.join()
+    assert hvd.allgather_object(last, name="k.join") == [last] * N and 0 <= last < N
+    ckpt = hvd.callbacks.BestModelCheckpoint("val_loss", 0, "min", "epoch", filepath=os.path.join(
+        tempfile.mkdtemp(), "best.keras"))
+    assert ckpt.save_best_only and ckpt.monitor == "val_loss" and not ckpt.save_weights_only
+    # PartialDistributedOptimizer / PartialDistributedGradientTape: the local layer's
+    # gradient stays this rank's, divided by size() (Horovod's scale_local_gradients);
+    # the others are averaged.
+    keras.utils.set_random_seed(2)
+    model = Split()
+    model(np.zeros((1, D), np.float32))
+    st.broadcast_variables(model.variables, 0)
+
+    def grads_of(r):
+        g = np.random.RandomState(60 + r)
+        xb, yb = g.randn(4, D).astype(np.float32), g.randn(4, 1).astype(np.float32)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(xb) - yb) ** 2)
+        return [t.numpy() for t in tape.gradient(loss, model.trainable_variables)], (xb, yb)
+
+    per_rank = [grads_of(r) for r in range(N)]
+    local = {id(v) for v in model.own.trainable_variables}
+
+    def check_grads(got, what):
+        for v, g, i in zip(model.trainable_variables, got, range(len(got))):
+            parts = np.stack([p[0][i].astype(np.float64) for p in per_rank])
+            want = parts[R] / N if id(v) in local else parts.mean(0)
+            assert np.allclose(g, want, rtol=0, atol=N * U * np.abs(parts).sum(0).max() + 1e-30), (what, v.path)
+
+    opt = hvd.PartialDistributedOptimizer(Recording(learning_rate=0.0), local_layers=model.own)
+    opt.seen = []
+    opt.apply([tf.constant(g) for g in per_rank[R][0]], model.trainable_variables)
+    check_grads(opt.seen, "PartialDistributedOptimizer")
+    xb, yb = per_rank[R][1]
+    with st.PartialDistributedGradientTape(tf.GradientTape(), local_layers=[model.own]) as tape:
+        loss = tf.reduce_mean((model(xb) - yb) ** 2)
+    check_grads([g.numpy() for g in tape.gradient(loss, model.trainable_variables)], "PartialDistributedGradientTape")
+    raises(ValueError, hvd.PartialDistributedOptimizer, keras.optimizers.SGD(0.1), local_layers=["not a layer"])
+
+
+@check
+def elastic_state_syncs_commits_and_restores():
+    """hvd.elastic for a fixed set of ranks: run() syncs rank 0's model, optimizer and
+    attributes, then calls the function once; commit/restore keep and bring back state."""
+    model = model_of(R)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM)), loss="mae")
+    state = hvd.elastic.KerasState(model, batch=0, epoch=R)  # attributes differ until sync
+    x, y = rank_data(R)
+
+    @hvd.elastic.run
+    def train(state, epochs):
+        model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+                             hvd.elastic.CommitStateCallback(state, batches_per_commit=2)])
+        return state.epoch
+
+    assert train(state, 2) == 2  # rank 0's epoch (0) carried over, plus the 2 epochs run
+    same_on_all_ranks(model.get_weights(), "elastic.weights")
+    assert state.batch == 0
+    kept = model.get_weights()
+    model.set_weights([w + 1 for w in kept])
+    state.epoch = 99
+    state.restore()  # back to the last commit (the end of the last epoch)
+    assert (state.epoch, state.batch) == (2, 0), (state.epoch, state.batch)
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), kept))
+
+
 sys.exit(1 if run_all(R) else 0)

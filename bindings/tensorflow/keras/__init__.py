@@ -9,7 +9,8 @@
 as `hvd.callbacks.X` (and `hvd.X`): `BroadcastGlobalVariablesCallback`,
 `MetricAverageCallback`, `LearningRateScheduleCallback`, `LearningRateWarmupCallback`
 (`callbacks.py`), `BestModelCheckpoint`, `PartialDistributedOptimizer`, `reducescatter`,
-`SyncBatchNormalization`, `join`, `start_timeline`/`stop_timeline`. Beyond Horovod,
+`SyncBatchNormalization`, `join`, `start_timeline`/`stop_timeline`, `elastic` (for a fixed
+set of ranks: `elastic.py`). Beyond Horovod,
 decentralized training: `DistributedAdaptWithCombineOptimizer` / `DistributedAdaptThenCombineOptimizer`
 (AWC / ATC over the topology or a one-peer schedule, with `ConsensusControl`; `_neighbor.py`),
 `NeighborAveragingCallback` (average the weights with neighbors every k batches, ATC) and
@@ -30,7 +31,7 @@ from shoal.tensorflow._horovod import Compression, global_process_set
 from shoal._consensus import ConsensusControl  # noqa: F401
 from shoal._ops import Average, Max, Min, Product, Sum  # noqa: F401
 
-from . import callbacks  # noqa: F401
+from . import callbacks, elastic  # noqa: F401
 from ._neighbor import DistributedAdaptThenCombineOptimizer, DistributedAdaptWithCombineOptimizer  # noqa: F401
 from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model  # noqa: F401
 from .callbacks import *  # noqa: F401,F403
@@ -84,5 +85,5 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "broadcast", "reducescatter", "broadcast_object", "allgather_object", "broadcast_global_variables",
            "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "SyncBatchNormalization",
            "DistributedAdaptWithCombineOptimizer", "DistributedAdaptThenCombineOptimizer", "ConsensusControl",
-           "callbacks", "Average", "Sum", "Min", "Max", "Product"]
+           "callbacks", "elastic", "Average", "Sum", "Min", "Max", "Product"]
 __all__ += [n for n in _horovod_all if n not in __all__] + list(_callbacks_all)
