@@ -25,6 +25,8 @@ import shoal
 from shoal import _consensus, _metrics, topology
 from shoal._process import STATE
 
+from ._optimizer import applied_variables
+
 
 def schedule_of(schedule):
     """None (the static topology of `shoal.set_topology`), "one-peer-exp" (the one-peer
@@ -108,14 +110,12 @@ def _neighbor_class(base, mode, k):
         return tf.cond(due, run, lambda: tf.constant(False))
 
     def apply(self, grads, trainable_variables=None):
-        if trainable_variables is not None:
-            variables = list(trainable_variables)
-        elif self.built:
-            variables = list(self._trainable_variables)
-        else:
+        variables = applied_variables(self, trainable_variables)
+        if variables is None:
             return super(cls, self).apply(grads, trainable_variables)  # Keras' own error
         if not self.built:
             self.build(variables)
+            self.built = True
         if mode == "awc":  # combine the variables the gradients were taken at, then update
             exchange(self, variables, tf.equal((self.iterations + 1) % k, 0))
         result = super(cls, self).apply(grads, trainable_variables)

@@ -65,6 +65,14 @@ def _check(op, process_set, compression, backward_passes_per_step, num_groups, g
                                   "shoal.torch's DistributedOptimizer in a torch training loop)")
 
 
+def applied_variables(opt, trainable_variables):
+    """The variables an `apply(grads, trainable_variables)` call of Keras optimizer `opt`
+    updates, or None when Keras must answer (not built, and none given)."""
+    if trainable_variables is not None:
+        return list(trainable_variables)
+    return list(opt._trainable_variables) if opt.built else None
+
+
 def _distributed_class(base, settings):
     """A subclass of the Keras optimizer class `base`, with base's name and module, whose
     `apply` reduces the gradients first."""
@@ -95,13 +103,8 @@ def _distributed_class(base, settings):
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
-        if trainable_variables is not None:
-            variables = list(trainable_variables)
-        elif self.built:
-            variables = list(self._trainable_variables)
-        else:
-            return super(cls, self).apply(grads, trainable_variables)  # Keras' own error
-        if len(grads) == 0:
+        variables = applied_variables(self, trainable_variables)
+        if variables is None or len(grads) == 0:  # Keras' own error, or nothing to reduce
             return super(cls, self).apply(grads, trainable_variables)
         if settings.passes == 1:
             return super(cls, self).apply(reduce(self, grads, variables), trainable_variables)
