@@ -257,15 +257,21 @@ def keras_decentralized_optimizers_reach_consensus_and_control_it():
     import shoal.keras as sk
     x, y = keras_data(R)
     # Learning rate 0: only averaging. One-peer rounds, every second step (k = 2): after
-    # log2(n) rounds every rank holds the exact average of the initial weights.
+    # log2(n) rounds every rank holds the exact average of the initial weights (AWC in
+    # model.fit, ATC in an eager loop of apply_gradients).
     for make in (sk.DistributedAdaptWithCombineOptimizer, sk.DistributedAdaptThenCombineOptimizer):
         if N & (N - 1):
             break
         model = linear_model(R)
         opt = make(keras.optimizers.SGD(0.0), "one-peer-exp", 2)
-        model.compile(optimizer=opt, loss="mae")
         rounds = (N - 1).bit_length()
-        model.fit(x[:2 * rounds * B], y[:2 * rounds * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+        if make is sk.DistributedAdaptWithCombineOptimizer:
+            model.compile(optimizer=opt, loss="mae")
+            model.fit(x[:2 * rounds * B], y[:2 * rounds * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+        else:
+            for _ in range(2 * rounds):
+                opt.apply_gradients(zip([tf.ones_like(v) for v in model.trainable_variables],
+                                        model.trainable_variables))
         mean = [sum(dyadic_start(r)[k] for r in range(N)) / N for k in range(2)]
         for got, want in zip(model.get_weights(), mean):
             assert np.array_equal(got, want), (make.__name__, got, want)
