@@ -172,7 +172,10 @@ def build_api(adapter):
         weights (dynamic mode: all three weight arguments), then share the result within
         the machine: y = (self_weight·S_self + Σ_m w_m·S_m) / local_size(), S = machine sums.
         Floating dtypes. Needs a homogeneous job (ValueError otherwise); RuntimeError in
-        static mode without a machine topology. The later stages run in `synchronize`.
+        static mode without a machine topology. One op of the core: its stages (machine
+        sum, exchange between the machines' local rank 0, share within the machine) run
+        as ops named "<name>.machine_sum", ".exchange", ".share"; a stage that fails on a
+        rank fails the op on every rank waiting for it (ShoalError).
         Semantics: BlueFog `hierarchical_neighbor_allreduce` (§1.6).
         """
         return _hierarchical.hierarchical_neighbor_allreduce_nonblocking(

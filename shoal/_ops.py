@@ -14,7 +14,8 @@ from ._loader import _core
 from ._process import STATE
 
 # Codes of the C ABI, as the core exports them (core/include/shoal/c_api.h).
-OP_NAMES = {code: name for name, code in _core.OPS.items()}
+OPS = dict(_core.OPS)
+OP_NAMES = {code: name for name, code in OPS.items()}
 ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER, REDUCESCATTER = (
     _core.OPS[n] for n in ("allreduce", "broadcast", "allgather", "barrier", "neighbor_allreduce",
                            "neighbor_allgather", "reducescatter"))
@@ -149,15 +150,12 @@ def _submit_gather(op, name, adapter, tensor, **kw):
     return holder["h"]
 
 
-def then(handle, fn, on_failure=None):
-    """Continue the op behind `handle` with `fn(result)` at `synchronize`: a multi-stage op
-    (hierarchical) is its first stage's handle, and its later stages run in `fn`; if the
-    first stage fails, `on_failure(exc)` runs (to tell peers waiting in later stages)."""
+def then(handle, fn):
+    """Continue the op behind `handle` with `fn(result)` at `synchronize` (a binding's
+    finishing step, e.g. Horovod's postscale)."""
     with STATE.lock:
         keep, finish = STATE.pending[handle]
         STATE.pending[handle] = (keep, lambda: fn(finish()))
-        if on_failure is not None:
-            STATE.on_failure[handle] = on_failure
     return handle
 
 
@@ -385,8 +383,7 @@ def pair_gossip(adapter, tensor, target_rank, self_weight=None, pair_weight=None
 
 
 def poll(handle):
-    """True when the op behind `handle` has completed (the handle stays valid).
-    For a multi-stage op (hierarchical), True once its first stage has completed."""
+    """True when the op behind `handle` has completed (the handle stays valid)."""
     return _core.poll(handle)
 
 
@@ -407,9 +404,6 @@ def synchronize(handle):
             raise  # interrupted (Ctrl-C) while the op runs on: it keeps its tensors and handle
         with STATE.lock:
             entry = STATE.pending.pop(handle, None)
-            failed = STATE.on_failure.pop(handle, None)
-        if failed is not None:
-            failed(exc)
         if _core.in_use(handle):  # failed with a send from its memory in flight
             _core.linger(handle, entry)  # the core releases it when the send is done
         else:
@@ -438,7 +432,6 @@ synchronize = _native_synchronize()
 def _forget(handle):
     with STATE.lock:
         STATE.pending.pop(handle, None)
-        STATE.on_failure.pop(handle, None)
     _core.release(handle)
 
 

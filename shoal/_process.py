@@ -17,9 +17,10 @@ UNNAMED_LIMIT = 1024  # generated op names cycle through this many (like the cor
 class ProcessState:
     """Per-process state of the Python side (see the module docstring).
 
-    topology/weighted/plan: the static topology, its weighting and this rank's plan
-    ({"recv", "send", "self_weight", "recv_weights"}); machine_*: the same for the graph
-    over machines. pending: op handle -> (objects kept alive, finish() -> result).
+    topology/plan: the static topology (the graph as given) and this rank's plan of it as
+    the core keeps it (`_core.topology_plan`: {"version", "weighted", "recv", "send",
+    "self_weight", "recv_weights"}), read here without a call into the core;
+    machine_*: the same for the graph over machines. pending: op handle -> (objects kept alive, finish() -> result).
     windows: window name -> registered tensor; mirrors: name -> host copy of a device
     tensor; win_pending: window handle -> (kept objects, finish or None); with_p: window
     ops carry push-sum weights. suspended/skip_negotiate: BlueFog switches (recorded).
@@ -36,10 +37,9 @@ class ProcessState:
 
     def reset(self):
         with self.lock:
-            self.topology, self.weighted, self.plan = None, False, None
-            self.machine_topology, self.machine_weighted, self.machine_plan = None, False, None
+            self.topology, self.plan = None, None
+            self.machine_topology, self.machine_plan = None, None
             self.pending = {}
-            self.on_failure = {}  # handle -> fn(exc): a multi-stage op's first stage failed
             self.windows, self.mirrors, self.win_pending = {}, {}, {}
             self.with_p = False
             self.suspended = self.skip_negotiate = False
@@ -97,14 +97,14 @@ def static_plan():
     torch.compile can trace through it."""
     if STATE.plan is None:
         raise ValueError("Shoal is not initialized; call shoal.init() first")
-    return STATE.plan, STATE.weighted
+    return STATE.plan, STATE.plan["weighted"]
 
 
 def machine_plan():
     if STATE.machine_plan is None:
         raise RuntimeError("hierarchical_neighbor_allreduce in static mode needs "
                            "set_machine_topology(...) first")
-    return STATE.machine_plan, STATE.machine_weighted
+    return STATE.machine_plan, STATE.machine_plan["weighted"]
 
 
 def in_neighbor_ranks():

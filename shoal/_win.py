@@ -249,7 +249,7 @@ def build_win_api(adapter):
         uniform = False
         if neighbor_weights is not None:
             nbr, sw = _weights(neighbor_weights, recv, "win_update: neighbor_weights", "in-neighbours"), float(self_weight)
-        elif STATE.weighted:
+        elif _process.static_plan()[1]:
             plan, _ = _process.static_plan()
             nbr, sw = dict(zip(plan["recv"], plan["recv_weights"])), plan["self_weight"]
         else:

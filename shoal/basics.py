@@ -146,12 +146,14 @@ def get_skip_negotiate_stage():
     return STATE.skip_negotiate
 
 
-def _plan(graph, me):
-    """This rank's view of a graph: neighbor lists and receive weights."""
-    self_w, src = _topo.recv_weights(graph, me)
-    recv = _topo.in_neighbors(graph, me)
-    return {"recv": recv, "send": _topo.out_neighbors(graph, me), "self_weight": float(self_w),
-            "recv_weights": [float(src[r]) for r in recv]}
+def _give_core(graph, is_weighted, which):
+    """Hands `graph` to the core, which keeps this rank's plan of it (neighbor lists and
+    receive weights, per version: DESIGN decision 7); returns the plan as the core sees it."""
+    edges = list(graph.edges(data="weight", default=1.0))
+    code = _core.GRAPHS[which]
+    _core.set_topology(code, graph.number_of_nodes(), [int(i) for i, _, _ in edges], [int(j) for _, j, _ in edges],
+                       [float(w) for _, _, w in edges], bool(is_weighted))
+    return _core.topology_plan(code)
 
 
 def _check_same_everywhere(graph, is_weighted, what):
@@ -196,7 +198,7 @@ def set_topology(topology=None, is_weighted=False):
         raise TopologySizeError(f"topology has {graph.number_of_nodes()} nodes but there are {size()} ranks")
     _check_same_everywhere(graph, is_weighted, "set_topology")  # always: it is collective
     with STATE.lock:
-        STATE.topology, STATE.weighted, STATE.plan = graph, bool(is_weighted), _plan(graph, rank())
+        STATE.topology, STATE.plan = graph, _give_core(graph, is_weighted, "ranks")
     return True
 
 
@@ -217,8 +219,7 @@ def set_machine_topology(topology, is_weighted=False):
                          f"{machine_size()} machines")
     _check_same_everywhere(graph, is_weighted, "set_machine_topology")
     with STATE.lock:
-        STATE.machine_topology, STATE.machine_weighted = graph, bool(is_weighted)
-        STATE.machine_plan = _plan(graph, machine_rank())
+        STATE.machine_topology, STATE.machine_plan = graph, _give_core(graph, is_weighted, "machines")
     return True
 
 
@@ -228,7 +229,7 @@ def load_machine_topology():
 
 
 def is_machine_topo_weighted():
-    return STATE.machine_weighted
+    return bool(STATE.machine_plan and STATE.machine_plan["weighted"])
 
 
 def in_neighbor_machine_ranks():
@@ -249,7 +250,7 @@ def load_topology():
 
 
 def is_topo_weighted():
-    return STATE.weighted
+    return bool(STATE.plan and STATE.plan["weighted"])
 
 
 def stats():

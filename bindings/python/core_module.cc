@@ -196,7 +196,8 @@ void DefineConstants(py::module_& m) {
                            "allgather"_a = int(SHOAL_OP_ALLGATHER), "barrier"_a = int(SHOAL_OP_BARRIER),
                            "neighbor_allreduce"_a = int(SHOAL_OP_NEIGHBOR_ALLREDUCE),
                            "neighbor_allgather"_a = int(SHOAL_OP_NEIGHBOR_ALLGATHER),
-                           "reducescatter"_a = int(SHOAL_OP_REDUCESCATTER));
+                           "reducescatter"_a = int(SHOAL_OP_REDUCESCATTER),
+                           "hierarchical_neighbor_allreduce"_a = int(SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE));
   m.attr("DTYPES") = py::dict("float16"_a = int(SHOAL_FLOAT16), "bfloat16"_a = int(SHOAL_BFLOAT16),
                               "float32"_a = int(SHOAL_FLOAT32), "float64"_a = int(SHOAL_FLOAT64),
                               "int8"_a = int(SHOAL_INT8), "uint8"_a = int(SHOAL_UINT8), "int16"_a = int(SHOAL_INT16),
@@ -205,6 +206,7 @@ void DefineConstants(py::module_& m) {
                                   "min"_a = int(SHOAL_REDUCE_MIN), "max"_a = int(SHOAL_REDUCE_MAX),
                                   "product"_a = int(SHOAL_REDUCE_PRODUCT));
   m.attr("SCOPES") = py::dict("world"_a = int(SHOAL_SCOPE_WORLD), "machine"_a = int(SHOAL_SCOPE_MACHINE));
+  m.attr("GRAPHS") = py::dict("ranks"_a = int(SHOAL_GRAPH_RANKS), "machines"_a = int(SHOAL_GRAPH_MACHINES));
   m.attr("DEVICE_TYPES") = py::dict("cpu"_a = int(SHOAL_DEVICE_CPU), "cuda"_a = int(SHOAL_DEVICE_CUDA));
   m.attr("WIN_OPS") = py::dict("create"_a = int(SHOAL_WIN_CREATE), "free"_a = int(SHOAL_WIN_FREE),
                                "put"_a = int(SHOAL_WIN_PUT), "accumulate"_a = int(SHOAL_WIN_ACCUMULATE),
@@ -292,6 +294,37 @@ PYBIND11_MODULE(_core, m) {
     return std::string(buf);
   });
   DefineConstants(m);
+  // The core's static topologies (shoal.basics.set_topology / set_machine_topology).
+  m.def("set_topology", [](int graph, int32_t nodes, std::vector<int32_t> src, std::vector<int32_t> dst,
+                           std::vector<double> weights, bool weighted) {
+    if (src.size() != dst.size() || src.size() != weights.size()) throw py::value_error("topology: edge lists differ in length");
+    char err[kErrLen];
+    int64_t version = 0;
+    Check(shoal_set_topology(graph, nodes, static_cast<int64_t>(src.size()), src.data(), dst.data(), weights.data(),
+                             weighted, &version, err, kErrLen), err);
+    return version;
+  });
+  // {"version", "weighted", "recv", "recv_weights", "send", "self_weight"} (lists ascending), or
+  // None while the graph was never set.
+  m.def("topology_plan", [](int graph) -> py::object {
+    using namespace pybind11::literals;
+    char err[kErrLen];
+    shoal_topology_info info{};
+    std::vector<int32_t> recv(64), send(64);
+    std::vector<double> weights(64);
+    for (;;) {
+      Check(shoal_topology_plan(graph, static_cast<int32_t>(recv.size()), recv.data(), weights.data(), send.data(),
+                                &info, err, kErrLen), err);
+      const size_t need = std::max(info.n_recv, info.n_send);
+      if (need <= recv.size()) break;
+      recv.resize(need), send.resize(need), weights.resize(need);
+    }
+    if (info.version == 0) return py::none();
+    recv.resize(info.n_recv), weights.resize(info.n_recv), send.resize(info.n_send);
+    return py::dict("version"_a = info.version, "weighted"_a = info.weighted != 0, "recv"_a = py::tuple(py::cast(recv)),
+                    "recv_weights"_a = py::tuple(py::cast(weights)), "send"_a = py::tuple(py::cast(send)),
+                    "self_weight"_a = info.self_weight);
+  });
   m.def("enqueue", &Enqueue, py::arg("op"), py::arg("name"), py::arg("input"), py::arg("dtype"),
         py::arg("shape"), py::arg("output"), py::kw_only(), py::arg("peers") = py::none(),
         py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("scope") = 0, py::arg("device_type") = 0,

@@ -479,9 +479,6 @@ PyObject* CallSynchronize(PyObject* self, PyObject* const* args, Py_ssize_t narg
       return fallback();
     }
     if (PyDict_DelItem(pending.ptr(), args[0]) != 0) throw py::error_already_set();
-    py::object on_failure = st->state.attr("on_failure");
-    if (PyDict_GET_SIZE(on_failure.ptr()) > 0 && PyDict_Contains(on_failure.ptr(), args[0]) == 1)
-      PyDict_DelItem(on_failure.ptr(), args[0]);
     PyObject* result = PyObject_CallNoArgs(PyTuple_GET_ITEM(entry.ptr(), 1));
     shoal_release(h);
     return result;

@@ -172,8 +172,8 @@ def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none
     return compression.decompress(out, ctx)
 
 
-def _neighbor(tensor, a, name):
-    return _lib.shoal_neighbor_allreduce(
+def _neighbor(tensor, a, name, kernel=None):
+    return (kernel or _lib.shoal_neighbor_allreduce)(
         tensor, tf.constant(a["self_weight"], tf.float64), tf.constant(a["recv_ranks"], tf.int32),
         tf.constant(a["recv_weights"], tf.float64), tf.constant(a["send_ranks"], tf.int32),
         tf.constant(a["send_weights"], tf.float64), op_name=name, uniform=a["uniform"],
@@ -200,16 +200,12 @@ def neighbor_allgather(tensor, src_ranks=None, dst_ranks=None, enable_topo_check
 def hierarchical_neighbor_allreduce(tensor, self_weight=None, src_machine_weights=None,
                                     dst_machine_weights=None, enable_topo_check=False, name=None):
     """Sum within each machine, gossip between machine leaders, share within the machine,
-    divide by local_size(); semantics of `shoal.hierarchical_neighbor_allreduce`
-    (shoal/_hierarchical.py, run here with the TensorFlow kernels)."""
+    divide by local_size(); semantics of `shoal.hierarchical_neighbor_allreduce` (one op of
+    the core; the machine weights resolved by shoal/_hierarchical.py). Floating dtypes."""
     op = "hierarchical_neighbor_allreduce"
-    name, peers = _hierarchical.resolve(self_weight, src_machine_weights, dst_machine_weights,
-                                        enable_topo_check, _name(op, name))
-    total = allreduce(tensor, op=Sum, is_hierarchical_local=True, name=name + ".machine_sum")
-    return _hierarchical.run(
-        total, name, peers, lambda x, stage, a: _run(op, lambda: _neighbor(x, a, stage)),
-        lambda x, stage: broadcast(x, 0, name=stage, is_hierarchical_local=True),
-        lambda x, n: x / tf.cast(n, x.dtype))
+    a = _hierarchical.machine_args(self_weight, src_machine_weights, dst_machine_weights, enable_topo_check)
+    tensor = tf.convert_to_tensor(tensor)
+    return _run(op, lambda: _neighbor(tensor, a, _name(op, name), _lib.shoal_hierarchical_neighbor_allreduce))
 
 
 Sum, Average, Min, Max, Product = _ops.Sum, _ops.Average, _ops.Min, _ops.Max, _ops.Product
@@ -272,10 +268,15 @@ def _neighbor_grad(op, grad):
     # The lists are constants `_neighbor` made from resolved Python values.
     lists = [tf.get_static_value(t) for t in op.inputs[1:]]
     if any(v is None for v in lists):
-        raise ValueError("the gradient of shoal.tensorflow.neighbor_allreduce needs constant weights and ranks")
+        raise ValueError(f"the gradient of shoal.tensorflow.{op.type} needs constant weights and ranks")
     self_w, recv, recv_w, send, send_w = lists
     p = _gradients.neighbor_peers(self_w, recv, recv_w, send, send_w, op.get_attr("uniform"))
-    return [_neighbor(grad, p, _grad_name(op)), None, None, None, None, None]
+    kernel = _lib.shoal_hierarchical_neighbor_allreduce if op.type == "ShoalHierarchicalNeighborAllreduce" else None
+    return [_neighbor(grad, p, _grad_name(op), kernel), None, None, None, None, None]
+
+
+# Linear in the machine sums: the gradient is the op with the transposed machine lists.
+tf.RegisterGradient("ShoalHierarchicalNeighborAllreduce")(_neighbor_grad)
 
 
 # ---- training helpers ----

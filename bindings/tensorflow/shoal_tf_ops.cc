@@ -114,7 +114,7 @@ class ShoalKernel : public AsyncOpKernel {
     d.scope = scope_;
     d.uniform = uniform_;
     d.topo_check = topo_check_;
-    if (op_ == SHOAL_OP_NEIGHBOR_ALLREDUCE) {
+    if (op_ == SHOAL_OP_NEIGHBOR_ALLREDUCE || op_ == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
       d.self_weight = ctx->input(1).scalar<double>()();
       recv = Ranks(ctx->input(2));
       recv_w = Weights(ctx->input(3));
@@ -161,6 +161,7 @@ SHOAL_KERNEL(Allgather, SHOAL_OP_ALLGATHER)
 SHOAL_KERNEL(NeighborAllreduce, SHOAL_OP_NEIGHBOR_ALLREDUCE)
 SHOAL_KERNEL(NeighborAllgather, SHOAL_OP_NEIGHBOR_ALLGATHER)
 SHOAL_KERNEL(Reducescatter, SHOAL_OP_REDUCESCATTER)
+SHOAL_KERNEL(HierarchicalNeighborAllreduce, SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE)
 
 #define SHOAL_TYPES "T: {half, bfloat16, float, double, int8, uint8, int16, int32, int64, bool}"
 
@@ -184,10 +185,14 @@ REGISTER_OP("ShoalAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Input("t
     .Output("output: T").SetShapeFn(GatherShape);
 REGISTER_OP("ShoalReducescatter").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
     .Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
-REGISTER_OP("ShoalNeighborAllreduce").Attr(SHOAL_TYPES).Attr("op_name: string")
-    .Attr("uniform: bool").Attr("topo_check: bool").Input("tensor: T").Input("self_weight: double")
-    .Input("recv_ranks: int32").Input("recv_weights: double").Input("send_ranks: int32")
-    .Input("send_weights: double").Output("output: T").SetShapeFn(SameShape);
+// Neighbor averaging over ranks, and the hierarchical op's over machines (ranks: machine ids).
+#define SHOAL_NEIGHBOR_OP(Name)                                                                       \
+  REGISTER_OP(Name).Attr(SHOAL_TYPES).Attr("op_name: string").Attr("uniform: bool").Attr("topo_check: bool") \
+      .Input("tensor: T").Input("self_weight: double").Input("recv_ranks: int32")                    \
+      .Input("recv_weights: double").Input("send_ranks: int32").Input("send_weights: double")        \
+      .Output("output: T").SetShapeFn(SameShape)
+SHOAL_NEIGHBOR_OP("ShoalNeighborAllreduce");
+SHOAL_NEIGHBOR_OP("ShoalHierarchicalNeighborAllreduce");
 REGISTER_OP("ShoalNeighborAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("topo_check: bool")
     .Input("tensor: T").Input("recv_ranks: int32").Input("send_ranks: int32").Output("output: T")
     .SetShapeFn(GatherShape);

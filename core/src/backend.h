@@ -1,6 +1,7 @@
-// The communication engine the runtime drives. Calls come from one thread at a time
-// (the runtime's progress driver); every operation is asynchronous and completes through a
-// callback from Progress(), so the loop never blocks on a slow peer.
+// The communication engines the runtime drives (DESIGN decision 12): MPI, NCCL
+// (nccl_backend.h) and the unit tests' fake implement these interfaces. Calls come from one
+// thread at a time (the runtime's progress driver); every operation is asynchronous and
+// completes through a callback from Progress(), so the loop never blocks on a slow peer.
 #pragma once
 #include <functional>
 #include <memory>
@@ -22,9 +23,34 @@ struct WorldInfo {
   bool threads_multiple = true;
 };
 
-class Backend {
+// Collectives of one engine over the world or this rank's machine (scope), on memory that
+// engine reads (host memory for MPI and the fake, device memory for NCCL); every rank of
+// the scope starts them in the same order. Asynchronous: `done` runs from Progress().
+class Collectives {
  public:
-  virtual ~Backend() = default;
+  virtual ~Collectives() = default;
+  // In place. reduce_op: SHOAL_REDUCE_SUM, MIN, MAX or PRODUCT (engines that say so also
+  // take AVERAGE: the sum, divided by the scope's size). root: a rank of the scope.
+  virtual void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) = 0;
+  virtual void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) = 0;
+  // World scope. `recv` is host memory (the core allocates gathered results there): rank
+  // r's counts[r] elements at offset counts[0] + ... + counts[r-1].
+  virtual void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts,
+                          int dtype, Callback done) = 0;
+  // Reduces every rank's `send` (the sum of `counts` elements) and leaves rank r, in host
+  // memory `recv`, the counts[r] elements at offset counts[0] + ... + counts[r-1]
+  // (MPI_Reduce_scatter). World scope; reduce_op as Allreduce's.
+  virtual void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
+                             int reduce_op, Callback done) = 0;
+  // Completes finished operations (running their callbacks); true if any finished.
+  virtual bool Progress() = 0;
+  virtual size_t num_in_flight() const = 0;
+};
+
+// The communication engine of the runtime (MPI; in the unit tests, a fake of N ranks as
+// threads): the collectives on host memory, plus point-to-point messages and barriers.
+class Backend : public Collectives {
+ public:
   virtual const WorldInfo& world() const = 0;
 
   // Point-to-point messages (control plane and neighbor data).
@@ -37,18 +63,6 @@ class Backend {
   // false if none.
   virtual bool Receive(const std::vector<int>& tags, int* tag, int* src, ByteVec* msg, Status* st) = 0;
 
-  // Collectives; every rank starts them in the same order.
-  // scope: SHOAL_SCOPE_WORLD or SHOAL_SCOPE_MACHINE (root is then a local rank).
-  // reduce_op: SHOAL_REDUCE_SUM, MIN, MAX or PRODUCT (an average is a sum here).
-  virtual void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) = 0;
-  virtual void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) = 0;
-  virtual void Allgatherv(const void* send, int64_t count, void* recv,
-                          const std::vector<int64_t>& counts, int dtype, Callback done) = 0;
-  // Reduces every rank's `send` (the sum of `counts` elements) with reduce_op (SUM, MIN,
-  // MAX, PRODUCT) and leaves rank r the counts[r] elements at offset counts[0] + ... +
-  // counts[r-1] in its `recv` (MPI_Reduce_scatter). World scope.
-  virtual void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
-                             int reduce_op, Callback done) = 0;
   virtual void Barrier(Callback done) = 0;
   // Allreduce (sum) on collective channel `channel` in [0, kChannels): each channel has
   // its own collective order (an MPI communicator), independent of the others and of the
@@ -57,9 +71,6 @@ class Backend {
   static constexpr int kChannels = 64;
   virtual void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) = 0;
 
-  // Completes finished operations (running their callbacks); true if any finished.
-  virtual bool Progress() = 0;
-  virtual size_t num_in_flight() const = 0;
 };
 
 // MPI engine: initialises MPI if nobody has, duplicates its communicators.

@@ -152,6 +152,46 @@ void shoal_mpi_library_version(char* buf, size_t len) {
   Report(Status::Error(0, shoal::MpiLibraryVersion()), buf, len);
 }
 
+int shoal_set_topology(int graph, int32_t n_nodes, int64_t n_edges, const int32_t* src, const int32_t* dst,
+                       const double* weights, int weighted, int64_t* version, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), err, len);
+  const shoal::WorldInfo& w = rt->world();
+  const bool machines = graph == SHOAL_GRAPH_MACHINES;
+  if (graph != SHOAL_GRAPH_RANKS && !machines)
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "topology: unknown graph " + std::to_string(graph)), err, len);
+  const int nodes = machines ? w.machine_size : w.size;
+  if (n_nodes != nodes || n_edges < 0 || (n_edges > 0 && (!src || !dst || !weights)))
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "topology: a graph over " + std::to_string(n_nodes) +
+                                " nodes, but there are " + std::to_string(nodes) + (machines ? " machines" : " ranks")),
+                  err, len);
+  try {
+    auto plan = shoal::PlanOf(nodes, {src, src + n_edges}, {dst, dst + n_edges}, {weights, weights + n_edges},
+                              machines ? w.machine_rank : w.rank, weighted != 0);
+    *version = rt->topologies().Set(graph, std::move(plan));
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_topology_plan(int graph, int32_t capacity, int32_t* recv, double* recv_weights, int32_t* send,
+                        shoal_topology_info* info, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), err, len);
+  if (graph != SHOAL_GRAPH_RANKS && graph != SHOAL_GRAPH_MACHINES)
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "topology: unknown graph " + std::to_string(graph)), err, len);
+  const shoal::TopologyPlan p = rt->topologies().Get(graph);
+  *info = shoal_topology_info{p.version, p.weighted ? 1 : 0, static_cast<int32_t>(p.recv.size()),
+                              static_cast<int32_t>(p.send.size()), p.self_weight};
+  for (int32_t k = 0; k < std::min<int32_t>(capacity, info->n_recv); ++k) {
+    recv[k] = p.recv[k];
+    recv_weights[k] = p.recv_weights[k];
+  }
+  for (int32_t k = 0; k < std::min<int32_t>(capacity, info->n_send); ++k) send[k] = p.send[k];
+  return SHOAL_OK;
+}
+
 int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callback, void* arg,
                                 int64_t* handle, char* err, size_t len) {
   Status st;

@@ -23,6 +23,7 @@ const char* DtypeName(int dtype) {
 
 const char* OpName(int op) {
   if (op == kOpJoin) return "join";
+  if (op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) return "hierarchical_neighbor_allreduce";
   static const char* names[] = {"allreduce", "broadcast", "allgather", "barrier",
                                 "neighbor_allreduce", "neighbor_allgather", "reducescatter"};
   return (op >= 0 && op <= SHOAL_OP_REDUCESCATTER) ? names[op] : "unknown_op";

@@ -41,6 +41,10 @@ struct ArgumentError : std::runtime_error {
 size_t DtypeSize(int dtype);
 const char* DtypeName(int dtype);
 const char* OpName(int op);
+// An op code of the C ABI (shoal_op_type).
+inline bool IsOpCode(int op) {
+  return (op >= SHOAL_OP_ALLREDUCE && op <= SHOAL_OP_REDUCESCATTER) || op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE;
+}
 // Horovod's join (runtime_join.cc): an op of the runtime and the coordinator only, not of
 // the C ABI's shoal_op_type (shoal_enqueue_join starts it).
 constexpr int kOpJoin = 100;

@@ -11,62 +11,50 @@ namespace shoal {
 
 namespace {
 
+template <typename IO, typename... T> void Fields(IO& io, T&... v) { (io.Field(v), ...); }
+
 // The fields of a request and of a response, in wire order, for both directions.
 template <typename IO, typename R> void RequestFields(IO& io, R& r) {
-  io.Field(r.name);
-  io.Field(r.sig);
-  io.Field(r.step);
-  io.Field(r.reject);
-  io.Field(r.reject_code);
-  io.Field(r.topo_check);
-  if (r.topo_check) {
-    io.Field(r.send);
-    io.Field(r.recv);
-  }
+  Fields(io, r.name, r.sig, r.step, r.reject, r.reject_code, r.topo_check);
+  if (r.topo_check) Fields(io, r.send, r.recv);
   io.Field(r.probe);
 }
 
 template <typename IO, typename R> void ResponseFields(IO& io, R& r) {
-  io.Field(r.kind);
-  io.Field(r.op);
-  io.Field(r.names);
-  io.Field(r.error);
-  io.Field(r.step);
-  io.Field(r.code);
-  io.Field(r.first_dims);
-  io.Field(r.channel);
-  io.Field(r.joined);
+  Fields(io, r.kind, r.op, r.names, r.error, r.step, r.code, r.first_dims, r.channel, r.joined);
   if (!r.joined.empty()) io.Field(r.sigs);
 }
 
 }  // namespace
 
+namespace {
+
+// A count, then each item's fields (RequestFields or ResponseFields).
+template <typename T> ByteVec Encode(const std::vector<T>& items, void (*fields)(Writer&, const T&)) {
+  Writer w;
+  w.Put<uint32_t>(static_cast<uint32_t>(items.size()));
+  for (auto& x : items) fields(w, x);
+  return std::move(w.buffer());
+}
+
+template <typename T> std::vector<T> Decode(const char* p, size_t n, void (*fields)(Reader&, T&)) {
+  Reader r(p, n);
+  std::vector<T> out(r.Get<uint32_t>());
+  for (auto& x : out) fields(r, x);
+  return out;
+}
+
+}  // namespace
+
 ByteVec EncodeRequests(const std::vector<Request>& reqs) {
-  Writer w;
-  w.Put<uint32_t>(static_cast<uint32_t>(reqs.size()));
-  for (auto& r : reqs) RequestFields(w, r);
-  return std::move(w.buffer());
+  return Encode<Request>(reqs, RequestFields<Writer, const Request>);
 }
-
-std::vector<Request> DecodeRequests(const char* p, size_t n) {
-  Reader r(p, n);
-  std::vector<Request> out(r.Get<uint32_t>());
-  for (auto& q : out) RequestFields(r, q);
-  return out;
-}
-
+std::vector<Request> DecodeRequests(const char* p, size_t n) { return Decode<Request>(p, n, RequestFields<Reader, Request>); }
 ByteVec EncodeResponses(const std::vector<Response>& resps) {
-  Writer w;
-  w.Put<uint32_t>(static_cast<uint32_t>(resps.size()));
-  for (auto& r : resps) ResponseFields(w, r);
-  return std::move(w.buffer());
+  return Encode<Response>(resps, ResponseFields<Writer, const Response>);
 }
-
 std::vector<Response> DecodeResponses(const char* p, size_t n) {
-  Reader r(p, n);
-  std::vector<Response> out(r.Get<uint32_t>());
-  for (auto& q : out) ResponseFields(r, q);
-  return out;
+  return Decode<Response>(p, n, ResponseFields<Reader, Response>);
 }
 
 void Coordinator::Add(int rank, const Request& req, double now) {

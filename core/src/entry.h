@@ -11,7 +11,8 @@
 
 namespace shoal {
 
-struct GpuOp;  // gpu.h
+struct GpuOp;   // gpu.h
+struct Stages;  // runtime_stages.cc
 
 using Clock = std::chrono::steady_clock;
 
@@ -38,6 +39,8 @@ struct Entry {
   std::string reject;  // non-empty: a call refused at the call here; its peers get this error
   int reject_code = 0;
   std::shared_ptr<GpuOp> gpu;  // CUDA tensors: device pointers and staging state
+  // A stage of a multi-stage op (hierarchical): the op and its stages still to run.
+  std::shared_ptr<Stages> stages;
 
   Clock::time_point enqueued = Clock::now();
   // Phase boundaries for the timeline (unset: time_point{}).

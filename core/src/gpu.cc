@@ -284,7 +284,8 @@ bool Runtime::PollGpu(std::vector<Request>* to_coordinator) {
   auto ready = gpu_->Ready(&failed);
   for (auto& e : ready) Route(e, to_coordinator);
   for (auto& f : failed) Finish(f.first, f.second);
-  bool nccl_done = nccl_.Poll();
+  bool nccl_done = false;
+  for (auto& kv : nccl_) nccl_done |= kv.second->Progress();
   std::vector<std::pair<EntryPtr, Status>> device_done;
   bool device = device_plane_.Poll(&device_done);
   for (auto& d : device_done) Finish(d.first, d.second);
@@ -293,5 +294,56 @@ bool Runtime::PollGpu(std::vector<Request>* to_coordinator) {
 }
 
 Status Runtime::CompleteGpu(Entry& e, const Status& st) { return gpu_ ? gpu_->Complete(e, st) : st; }
+
+void Runtime::RunOnDevice(const Response& r, const std::vector<EntryPtr>& batch) {
+  const WorldInfo& w = world();
+  const int device = batch[0]->gpu->device;
+  auto& engine = nccl_[device];
+  if (!engine) engine = std::make_unique<NcclBackend>(backend_.get(), gpu_.get(), batch[0]->gpu->api, device);
+  const char* err = nullptr;
+  void* stream = gpu_->Stream(device, &err);
+  for (const EntryPtr& e : batch) {
+    const GpuOp& g = *e->gpu;
+    auto done = [this, e](const Status& st) {
+      e->t_comm_end = Clock::now();
+      if (st.ok()) return Finish(e, st);
+      Finish(e, Status::Error(st.code, std::string(OpName(e->sig.op)) + " '" + e->name + "': " + st.message));
+    };
+    if (err) {
+      done(Status::Error(SHOAL_ABORTED, std::string("CUDA: ") + err));
+      continue;
+    }
+    if (g.device != device) {
+      done(Status::Error(SHOAL_ABORTED, "NCCL: tensors of one fused batch are on different devices"));
+      continue;
+    }
+    const int dtype = e->sig.dtype, scope = e->sig.scope;
+    if (r.op == SHOAL_OP_ALLGATHER || r.op == SHOAL_OP_REDUCESCATTER) {
+      // Results in host memory, as on the CPU path (the binding moves them).
+      std::vector<int64_t> counts = r.op == SHOAL_OP_ALLGATHER ? GatherCounts(*e, r.first_dims[0]) : ScatterCounts(*e, w);
+      if (e->count() == 0 && r.op == SHOAL_OP_REDUCESCATTER) {
+        done(Status::Ok());
+        continue;
+      }
+      if (e->result_nbytes == 0) {
+        done(Status::Ok());
+        continue;
+      }
+      if (r.op == SHOAL_OP_ALLGATHER) engine->Allgatherv(g.dev_in, e->count(), e->result, counts, dtype, done);
+      else engine->ReduceScatter(g.dev_in, e->result, counts, dtype, e->sig.reduce_op, done);
+      continue;
+    }
+    const int me = scope == SHOAL_SCOPE_MACHINE ? w.local_rank : w.rank;
+    const bool copy = g.dev_out != g.dev_in && g.nbytes && (r.op == SHOAL_OP_ALLREDUCE || me == e->sig.root_rank);
+    const char* e_copy = copy ? gpu_->api()->memcpy_async(g.dev_out, g.dev_in, g.nbytes, stream) : nullptr;
+    if (e_copy || e->count() == 0) {
+      done(e_copy ? Status::Error(SHOAL_ABORTED, std::string("CUDA: ") + e_copy) : Status::Ok());
+    } else if (r.op == SHOAL_OP_BROADCAST) {
+      engine->Broadcast(g.dev_out, e->count(), dtype, e->sig.root_rank, scope, done);
+    } else {
+      engine->Allreduce(g.dev_out, e->count(), dtype, e->sig.reduce_op, scope, done);
+    }
+  }
+}
 
 }  // namespace shoal

@@ -54,6 +54,7 @@ std::shared_ptr<GpuOp> CaptureGpuOp(const shoal_op_desc& d, size_t nbytes);
 class GpuStaging {
  public:
   explicit GpuStaging(const shoal_cuda_api* api) : api_(api) {}
+  const shoal_cuda_api* api() const { return api_; }
   ~GpuStaging();
   // Queues the wait for the producer and the device->host copy.
   Status Start(const EntryPtr& e);

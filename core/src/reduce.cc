@@ -122,15 +122,20 @@ template <typename S> struct Wrapping {
   static S Save(uint64_t v) { return static_cast<S>(v); }
 };
 
-template <typename Fn> void DispatchSummable(int dtype, Fn&& fn) {
+// The integer dtypes, each as Int<its C type>; false (fn not called) for any other dtype.
+template <template <typename> class Int, typename Fn> bool DispatchIntegers(int dtype, Fn&& fn) {
   switch (dtype) {
-    case SHOAL_INT8: return fn(Wrapping<int8_t>{});
-    case SHOAL_UINT8: return fn(Wrapping<uint8_t>{});
-    case SHOAL_INT16: return fn(Wrapping<int16_t>{});
-    case SHOAL_INT32: return fn(Wrapping<int32_t>{});
-    case SHOAL_INT64: return fn(Wrapping<int64_t>{});
+    case SHOAL_INT8: fn(Int<int8_t>{}); return true;
+    case SHOAL_UINT8: fn(Int<uint8_t>{}); return true;
+    case SHOAL_INT16: fn(Int<int16_t>{}); return true;
+    case SHOAL_INT32: fn(Int<int32_t>{}); return true;
+    case SHOAL_INT64: fn(Int<int64_t>{}); return true;
   }
-  DispatchFloating(dtype, fn);
+  return false;
+}
+
+template <typename Fn> void DispatchSummable(int dtype, Fn&& fn) {
+  if (!DispatchIntegers<Wrapping>(dtype, fn)) DispatchFloating(dtype, fn);
 }
 
 }  // namespace
@@ -233,12 +238,8 @@ template <typename S> struct Same {
 };
 
 template <typename Fn> void DispatchOrdered(int dtype, Fn&& fn) {
+  if (DispatchIntegers<Same>(dtype, fn)) return;
   switch (dtype) {
-    case SHOAL_INT8: return fn(Same<int8_t>{});
-    case SHOAL_UINT8: return fn(Same<uint8_t>{});
-    case SHOAL_INT16: return fn(Same<int16_t>{});
-    case SHOAL_INT32: return fn(Same<int32_t>{});
-    case SHOAL_INT64: return fn(Same<int64_t>{});
     case SHOAL_FLOAT16: return fn(F16{});
     case SHOAL_BFLOAT16: return fn(BF16{});
     case SHOAL_FLOAT32: return fn(Plain<float, float>{});

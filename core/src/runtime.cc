@@ -50,7 +50,6 @@ std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ra
 Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation)
     : cfg_(cfg), backend_(std::move(backend)), generation_(generation ? generation : ++g_generations),
       device_plane_(backend_.get(), &stats_),
-      nccl_(backend_.get(), [this](const EntryPtr& e, const Status& st) { Finish(e, st); }),
       neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold, Backend::kChannels);
   if (!cfg_.timeline.empty()) {
@@ -78,7 +77,7 @@ void Runtime::Stop() {
   FailAll("Shoal was shut down before the op completed");
   KeepRoundBuffers();
   device_plane_.Stop();
-  nccl_.Stop();
+  for (auto& kv : nccl_) kv.second->Stop();
   timeline_.Close();
 }
 
@@ -89,7 +88,7 @@ double Runtime::Now() const {
 int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
   const WorldInfo& w = world();
   auto e = std::make_shared<Entry>();
-  if ((d.op < SHOAL_OP_ALLREDUCE || d.op > SHOAL_OP_REDUCESCATTER) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
+  if (!IsOpCode(d.op) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
   const char* op = OpName(d.op);
   try {
   e->sig.op = d.op;
@@ -142,14 +141,20 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
         Bad("reducescatter: average of " + dt + " is not representable; use op=Sum or a floating dtype");
       e->sig.reduce_op = d.reduce_op;
       break;
+    case SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE:
     case SHOAL_OP_NEIGHBOR_ALLGATHER:
-    case SHOAL_OP_NEIGHBOR_ALLREDUCE:
-      if (d.op == SHOAL_OP_NEIGHBOR_ALLREDUCE && !IsFloating(d.input.dtype))
-        Bad("neighbor_allreduce: weighted averaging needs a floating dtype, got " + dt);
+    case SHOAL_OP_NEIGHBOR_ALLREDUCE: {
+      const bool machines = d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE;
+      if (d.op != SHOAL_OP_NEIGHBOR_ALLGATHER && !IsFloating(d.input.dtype))
+        Bad(std::string(op) + ": weighted averaging needs a floating dtype, got " + dt);
       if (d.op == SHOAL_OP_NEIGHBOR_ALLGATHER && e->sig.shape.empty())
         Bad("neighbor_allgather: a 0-d tensor has no first dimension to concatenate along");
-      e->recv_ranks = CheckPeers(op, "receive", d.recv_ranks, d.n_recv, w.rank, w.size);
-      e->send_ranks = CheckPeers(op, "send", d.send_ranks, d.n_send, w.rank, w.size);
+      if (machines && !w.homogeneous)
+        Bad(std::string(op) + ": needs the same number of ranks on every machine, placed contiguously "
+            "(see SHOAL_RANKS_PER_MACHINE)");
+      const int self = machines ? w.machine_rank : w.rank, nodes = machines ? w.machine_size : w.size;
+      e->recv_ranks = CheckPeers(op, machines ? "receive machine" : "receive", d.recv_ranks, d.n_recv, self, nodes);
+      e->send_ranks = CheckPeers(op, machines ? "send machine" : "send", d.send_ranks, d.n_send, self, nodes);
       e->topo_check = d.topo_check != 0;
       e->uniform = d.uniform != 0;
       e->self_weight = d.self_weight;
@@ -159,6 +164,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
       }
       if (d.send_weights) e->send_weights.assign(d.send_weights, d.send_weights + d.n_send);
       break;
+    }
   }
   } catch (const ArgumentError& ex) {
     Reject(d.op, d.name, ex.code, ex.what());
@@ -185,8 +191,12 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   e->step = ns.calls++;
   e->handle = g_next_handle++;
   handles_[e->handle] = e;
-  queue_.push_back(e);
-  queued_ = queue_.size();
+  if (d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
+    QueueLocked(StartStages(e));  // the op completes after its last stage
+  } else {
+    queue_.push_back(e);
+    queued_ = queue_.size();
+  }
   const int64_t handle = e->handle;
   if (driving_) return handle;  // the driver takes it next cycle
   if (waiters_ > 0) {
@@ -219,23 +229,48 @@ void Runtime::FollowUnnamed(int op, const std::string& name) {
 }
 
 void Runtime::Reject(int op, const char* name, int code, const std::string& error) {
-  if (op < SHOAL_OP_ALLREDUCE || op > SHOAL_OP_REDUCESCATTER || world().size == 1) return;
+  if (!IsOpCode(op) || world().size == 1) return;
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_ || left_) return;
-  auto e = std::make_shared<Entry>();
-  e->sig.op = op;
-  e->name = NameLocked(op, name);
-  NameState& ns = names_[e->name];
-  if (ns.in_flight) return;  // the call is refused as a duplicate: it is not this step's
-  e->step = ns.calls++;
-  e->reject = error;
-  e->reject_code = code == SHOAL_INVALID_TYPE ? code : SHOAL_INVALID_ARGUMENT;
-  e->done = true;
-  queue_.push_back(e);
-  queued_ = queue_.size();
+  const std::string full = NameLocked(op, name);
+  if (op != SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
+    if (!RejectLocked(op, full, code, error)) return;
+  } else {
+    NameState& ns = names_[full];
+    if (ns.in_flight) return;
+    ++ns.calls;
+    for (auto& [stage, suffix] : kHierarchicalStages) RejectLocked(stage, full + suffix, code, error);
+  }
   if (driving_) return;
   if (waiters_ > 0) done_cv_.notify_all();
   else Drive(lock, nullptr, nullptr);
+}
+
+bool Runtime::RejectLocked(int op, const std::string& name, int code, const std::string& error) {
+  auto e = std::make_shared<Entry>();
+  e->sig.op = op;
+  e->name = name;
+  NameState& ns = names_[e->name];
+  if (ns.in_flight) return false;  // the call is refused as a duplicate: it is not this step's
+  e->step = ns.calls++;
+  e->reject = error;
+  // A refusal at the call is a ValueError or TypeError everywhere; a failed earlier stage
+  // of a multi-stage op is a runtime failure (ShoalError) on the ranks waiting in later ones.
+  e->reject_code = code == SHOAL_INVALID_TYPE || code == SHOAL_ABORTED ? code : SHOAL_INVALID_ARGUMENT;
+  e->done = true;
+  queue_.push_back(e);
+  queued_ = queue_.size();
+  return true;
+}
+
+void Runtime::QueueLocked(const EntryPtr& e) {
+  NameState& ns = names_[e->name];
+  ns.in_flight = true;
+  e->step = ns.calls++;
+  e->handle = g_next_handle++;
+  handles_[e->handle] = e;
+  queue_.push_back(e);
+  queued_ = queue_.size();
 }
 
 void Runtime::Leave() {
@@ -340,7 +375,7 @@ std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pac
   auto wait = std::chrono::microseconds(0);
   if (pace) {
     *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
-            (gpu_ && !gpu_->Idle()) || !nccl_.Idle() || !device_plane_.Idle();
+            (gpu_ && !gpu_->Idle()) || NcclBusy() || !device_plane_.Idle();
     wait = pace->Next(progressed, *busy);
     // A waiter whose op is not done yields even after progress (its own send, say): on a
     // shared core the rank it waits for may be the one ready to run.
@@ -389,6 +424,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
       case SHOAL_OP_NEIGHBOR_ALLREDUCE: ++stats_.neighbor_allreduce; break;
       case SHOAL_OP_NEIGHBOR_ALLGATHER: ++stats_.neighbor_allgather; break;
       case SHOAL_OP_REDUCESCATTER: ++stats_.reducescatter; break;
+      case SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE: ++stats_.hierarchical_neighbor_allreduce; break;
     }
   } else {
     ++stats_.errors;
@@ -407,6 +443,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
   done_cv_.notify_all();
   if (e->callback) e->callback(e->handle, st.code, st.message.c_str(), e->callback_arg);
   if (timeline_.enabled()) Trace(*e, st, t_callback);
+  if (e->stages) NextStage(e, st);
 }
 
 void Runtime::Trace(const Entry& e, const Status& st, Clock::time_point t_callback) {

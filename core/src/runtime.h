@@ -28,12 +28,13 @@
 #include "buffer_pool.h"
 #include "coordinator.h"
 #include "device_plane.h"
-#include "nccl_collectives.h"
+#include "nccl_backend.h"
 #include "entry.h"
 #include "gpu.h"
 #include "neighbor.h"
 #include "stats.h"
 #include "timeline.h"
+#include "topology.h"
 #include "windows.h"
 
 namespace shoal {
@@ -54,6 +55,12 @@ class Pacer {
   Clock::time_point last_progress_ = Clock::now();
 };
 
+// The element counts of every rank of an allgather (from the ranks' first dims) or of a
+// reducescatter (Horovod's split of dim 0); each also sets the entry's result shape and
+// allocates its result (host memory).
+std::vector<int64_t> GatherCounts(Entry& e, const std::vector<int64_t>& first_dims);
+std::vector<int64_t> ScatterCounts(Entry& e, const WorldInfo& w);
+
 class Runtime {
  public:
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
@@ -67,6 +74,8 @@ class Runtime {
   const Config& config() const { return cfg_; }
   Stats& stats() { return stats_; }
   Timeline& timeline() { return timeline_; }
+  // The static graphs over ranks and machines (any thread).
+  Topologies& topologies() { return topologies_; }
   // One-sided window ops run on their own thread (windows.h); null until attached.
   void AttachWindows(std::unique_ptr<WindowQueue> w) { windows_ = std::move(w); }
   WindowQueue* windows() { return windows_.get(); }
@@ -112,6 +121,18 @@ class Runtime {
   void OnLeave(int rank);
   bool FailIfUnreachable(const EntryPtr& e);
   std::string NameLocked(int op, const char* name);  // mu_ held
+  // Uses up `name`'s next step with a refusal its peers hear of; false if an op of that name
+  // is in flight here (mu_ held).
+  bool RejectLocked(int op, const std::string& name, int code, const std::string& error);
+  // Queues an op of the runtime's own (a stage) under a handle of its own (mu_ held).
+  void QueueLocked(const EntryPtr& e);
+  // Multi-stage ops (runtime_stages.cc): the stages' ops and the suffixes of their names.
+  static const std::pair<int, const char*> kHierarchicalStages[3];
+  // Makes the stages of hierarchical op `e` (named, on its handle); returns the first (mu_ held).
+  EntryPtr StartStages(const EntryPtr& e);
+  // Stage `s` finished with `st`: queue the next stage, or finish the op.
+  void NextStage(const EntryPtr& s, const Status& st);
+  Status DivideResult(const Entry& e, int divisor);
   void FollowUnnamed(int op, const std::string& name);  // an unnamed op ran here without a call; mu_ held
   void FailAll(const std::string& why);
   double Now() const;
@@ -122,6 +143,12 @@ class Runtime {
   void StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator);
   bool PollGpu(std::vector<Request>* to_coordinator);
   Status CompleteGpu(Entry& e, const Status& st);
+  // A negotiated batch of collectives of CUDA tensors on their device, by NCCL.
+  void RunOnDevice(const Response& r, const std::vector<EntryPtr>& batch);
+  bool NcclBusy() const {
+    for (auto& kv : nccl_) if (kv.second->num_in_flight() > 0) return true;
+    return false;
+  }
   // Cached allreduce batches (runtime_cache.cc).
   struct CachedBatch;
   using CachedPtr = std::shared_ptr<CachedBatch>;
@@ -154,8 +181,9 @@ class Runtime {
   uint64_t generation_;
   Stats stats_;
   Timeline timeline_;
+  Topologies topologies_;
   DevicePlane device_plane_;  // neighbor data of CUDA tensors from device memory (driver only)
-  NcclCollectives nccl_;      // collectives of CUDA tensors by NCCL (driver only)
+  std::map<int, std::unique_ptr<NcclBackend>> nccl_;  // by device: collectives of CUDA tensors (driver only)
   std::shared_ptr<BufferPool> fusion_pool_ = BufferPool::Create(4);
   Clock::time_point last_flush_ = Clock::now();
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only

@@ -28,6 +28,34 @@ std::string Ranks(const std::vector<int>& r) {
 
 }  // namespace
 
+std::vector<int64_t> GatherCounts(Entry& e, const std::vector<int64_t>& first_dims) {
+  int64_t row = 1;
+  for (size_t i = 1; i < e.sig.shape.size(); ++i) row *= e.sig.shape[i];
+  std::vector<int64_t> counts;
+  int64_t rows = 0;
+  for (int64_t d : first_dims) {
+    counts.push_back(d * row);
+    rows += d;
+  }
+  e.result_shape = e.sig.shape;
+  e.result_shape[0] = rows;
+  e.result_nbytes = rows * row * DtypeSize(e.sig.dtype);
+  e.result = std::malloc(std::max<size_t>(e.result_nbytes, 1));
+  return counts;
+}
+
+std::vector<int64_t> ScatterCounts(Entry& e, const WorldInfo& w) {
+  // Horovod's split of dim 0: d0 / size rows each, one more for the first d0 % size ranks.
+  const int64_t d0 = e.sig.shape[0], row = e.count() / std::max<int64_t>(d0, 1);
+  std::vector<int64_t> counts(w.size);
+  for (int q = 0; q < w.size; ++q) counts[q] = (d0 / w.size + (q < d0 % w.size ? 1 : 0)) * row;
+  e.result_shape = e.sig.shape;
+  e.result_shape[0] = d0 / w.size + (w.rank < d0 % w.size ? 1 : 0);
+  e.result_nbytes = counts[w.rank] * DtypeSize(e.sig.dtype);
+  e.result = std::malloc(std::max<size_t>(e.result_nbytes, 1));
+  return counts;
+}
+
 void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
     RouteCached(e);  // a batch of that name will not run as cached
@@ -200,7 +228,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   ++stats_.global_collectives;
   const auto t0 = Clock::now();
   for (auto& e : batch) e->t_comm_start = t0;
-  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return nccl_.Run(r, batch, gpu_.get());
+  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return RunOnDevice(r, batch);
   // Completion of the communication itself (the timeline's COMMUNICATE phase).
   auto communicated = [](const EntryPtr& e) { e->t_comm_end = Clock::now(); };
   if (r.op == SHOAL_OP_BARRIER) {
@@ -219,18 +247,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   if (r.op == SHOAL_OP_REDUCESCATTER) return RunReduceScatter(batch[0]);
   if (r.op == SHOAL_OP_ALLGATHER) {
     EntryPtr e = batch[0];
-    int64_t row = 1;
-    for (size_t i = 1; i < e->sig.shape.size(); ++i) row *= e->sig.shape[i];
-    std::vector<int64_t> counts;
-    int64_t rows = 0;
-    for (int64_t d : r.first_dims[0]) {
-      counts.push_back(d * row);
-      rows += d;
-    }
-    e->result_shape = e->sig.shape;
-    e->result_shape[0] = rows;
-    e->result_nbytes = rows * row * DtypeSize(e->sig.dtype);
-    e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
+    const std::vector<int64_t> counts = GatherCounts(*e, r.first_dims[0]);
     if (e->result_nbytes == 0) return Finish(e, Status::Ok());
     backend_->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype,
                          [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
@@ -296,15 +313,8 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
 void Runtime::RunReduceScatter(const EntryPtr& e) {
   const WorldInfo& w = world();
   const int dtype = e->sig.dtype;
-  // Horovod's split of dim 0: d0 / size rows each, one more for the first d0 % size ranks.
-  const int64_t d0 = e->sig.shape[0], row = e->count() / std::max<int64_t>(d0, 1);
-  std::vector<int64_t> counts(w.size);
-  for (int q = 0; q < w.size; ++q) counts[q] = (d0 / w.size + (q < d0 % w.size ? 1 : 0)) * row;
+  const std::vector<int64_t> counts = ScatterCounts(*e, w);
   const int64_t mine = counts[w.rank];
-  e->result_shape = e->sig.shape;
-  e->result_shape[0] = d0 / w.size + (w.rank < d0 % w.size ? 1 : 0);
-  e->result_nbytes = mine * DtypeSize(dtype);
-  e->result = std::malloc(std::max<size_t>(e->result_nbytes, 1));
   if (e->count() == 0) return Finish(e, Status::Ok());
   // Half types are reduced in float32 and rounded once, as allreduce does.
   const bool half = IsHalf(dtype);

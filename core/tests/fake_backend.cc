@@ -10,8 +10,9 @@ namespace testing {
 
 enum { kAllreduce = 1, kBroadcast, kAllgather, kBarrier, kReduceScatter };
 
-FakeWorld::FakeWorld(int size, uint64_t seed, int max_delay_us)
-    : size_(size), rng_(seed), max_delay_us_(max_delay_us), inbox_(size), dead_(size, 0) {}
+FakeWorld::FakeWorld(int size, uint64_t seed, int max_delay_us, int ranks_per_machine)
+    : size_(size), per_machine_(ranks_per_machine > 0 ? ranks_per_machine : size), rng_(seed),
+      max_delay_us_(max_delay_us), inbox_(size), dead_(size, 0) {}
 
 void FakeWorld::Kill(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -43,18 +44,18 @@ void FakeWorld::Finish(Coll& c) {
     Reduce(srcs, all.data(), c.dtype, static_cast<size_t>(c.count), c.reduce_op);
     const size_t es = DtypeSize(c.dtype);
     size_t at = 0;
-    for (int r = 0; r < size_; ++r) {
+    for (int r = 0; r < c.members; ++r) {
       std::memcpy(c.bufs[r], all.data() + at, c.split[r] * es);
       at += c.split[r] * es;
     }
   } else if (c.kind == kBroadcast) {
-    for (int r = 0; r < size_; ++r)
+    for (int r = 0; r < c.members; ++r)
       if (r != c.root) std::memcpy(c.bufs[r], c.bufs[c.root], n);
   } else if (c.kind == kAllgather) {
     const size_t es = DtypeSize(c.dtype);
-    for (int r = 0; r < size_; ++r) {
+    for (int r = 0; r < c.members; ++r) {
       size_t at = 0;
-      for (int q = 0; q < size_; ++q) {
+      for (int q = 0; q < c.members; ++q) {
         std::memcpy(static_cast<char*>(c.bufs[r]) + at, c.sends[q], c.counts[q] * es);
         at += c.counts[q] * es;
       }
@@ -63,10 +64,14 @@ void FakeWorld::Finish(Coll& c) {
 }
 
 FakeBackend::FakeBackend(std::shared_ptr<FakeWorld> world, int rank) : w_(std::move(world)) {
+  const int per = w_->ranks_per_machine();
   info_.rank = rank;
   info_.size = w_->size();
-  info_.local_rank = rank;
-  info_.local_size = w_->size();
+  info_.local_rank = rank % per;
+  info_.local_size = per;
+  info_.machine_rank = rank / per;
+  info_.machine_size = (w_->size() + per - 1) / per;
+  info_.homogeneous = w_->size() % per == 0;
 }
 
 void FakeBackend::Send(int dst, int tag, Bytes msg, Callback done) {
@@ -109,9 +114,12 @@ bool FakeBackend::Receive(const std::vector<int>& tags, int* tag, int* src, Byte
   return false;
 }
 
-void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel) {
-  // Every rank issues the collectives of one channel in the same order.
-  const uint64_t seq = (static_cast<uint64_t>(channel + 1) << 40) | next_coll_[channel]++;
+void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel, int scope) {
+  // Every rank of the scope issues the collectives of one channel in the same order.
+  const bool machine = scope == SHOAL_SCOPE_MACHINE;
+  const int members = machine ? info_.local_size : info_.size, me = machine ? info_.local_rank : info_.rank;
+  const uint64_t space = machine ? 1000 + info_.machine_rank : channel + 1;
+  const uint64_t seq = (space << 40) | next_coll_[{channel, machine ? info_.machine_rank : -1}]++;
   pending_colls_.push_back({seq, std::move(done)});
   std::lock_guard<std::mutex> lock(w_->mu_);
   auto& c = w_->colls_[seq];
@@ -122,27 +130,28 @@ void FakeBackend::Collective(FakeWorld::Coll mine, Callback done, int channel) {
     c.root = mine.root;
     c.reduce_op = mine.reduce_op;
     c.split = mine.split;
-    c.bufs.assign(info_.size, nullptr);
-    c.sends.assign(info_.size, nullptr);
-    c.counts.assign(info_.size, 0);
+    c.members = members;
+    c.bufs.assign(members, nullptr);
+    c.sends.assign(members, nullptr);
+    c.counts.assign(members, 0);
   }
-  c.bufs[info_.rank] = mine.bufs.empty() ? nullptr : mine.bufs[0];
-  c.sends[info_.rank] = mine.sends.empty() ? nullptr : mine.sends[0];
-  c.counts[info_.rank] = mine.count;
-  if (++c.arrived == info_.size) {
+  c.bufs[me] = mine.bufs.empty() ? nullptr : mine.bufs[0];
+  c.sends[me] = mine.sends.empty() ? nullptr : mine.sends[0];
+  c.counts[me] = mine.count;
+  if (++c.arrived == members) {
     w_->Finish(c);  // the last to arrive computes every rank's result
     c.complete = true;
   }
 }
 
-void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int, Callback done) {
+void FakeBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) {
   FakeWorld::Coll c;
   c.kind = kAllreduce;
   c.reduce_op = reduce_op;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
-  Collective(std::move(c), std::move(done));
+  Collective(std::move(c), std::move(done), -1, scope);
 }
 
 void FakeBackend::AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) {
@@ -154,14 +163,14 @@ void FakeBackend::AllreduceOn(int channel, void* buf, int64_t count, int dtype, 
   Collective(std::move(c), std::move(done), channel);
 }
 
-void FakeBackend::Broadcast(void* buf, int64_t count, int dtype, int root, int, Callback done) {
+void FakeBackend::Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) {
   FakeWorld::Coll c;
   c.kind = kBroadcast;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
   c.root = root;
-  Collective(std::move(c), std::move(done));
+  Collective(std::move(c), std::move(done), -1, scope);
 }
 
 void FakeBackend::Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>&, int dtype,
@@ -229,7 +238,7 @@ bool FakeBackend::Progress() {
         ++c;
         continue;
       }
-      if (++it->second.seen == info_.size) w_->colls_.erase(it);
+      if (++it->second.seen == it->second.members) w_->colls_.erase(it);
       run.push_back({std::move(c->second), Status::Ok()});
       c = pending_colls_.erase(c);
     }

@@ -3,7 +3,9 @@
 // order per (source, destination, tag) but may be delayed at random (so arrival order
 // across sources and tags varies with the seed); collectives rendezvous in issue order.
 // Faults: Kill(rank) makes a rank vanish mid-run (its messages are dropped, sends to it
-// fail), as a crashed process does.
+// fail), as a crashed process does. Ranks form machines of `ranks_per_machine` contiguous
+// ranks (0: one machine), as SHOAL_RANKS_PER_MACHINE makes them; machine-scope
+// collectives rendezvous per machine, in their own order.
 #pragma once
 #include <chrono>
 #include <deque>
@@ -22,8 +24,9 @@ namespace testing {
 class FakeWorld {
  public:
   // Each message is delivered after 0..max_delay_us (0: at once).
-  FakeWorld(int size, uint64_t seed, int max_delay_us);
+  FakeWorld(int size, uint64_t seed, int max_delay_us, int ranks_per_machine = 0);
   int size() const { return size_; }
+  int ranks_per_machine() const { return per_machine_; }
   void Kill(int rank);
 
  private:
@@ -34,8 +37,8 @@ class FakeWorld {
     ByteVec data;
     Clock::time_point due;
   };
-  struct Coll {  // one collective, as issued by each rank
-    int kind = 0, arrived = 0, seen = 0;
+  struct Coll {  // one collective, as issued by each of its ranks (by index among them)
+    int kind = 0, arrived = 0, seen = 0, members = 0;
     bool complete = false;
     std::vector<void*> bufs;
     std::vector<const void*> sends;
@@ -47,7 +50,7 @@ class FakeWorld {
   Clock::time_point Due(int src, int dst, int tag);  // mu_ held
   void Finish(Coll& c);                              // mu_ held: computes every rank's result
 
-  const int size_;
+  const int size_, per_machine_;
   std::mutex mu_;
   std::mt19937_64 rng_;
   const int max_delay_us_;
@@ -77,7 +80,9 @@ class FakeBackend : public Backend {
   size_t num_in_flight() const override;
 
  private:
-  void Collective(FakeWorld::Coll mine, Callback done, int channel = -1);
+  // `channel`: -1 the collectives' own order, 0.. those of AllreduceOn; `scope`: the world
+  // or this rank's machine (root and results by index among its ranks).
+  void Collective(FakeWorld::Coll mine, Callback done, int channel = -1, int scope = SHOAL_SCOPE_WORLD);
   struct Posted {
     int src, tag;
     void* data;
@@ -86,7 +91,7 @@ class FakeBackend : public Backend {
   };
   std::shared_ptr<FakeWorld> w_;
   WorldInfo info_;
-  std::map<int, uint64_t> next_coll_;  // by channel (-1: the collectives' own order)
+  std::map<std::pair<int, int>, uint64_t> next_coll_;  // by (channel, scope)
   std::vector<std::pair<Callback, Status>> sent_;  // completions of sends, run in Progress
   std::deque<Posted> posted_;
   std::vector<std::pair<uint64_t, Callback>> pending_colls_;  // (sequence number, completion)

@@ -35,8 +35,8 @@ inline std::string g_case;                          // the running case, for fai
 struct Job {
   std::shared_ptr<FakeWorld> world;
   std::vector<std::unique_ptr<Runtime>> rt;
-  Job(int n, const Config& cfg, uint64_t seed, int delay_us = 100)
-      : world(std::make_shared<FakeWorld>(n, seed, delay_us)) {
+  Job(int n, const Config& cfg, uint64_t seed, int delay_us = 100, int ranks_per_machine = 0)
+      : world(std::make_shared<FakeWorld>(n, seed, delay_us, ranks_per_machine)) {
     for (int r = 0; r < n; ++r)  // one job: one generation (leave notices count)
       rt.push_back(std::make_unique<Runtime>(cfg, std::make_unique<FakeBackend>(world, r), 1));
   }
@@ -68,5 +68,47 @@ inline std::vector<double> Data(int r, int k, size_t len) {
   for (size_t i = 0; i < len; ++i) v[i] = r * 1000.0 + k * 10.0 + static_cast<double>(i % 7);
   return v;
 }
+
+// One op (float64 by default): its arrays outlive it (the core reads and writes them until
+// it completes); the rank lists are read at enqueue.
+struct Op {
+  std::string name;
+  int op = SHOAL_OP_NEIGHBOR_ALLREDUCE, dtype = SHOAL_FLOAT64;
+  std::vector<double> x, out;
+  std::vector<int64_t> shape;
+  std::vector<int32_t> recv, send;
+  std::vector<double> recv_w, send_w;
+  double self_w = 1.0;
+  bool uniform = true;
+  int reduce_op = SHOAL_REDUCE_SUM, root = 0;
+  int64_t handle = 0;
+
+  int64_t Enqueue(Runtime& rt) {
+    shoal_op_desc d{};
+    d.op = op;
+    d.name = name.c_str();
+    shape = {static_cast<int64_t>(x.size())};
+    out.assign(x.size(), 0.0);
+    d.input = {x.data(), dtype, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+    d.output = d.input;
+    d.output.data = out.data();
+    d.reduce_op = reduce_op;
+    d.root_rank = root;
+    d.n_recv = static_cast<int32_t>(recv.size());
+    d.recv_ranks = recv.data();
+    d.recv_weights = recv_w.empty() ? nullptr : recv_w.data();
+    d.self_weight = self_w;
+    d.uniform = uniform;
+    d.n_send = static_cast<int32_t>(send.size());
+    d.send_ranks = send.data();
+    d.send_weights = send_w.empty() ? nullptr : send_w.data();
+    return handle = rt.Enqueue(d);
+  }
+  Status Wait(Runtime& rt) {
+    Status st = rt.Wait(handle);
+    rt.Release(handle);
+    return st;
+  }
+};
 
 }  // namespace shoal::testing

@@ -12,6 +12,7 @@
 
 #include "coordinator.h"
 #include "reduce.h"
+#include "topology.h"
 
 using namespace shoal;
 
@@ -347,7 +348,36 @@ static void TestJoin() {
         resps[0].error.find("rank 2 left") != std::string::npos);
 }
 
+// A rank's plan of a graph (BlueFog's convention: edge i -> j of weight w, j weights i's
+// value by w; a self loop is the self weight), and the graphs it refuses.
+static void TestTopologyPlan() {
+  // 0 -> 1 (0.5), 2 -> 1 (0.25), 1 -> 1 (0.25), 1 -> 0 (1), 1 -> 2 (1), given in no order.
+  const std::vector<int32_t> src = {2, 1, 0, 1, 1}, dst = {1, 0, 1, 1, 2};
+  const std::vector<double> w = {0.25, 1.0, 0.5, 0.25, 1.0};
+  TopologyPlan p = PlanOf(3, src, dst, w, 1, true);
+  CHECK(p.recv == std::vector<int>({0, 2}) && p.recv_weights == std::vector<double>({0.5, 0.25}));
+  CHECK(p.send == std::vector<int>({0, 2}) && p.self_weight == 0.25 && p.weighted && p.nodes == 3);
+  TopologyPlan q = PlanOf(3, src, dst, w, 0, false);
+  CHECK(q.recv == std::vector<int>({1}) && q.send == std::vector<int>({1}) && q.self_weight == 0.0 && !q.weighted);
+  auto refused = [&](std::vector<int32_t> s, std::vector<int32_t> d, std::vector<double> ws, const char* what) {
+    try {
+      PlanOf(3, s, d, ws, 0, false);
+    } catch (const ArgumentError& e) {
+      return std::string(e.what()).find(what) != std::string::npos;
+    }
+    return false;
+  };
+  CHECK(refused({0, 0}, {1, 1}, {1, 1}, "edge 0 -> 1 is given twice"));
+  CHECK(refused({0}, {3}, {1}, "outside [0, 3)"));
+  CHECK(refused({0}, {1}, {NAN}, "non-finite weight"));
+  Topologies t;
+  CHECK(t.Get(SHOAL_GRAPH_RANKS).version == 0);
+  CHECK(t.Set(SHOAL_GRAPH_RANKS, p) == 1 && t.Set(SHOAL_GRAPH_RANKS, q) == 2 && t.Set(SHOAL_GRAPH_MACHINES, p) == 1);
+  CHECK(t.Get(SHOAL_GRAPH_RANKS).recv == q.recv && t.Get(SHOAL_GRAPH_MACHINES).recv == p.recv);
+}
+
 int main() {
+  TestTopologyPlan();
   TestOutOfOrderThreads();
   TestMismatches();
   TestAllgatherDimsAndStalls();

@@ -24,36 +24,9 @@ using namespace shoal;
 
 using namespace shoal::testing;
 
-// One float64 op; its arrays outlive it (the core reads and writes them until it completes).
-struct Op {
-  std::string name;
-  int op = SHOAL_OP_ALLREDUCE, reduce_op = SHOAL_REDUCE_SUM, root = 0;
-  std::vector<double> x, out;
-  std::vector<int64_t> shape;
-  std::vector<int32_t> peers;  // neighbor ops: send to and receive from these
-  int64_t handle = 0;
-
-  int64_t Enqueue(Runtime& rt) {
-    shoal_op_desc d{};
-    d.op = op;
-    d.name = name.c_str();
-    shape = {static_cast<int64_t>(x.size())};
-    out.assign(x.size(), 0.0);
-    d.input = {x.data(), SHOAL_FLOAT64, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
-    d.output = d.input;
-    d.output.data = out.data();
-    d.reduce_op = reduce_op;
-    d.root_rank = root;
-    d.n_recv = d.n_send = static_cast<int32_t>(peers.size());
-    d.recv_ranks = d.send_ranks = peers.data();
-    d.uniform = 1;
-    return handle = rt.Enqueue(d);
-  }
-  Status Wait(Runtime& rt) {
-    Status st = rt.Wait(handle);
-    rt.Release(handle);
-    return st;
-  }
+// The harness's op, an allreduce unless set otherwise.
+struct AllreduceOp : Op {
+  AllreduceOp() { op = SHOAL_OP_ALLREDUCE; }
 };
 
 // Joins, returns the last rank to join (-1 on failure, with the error in *st).
@@ -81,7 +54,7 @@ static void TestUneven(int n, int64_t fusion) {
   const int last = n == 2 ? 0 : n - 2;
   auto epoch = [&](int r, Runtime& rt, int first, int count, const std::function<bool(int, int)>& running) {
     for (int s = first; s < first + count; ++s) {
-      std::vector<Op> ops(3);
+      std::vector<AllreduceOp> ops(3);
       std::vector<int> order = {0, 1, 2};
       std::mt19937 rng(r * 7 + s);
       std::shuffle(order.begin(), order.end(), rng);
@@ -130,11 +103,11 @@ static void TestWhileJoined(int n) {
   const int half = n / 2;
   auto pair = [&](int r) { return r < half ? r + half : r - half; };
   job.Run([&](int r, Runtime& rt) {  // negotiate a neighbor name while every rank runs
-    Op a;
+    AllreduceOp a;
     a.name = "wj.nbr";
     a.op = SHOAL_OP_NEIGHBOR_ALLREDUCE;
     a.x = Data(r, 0, 3);
-    a.peers = {pair(r)};
+    a.recv = a.send = {pair(r)};
     a.Enqueue(rt);
     CHECK(a.Wait(rt).ok(), "rank %d: warm-up failed", r);
   });
@@ -146,7 +119,7 @@ static void TestWhileJoined(int n) {
       d.op = kOpJoin;
       const int64_t h = rt.Enqueue(d);
       bool refused = false;
-      Op late;
+      AllreduceOp late;
       late.name = "wj.late";
       late.x = Data(r, 0, 2);
       try {
@@ -167,7 +140,7 @@ static void TestWhileJoined(int n) {
       a.Enqueue(rt);
       return a.Wait(rt);
     };
-    Op b;
+    AllreduceOp b;
     b.name = "wj.bcast";
     b.op = SHOAL_OP_BROADCAST;
     st = run(b);
@@ -175,7 +148,7 @@ static void TestWhileJoined(int n) {
     CHECK(st.code == SHOAL_MISMATCH && st.message.find(joined) != std::string::npos, "rank %d: %s", r,
           st.message.c_str());
     bcast[r] = st.message;
-    Op g;
+    AllreduceOp g;
     g.name = "wj.gather";
     g.op = SHOAL_OP_ALLGATHER;
     st = run(g);
@@ -183,30 +156,30 @@ static void TestWhileJoined(int n) {
           st.message.c_str());
     gather[r] = st.message;
     for (const char* name : {"wj.nbr", "wj.nbr2"}) {  // negotiated, and a first call
-      Op nb;
+      AllreduceOp nb;
       nb.name = name;
       nb.op = SHOAL_OP_NEIGHBOR_ALLREDUCE;
-      nb.peers = {pair(r)};
+      nb.recv = nb.send = {pair(r)};
       st = run(nb);
       CHECK(!st.ok() && st.message.find(std::to_string(pair(r)) + " joined") != std::string::npos, "rank %d %s: %s",
             r, name, st.message.c_str());
     }
     if (half > 1) {
-      Op m;
+      AllreduceOp m;
       m.name = "wj.shape";
       m.x.resize(r == 0 ? 3 : 4);
       st = run(m);
       CHECK(st.code == SHOAL_MISMATCH && st.message.find("mismatched shapes") != std::string::npos, "rank %d: %s", r,
             st.message.c_str());
     }
-    Op barrier;
+    AllreduceOp barrier;
     barrier.name = "wj.barrier";
     barrier.op = SHOAL_OP_BARRIER;
     st = run(barrier);
     CHECK(st.ok(), "rank %d: barrier: %s", r, st.message.c_str());
     if (r == 0) {  // past the stall shutdown time, while every other rank is joined
       std::this_thread::sleep_for(std::chrono::milliseconds(1300));
-      Op a;  // a signature nobody else submits: the joined ranks run it on zeros
+      AllreduceOp a;  // a signature nobody else submits: the joined ranks run it on zeros
       a.name = "wj.sum";
       a.x.resize(5);
       st = run(a);
@@ -233,14 +206,14 @@ static void TestCachedAndLeave(int n) {
   const int last = n - 1;
   for (int s = 0; s < 3; ++s)
     job.Run([&](int r, Runtime& rt) {
-      Op a;
+      AllreduceOp a;
       a.name = "cl.x";
       a.x = Data(r, s, 4);
       a.Enqueue(rt);
       CHECK(a.Wait(rt).ok(), "rank %d: warm-up failed", r);
     });
   job.Run([&](int r, Runtime& rt) {
-    Op x, y;
+    AllreduceOp x, y;
     x.name = "cl.x";
     x.x = Data(r, 5, 4);
     y.name = "cl.y";

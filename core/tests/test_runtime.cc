@@ -22,46 +22,6 @@ using namespace shoal;
 
 using namespace shoal::testing;
 
-// One op: the arrays and rank lists must outlive the op (they are read at enqueue).
-struct Op {
-  std::string name;
-  int op = SHOAL_OP_NEIGHBOR_ALLREDUCE, dtype = SHOAL_FLOAT64;
-  std::vector<double> x, out;
-  std::vector<int64_t> shape;
-  std::vector<int32_t> recv, send;
-  std::vector<double> recv_w, send_w;
-  double self_w = 1.0;
-  bool uniform = true;
-  int reduce_op = SHOAL_REDUCE_SUM;
-  int64_t handle = 0;
-
-  int64_t Enqueue(Runtime& rt) {
-    shoal_op_desc d{};
-    d.op = op;
-    d.name = name.c_str();
-    shape = {static_cast<int64_t>(x.size())};
-    out.assign(x.size(), 0.0);
-    d.input = {x.data(), dtype, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
-    d.output = d.input;
-    d.output.data = out.data();
-    d.reduce_op = reduce_op;
-    d.n_recv = static_cast<int32_t>(recv.size());
-    d.recv_ranks = recv.data();
-    d.recv_weights = recv_w.empty() ? nullptr : recv_w.data();
-    d.self_weight = self_w;
-    d.uniform = uniform;
-    d.n_send = static_cast<int32_t>(send.size());
-    d.send_ranks = send.data();
-    d.send_weights = send_w.empty() ? nullptr : send_w.data();
-    return handle = rt.Enqueue(d);
-  }
-  Status Wait(Runtime& rt) {
-    Status st = rt.Wait(handle);
-    rt.Release(handle);
-    return st;
-  }
-};
-
 static std::vector<int32_t> Ring(int r, int n) {
   if (n == 2) return {1 - r};
   return {(r + n - 1) % n, (r + 1) % n};

@@ -91,6 +91,23 @@ def gradients_match_manual_formulas():
 
 
 @check
+def hierarchical_neighbor_allreduce_and_its_gradient():
+    # One machine here (no SHOAL_RANKS_PER_MACHINE): the machine sum / local_size() is the
+    # mean; the gradient is the op again (its machine lists transposed), so also the mean.
+    assert st.machine_size() == 1 and st.local_size() == N
+    x = tf.Variable(tf.fill([3], tf.constant(R + 1.0, tf.float64)))
+    hier = lambda v, name: st.hierarchical_neighbor_allreduce(v, self_weight=1.0, src_machine_weights={},
+                                                              dst_machine_weights=[], name=name)
+    with tf.GradientTape() as tape:
+        y = hier(x, "tf.hier")
+        loss = tf.reduce_sum(y * float(R + 1))
+    mean = tf.fill([3], tf.constant((N + 1) / 2, tf.float64))
+    tf.debugging.assert_equal(y, mean)
+    tf.debugging.assert_equal(tape.gradient(loss, x), mean)
+    tf.debugging.assert_equal(tf.function(hier)(x, "tf.hier.graph"), mean)
+
+
+@check
 def gradient_tape_and_broadcast_variables():
     v = tf.Variable(tf.fill([2], float(R)))
     st.broadcast_variables([v], root_rank=0)

@@ -37,7 +37,7 @@ typedef enum { SHOAL_DEVICE_CPU = 0, SHOAL_DEVICE_CUDA = 1 } shoal_device_type;
 typedef enum {
   SHOAL_OP_ALLREDUCE = 0, SHOAL_OP_BROADCAST = 1, SHOAL_OP_ALLGATHER = 2,
   SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4, SHOAL_OP_NEIGHBOR_ALLGATHER = 5,
-  SHOAL_OP_REDUCESCATTER = 6
+  SHOAL_OP_REDUCESCATTER = 6, SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE = 8
 } shoal_op_type;
 
 typedef enum { SHOAL_SCOPE_WORLD = 0, SHOAL_SCOPE_MACHINE = 1 } shoal_scope;
@@ -88,6 +88,16 @@ typedef struct {
   int32_t n_send;
   const int32_t* send_ranks;
   const double* send_weights;
+  /* hierarchical_neighbor_allreduce (BlueFog's): recv_ranks, send_ranks and the weights as
+   * for neighbor_allreduce, but naming machines (0 .. machine_size()-1); on a homogeneous
+   * job, with S_m the sum of machine m's tensors and L = local_size(),
+   *   uniform:  (S_self + sum_j S_j) / (L * (n_recv + 1))
+   *   else:     (self_weight * S_self + sum_j recv_weights[j] * S_j) / L
+   * on every rank of the machine. Runs as stages, each an op of its own named after the op:
+   * "<name>.machine_sum" (allreduce Sum within the machine), "<name>.exchange" (neighbor
+   * allreduce between the machines' local rank 0), "<name>.share" (broadcast from local
+   * rank 0 within the machine), then the division; one handle. A stage that fails here
+   * fails the later stages on the ranks waiting for them. */
   /* neighbor ops: have the coordinator check, for this call, that every send has a
    * matching receive (a global round trip; static topologies are checked once instead). */
   int32_t topo_check;
@@ -125,6 +135,29 @@ int shoal_is_homogeneous(void);
 int shoal_mpi_threads_supported(void);
 /* Writes e.g. "MPICH 5.0.2" into buf. */
 void shoal_mpi_library_version(char* buf, size_t len);
+
+/* The static topologies (DESIGN decision 7; BlueFog's convention: edge i -> j of weight w
+ * means node j weights node i's value by w when it combines, a self loop gives a node its
+ * own weight): a graph over the ranks (set_topology) and one over the machines
+ * (set_machine_topology, for the hierarchical op). */
+typedef enum { SHOAL_GRAPH_RANKS = 0, SHOAL_GRAPH_MACHINES = 1 } shoal_graph;
+/* Sets `graph` to the edges src[k] -> dst[k] of weight weights[k], k < n_edges, over n_nodes
+ * nodes: size() ranks or machine_size() machines. weighted = 0: neighbor ops over it average
+ * uniformly. Local to this rank: the caller checks that every rank passes the same graph.
+ * Writes the graph's new version (1, 2, ...). */
+int shoal_set_topology(int graph, int32_t n_nodes, int64_t n_edges, const int32_t* src, const int32_t* dst,
+                       const double* weights, int weighted, int64_t* version, char* err, size_t err_len);
+typedef struct {
+  int64_t version;  /* 0: never set (the counts are then 0) */
+  int32_t weighted;
+  int32_t n_recv, n_send;
+  double self_weight; /* the self loop's weight, 0 without one */
+} shoal_topology_info;
+/* This rank's (SHOAL_GRAPH_RANKS) or this rank's machine's (SHOAL_GRAPH_MACHINES) view of
+ * `graph`: in-neighbors ascending with the weights it gives them, out-neighbors ascending.
+ * Writes at most `capacity` entries per list; info->n_recv and n_send are the full counts. */
+int shoal_topology_plan(int graph, int32_t capacity, int32_t* recv, double* recv_weights, int32_t* send,
+                        shoal_topology_info* info, char* err, size_t err_len);
 
 /* Queues an op; it may also start it on the calling thread (one communication cycle). */
 int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t err_len);

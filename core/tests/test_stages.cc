@@ -1,0 +1,180 @@
+// Unit tests of the multi-stage op of the Runtime, hierarchical_neighbor_allreduce
+// (runtime_stages.cc), with N ranks as threads over the fake backend in machines of L
+// ranks: exact results in static-like and weighted modes with ranks submitting several
+// ops in different orders, a call refused on one rank failing every rank the same way
+// (and the name usable again), a dead rank failing the others instead of hanging.
+// tests/test_core_cpp.py also runs them under ThreadSanitizer. Exit status 0 = all passed.
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "runtime_harness.h"
+
+using namespace shoal;
+using namespace shoal::testing;
+
+namespace {
+
+// A hierarchical op over machines: recv/send hold machine ids.
+struct Hier : Op {
+  Hier() { op = SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE; }
+};
+
+// Machine m's sum of the k-th inputs (one value per element), as the fake backend adds them.
+std::vector<double> MachineSum(int m, int L, int k, size_t len) {
+  std::vector<double> s(len, 0.0);
+  for (int r = m * L; r < (m + 1) * L; ++r) {
+    auto x = Data(r, k, len);
+    for (size_t i = 0; i < len; ++i) s[i] += x[i];
+  }
+  return s;
+}
+
+std::vector<int32_t> MachineRing(int m, int M) {
+  if (M == 2) return {1 - m};
+  return {(m + M - 1) % M, (m + 1) % M};
+}
+
+// Every rank submits `k_ops` ops in its own order (uniform over the machine ring, and
+// weighted with dst weights), waits in another: every result is the op's formula, computed
+// with the same operations (sum then divide, then divide by L).
+void TestValues(int n, int L, int64_t fusion) {
+  g_case = "hierarchical values n=" + std::to_string(n) + " L=" + std::to_string(L) + " fusion=" + std::to_string(fusion);
+  Job job(n, TestConfig(fusion), 17 + n + L, 150, L);
+  const int M = n / L, k_ops = 6;
+  for (int round = 0; round < 2; ++round) {
+    job.Run([&](int r, Runtime& rt) {
+      const int m = r / L;
+      std::vector<Hier> ops(k_ops);
+      std::vector<int> order(k_ops);
+      for (int k = 0; k < k_ops; ++k) order[k] = k;
+      std::mt19937 rng(r * 13 + round);
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int k : order) {
+        Hier& h = ops[k];
+        h.name = "hier." + std::to_string(k);
+        h.x = Data(r, k, 3 + 29 * k);
+        h.recv = h.send = MachineRing(m, M);
+        if (k % 2) {  // weighted: 0.25 to itself, 0.75 over the in-machines; senders scale by 2
+          h.uniform = false;
+          h.self_w = 0.25;
+          h.recv_w.assign(h.recv.size(), 0.75 / h.recv.size());
+          h.send_w.assign(h.send.size(), 2.0);
+        }
+        h.Enqueue(rt);
+      }
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int k : order) {
+        Hier& h = ops[k];
+        Status st = h.Wait(rt);
+        CHECK(st.ok(), "rank %d op %d: %s", r, k, st.message.c_str());
+        if (!st.ok()) continue;
+        const size_t len = h.x.size();
+        auto mine = MachineSum(m, L, k, len);
+        bool exact = true;
+        for (size_t i = 0; i < len; ++i) {
+          double want;
+          if (h.uniform) {
+            want = mine[i];
+            for (int src : h.recv) want += MachineSum(src, L, k, len)[i];
+            want /= static_cast<double>(h.recv.size() + 1);
+          } else {
+            want = h.self_w * mine[i];
+            for (size_t j = 0; j < h.recv.size(); ++j) want += h.recv_w[j] * (2.0 * MachineSum(h.recv[j], L, k, len)[i]);
+          }
+          exact = exact && h.out[i] == want / L;
+        }
+        CHECK(exact, "rank %d op %d: not the hierarchical average", r, k);
+      }
+      CHECK(rt.stats().hierarchical_neighbor_allreduce == (round + 1) * k_ops, "rank %d: %lld ops counted", r,
+            static_cast<long long>(rt.stats().hierarchical_neighbor_allreduce.load()));
+    });
+  }
+}
+
+// One rank refuses the call (a machine id out of range): every rank gets that error, from
+// whichever stage it waits in, and the name then works again on every rank. Unnamed ops
+// pair up before and after.
+void TestRefused(int n, int L) {
+  g_case = "hierarchical refused n=" + std::to_string(n) + " L=" + std::to_string(L);
+  Job job(n, TestConfig(8 << 20), 3 + n, 100, L);
+  const int M = n / L, bad = n - 1;
+  std::vector<std::string> errors(n);
+  job.Run([&](int r, Runtime& rt) {
+    const int m = r / L;
+    Hier u;  // unnamed
+    u.x = Data(r, 0, 4);
+    u.recv = u.send = MachineRing(m, M);
+    u.Enqueue(rt);
+    CHECK(u.Wait(rt).ok(), "rank %d: unnamed op failed", r);
+    Hier h;
+    h.name = "hier.refused";
+    h.x = Data(r, 1, 4);
+    h.recv = h.send = MachineRing(m, M);
+    if (r == bad) h.recv = {static_cast<int32_t>(M + 3)};
+    Status st;
+    try {
+      h.Enqueue(rt);
+      st = h.Wait(rt);
+    } catch (const ArgumentError& ex) {
+      st = Status::Error(ex.code, ex.what());
+    }
+    CHECK(st.code == SHOAL_INVALID_ARGUMENT && st.message.find("receive machine ranks: rank " + std::to_string(M + 3) +
+                                                               " is outside [0, " + std::to_string(M) + ")") !=
+                                                   std::string::npos,
+          "rank %d: %d %s", r, st.code, st.message.c_str());
+    errors[r] = st.message.substr(0, st.message.find(" (raised at the call"));
+    Hier again;
+    again.name = "hier.refused";
+    again.x = Data(r, 2, 4);
+    again.recv = again.send = MachineRing(m, M);
+    again.Enqueue(rt);
+    st = again.Wait(rt);
+    CHECK(st.ok(), "rank %d: the name after the refusal: %s", r, st.message.c_str());
+    Hier u2;
+    u2.x = Data(r, 3, 4);
+    u2.recv = u2.send = MachineRing(m, M);
+    u2.Enqueue(rt);
+    st = u2.Wait(rt);
+    CHECK(st.ok(), "rank %d: unnamed op after the refusal: %s", r, st.message.c_str());
+  });
+  for (int r = 0; r < n; ++r) CHECK(errors[r] == errors[bad], "rank %d: %s vs %s", r, errors[r].c_str(), errors[bad].c_str());
+}
+
+// A rank dies after its op's first stage may have started: every other rank's op ends
+// (an error naming the dead rank, or the exact result where it needed nothing of it).
+void TestDeadRank(int n, int L) {
+  g_case = "hierarchical dead rank n=" + std::to_string(n) + " L=" + std::to_string(L);
+  Hier left;  // the dead rank's op: its memory stays until its runtime stops
+  Job job(n, TestConfig(8 << 20), 23 + n, 200, L);
+  const int M = n / L, dead = n - 1;
+  job.Run([&](int r, Runtime& rt) {
+    Hier mine;
+    Hier& h = r == dead ? left : mine;
+    h.name = "hier.dead";
+    h.x = Data(r, 0, 64);
+    h.recv = h.send = MachineRing(r / L, M);
+    h.Enqueue(rt);
+    if (r == dead) {
+      job.world->Kill(dead);
+      return;
+    }
+    Status st = h.Wait(rt);
+    CHECK(!st.ok(), "rank %d: completed although rank %d died in the machine sum", r, dead);
+  });
+}
+
+}  // namespace
+
+int main() {
+  for (auto [n, L] : {std::pair{4, 2}, std::pair{8, 2}, std::pair{8, 4}}) {
+    TestValues(n, L, 8 << 20);
+    TestValues(n, L, 0);
+    TestRefused(n, L);
+    TestDeadRank(n, L);
+  }
+  std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
+  return g_failed ? 1 : 0;
+}
