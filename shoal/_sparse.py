@@ -35,18 +35,23 @@ def scale(values, rop):
 
 def sparse_allreduce(adapter, indices, values, op, name):
     """Start the allreduce of the sparse tensor (indices [nnz, k], values [nnz, ...]) of
-    `adapter`'s tensors; `name` (a str) names its two allgathers. Returns a handle whose
-    `synchronize` gives (indices [Σ nnz, k], values [Σ nnz, ...]) in rank order, the
-    values scaled by `scale`."""
+    `adapter`'s tensors; `name` (a str) names its two allgathers. Returns a function that
+    waits and gives (indices [Σ nnz, k], values [Σ nnz, ...]) in rank order, the values
+    scaled by `scale` (Horovod's `sparse_allreduce_async` returns such a function too).
+    A failure raises ShoalError from it, after the other allgather has ended too."""
     rop = check_op(op, "sparse allreduce")
     indices_name, values_name = names(name)
-    gathering = _ops.allgather(adapter, indices, indices_name)
-    values = _ops.allgather(adapter, values, values_name)
+    gathering_indices = _ops.allgather(adapter, indices, indices_name)
+    gathering_values = _ops.allgather(adapter, values, values_name)
 
-    def indices_too(exc):  # the values failed here: still complete (or fail) the indices' op
+    def result():
         try:
-            _ops.synchronize(gathering)
-        except Exception:  # noqa: BLE001 - the values' error is the one raised
-            pass
-
-    return _ops.then(values, lambda v: (_ops.synchronize(gathering), scale(v, rop)), on_failure=indices_too)
+            gathered = _ops.synchronize(gathering_values)
+        except BaseException:
+            try:  # every rank submitted both: the indices' op ends (or fails) too
+                _ops.synchronize(gathering_indices)
+            except Exception:  # noqa: BLE001 - the values' error is the one raised
+                pass
+            raise
+        return _ops.synchronize(gathering_indices), scale(gathered, rop)
+    return result

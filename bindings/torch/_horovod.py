@@ -385,11 +385,11 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 def _sparse_handle(tensor, name, op):
     """Start the sparse allreduce of `tensor`; the function that finishes it."""
-    h = _sparse.sparse_allreduce(ADAPTER, tensor._indices().t().contiguous(), tensor._values().contiguous(),
-                                 op, name)
+    gathered = _sparse.sparse_allreduce(ADAPTER, tensor._indices().t().contiguous(), tensor._values().contiguous(),
+                                        op, name)
 
     def result():
-        indices, values = _ops.synchronize(h)
+        indices, values = gathered()
         return torch.sparse_coo_tensor(indices.t(), values, tensor.shape, check_invariants=False)
     return result
 

@@ -395,6 +395,13 @@ def sparse_gradients_allgathered_or_densified_equal_the_dense_average():
         assert got._nnz() == sum(sparse_of(r)._nnz() for r in range(N))  # every rank's entries
     raises(ValueError, hvd.sparse_allreduce_async, torch.ones(2), "dense", hvd.Sum)
     raises(NotImplementedError, hvd.sparse_allreduce_async, sparse_of(R), "min", hvd.Min)
+    # Ranks that disagree on the values' row shape: the same error everywhere, and the
+    # indices' allgather has ended too (the next op runs).
+    cols = 2 + (R == 0)
+    bad = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, cols), (5, cols))
+    raises(hvd.HorovodInternalError, hvd.sparse_allreduce_async(bad, "sparse.bad", hvd.Sum))
+    assert torch.equal(hvd.sparse_allreduce_async(sparse_of(R), "sparse.after", hvd.Sum)().to_dense(),
+                       sum(sparse_of(r).to_dense() for r in range(N)))
     # DistributedOptimizer on nn.Embedding(sparse=True): allgathered (default) or densified;
     # either way the update is the dense average's, exactly (a replay of every rank's step).
     for as_dense in (False, True):
