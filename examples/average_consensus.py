@@ -53,7 +53,7 @@ def directed_graph(n):
     return g
 
 
-def asynchronous(x, mean, seconds, seed):
+def asynchronous(x, mean, seconds, seed, min_iterations=0):
     r = shoal.rank()
     shoal.set_topology(directed_graph(shoal.size()))
     shoal.turn_on_win_ops_with_associated_p()
@@ -64,7 +64,7 @@ def asynchronous(x, mean, seconds, seed):
     scale = 1e-3 * (1 + r % 4)  # ranks differ in speed: mean sleep 0.5-2 ms
     shoal.barrier()
     start, last, it = time.monotonic(), 0.0, 0
-    while time.monotonic() - start < seconds:
+    while time.monotonic() - start < seconds or it < min_iterations:
         shoal.win_accumulate(x, "x", self_weight=share, dst_weights={d: share for d in outs})
         shoal.win_update_then_collect("x")
         it += 1
@@ -96,6 +96,8 @@ def main():
     p.add_argument("--steps", type=int, default=12, help="synchronous steps")
     p.add_argument("--asynchronous", action="store_true", help="push-sum over window ops")
     p.add_argument("--seconds", type=float, default=2.0, help="asynchronous run time per rank")
+    p.add_argument("--min-iterations", type=int, default=0,
+                   help="asynchronous: each rank runs at least this many iterations, however long they take")
     p.add_argument("--dim", type=int, default=1000, help="length of each rank's vector")
     p.add_argument("--seed", type=int, default=0, help="the vectors' random seed (plus the rank)")
     args = p.parse_args()
@@ -105,7 +107,7 @@ def main():
     x = np.random.default_rng(args.seed + shoal.rank()).standard_normal(args.dim)
     mean = shoal.allreduce(x, name="true_average")
     if args.asynchronous:
-        worst, total, fewest, most = asynchronous(x, mean, args.seconds, args.seed)
+        worst, total, fewest, most = asynchronous(x, mean, args.seconds, args.seed, args.min_iterations)
         line = (f"mode=asynchronous ranks={shoal.size()} seconds={args.seconds:g} iterations={fewest}-{most} "
                 f"worst_relative_distance={worst:.3e} sum_p={total:.12f}")
     else:

@@ -11,9 +11,10 @@ Inside a `tf.while_loop`/`tf.range` loop, iterations may run concurrently and wo
 one op name twice; use `parallel_iterations=1` for loops that contain Shoal ops.
 
 Horovod's names (`import shoal.tensorflow as hvd`, issue 17): `DistributedOptimizer` for
-a Keras 3 optimizer, `DistributedGradientTape` with Horovod's keywords, `broadcast_object`,
-`allgather_object`, `Compression`, `global_process_set`, `cross_rank`, the `*_built()`
-facts (`_horovod.py`); `allreduce` takes Horovod's keywords (keyword-only).
+a Keras 3 optimizer, `DistributedGradientTape` with Horovod's keywords,
+`PartialDistributedGradientTape`, `SyncBatchNormalization`, `broadcast_object[_fn]`,
+`allgather_object`, `Compression`, `global_process_set`, `cross_rank`, `rank_op` & co., the
+`*_built()` facts (`_horovod.py`); `allreduce` takes Horovod's keywords (keyword-only).
 """
 from shoal import topology  # noqa: F401
 from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
@@ -22,9 +23,11 @@ from shoal.basics import __all__ as _basics_all
 
 from ._horovod import *  # noqa: F401,F403
 from ._horovod import __all__ as _horovod_all
-from .ops import (DistributedGradientTape, allgather, allgather_object, allreduce, broadcast,  # noqa: F401
-                  broadcast_object, broadcast_variables, consensus_distance, hierarchical_neighbor_allreduce,
-                  neighbor_allgather, neighbor_allreduce, reducescatter)
+from .ops import (DistributedGradientTape, PartialDistributedGradientTape, allgather,  # noqa: F401
+                  allgather_object, allreduce, broadcast, broadcast_object, broadcast_object_fn, broadcast_variables,
+                  consensus_distance, hierarchical_neighbor_allreduce, neighbor_allgather, neighbor_allreduce,
+                  reducescatter)
+from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
@@ -45,5 +48,6 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 __all__ = list(_basics_all) + [
     "allreduce", "broadcast", "allgather", "reducescatter", "neighbor_allreduce", "neighbor_allgather",
     "hierarchical_neighbor_allreduce", "broadcast_variables", "consensus_distance",
-    "DistributedGradientTape", "DistributedOptimizer", "broadcast_object", "allgather_object",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
+    "broadcast_object", "broadcast_object_fn", "allgather_object",
     "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology"] + list(_horovod_all)

@@ -6,14 +6,16 @@ names reach is one of `shoal.tensorflow.ops`' kernels over the one runtime.
 
 Differences from Horovod kept here (each said where it applies):
 * `Adasum` is not implemented (NotImplementedError naming it).
-Process sets (`process_set=`, `add_process_set`) are `shoal.process_sets`', as Horovod's.
+Process sets (`process_set=`, `add_process_set`) are `shoal.process_sets`', as Horovod's
+(`SyncBatchNormalization` runs over every rank only: NotImplementedError for another set).
 """
 import tensorflow as tf
 
 from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
-from shoal._horovod import Compressor, NoneCompressor, check_compression, check_op  # noqa: F401
+from shoal._horovod import (Compressor, NoneCompressor, check_compression, check_op,  # noqa: F401
+                            check_process_set, global_process_set)
 from shoal._horovod import __all__ as _NEUTRAL
-from shoal import _ops
+from shoal import _ops, basics
 
 # ---- Compression: the casts (Horovod's Compression.fp16 / bf16) ----
 
@@ -60,4 +62,45 @@ def join():
     return _ops.join()
 
 
-__all__ = list(_NEUTRAL) + ["Compression", "FP16Compressor", "BF16Compressor", "join"]
+def _int_op(value, name):
+    return tf.constant(value, tf.int32, name=name)
+
+
+def rank_op(name=None):
+    """Horovod's `rank_op`: this rank as an int32 tensor (a constant: ranks never change in
+    a Shoal job, which is not elastic)."""
+    return _int_op(basics.rank(), name)
+
+
+def local_rank_op(name=None):
+    """Horovod's `local_rank_op`: the rank within the machine as an int32 tensor."""
+    return _int_op(basics.local_rank(), name)
+
+
+def size_op(process_set_id=0, name=None):
+    """Horovod's `size_op`: the number of ranks of the process set (the global one only)
+    as an int32 tensor."""
+    _check_set_id(process_set_id, "size_op")
+    return _int_op(basics.size(), name)
+
+
+def local_size_op(name=None):
+    """Horovod's `local_size_op`: the number of ranks on this machine as an int32 tensor."""
+    return _int_op(basics.local_size(), name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """Horovod's `process_set_included_op`: 1 (int32) when this rank belongs to the process
+    set: always, for the global one, the only one so far."""
+    _check_set_id(process_set_id, "process_set_included_op")
+    return _int_op(1, name)
+
+
+def _check_set_id(process_set_id, what):
+    if process_set_id != global_process_set.process_set_id:
+        raise NotImplementedError(f"{what}: process set {process_set_id!r}: Shoal supports only the global "
+                                  "process set (id 0) so far")
+
+
+__all__ = list(_NEUTRAL) + ["Compression", "FP16Compressor", "BF16Compressor", "join", "rank_op",
+                            "local_rank_op", "size_op", "local_size_op", "process_set_included_op"]

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import shoal
-from shoal import _gradients, _hierarchical, _metrics, _ops, process_sets
+from shoal import _gradients, _hierarchical, _metrics, _ops, _sparse, process_sets
 from shoal._gradients import grad_name
 from shoal._process import STATE
 
@@ -70,18 +70,19 @@ def _scale(t, factor):
 
 
 def _sparse_allreduce(slices, rop, name, pre, post, process_set):
-    """Horovod's allreduce of a tf.IndexedSlices: two allgathers (values, indices), the
-    values divided by the number of ranks for Average: the IndexedSlices of the sum or average."""
+    """Horovod's allreduce of a tf.IndexedSlices (shoal/_sparse.py): two allgathers
+    (values, indices), the values divided by the number of ranks for Average: the
+    IndexedSlices of the sum or average (in `process_set`, of its members)."""
+    _sparse.check_op(rop, "allreduce")
     if pre != 1.0 or post != 1.0:
         raise NotImplementedError("allreduce: prescale_factor/postscale_factor are not supported with "
                                   "tf.IndexedSlices (as in Horovod); use sparse_as_dense=True")
     ps = process_sets.id_of(process_set, "allreduce")
-    base = _ops.op_name(name) or _name("allreduce.sparse", None, ps)
-    values = allgather(slices.values, name=base + ".values", process_set=ps)
-    indices = allgather(slices.indices, name=base + ".indices", process_set=ps)
-    if rop is Average:
-        values = values / tf.cast(process_sets.layout(ps)[0], values.dtype)
-    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+    indices_name, values_name = _sparse.names(_ops.op_name(name) or _name("allreduce.sparse", None, ps))
+    values = allgather(slices.values, name=values_name, process_set=ps)
+    indices = allgather(slices.indices, name=indices_name, process_set=ps)
+    return tf.IndexedSlices(_sparse.scale(values, rop, process_sets.layout(ps)[0]), indices,
+                            dense_shape=slices.dense_shape)
 
 
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, *,
@@ -292,10 +293,12 @@ tf.RegisterGradient("ShoalHierarchicalNeighborAllreduce")(_neighbor_grad)
 
 
 # ---- training helpers ----
-def broadcast_variables(variables, root_rank):
-    """Assign `root_rank`'s values to every variable (sorted by name), on every rank."""
+def broadcast_variables(variables, root_rank, process_set=_horovod.global_process_set, inplace=False):
+    """Assign `root_rank`'s values to every variable (sorted by name), on every rank
+    (Horovod's `broadcast_variables`; `inplace` changes nothing: the values are assigned;
+    `process_set` (a ProcessSet): on its members, root_rank one of them)."""
     for i, v in enumerate(sorted(variables, key=lambda v: v.name)):
-        v.assign(broadcast(v, root_rank, name=f"broadcast_variables.{i}.{v.name}"))
+        v.assign(broadcast(v, root_rank, name=f"broadcast_variables.{i}.{v.name}", process_set=process_set))
 
 
 def consensus_distance(variables, name="consensus_distance"):
@@ -358,6 +361,10 @@ class DistributedGradientTape:
     the tensor's device and fuses whatever is ready in one cycle). With
     communication="neighbor" only the defaults of these are accepted, and sparse
     gradients are densified (neighbor averaging has no sparse form).
+
+    `register_local_source(variable)` (Horovod's; `PartialDistributedGradientTape` calls
+    it for local layers): that variable's gradient is not reduced, and is divided by
+    size() with scale_local_gradients=True (as in Horovod).
     """
 
     def __init__(self, tape, communication="allreduce", name=None, *, device_dense="", device_sparse="",
@@ -377,6 +384,7 @@ class DistributedGradientTape:
             raise ValueError("DistributedGradientTape: compression, op, gradient_predivide_factor and process_set "
                              "apply to communication='allreduce' only")
         self._tape, self._communication, self._name = tape, communication, name
+        self._local, self._scale_local = set(), bool(scale_local_gradients)
         self._reduce_kw = dict(compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
                                sparse_as_dense=sparse_as_dense, process_set=process_set)
 
@@ -390,19 +398,85 @@ class DistributedGradientTape:
     def __exit__(self, *exc):
         return self._tape.__exit__(*exc)
 
+    def register_local_source(self, source):
+        """Horovod's: `source`'s gradient stays this rank's (see the class docstring)."""
+        self._local.add(_ref(source))
+
     def gradient(self, target, sources, output_gradients=None):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients)
         # Every rank must take part in every reduction: a gradient that is None here (the
         # variable did not affect this rank's loss) is reduced as zeros.
         prefix = self._name or _name("grad", None)
-        flat, variables = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        flat, variables = list(tf.nest.flatten(grads)), tf.nest.flatten(sources)
+        picked = [i for i, v in enumerate(variables) if _ref(v) not in self._local]
         if self._communication == "allreduce":
-            out = reduce_gradients(flat, variables, prefix, none_as_zeros=True, what="DistributedGradientTape",
-                                   **self._reduce_kw)
+            out = reduce_gradients([flat[i] for i in picked], [variables[i] for i in picked], prefix,
+                                   none_as_zeros=True, what="DistributedGradientTape", **self._reduce_kw)
         else:
-            out = [neighbor_allreduce(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g),
-                                      name=f"{prefix}.{i}") for i, (g, v) in enumerate(zip(flat, variables))]
-        return tf.nest.pack_sequence_as(grads, out)
+            out = [neighbor_allreduce(tf.zeros_like(variables[i]) if flat[i] is None else
+                                      tf.convert_to_tensor(flat[i]), name=f"{prefix}.{i}") for i in picked]
+        n = process_sets.layout(process_sets.id_of(self._reduce_kw["process_set"], "DistributedGradientTape"))[0]
+        for i, v in enumerate(variables):
+            if _ref(v) in self._local:
+                flat[i] = local_gradient(flat[i], self._scale_local, n)
+        for i, g in zip(picked, out):
+            flat[i] = g
+        return tf.nest.pack_sequence_as(grads, flat)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """Horovod's: ([(local source, gradient)], [(other source, reduced gradient)])."""
+        grads = self.gradient(target, sources, output_gradients)
+        pairs = list(zip(sources, grads))
+        return ([(s, g) for s, g in pairs if _ref(s) in self._local],
+                [(s, g) for s, g in pairs if _ref(s) not in self._local])
+
+
+def _ref(variable):
+    """A hashable key of a tf.Variable (its ref()) or a Keras 3 Variable (its id)."""
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
+
+
+def local_gradient(grad, scale, n=None):
+    """A local variable's gradient (Horovod's scale_local_gradients): divided by the number
+    of ranks `n` (default size(); a process set's size) when `scale`, else as it is; None
+    stays None."""
+    if grad is None or not scale:
+        return grad
+    n = n or shoal.size()
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / n, grad.indices, grad.dense_shape)
+    return grad / tf.cast(n, grad.dtype)
+
+
+def _local_layers_variables(local_layers):
+    import keras
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    return [v for layer in local_layers for v in layer.trainable_weights]
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
+                                   compression=_horovod.Compression.none, sparse_as_dense=False, op=Average,
+                                   gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                                   process_set=_horovod.global_process_set, local_layers=None,
+                                   scale_local_gradients=True):
+    """Horovod's `PartialDistributedGradientTape` (its positional order): a
+    DistributedGradientTape whose `local_layers` (Keras layers) keep their gradients
+    local (not reduced; divided by size() with scale_local_gradients). ValueError for a
+    local layer that is not a Keras layer."""
+    local = _local_layers_variables(local_layers)
+    tape = DistributedGradientTape(gradtape, device_dense=device_dense, device_sparse=device_sparse,
+                                   compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                                   groups=groups, process_set=process_set,
+                                   scale_local_gradients=scale_local_gradients)
+    for v in local:
+        tape.register_local_source(v)
+    return tape
 
 
 # ---- Python objects (Horovod's horovod/tensorflow/functions.py) ----
@@ -432,10 +506,19 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=_hor
     return pickle.loads(buf.numpy().tobytes())
 
 
-def allgather_object(obj, name=None, process_set=_horovod.global_process_set):
-    """Horovod's `allgather_object`: the list of every rank's (picklable) `obj`, in rank
-    order (of `process_set`'s members if given). Eager only."""
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=_horovod.global_process_set):
+    """Horovod's `broadcast_object_fn`: a function obj -> `broadcast_object(obj, root_rank,
+    session, name, process_set)`."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
+
+
+def allgather_object(obj, session=None, name=None, process_set=_horovod.global_process_set):
+    """Horovod's `allgather_object` (its positional order): the list of every rank's
+    (picklable) `obj`, in rank order (of `process_set`'s members if given). Eager only
+    (`session`, TF1's, must be None)."""
     import pickle
+    if session is not None:
+        raise NotImplementedError("allgather_object: TF1 sessions are not supported; call it eagerly")
     name = name or "allgather_object"
     data = _pickle(obj)
     sizes = allgather(tf.constant([data.size], tf.int64), name=name + ".sz", process_set=process_set).numpy().tolist()

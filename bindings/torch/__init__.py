@@ -34,6 +34,7 @@ from .optimizers import (CommunicationType, CommunicationTypeError,  # noqa: E40
                          DistributedHierarchicalNeighborAllreduceOptimizer,
                          DistributedNeighborAllreduceOptimizer, DistributedOptimizer, GradientsInFlightError)
 from .win_optimizers import DistributedPushSumOptimizer, DistributedWinPutOptimizer  # noqa: E402
+from .sync_batch_norm import SyncBatchNorm  # noqa: E402
 from .utility import (allgather_object, allreduce_parameters, broadcast_object,  # noqa: E402
                       broadcast_parameters)
 # Horovod's names (`import shoal.torch as hvd`), and the shared names with Horovod's
@@ -48,7 +49,7 @@ __all__ = list(_basics_all) + sorted(_API) + [
     "DistributedAllreduceOptimizer", "DistributedNeighborAllreduceOptimizer",
     "DistributedHierarchicalNeighborAllreduceOptimizer", "GradientsInFlightError", "CommunicationTypeError",
     "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "DistributedPushSumOptimizer",
-    "DistributedWinPutOptimizer", "allgather_object",
+    "DistributedWinPutOptimizer", "SyncBatchNorm", "allgather_object",
     "allreduce_parameters", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters"] + ["Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology",
                                                          "InferSourceFromDestinationRanks",

@@ -20,10 +20,11 @@ import inspect
 
 import torch
 
-from shoal import _ops, basics, process_sets
+from shoal import _ops, _sparse, basics, process_sets
 from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 
 from shoal._api import build_api
+from shoal._process import STATE
 from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
 from shoal._horovod import (Compressor, NoneCompressor, check_compression, check_op, check_process_set,
                             global_process_set)
@@ -366,6 +367,34 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     return _ops.then(TORCH_API["reducescatter_nonblocking"](src, rop, name, **_in_set(process_set)), finish)
 
 
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Horovod's `sparse_allreduce_async`: start the allreduce of a sparse COO tensor
+    (any shape, same on every rank; nnz may differ) by two allgathers of its indices and
+    values (`<name>.indices`, `<name>.values`; name None: a generated one); returns a
+    function that waits and gives the sparse tensor of every rank's entries in rank order
+    (uncoalesced), values divided by size() for op=Average (`shoal/_sparse.py`; in
+    `process_set`, its members' and its size). Its dense form is the sum or average of the
+    ranks' dense forms. Raises ValueError for a dense tensor; NotImplementedError for an op
+    other than Sum/Average (as Horovod's TF); ShoalError (from the returned function) when
+    ranks disagree."""
+    _check_op(op, "sparse_allreduce_async")
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise ValueError(f"sparse_allreduce_async: expected a sparse COO tensor, got "
+                         f"{getattr(tensor, 'layout', type(tensor).__name__)}")
+    return _sparse_handle(tensor, name or STATE.unnamed("sparse_allreduce"), op, process_set)
+
+
+def _sparse_handle(tensor, name, op, process_set=None):
+    """Start the sparse allreduce of `tensor` (in `process_set`); the function that finishes it."""
+    gathered = _sparse.sparse_allreduce(ADAPTER, tensor._indices().t().contiguous(), tensor._values().contiguous(),
+                                        op, name, process_set)
+
+    def result():
+        indices, values = gathered()
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape, check_invariants=False)
+    return result
+
+
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
     """`broadcast_optimizer_state(optimizer, root_rank)` (BlueFog's and Horovod's): every
     rank's optimizer state becomes root_rank's, bit-exact (see
@@ -391,5 +420,5 @@ def join(device=-1):
 __all__ = sorted(set(_NEUTRAL) | {
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "allgather", "allgather_async", "broadcast_optimizer_state",
-    "join", "reducescatter", "reducescatter_async",
+    "join", "reducescatter", "reducescatter_async", "sparse_allreduce_async",
     "Compression", "FP16Compressor", "BF16Compressor", "Sum", "Average", "Min", "Max", "Product", "ReduceOp"})

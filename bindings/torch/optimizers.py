@@ -33,9 +33,10 @@ import warnings
 
 import torch
 
-from shoal import _hierarchical, _ops, process_sets
+from shoal import _consensus, _hierarchical, _ops, process_sets
 
 from . import _buckets
+from ._sparse_grads import SparseGradients
 from ._adapter import ADAPTER
 from ._horovod import TORCH_API, Average, Compression, Sum, _check_op, _in_set, check_compression, global_process_set
 from ._optimizer_base import (CommunicationType, CommunicationTypeError, GradientsInFlightError,  # noqa: F401
@@ -133,32 +134,23 @@ class _ParameterMixing(_Distributed):
             self.communications += 1
 
     def _control(self):
-        cc = self.consensus_control
-        if cc is None or not cc.active(self.steps, self.communications):
-            return
         params = list(self._params())
-        target = cc.target_at(self.steps)
-        xi = consensus_distance(params, name=f"{self._prefix}.xi")
-        rounds = 0
-        while cc.method == "gossip" and xi > target and rounds < cc.max_extra_rounds:
-            handles = [(p, _ops.neighbor_allreduce(ADAPTER, p.data,
-                                                   name=f"{self._prefix}.cc.{self._names[p]}"))
-                       for p in params]
+
+        def mix(start):
+            handles = [(p, start(p)) for p in params]
             with torch.no_grad():
                 for p, h in handles:
                     p.copy_(_ops.synchronize(h))
-            rounds += 1
-            xi = consensus_distance(params, name=f"{self._prefix}.xi")
-        if xi > target:  # gossip could not get there (or method="allreduce"): average exactly
-            handles = [(p, _ops.allreduce(ADAPTER, p.data, True, f"{self._prefix}.avg.{self._names[p]}"))
-                       for p in params]
-            with torch.no_grad():
-                for p, h in handles:
-                    p.copy_(_ops.synchronize(h))
-            self.exact_averages += 1
-            xi = 0.0
-        self.extra_rounds += rounds
-        self.last_consensus_distance = xi
+
+        checked = _consensus.control(
+            self.consensus_control, self.steps, self.communications,
+            lambda: consensus_distance(params, name=f"{self._prefix}.xi"),
+            lambda: mix(lambda p: _ops.neighbor_allreduce(ADAPTER, p.data, name=f"{self._prefix}.cc.{self._names[p]}")),
+            lambda: mix(lambda p: _ops.allreduce(ADAPTER, p.data, True, f"{self._prefix}.avg.{self._names[p]}")))
+        if checked is not None:
+            self.last_consensus_distance, rounds, exact = checked
+            self.extra_rounds += rounds
+            self.exact_averages += int(exact)
 
 
 class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
@@ -321,10 +313,11 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
     dtype and is cast back), `op` (Average, or Sum: gradients summed, not averaged),
     `gradient_predivide_factor` f (Average only: each gradient times 1/f before the sum,
     the average times f after it, as Horovod splits the average), `sparse_as_dense`
-    (sparse gradients are densified before the exchange; without it they raise
-    ValueError: Shoal exchanges dense tensors only), `process_set` (a `ProcessSet`:
-    gradients are averaged over its members only; on a rank outside it the optimizer
-    takes local steps and communicates nothing, as Horovod's).
+    (sparse COO gradients, e.g. of nn.Embedding(sparse=True), are densified, averaged
+    and made sparse again; without it they are reduced by Horovod's sparse allreduce,
+    an allgather of indices and values: bindings/torch/_sparse_grads.py), `process_set`
+    (a `ProcessSet`: gradients are averaged over its members only; on a rank outside it
+    the optimizer takes local steps and communicates nothing, as Horovod's).
     """
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, *, compression=Compression.none,
@@ -346,7 +339,7 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         # Horovod's split of the average: each gradient times 1/f before the sum, the
         # average times f after it.
         self._op, self._prescale, self._postscale = op, 1.0 / f, f
-        self._sparse_as_dense = bool(sparse_as_dense)
+        self._sparse = SparseGradients(sparse_as_dense, process_set)
         # Small gradients travel in buckets (shoal.torch._buckets): a bucket's op starts
         # once all its members' gradients are in; the others go alone, as soon as backward
         # produces them. _grad_handles: parameter or Bucket -> (handle, [(parameter,
@@ -381,6 +374,9 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         if n != self.num_steps_per_communication:
             return
         bucket = self._bucket_of.get(p)
+        if self._sparse.goes_sparse(p):
+            self._launch_sparse(p, bucket)
+            return
         if bucket is None:
             self._launch(p)
             return
@@ -390,13 +386,18 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
             self._launch_bucket(bucket)
 
     def _dense_grad(self, p):
+        return self._sparse.dense(p, self._names[p])
+
+    def _launch_sparse(self, p, bucket):
+        """Horovod's sparse allreduce of p's gradient; in p's bucket its slot sends zeros."""
         g = p.grad
-        if g.layout != torch.strided:
-            if not self._sparse_as_dense:
-                raise ValueError(f"the gradient of {self._names[p]!r} is sparse: Shoal averages dense "
-                                 "gradients; pass sparse_as_dense=True (Horovod's option)")
-            g = p.grad = g.to_dense()
-        return g
+        finish = self._sparse.start(p, f"{self._prefix}.grad.{self._names[p]}", self._op)
+        self._grad_handles[p] = (finish, [(p, g, g._version)], None, None)
+        if bucket is not None:
+            ready = self._ready.setdefault(bucket, {})
+            ready[p] = (torch.zeros_like(p), -1)
+            if len(ready) == len(bucket.params):
+                self._launch_bucket(bucket)
 
     def _start(self, key, t, name, grads):
         """Start the allreduce of `t` (a gradient, or a bucket's flat buffer)."""
@@ -432,9 +433,13 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         for p in self._params():
             if not self._in_flight(p):
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = self._sparse.empty(p)
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
                 bucket = self._bucket_of.get(p)
-                if bucket is None:
+                if self._sparse.goes_sparse(p):
+                    self._launch_sparse(p, bucket)
+                elif bucket is None:
                     self._launch(p)
                 else:
                     self._ready.setdefault(bucket, {})[p] = (self._dense_grad(p), p.grad._version)
@@ -457,10 +462,12 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         """Wait for the averages in flight; names of gradients changed meanwhile."""
         handles, self._grad_handles = self._grad_handles, {}
         self._ready.clear()
-        touched = []
+        touched, sparse = [], {}
         for key, (h, grads, _, _) in handles.items():
             if isinstance(key, _buckets.Bucket):
                 _buckets.synchronize(key, h)
+            elif callable(h):  # a sparse allreduce
+                sparse[key] = h()
             else:
                 _ops.synchronize(h)
             touched += [self._names[p] for p, g, version in grads
@@ -469,6 +476,9 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         if not touched:  # the average back into the gradient (unless it was averaged in place)
             with torch.no_grad():
                 for key, (_, grads, sent, ctx) in handles.items():
+                    if key in sparse:
+                        self._sparse.install(grads[0][1], sparse[key])
+                        continue
                     out = self._compression.decompress(sent, ctx)
                     if self._postscale != 1.0:
                         out = out * self._postscale
@@ -477,6 +487,7 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                                            else key._views(out))
                     elif out is not grads[0][1]:
                         grads[0][1].copy_(out)
+            self._sparse.restore()
         return touched
 
     def _step(self, closure):

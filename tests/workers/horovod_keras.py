@@ -105,7 +105,8 @@ class Recording(keras.optimizers.SGD):
     """SGD that keeps the gradients it was given (after the wrapper's reduction)."""
 
     def update_step(self, gradient, variable, learning_rate):
-        self.seen.append(np.asarray(gradient))
+        self.sparse = getattr(self, "sparse", []) + [isinstance(gradient, tf.IndexedSlices)]
+        self.seen.append(np.asarray(tf.convert_to_tensor(gradient)))
         super().update_step(gradient, variable, learning_rate)
 
 
@@ -250,6 +251,235 @@ def positional_orders_and_refusals():
     raises(TypeError, hvd.DistributedOptimizer, "sgd")
     raises(NotImplementedError, hvd.broadcast_global_variables, 0)
     assert np.array_equal(hvd.allreduce(ones, name="k.after.refusals").numpy(), ones)  # still usable
+
+
+SIZES = [3, 0, 1, 4]  # uneven per-rank batches (rank 1 has none)
+
+
+def bn_batch(step, rank, shape):
+    g = np.random.RandomState(700 + 10 * step + rank)
+    n = SIZES[rank % len(SIZES)]
+    return g.randn(n, *shape) * 3 + 1, g.randn(n, *shape)
+
+
+def close(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and np.allclose(got, want, rtol=1e-10, atol=1e-12), \
+        (what, np.abs(got - want).max() if got.shape == want.shape else (got.shape, want.shape))
+
+
+def bn_step(layer, x, w):
+    x = tf.convert_to_tensor(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = layer(x, training=True)
+        loss = tf.reduce_sum(out * w)
+    return [out] + tape.gradient(loss, [x, layer.gamma, layer.beta])
+
+
+@check
+def sync_batch_normalization_equals_batch_norm_on_the_global_batch():
+    """hvd.SyncBatchNormalization on uneven per-rank batches (eagerly and in a tf.function):
+    output, input/gamma/beta gradients and moving statistics equal one process's Keras
+    BatchNormalization on the concatenated batch (float64)."""
+    for shape in [(2, 2, 3), (3,)]:
+        c = shape[-1]
+        init = dict(momentum=0.7, dtype="float64", gamma_initializer=keras.initializers.Constant(np.arange(1.0, c + 1)),
+                    beta_initializer=keras.initializers.Constant(np.arange(c) - 1.0))
+        layer, ref = hvd.SyncBatchNormalization(**init), keras.layers.BatchNormalization(**init)
+        layer.build((None,) + shape), ref.build((None,) + shape)
+        graph_step = tf.function(bn_step)
+        for step in range(2):
+            x, w = bn_batch(step, R, shape)
+            got = (bn_step if step == 0 else graph_step)(layer, x, w)
+            every = [bn_batch(step, r, shape) for r in range(N)]
+            want = bn_step(ref, np.concatenate([e[0] for e in every]), np.concatenate([e[1] for e in every]))
+            at = sum(SIZES[r % len(SIZES)] for r in range(R))
+            mine = slice(at, at + x.shape[0])
+            close(got[0], want[0][mine], ("output", shape, step))
+            close(got[1], want[1][mine], ("input grad", shape, step))
+            close(hvd.allreduce(got[2], name=f"ksbn.g.{len(shape)}.{step}", op=hvd.Sum), want[2], ("gamma grad", shape))
+            close(hvd.allreduce(got[3], name=f"ksbn.b.{len(shape)}.{step}", op=hvd.Sum), want[3], ("beta grad", shape))
+            close(layer.moving_mean, ref.moving_mean, ("moving_mean", shape, step))
+            close(layer.moving_variance, ref.moving_variance, ("moving_variance", shape, step))
+        assert not np.allclose(layer.moving_variance, 1.0), "moving statistics were not updated"
+        x, _ = bn_batch(5, R, shape)
+        close(layer(x, training=False), ref(x, training=False), ("inference", shape))  # moving stats, local
+
+
+@check
+def sync_batch_normalization_masks_fit_and_refusals():
+    # A mask: only unmasked samples count (the moving mean after one step with momentum 0).
+    g = np.random.RandomState(80 + R)
+    x, mask = g.randn(2, 3, 2), g.rand(2, 3) < 0.5
+    mask[0, 0] = True  # every rank has a sample
+    layer = hvd.SyncBatchNormalization(momentum=0.0, dtype="float64")
+    layer(x, training=True, mask=mask)
+    pairs = hvd.allgather_object((x[mask], mask.sum()))
+    values = np.concatenate([v for v, _ in pairs])
+    close(layer.moving_mean, values.mean(0), "masked mean")
+    close(layer.moving_variance, values.var(0), "masked variance")
+    # In a model trained with fit and the DistributedOptimizer: the models stay identical.
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(4), hvd.SyncBatchNormalization(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    xs, ys = rank_data(R)
+    model.fit(xs, ys / 1000, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    same_on_all_ranks(model.get_weights(), "syncbn.fit")  # moving statistics included
+    raises(ValueError, hvd.SyncBatchNormalization, fused=True)
+    raises(NotImplementedError, hvd.SyncBatchNormalization, process_set=object())
+    one = np.ones((1 if R == 0 else 0, 3))
+    raises(ValueError, hvd.SyncBatchNormalization(), one, training=True)  # one value per channel in all
+
+
+@check
+def sparse_gradients_allgathered_or_densified_equal_the_dense_average():
+    """tf.IndexedSlices gradients (an embedding lookup) through the Keras DistributedOptimizer
+    and DistributedGradientTape: allgathered by default, dense with sparse_as_dense; the
+    dense form equals the average of every rank's dense gradient exactly."""
+    table = tf.Variable(tf.reshape(tf.range(12.0), [6, 2]))
+
+    def slices_of(r):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, [r % 6, 1, 1]) * float(r + 1))
+        return tape.gradient(loss, table)
+
+    mine = slices_of(R)
+    assert isinstance(mine, tf.IndexedSlices)
+    want = sum(tf.convert_to_tensor(slices_of(r)).numpy() for r in range(N)) / N  # small integers / N: exact
+    for as_dense in (False, True):
+        opt = recording(sparse_as_dense=as_dense)
+        opt.apply([mine], [table])
+        assert opt.sparse == [not as_dense], (as_dense, opt.sparse)
+        assert np.array_equal(opt.seen[0], want), (as_dense, opt.seen[0], want)
+        with st.DistributedGradientTape(tf.GradientTape(), sparse_as_dense=as_dense) as tape:
+            loss = tf.reduce_sum(tf.gather(table, [R % 6, 1, 1]) * float(R + 1))
+        (got,) = tape.gradient(loss, [table])
+        assert isinstance(got, tf.Tensor if as_dense else tf.IndexedSlices), type(got)
+        assert np.array_equal(tf.convert_to_tensor(got).numpy(), want), (as_dense, got)
+    # Horovod's rules: no pre/postscale with IndexedSlices, no accumulation of them.
+    raises(NotImplementedError, recording(gradient_predivide_factor=2.0).apply, [mine], [table])
+    raises(ValueError, recording(backward_passes_per_step=2).apply, [mine], [table])
+    raises(NotImplementedError, st.allreduce, mine, op=hvd.Max)
+    # In model.fit: an Embedding's sparse gradients keep the models identical.
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(6, 2),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    g = np.random.RandomState(30 + R)
+    model.fit(g.randint(0, 6, (8, 3)), g.randn(8, 1), batch_size=4, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    same_on_all_ranks(model.get_weights(), "sparse.fit")
+
+
+# Every public name of horovod.tensorflow.keras and horovod.keras (Horovod 0.28), and of
+# their callbacks and elastic modules.
+HOROVOD_KERAS = """init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank
+local_rank cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built ProcessSet
+global_process_set add_process_set remove_process_set nccl_built ddl_built ccl_built cuda_built rocm_built Average
+Sum Adasum Compression callbacks elastic DistributedOptimizer PartialDistributedOptimizer
+broadcast_global_variables allreduce allgather broadcast reducescatter load_model""".split()
+HOROVOD_CALLBACKS = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+                     "LearningRateWarmupCallback", "BestModelCheckpoint"]
+HOROVOD_ELASTIC = ["KerasState", "run", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
+
+
+class Split(keras.Model):
+    """Two dense layers, the second to be local (PartialDistributed*)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.own = keras.layers.Dense(2), keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.own(self.shared(x))
+
+
+@check
+def keras_entry_point_has_horovods_names_and_values():
+    missing = [n for n in HOROVOD_KERAS if n not in hvd.__all__ or not hasattr(hvd, n)]
+    missing += [n for n in HOROVOD_CALLBACKS if not hasattr(hvd.callbacks, n)]
+    missing += [n for n in HOROVOD_ELASTIC if not hasattr(hvd.elastic, n)]
+    assert not missing, missing
+    # reducescatter(value, name, op): Horovod's split of the rows, average or sum.
+    x = np.arange(2 * (N + 1), dtype=np.float32).reshape(N + 1, 2) * (R + 1)
+    rows = np.arange(2 * (N + 1), dtype=np.float32).reshape(N + 1, 2) * (N * (N + 1) / 2)
+    start = R + (1 if R > 0 else 0)  # rank 0 gets the extra row
+    mine = rows[start:start + (2 if R == 0 else 1)]
+    assert np.array_equal(hvd.reducescatter(x, "k.rs", hvd.Sum).numpy(), mine)
+    assert np.array_equal(hvd.reducescatter(x, name="k.rs.avg").numpy(), mine / N)
+    # Objects, join, Horovod's TF ops of the job layout.
+    assert hvd.allgather_object(R * 10, None, "k.ago") == [10 * r for r in range(N)]  # (obj, session, name)
+    assert st.broadcast_object_fn(N - 1, name="k.bfn")(("from", R)) == ("from", N - 1)
+    assert [int(f().numpy()) for f in (st.rank_op, st.local_rank_op, st.size_op, st.local_size_op,
+                                       st.process_set_included_op)] == [R, hvd.local_rank(), N, hvd.local_size(), 1]
+    last = hvd.join()
+    assert hvd.allgather_object(last, name="k.join") == [last] * N and 0 <= last < N
+    ckpt = hvd.callbacks.BestModelCheckpoint("val_loss", 0, "min", "epoch", filepath=os.path.join(
+        tempfile.mkdtemp(), "best.keras"))
+    assert ckpt.save_best_only and ckpt.monitor == "val_loss" and not ckpt.save_weights_only
+    # PartialDistributedOptimizer / PartialDistributedGradientTape: the local layer's
+    # gradient stays this rank's, divided by size() (Horovod's scale_local_gradients);
+    # the others are averaged.
+    keras.utils.set_random_seed(2)
+    model = Split()
+    model(np.zeros((1, D), np.float32))
+    st.broadcast_variables(model.variables, 0)
+
+    def grads_of(r):
+        g = np.random.RandomState(60 + r)
+        xb, yb = g.randn(4, D).astype(np.float32), g.randn(4, 1).astype(np.float32)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(xb) - yb) ** 2)
+        return [t.numpy() for t in tape.gradient(loss, model.trainable_variables)], (xb, yb)
+
+    per_rank = [grads_of(r) for r in range(N)]
+    local = {id(v) for v in model.own.trainable_variables}
+
+    def check_grads(got, what):
+        for v, g, i in zip(model.trainable_variables, got, range(len(got))):
+            parts = np.stack([p[0][i].astype(np.float64) for p in per_rank])
+            want = parts[R] / N if id(v) in local else parts.mean(0)
+            assert np.allclose(g, want, rtol=0, atol=N * U * np.abs(parts).sum(0).max() + 1e-30), (what, v.path)
+
+    opt = hvd.PartialDistributedOptimizer(Recording(learning_rate=0.0), local_layers=model.own)
+    opt.seen = []
+    opt.apply([tf.constant(g) for g in per_rank[R][0]], model.trainable_variables)
+    check_grads(opt.seen, "PartialDistributedOptimizer")
+    xb, yb = per_rank[R][1]
+    with st.PartialDistributedGradientTape(tf.GradientTape(), local_layers=[model.own]) as tape:
+        loss = tf.reduce_mean((model(xb) - yb) ** 2)
+    check_grads([g.numpy() for g in tape.gradient(loss, model.trainable_variables)], "PartialDistributedGradientTape")
+    raises(ValueError, hvd.PartialDistributedOptimizer, keras.optimizers.SGD(0.1), local_layers=["not a layer"])
+
+
+@check
+def elastic_state_syncs_commits_and_restores():
+    """hvd.elastic for a fixed set of ranks: run() syncs rank 0's model, optimizer and
+    attributes, then calls the function once; commit/restore keep and bring back state."""
+    model = model_of(R)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM)), loss="mae")
+    state = hvd.elastic.KerasState(model, batch=0, epoch=R)  # attributes differ until sync
+    x, y = rank_data(R)
+
+    @hvd.elastic.run
+    def train(state, epochs):
+        model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+                             hvd.elastic.CommitStateCallback(state, batches_per_commit=2)])
+        return state.epoch
+
+    assert train(state, 2) == 2  # rank 0's epoch (0) carried over, plus the 2 epochs run
+    same_on_all_ranks(model.get_weights(), "elastic.weights")
+    assert state.batch == 0
+    kept = model.get_weights()
+    model.set_weights([w + 1 for w in kept])
+    state.epoch = 99
+    state.restore()  # back to the last commit (the end of the last epoch)
+    assert (state.epoch, state.batch) == (2, 0), (state.epoch, state.batch)
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), kept))
 
 
 sys.exit(1 if run_all(R) else 0)

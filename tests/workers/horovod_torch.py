@@ -148,13 +148,15 @@ def compression_none_sum_predivide_and_shoal_form():
             opt.step()
         same_on_all_ranks(model, what)
         opt.remove_hooks()
-    # sparse_as_dense: a sparse embedding gradient is densified, then averaged.
+    # sparse_as_dense: a sparse embedding gradient is densified, averaged, and sparse again
+    # (Horovod's conversion back, so SparseAdam still gets a sparse gradient).
     emb = nn.Embedding(N, 2, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=LR), emb.named_parameters(),
                                    sparse_as_dense=True)
     emb(torch.tensor([R])).sum().backward()
     opt.synchronize()
-    assert emb.weight.grad.layout == torch.strided and torch.equal(emb.weight.grad, torch.full((N, 2), 1.0 / N))
+    assert emb.weight.grad.layout == torch.sparse_coo, emb.weight.grad.layout
+    assert torch.equal(emb.weight.grad.to_dense(), torch.full((N, 2), 1.0 / N))
     opt.remove_hooks()
     # Shoal's own form keeps working: (optimizer, model, num_steps_per_communication).
     model = model_of(0)
@@ -274,6 +276,177 @@ def job_layout_build_facts_and_timeline():
               "broadcast_async_", "broadcast_", "cross_rank", "cross_size", "start_timeline", "stop_timeline",
               "HorovodInternalError", "Compression", "global_process_set", "Adasum", "DistributedOptimizer"):
         assert n in names, n
+
+
+SIZES = [3, 0, 1, 4]  # uneven per-rank batches (rank 1 has none)
+
+
+def close(got, want, what):
+    """float64 batch norm in a different summation order: equal to ~1e-15 relative."""
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-10, atol=1e-12), \
+        (what, (got - want).abs().max())
+
+
+def bn_batch(step, rank, shape):
+    g = torch.Generator().manual_seed(500 + 10 * step + rank)
+    n = SIZES[rank % len(SIZES)]
+    return torch.randn(n, *shape, generator=g, dtype=torch.float64) * 3 + 1, \
+        torch.randn(n, *shape, generator=g, dtype=torch.float64)
+
+
+def summed(t, name):
+    return hvd.allreduce(t, name=name, op=hvd.Sum)
+
+
+@check
+def sync_batch_norm_equals_batch_norm_on_the_global_batch():
+    """Forward, input/weight/bias gradients and running stats of hvd.SyncBatchNorm on uneven
+    per-rank batches equal one process's BatchNorm on the concatenated batch (float64)."""
+    for shape, momentum in [((3, 2, 2), 0.3), ((3,), None), ((3, 5), 0.1)]:
+        c = shape[0]
+        sync = hvd.SyncBatchNorm(c, momentum=momentum, dtype=torch.float64)
+        ref = {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d}[len(shape)](c, momentum=momentum,
+                                                                                  dtype=torch.float64)
+        with torch.no_grad():
+            for m in (sync, ref):
+                m.weight.copy_(torch.arange(1.0, c + 1) / 2)
+                m.bias.copy_(torch.arange(c) - 1.0)
+        for step in range(2):
+            x, w = bn_batch(step, R, shape)
+            x.requires_grad_(True)
+            sync.zero_grad()
+            out = sync(x)
+            (out * w).sum().backward()
+            every = [bn_batch(step, r, shape) for r in range(N)]
+            xs = torch.cat([e[0] for e in every]).requires_grad_(True)
+            ref.zero_grad()
+            ref_out = ref(xs)
+            (ref_out * torch.cat([e[1] for e in every])).sum().backward()
+            at = sum(SIZES[r % len(SIZES)] for r in range(R))
+            mine = slice(at, at + x.shape[0])
+            close(out, ref_out[mine].detach(), ("output", shape, step))
+            close(x.grad, xs.grad[mine], ("input grad", shape, step))
+            close(summed(sync.weight.grad, f"sbn.w.{len(shape)}.{step}"), ref.weight.grad, ("weight grad", shape))
+            close(summed(sync.bias.grad, f"sbn.b.{len(shape)}.{step}"), ref.bias.grad, ("bias grad", shape))
+            close(sync.running_mean, ref.running_mean, ("running_mean", shape, step))
+            close(sync.running_var, ref.running_var, ("running_var", shape, step))
+            assert int(sync.num_batches_tracked) == int(ref.num_batches_tracked) == step + 1
+        assert not torch.equal(sync.running_var, torch.ones(c)), "running stats were not updated"
+        # Eval with running stats: local normalization, as BatchNorm.
+        sync.eval(), ref.eval()
+        x, _ = bn_batch(5, R, shape)
+        close(sync(x), ref(x), ("eval", shape))
+
+
+@check
+def sync_batch_norm_without_running_stats_and_conversion():
+    c, shape = 2, (2, 3)
+    sync = hvd.SyncBatchNorm(c, track_running_stats=False, dtype=torch.float64).eval()  # batch stats in eval too
+    ref = nn.BatchNorm1d(c, track_running_stats=False, dtype=torch.float64).eval()
+    x, _ = bn_batch(9, R, shape)
+    at = sum(SIZES[r % len(SIZES)] for r in range(R))
+    close(sync(x), ref(torch.cat([bn_batch(9, r, shape)[0] for r in range(N)]))[at:at + x.shape[0]], "eval no stats")
+    model = hvd.SyncBatchNorm.convert_sync_batchnorm(TinyResNet())
+    kinds = [type(m) for m in model.modules()]
+    assert nn.BatchNorm2d not in kinds and kinds.count(hvd.SyncBatchNorm) == 3, kinds
+    plain = TinyResNet()
+    assert hvd.SyncBatchNorm.convert_sync_batchnorm(plain).bn.weight is plain.bn.weight  # parameters shared
+    # One value per channel over all ranks' batches: the same ValueError on every rank.
+    one = torch.ones(1 if R == 0 else 0, 3, dtype=torch.float64)
+    raises(ValueError, hvd.SyncBatchNorm(3, dtype=torch.float64), one)
+    raises(ValueError, hvd.SyncBatchNorm(3), torch.ones(3))  # 1-D input
+    raises(NotImplementedError, hvd.SyncBatchNorm, 3, process_set=object())
+
+
+def sparse_of(rank, step=0):
+    """Rank `rank`'s sparse [5, 3] tensor: nnz = (rank + step) % 3 entries (0 for some rank),
+    a repeated index, small integer values (every sum and average by N = 2 or 4 is exact)."""
+    nnz = (rank + step) % 3
+    idx = torch.tensor([[(rank + j) % 5 for j in range(nnz)] + [rank % 5] * (nnz > 0)], dtype=torch.int64)
+    vals = torch.arange(3.0 * (nnz + (nnz > 0)), dtype=torch.float64).reshape(-1, 3) + rank
+    return torch.sparse_coo_tensor(idx, vals, (5, 3), check_invariants=True)
+
+
+class EmbeddingBag(nn.Module):
+    """An embedding with sparse gradients next to a dense layer (the two share a bucket)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(6, 2, sparse=True, dtype=torch.float64)
+        self.head = nn.Linear(2, 1, dtype=torch.float64)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.arange(12.0).reshape(6, 2) / 4)
+            self.head.weight.fill_(0.5), self.head.bias.zero_()
+
+    def forward(self, idx):
+        return self.head(self.emb(idx)).sum()
+
+
+def lookups(step, rank):
+    """Rank `rank`'s indices at `step` (rank 0 skips the embedding at step 1)."""
+    return None if (step, rank) == (1, 0) else torch.tensor([rank % 6, (rank + step) % 6, 1])
+
+
+@check
+def sparse_gradients_allgathered_or_densified_equal_the_dense_average():
+    # hvd.sparse_allreduce_async: the dense form is the sum / average of the dense forms.
+    for op, div in [(hvd.Sum, 1), (hvd.Average, N)]:
+        got = hvd.sparse_allreduce_async(sparse_of(R), f"sparse.{op.name}", op)()
+        assert got.layout == torch.sparse_coo and got.shape == (5, 3)
+        want = sum(sparse_of(r).to_dense() for r in range(N)) / div
+        assert torch.equal(got.to_dense(), want), (op, got.to_dense(), want)
+        assert got._nnz() == sum(sparse_of(r)._nnz() for r in range(N))  # every rank's entries
+    raises(ValueError, hvd.sparse_allreduce_async, torch.ones(2), "dense", hvd.Sum)
+    raises(NotImplementedError, hvd.sparse_allreduce_async, sparse_of(R), "min", hvd.Min)
+    # Ranks that disagree on the values' row shape: the same error everywhere, and the
+    # indices' allgather has ended too (the next op runs).
+    cols = 2 + (R == 0)
+    bad = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, cols), (5, cols))
+    raises(hvd.HorovodInternalError, hvd.sparse_allreduce_async(bad, "sparse.bad", hvd.Sum))
+    assert torch.equal(hvd.sparse_allreduce_async(sparse_of(R), "sparse.after", hvd.Sum)().to_dense(),
+                       sum(sparse_of(r).to_dense() for r in range(N)))
+    # DistributedOptimizer on nn.Embedding(sparse=True): allgathered (default) or densified;
+    # either way the update is the dense average's, exactly (a replay of every rank's step).
+    for as_dense in (False, True):
+        model, replay = EmbeddingBag(), EmbeddingBag()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
+                                       sparse_as_dense=as_dense)
+        for step in range(2):
+            opt.zero_grad()
+            idx = lookups(step, R)
+            if idx is not None:
+                model(idx).backward()
+            else:  # no embedding lookup here: only the head has a gradient
+                model.head(torch.zeros(1, 2, dtype=torch.float64)).sum().backward()
+            opt.synchronize()
+            assert model.emb.weight.grad.layout == torch.sparse_coo, (as_dense, step)
+            total = {n: torch.zeros_like(p) for n, p in replay.named_parameters()}
+            for r in range(N):
+                replay.zero_grad()
+                i = lookups(step, r)
+                (replay(i) if i is not None else replay.head(torch.zeros(1, 2, dtype=torch.float64)).sum()).backward()
+                for n, p in replay.named_parameters():
+                    if p.grad is not None:
+                        total[n] += p.grad.to_dense()
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad.to_dense(), total[n] / N), (as_dense, step, n)
+            with opt.skip_synchronize():
+                opt.step()
+            with torch.no_grad():
+                for n, p in replay.named_parameters():
+                    p -= 0.5 * total[n] / N
+        for (n, p), (_, q) in zip(model.named_parameters(), replay.named_parameters()):
+            assert torch.equal(p, q), (as_dense, n)
+        opt.remove_hooks()
+    # SparseAdam needs sparse gradients: it runs with both forms.
+    for as_dense in (False, True):
+        model = EmbeddingBag()
+        opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(model.emb.parameters()), lr=0.1),
+                                       [("emb.weight", model.emb.weight)], sparse_as_dense=as_dense)
+        model.emb(torch.tensor([R % 6])).sum().backward()
+        opt.step()
+        same_on_all_ranks(model.emb, f"sparse_adam.{as_dense}")
+        opt.remove_hooks()
 
 
 sys.exit(1 if run_all(R) else 0)

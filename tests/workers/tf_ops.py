@@ -9,7 +9,7 @@ import tensorflow as tf  # noqa: E402
 
 import shoal  # noqa: E402
 import shoal.tensorflow as st  # noqa: E402
-from checks import check, run_all  # noqa: E402
+from checks import Skip, check, raises, run_all  # noqa: E402
 
 st.init()
 R, N = st.rank(), st.size()
@@ -193,6 +193,129 @@ def keras_callbacks():
     w = np.concatenate([a.ravel() for a in model2.get_weights()])
     every = shoal.allgather(w[None, :], name="keras.same")
     assert (every == every[0]).all(), "weights differ after BroadcastGlobalVariablesCallback"
+
+
+D, B, S, LR = 4, 4, 4, 0.125
+
+
+def keras_data(r):
+    """Rank r's S*B samples: small integer features, targets ±1000 far from any prediction,
+    so every mean-absolute-error gradient is -sign(y)·x/B: dyadic (exact arithmetic)."""
+    g = np.random.RandomState(40 + r)
+    return g.randint(-3, 4, size=(S * B, D)).astype(np.float32), \
+        np.where(g.rand(S * B, 1) < 0.5, -1000.0, 1000.0).astype(np.float32)
+
+
+def dyadic_start(r):
+    """Rank r's own initial weights (kernel [D, 1], bias [1]), dyadic."""
+    return [((np.arange(D, dtype=np.float32) - 1.5) * (r + 1) / 4).reshape(D, 1), np.full(1, r / 2, np.float32)]
+
+
+def linear_model(r):
+    import keras
+    model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
+    model.set_weights(dyadic_start(r))
+    return model
+
+
+def one_peer_matrix(t):
+    """The one-peer exponential schedule's mixing matrix at round t (W[i, j]: i's weight
+    of j's value): i averages with i - 2**(t mod log2 n) (shoal.topology's schedule)."""
+    tau = (N - 1).bit_length()
+    w = np.zeros((N, N))
+    for i in range(N):
+        w[i, i] += 0.5
+        w[i, (i - 2 ** (t % tau)) % N] += 0.5
+    return w
+
+
+def gradient(weights, x, y):
+    """Keras' mean-absolute-error gradient of the linear model at `weights` (float64)."""
+    kernel, bias = weights
+    sign = np.sign(x @ kernel + bias - y)  # [B, 1]
+    return [x.T @ sign / len(x), sign.mean(0)]
+
+
+@check
+def keras_decentralized_optimizers_match_their_replay_exactly():
+    """shoal.keras AWC and ATC optimizers in model.fit with the one-peer schedule: every
+    rank's weights equal a replay of x⁺ = W x − γ g(x) (AWC) / W (x − γ g(x)) (ATC) over
+    all ranks, exactly (dyadic data, weights 1/2)."""
+    import keras
+    import shoal.keras as sk
+    if N & (N - 1):
+        raise Skip("the one-peer schedule averages exactly for a power-of-two number of ranks only")
+    data = [keras_data(r) for r in range(N)]
+    for make, mode in [(sk.DistributedAdaptWithCombineOptimizer, "awc"),
+                       (sk.DistributedAdaptThenCombineOptimizer, "atc")]:
+        model = linear_model(R)
+        opt = make(keras.optimizers.SGD(LR), schedule="one-peer-exp", name=f"keras.replay.{mode}")
+        assert isinstance(opt, keras.optimizers.SGD)
+        model.compile(optimizer=opt, loss="mae")
+        model.fit(*data[R], batch_size=B, epochs=1, shuffle=False, verbose=0)
+        xs = [[w.astype(np.float64) for w in dyadic_start(r)] for r in range(N)]
+        for t in range(S):
+            grads = [gradient(xs[r], data[r][0][t * B:(t + 1) * B], data[r][1][t * B:(t + 1) * B]) for r in range(N)]
+            w = one_peer_matrix(t)
+            if mode == "awc":
+                xs = [[sum(w[i, j] * xs[j][k] for j in range(N)) - LR * grads[i][k] for k in range(2)]
+                      for i in range(N)]
+            else:
+                stepped = [[xs[j][k] - LR * grads[j][k] for k in range(2)] for j in range(N)]
+                xs = [[sum(w[i, j] * stepped[j][k] for j in range(N)) for k in range(2)] for i in range(N)]
+        for got, want in zip(model.get_weights(), xs[R]):
+            assert np.array_equal(got.astype(np.float64), want), (mode, got, want)
+        assert opt.communications == S and int(opt.iterations.numpy()) == S
+
+
+@check
+def keras_decentralized_optimizers_reach_consensus_and_control_it():
+    import keras
+    import shoal.keras as sk
+    x, y = keras_data(R)
+    # Learning rate 0: only averaging. One-peer rounds, every second step (k = 2): after
+    # log2(n) rounds every rank holds the exact average of the initial weights (AWC in
+    # model.fit, ATC in an eager loop of apply_gradients).
+    for make in (sk.DistributedAdaptWithCombineOptimizer, sk.DistributedAdaptThenCombineOptimizer):
+        if N & (N - 1):
+            break
+        model = linear_model(R)
+        opt = make(keras.optimizers.SGD(0.0), "one-peer-exp", 2)
+        rounds = (N - 1).bit_length()
+        if make is sk.DistributedAdaptWithCombineOptimizer:
+            model.compile(optimizer=opt, loss="mae")
+            model.fit(x[:2 * rounds * B], y[:2 * rounds * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+        else:
+            for _ in range(2 * rounds):
+                opt.apply_gradients(zip([tf.ones_like(v) for v in model.trainable_variables],
+                                        model.trainable_variables))
+        mean = [sum(dyadic_start(r)[k] for r in range(N)) / N for k in range(2)]
+        for got, want in zip(model.get_weights(), mean):
+            assert np.array_equal(got, want), (make.__name__, got, want)
+        assert opt.communications == rounds
+    # Consensus control: ranks that never average (a schedule without peers) drift apart
+    # with every local step; after every step Ξ <= target all the same, by gossip rounds over
+    # the static topology (then an exact average if they do not get there) or by an exact
+    # average at once; the same decisions on every rank.
+    alone = lambda t: (1.0, {}, [])  # noqa: E731
+    for method in ("gossip", "allreduce"):
+        model = linear_model(R)
+        cc = sk.ConsensusControl(target=1e-3, max_extra_rounds=2, method=method)
+        opt = sk.DistributedAdaptThenCombineOptimizer(keras.optimizers.SGD(LR), alone, consensus_control=cc)
+        model.compile(optimizer=opt, loss="mae")
+        xi = sk.ConsensusDistanceCallback(every_k_batches=1)
+        model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0, callbacks=[xi])
+        assert len(xi.history) == S + 1 and all(v <= 1e-3 for v in xi.history), (method, xi.history)
+        assert opt.last_consensus_distance <= 1e-3, opt.last_consensus_distance
+        counts = shoal.allgather(np.array([[opt.extra_rounds, opt.exact_averages]]), name=f"keras.cc.{method}")
+        assert (counts == counts[0]).all(), counts
+        if N > 1 and method == "allreduce":
+            assert (opt.extra_rounds, opt.exact_averages) == (0, S), counts
+        elif N > 1:  # every step needed control; at 2 ranks one gossip round is the exact average
+            assert opt.extra_rounds >= S and (N > 2 or (opt.extra_rounds, opt.exact_averages) == (S, 0)), counts
+    raises(TypeError, sk.DistributedAdaptWithCombineOptimizer, keras.optimizers.SGD(0.1), consensus_control=0.1)
+    raises(ValueError, sk.DistributedAdaptThenCombineOptimizer, keras.optimizers.SGD(0.1), "ring")
+    raises(ValueError, sk.DistributedAdaptThenCombineOptimizer, keras.optimizers.SGD(0.1), None, 0)
 
 
 sys.exit(1 if run_all(R) else 0)

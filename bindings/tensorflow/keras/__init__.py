@@ -9,8 +9,13 @@
 `add_process_set`, `remove_process_set`, `global_process_set`), and Horovod's callbacks
 as `hvd.callbacks.X` (and `hvd.X`): `BroadcastGlobalVariablesCallback`,
 `MetricAverageCallback`, `LearningRateScheduleCallback`, `LearningRateWarmupCallback`
-(`callbacks.py`). Beyond Horovod: `NeighborAveragingCallback` (average the weights with
-neighbors every k batches: decentralized training, ATC) and `ConsensusDistanceCallback`.
+(`callbacks.py`), `BestModelCheckpoint`, `PartialDistributedOptimizer`, `reducescatter`,
+`SyncBatchNormalization`, `join`, `start_timeline`/`stop_timeline`, `elastic` (for a fixed
+set of ranks: `elastic.py`). Beyond Horovod,
+decentralized training: `DistributedAdaptWithCombineOptimizer` / `DistributedAdaptThenCombineOptimizer`
+(AWC / ATC over the topology or a one-peer schedule, with `ConsensusControl`; `_neighbor.py`),
+`NeighborAveragingCallback` (average the weights with neighbors every k batches, ATC) and
+`ConsensusDistanceCallback`.
 
 Only the TensorFlow backend of Keras 3 runs the optimizer (the callbacks move weights
 through Shoal's numpy API and run on any backend with host-readable variables).
@@ -20,13 +25,16 @@ import tensorflow as tf
 from shoal.basics import (ShoalError, init, is_homogeneous, is_initialized, local_rank,  # noqa: F401
                           local_size, mpi_threads_supported, nccl_built, rank, shutdown, size)
 from shoal.tensorflow import ops as _tf_ops
+from shoal.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from shoal.tensorflow._horovod import *  # noqa: F401,F403
 from shoal.tensorflow._horovod import __all__ as _horovod_all
 from shoal.tensorflow._horovod import Compression, global_process_set
+from shoal._consensus import ConsensusControl  # noqa: F401
 from shoal._ops import Average, Max, Min, Product, Sum  # noqa: F401
 
-from . import callbacks  # noqa: F401
-from ._optimizer import DistributedOptimizer, load_model  # noqa: F401
+from . import callbacks, elastic  # noqa: F401
+from ._neighbor import DistributedAdaptThenCombineOptimizer, DistributedAdaptWithCombineOptimizer  # noqa: F401
+from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model  # noqa: F401
 from .callbacks import *  # noqa: F401,F403
 from .callbacks import __all__ as _callbacks_all
 
@@ -56,6 +64,14 @@ def broadcast(value, root_rank, name=None, process_set=global_process_set):
     return _tf_ops.broadcast(tf.convert_to_tensor(value), root_rank, name=name, process_set=process_set)
 
 
+def reducescatter(value, name=None, op=Average):
+    """Horovod's Keras `reducescatter(value, name, op)`: the element-wise average (op=Average,
+    default) or sum (op=Sum) over all ranks of a tensor-compatible [d0, ...] value, split
+    along dim 0 (rank r gets d0 // size() rows, one more for the first d0 % size() ranks),
+    as a tf.Tensor (`shoal.tensorflow.reducescatter`)."""
+    return _tf_ops.reducescatter(tf.convert_to_tensor(value), op=op, name=name)
+
+
 def broadcast_global_variables(root_rank):
     """Horovod's broadcast_global_variables is TF1's (global variable collections); in TF2
     Horovod raises too. Use BroadcastGlobalVariablesCallback(root_rank) in `fit`, or
@@ -67,6 +83,8 @@ def broadcast_global_variables(root_rank):
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "mpi_threads_supported", "nccl_built", "is_homogeneous", "ShoalError", "allreduce", "allgather",
-           "broadcast", "broadcast_object", "allgather_object", "broadcast_global_variables",
-           "DistributedOptimizer", "load_model", "callbacks", "Average", "Sum", "Min", "Max", "Product"]
+           "broadcast", "reducescatter", "broadcast_object", "allgather_object", "broadcast_global_variables",
+           "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "SyncBatchNormalization",
+           "DistributedAdaptWithCombineOptimizer", "DistributedAdaptThenCombineOptimizer", "ConsensusControl",
+           "callbacks", "elastic", "Average", "Sum", "Min", "Max", "Product"]
 __all__ += [n for n in _horovod_all if n not in __all__] + list(_callbacks_all)

@@ -1,4 +1,4 @@
-"""Horovod's Keras `DistributedOptimizer` and `load_model` for Keras 3 (issue 17;
+"""Horovod's Keras `DistributedOptimizer`, `PartialDistributedOptimizer` and `load_model` for Keras 3 (issue 17;
 Horovod 0.28 `horovod/tensorflow/keras/__init__.py`, `horovod/_keras/__init__.py`,
 `horovod/tensorflow/gradient_aggregation_eager.py`).
 
@@ -68,6 +68,14 @@ def _check(op, process_set, compression, backward_passes_per_step, num_groups, g
                                   "shoal.torch's DistributedOptimizer in a torch training loop)")
 
 
+def applied_variables(opt, trainable_variables):
+    """The variables an `apply(grads, trainable_variables)` call of Keras optimizer `opt`
+    updates, or None when Keras must answer (not built, and none given)."""
+    if trainable_variables is not None:
+        return list(trainable_variables)
+    return list(opt._trainable_variables) if opt.built else None
+
+
 def _distributed_class(base, settings):
     """A subclass of the Keras optimizer class `base`, with base's name and module, whose
     `apply` reduces the gradients first."""
@@ -84,13 +92,10 @@ def _distributed_class(base, settings):
         out = list(grads)
         for i, g in zip(picked, reduced):
             out[i] = g
-        if settings.scale_local_gradients and state.local:  # Horovod: local gradients / size()
-            n = process_sets.layout(process_sets.id_of(settings.process_set, "DistributedOptimizer"))[0]
-            for i, v in enumerate(variables):
-                g = out[i]
-                if id(v) in state.local and g is not None:
-                    out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g / tf.cast(n, g.dtype))
+        n = process_sets.layout(process_sets.id_of(settings.process_set, "DistributedOptimizer"))[0]
+        for i, v in enumerate(variables):
+            if id(v) in state.local:  # Horovod: local gradients / size() with scale_local_gradients
+                out[i] = _tf_ops.local_gradient(out[i], settings.scale_local_gradients, n)
         return out
 
     def build(self, variables):
@@ -103,13 +108,8 @@ def _distributed_class(base, settings):
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
-        if trainable_variables is not None:
-            variables = list(trainable_variables)
-        elif self.built:
-            variables = list(self._trainable_variables)
-        else:
-            return super(cls, self).apply(grads, trainable_variables)  # Keras' own error
-        if len(grads) == 0:
+        variables = applied_variables(self, trainable_variables)
+        if variables is None or len(grads) == 0:  # Keras' own error, or nothing to reduce
             return super(cls, self).apply(grads, trainable_variables)
         if settings.passes == 1:
             return super(cls, self).apply(reduce(self, grads, variables), trainable_variables)
@@ -213,6 +213,25 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     cls = _distributed_class(base, settings)
     cls._shoal_base = base
     return cls.from_config(optimizer.get_config())
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
+                                compression=_horovod.Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                                average_aggregated_gradients=False, groups=None,
+                                process_set=_horovod.global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """Horovod's `PartialDistributedOptimizer` (horovod.keras; its positional order): a
+    DistributedOptimizer whose `local_layers` (Keras layers) keep their gradients local
+    (not reduced; divided by size() with scale_local_gradients, as Horovod).
+    ValueError for a local layer that is not a Keras layer."""
+    local = _tf_ops._local_layers_variables(local_layers)
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step,
+                               average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    for v in local:
+        opt.register_local_var(v)
+    return opt
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=_horovod.Compression.none,

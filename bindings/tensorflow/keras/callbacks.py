@@ -6,7 +6,8 @@ Horovod's (0.28 `horovod/_keras/callbacks.py`, with its signatures and positiona
 `MetricAverageCallback(device='')`, `LearningRateScheduleCallback(initial_lr, multiplier,
 start_epoch=0, end_epoch=None, staircase=True, momentum_correction=True,
 steps_per_epoch=None)`, `LearningRateWarmupCallback(initial_lr, warmup_epochs=5,
-momentum_correction=True, steps_per_epoch=None, verbose=0)`; and two decentralized ones:
+momentum_correction=True, steps_per_epoch=None, verbose=0)`, `BestModelCheckpoint(monitor,
+verbose, mode, save_freq)`; and two decentralized ones:
 `NeighborAveragingCallback` (average the model's weights with neighbors every k batches,
 over a static graph or a per-step schedule such as one-peer exponential) and
 `ConsensusDistanceCallback` (log Ξ). They use only Keras 3's public surface
@@ -19,11 +20,13 @@ import keras
 import numpy as np
 
 import shoal
-from shoal import _metrics, topology
+from shoal import _metrics
+
+from ._neighbor import Mixer
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "NeighborAveragingCallback", "ConsensusDistanceCallback",
-           "consensus_distance"]
+           "LearningRateWarmupCallback", "BestModelCheckpoint", "NeighborAveragingCallback",
+           "ConsensusDistanceCallback", "consensus_distance"]
 
 
 def _arrays(variables):
@@ -202,6 +205,19 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_get_lr(self.model.optimizer):g}.")
 
 
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's BestModelCheckpoint(monitor, verbose, mode, save_freq): a ModelCheckpoint
+    that keeps only the best model (save_best_only=True, the whole model). Keras 3 needs
+    the path when the callback is made: `filepath` (keyword, ending in `.keras`; default
+    "best_model.keras"; Horovod's Spark estimator sets it afterwards). Add it on rank 0
+    only, as any checkpoint."""
+
+    def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", *,
+                 filepath="best_model.keras"):
+        super().__init__(filepath=filepath, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=False, mode=mode, save_freq=save_freq)
+
+
 class NeighborAveragingCallback(keras.callbacks.Callback):
     """Average the model's weights with the neighbors every `every_k_batches` batches.
 
@@ -211,36 +227,26 @@ class NeighborAveragingCallback(keras.callbacks.Callback):
             uniform or its weights; "one-peer-exp" — the one-peer exponential schedule
             (exact average after log2(n) rounds for n a power of 2); or a callable
             `round -> (self_weight, src_weights, dst_weights)` for any dynamic schedule.
-    The rank's model after a round is Σ_j w_ij x_j (Keras' optimizer step first: ATC).
+    The rank's model after a round is Σ_j w_ij x_j (Keras' optimizer step first: ATC;
+    `shoal.keras.DistributedAdaptThenCombineOptimizer` does the same inside the optimizer,
+    with consensus control).
     """
 
     def __init__(self, every_k_batches=1, schedule=None):
         super().__init__()
-        self.every_k_batches, self.rounds, self._batches = every_k_batches, 0, 0
-        if schedule == "one-peer-exp":
-            steps = topology.one_peer_exponential_schedule(shoal.size(), shoal.rank())
+        self.every_k_batches, self._batches = every_k_batches, 0
+        self._mixer = Mixer(schedule, "keras.nbr")
 
-            def one_peer(_round):
-                send, recv = next(steps)
-                return 1.0 / (len(recv) + 1), {j: 1.0 / (len(recv) + 1) for j in recv}, send
-            self.schedule = one_peer
-        elif schedule is None or callable(schedule):
-            self.schedule = schedule
-        else:
-            raise ValueError(f"schedule must be None, 'one-peer-exp' or a callable, got {schedule!r}")
+    @property
+    def rounds(self):
+        """Averaging rounds so far."""
+        return self._mixer.rounds
 
     def average_now(self):
         """One averaging round of all trainable weights (fused into one exchange)."""
-        kw = {}
-        if self.schedule is not None:
-            sw, src, dst = self.schedule(self.rounds)
-            kw = dict(self_weight=sw, src_weights=src, dst_weights=dst, enable_topo_check=False)
         variables = self.model.trainable_weights
-        handles = [shoal.neighbor_allreduce_nonblocking(a, name=f"keras.nbr.{i}", **kw)
-                   for i, a in enumerate(_arrays(variables))]
-        for v, h in zip(variables, handles):
-            v.assign(shoal.synchronize(h))
-        self.rounds += 1
+        for v, a in zip(variables, self._mixer.combine(_arrays(variables))):
+            v.assign(a)
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
