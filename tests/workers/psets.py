@@ -374,6 +374,26 @@ def unnamed_ops_in_sets_and_everywhere_pair_up():
 
 
 @check
+def sparse_allreduce_in_a_set():
+    # Horovod's sparse allreduce (allgather of indices and values) over the set's members:
+    # rank r puts r + 1 at index r % 3; Average divides by the set's size.
+    if FW == "numpy":
+        raise Skip("numpy has no sparse tensors")
+    mates = MINE.ranks
+    want = np.zeros(4)
+    for q in mates:
+        want[q % 3] += (q + 1) / 2
+    if FW == "torch":
+        t = torch.sparse_coo_tensor(torch.tensor([[R % 3]]), torch.tensor([R + 1.0]), (4,))
+        got = hvd.sparse_allreduce_async(t, "sparse", hvd.Average, process_set=MINE)()
+        assert got._nnz() == 2 and torch.equal(got.to_dense(), torch.tensor(want, dtype=torch.float32)), got
+        return
+    s = tf.IndexedSlices(tf.constant([[R + 1.0]]), tf.constant([R % 3]), dense_shape=tf.constant([4, 1]))
+    got = hvd.allreduce(s, op=hvd.Average, name="sparse", process_set=MINE)
+    assert isinstance(got, tf.IndexedSlices) and np.array_equal(tf.convert_to_tensor(got).numpy()[:, 0], want), got
+
+
+@check
 def gradients_in_a_set():
     if FW == "numpy":
         raise Skip("numpy ops have no gradients")
