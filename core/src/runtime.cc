@@ -45,6 +45,32 @@ std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ra
   return out;
 }
 
+// Horovod's alltoall splits: rows of dim 0 per destination rank, or dim 0 / size each.
+std::vector<int64_t> CheckSplits(const shoal_op_desc& d, const std::vector<int64_t>& shape, int size) {
+  if (shape.empty()) Bad("alltoall: a 0-d tensor has no first dimension to split");
+  const int64_t d0 = shape[0];
+  if (d.n_splits == 0) {
+    if (d0 % size != 0)
+      Bad("alltoall: dim 0 (" + std::to_string(d0) + ") is not divisible by the number of ranks (" +
+          std::to_string(size) + "); pass splits");
+    return std::vector<int64_t>(size, d0 / size);
+  }
+  if (d.n_splits != size || !d.splits)
+    Bad("alltoall: " + std::to_string(d.n_splits) + " splits for " + std::to_string(size) +
+        " ranks; give one per rank");
+  std::vector<int64_t> out(d.splits, d.splits + size);
+  int64_t sum = 0;
+  for (int q = 0; q < size; ++q) {
+    if (out[q] < 0 || out[q] > d0)
+      Bad("alltoall: splits[" + std::to_string(q) + "] = " + std::to_string(out[q]) + " is outside [0, dim 0 = " +
+          std::to_string(d0) + "]");
+    sum += out[q];
+  }
+  if (sum != d0)
+    Bad("alltoall: splits sum to " + std::to_string(sum) + " rows, but dim 0 is " + std::to_string(d0));
+  return out;
+}
+
 }  // namespace
 
 Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation)
@@ -85,12 +111,10 @@ double Runtime::Now() const {
   return std::chrono::duration<double>(Clock::now() - start_).count();
 }
 
-int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
+EntryPtr Runtime::Describe(const shoal_op_desc& d) {
   const WorldInfo& w = world();
   auto e = std::make_shared<Entry>();
-  if (!IsOpCode(d.op) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
   const char* op = OpName(d.op);
-  try {
   e->sig.op = d.op;
   if (d.op != SHOAL_OP_BARRIER && d.op != kOpJoin) {
     DtypeSize(d.input.dtype);  // throws for an unknown dtype
@@ -141,6 +165,9 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
         Bad("reducescatter: average of " + dt + " is not representable; use op=Sum or a floating dtype");
       e->sig.reduce_op = d.reduce_op;
       break;
+    case SHOAL_OP_ALLTOALL:
+      e->splits = CheckSplits(d, e->sig.shape, w.size);
+      break;
     case SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE:
     case SHOAL_OP_NEIGHBOR_ALLGATHER:
     case SHOAL_OP_NEIGHBOR_ALLREDUCE: {
@@ -166,6 +193,14 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
       break;
     }
   }
+  return e;
+}
+
+int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
+  if (!IsOpCode(d.op) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
+  EntryPtr e;
+  try {
+    e = Describe(d);
   } catch (const ArgumentError& ex) {
     Reject(d.op, d.name, ex.code, ex.what());
     throw;
@@ -173,35 +208,51 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   // Last, after validation: marks the point the producer reached on the caller's stream.
   if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
   std::unique_lock<std::mutex> lock(mu_);
-  if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
-  if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
-  if (join_in_flight_)  // its peers run its part of their ops: it has no more data
-    throw ArgumentError(d.op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
-                        std::string(op) + ": this rank called join(), which is still in flight; it takes part "
-                                          "in no new ops until every rank has joined");
+  Admissible(d.op);
   if (d.op == kOpJoin) join_in_flight_ = true;
   e->name = NameLocked(d.op, d.name);
   NameState& ns = names_[e->name];
-  if (ns.in_flight)
-    throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
-                                                  "' is already in flight on this rank; wait for it or use another name");
-  e->callback = cb;
-  e->callback_arg = cb_arg;
+  if (ns.in_flight) throw Duplicate(d.op, e->name);
   ns.in_flight = true;
   e->step = ns.calls++;
+  Queue(e, cb, cb_arg);
+  const int64_t handle = e->handle;
+  Start(lock, cb != nullptr);
+  return handle;
+}
+
+void Runtime::Admissible(int op) const {
+  if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
+  if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
+  if (join_in_flight_)  // its peers run its part of their ops: it has no more data
+    throw ArgumentError(op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
+                        std::string(OpName(op)) + ": this rank called join(), which is still in flight; it takes "
+                                                  "part in no new ops until every rank has joined");
+}
+
+ArgumentError Runtime::Duplicate(int op, const std::string& name) {
+  return ArgumentError(SHOAL_DUPLICATE_NAME, std::string(OpName(op)) + ": an op named '" + name +
+                                                 "' is already in flight on this rank; wait for it or use another name");
+}
+
+void Runtime::Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
+  e->callback = cb;
+  e->callback_arg = cb_arg;
   e->handle = g_next_handle++;
   handles_[e->handle] = e;
-  if (d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
+  if (e->sig.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
     QueueLocked(StartStages(e));  // the op completes after its last stage
   } else {
     queue_.push_back(e);
     queued_ = queue_.size();
   }
-  const int64_t handle = e->handle;
-  if (driving_) return handle;  // the driver takes it next cycle
+}
+
+void Runtime::Start(std::unique_lock<std::mutex>& lock, bool callback) {
+  if (driving_) return;  // the driver takes it next cycle
   if (waiters_ > 0) {
     done_cv_.notify_all();  // a waiter between cycles drives it
-  } else if (cb) {
+  } else if (callback) {
     work_cv_.notify_one();  // nobody will wait: the background thread runs it
   } else {
     // Start it here (send to peers, or ask the coordinator) without waking a thread;
@@ -212,7 +263,6 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     // every cycle would make them chase each other).
     if (waiters_ > 0) done_cv_.notify_all();
   }
-  return handle;
 }
 
 std::string Runtime::NameLocked(int op, const char* name) {
@@ -229,7 +279,8 @@ void Runtime::FollowUnnamed(int op, const std::string& name) {
 }
 
 void Runtime::Reject(int op, const char* name, int code, const std::string& error) {
-  if (!IsOpCode(op) || world().size == 1) return;
+  // A grouped op's refusal (SHOAL_GROUPED | op) names the group.
+  if (!IsOpCode((op & SHOAL_GROUPED) ? op & ~SHOAL_GROUPED : op) || world().size == 1) return;
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_ || left_) return;
   const std::string full = NameLocked(op, name);
@@ -425,6 +476,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
       case SHOAL_OP_NEIGHBOR_ALLGATHER: ++stats_.neighbor_allgather; break;
       case SHOAL_OP_REDUCESCATTER: ++stats_.reducescatter; break;
       case SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE: ++stats_.hierarchical_neighbor_allreduce; break;
+      case SHOAL_OP_ALLTOALL: ++stats_.alltoall; break;
     }
   } else {
     ++stats_.errors;
@@ -437,6 +489,10 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
     e->status = st;
     auto ns = names_.find(e->name);
     if (ns != names_.end()) ns->second.in_flight = false;
+    if (!e->group.empty()) {  // the group's name is free once every member is done
+      auto gs = names_.find(e->group);
+      if (gs != names_.end() && --gs->second.members_left <= 0) gs->second.in_flight = false;
+    }
     if (e->sig.op == kOpJoin) join_in_flight_ = false;
   }
   auto t_callback = Clock::now();
@@ -483,6 +539,7 @@ bool Runtime::SafeCycle(bool start_only) {
     // touching any op's memory; later enqueues are refused.
     Log(LOG_ERROR, std::string("runtime loop failed: ") + ex.what());
     awaiting_response_.clear();
+    groups_.clear();
     neighbor_ready_.clear();
     fresh_.clear();
     neighbors_.TakeAll();

@@ -225,6 +225,26 @@ class MpiBackend : public Backend {
           });
   }
 
+  void Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                 const std::vector<int64_t>& recv_counts, int dtype, Callback done) override {
+    // counts and displacements: send, then receive (MPI reads them until completion)
+    auto v = std::make_shared<std::array<std::vector<int>, 4>>();
+    Callback keep_alive = [v, done = std::move(done)](const Status& s) { done(s); };
+    Start(Op{{}, std::move(keep_alive), "MPI_Ialltoallv"}, [&](MPI_Request* r) {
+      for (int k = 0; k < 2; ++k) {
+        const std::vector<int64_t>& counts = k ? recv_counts : send_counts;
+        int64_t off = 0;
+        for (int64_t c : counts) {
+          (*v)[2 * k].push_back(CheckedCount(c));
+          (*v)[2 * k + 1].push_back(CheckedCount(off));
+          off += c;
+        }
+      }
+      return MPI_Ialltoallv(send, (*v)[0].data(), (*v)[1].data(), MoveType(dtype), recv, (*v)[2].data(),
+                            (*v)[3].data(), MoveType(dtype), coll_, r);
+    });
+  }
+
   void Barrier(Callback done) override {
     Start(Op{{}, std::move(done), "MPI_Ibarrier"},
           [&](MPI_Request* r) { return MPI_Ibarrier(coll_, r); });
