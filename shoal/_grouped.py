@@ -1,0 +1,96 @@
+"""Grouped ops (Horovod's grouped_allreduce, grouped_allgather, grouped_reducescatter): a
+list of tensors negotiated by the core as one unit (shoal_enqueue_group), so every member
+runs (allreduces fused where they can be) or every member fails with the same error on
+every rank. Framework-neutral, like shoal._ops: adapters only describe the tensors.
+"""
+from ._loader import _core
+from ._ops import (ALLGATHER, ALLREDUCE, GROUPED, REDUCESCATTER, STATE, WORLD, _told, op_name, reduce_op,
+                   reducescatter_op)
+
+
+def _settle(handle, keep):
+    """Release a member of a grouped op once it is done (its error, if any, is the group's,
+    raised for its first member); one whose memory the core still uses lingers."""
+    try:
+        _core.wait(handle)
+    except Exception:  # noqa: BLE001 - reported through the group's first member
+        pass
+    if _core.in_use(handle):
+        _core.linger(handle, keep)
+    else:
+        _core.release(handle)
+
+
+def _submit_group(op, name, adapter, tensors, outputs, keep, result, code=0, scope=WORLD):
+    """Enqueue the grouped form of `op` over `tensors` (prepared, with `outputs` or None
+    each): one negotiation for the list, every member runs or every member fails with the
+    same error. `code`: the reduce op's. Returns one handle; `synchronize` gives
+    [result(i, member handle), ...]."""
+    name = op_name(name)
+    items = []
+    for t, o in zip(tensors, outputs):
+        ptr, dtype, shape = adapter.describe(t)
+        out_ptr = ptr if o is None or o is t else adapter.describe(o)[0]
+        items.append((ptr, dtype, shape, out_ptr) + tuple(adapter.device(t)))
+    STATE.calls.reached = True
+    handles = _core.enqueue_group(op, name, items, reduce_op=code, scope=scope)
+    first, rest = handles[0], handles[1:]
+
+    def finish():
+        try:
+            out = [result(0, first)]
+            for i, h in enumerate(rest, 1):
+                _core.wait(h)
+                out.append(result(i, h))
+            return out
+        finally:
+            for h in rest:
+                _settle(h, keep)
+
+    with STATE.lock:
+        STATE.pending[first] = (keep, finish)
+        STATE.on_failure[first] = lambda exc: [_settle(h, keep) for h in rest]
+    return first
+
+
+def _tensor_list(tensors, what):
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}")
+    return list(tensors)
+
+
+@_told(GROUPED | ALLREDUCE)
+def grouped_allreduce(adapter, tensors, average=None, name=None, op=None, inplace=False, scope=WORLD):
+    """See `shoal.grouped_allreduce_nonblocking` for the semantics."""
+    rop = reduce_op(average, op)
+    tensors = _tensor_list(tensors, "grouped_allreduce")
+    pairs = [adapter.prepare(t, inplace, "grouped_allreduce") for t in tensors]
+    outs = [p[1] for p in pairs]
+    return _submit_group(ALLREDUCE, name, adapter, [p[0] for p in pairs], outs, (tensors, pairs),
+                         lambda i, h: outs[i], code=rop.code, scope=scope)
+
+
+def _gathered(adapter, srcs):
+    def result(i, handle):
+        data, shape = _core.take_result(handle)
+        return adapter.from_bytes(data, shape, srcs[i])
+    return result
+
+
+@_told(GROUPED | ALLGATHER)
+def grouped_allgather(adapter, tensors, name=None):
+    """See `shoal.grouped_allgather_nonblocking` for the semantics."""
+    tensors = _tensor_list(tensors, "grouped_allgather")
+    srcs = [adapter.prepare(t, False, "grouped_allgather", need_output=False)[0] for t in tensors]
+    return _submit_group(ALLGATHER, name, adapter, srcs, [None] * len(srcs), (tensors, srcs),
+                         _gathered(adapter, srcs))
+
+
+@_told(GROUPED | REDUCESCATTER)
+def grouped_reducescatter(adapter, tensors, op=None, name=None):
+    """See `shoal.grouped_reducescatter_nonblocking` for the semantics."""
+    rop = reducescatter_op(op)
+    tensors = _tensor_list(tensors, "grouped_reducescatter")
+    srcs = [adapter.prepare(t, False, "grouped_reducescatter", need_output=False)[0] for t in tensors]
+    return _submit_group(REDUCESCATTER, name, adapter, srcs, [None] * len(srcs), (tensors, srcs),
+                         _gathered(adapter, srcs), code=rop.code)
