@@ -10,7 +10,8 @@ compiled against the installed TensorFlow on first import (see `_build.py`). XLA
 Inside a `tf.while_loop`/`tf.range` loop, iterations may run concurrently and would submit
 one op name twice; use `parallel_iterations=1` for loops that contain Shoal ops.
 
-Horovod's names (`import shoal.tensorflow as hvd`, issue 17): `DistributedOptimizer` for
+Horovod's names (`import shoal.tensorflow as hvd`, issue 17): `alltoall`, `grouped_allreduce`,
+`grouped_allgather`, `grouped_reducescatter` (`_horovod_ops.py`), `DistributedOptimizer` for
 a Keras 3 optimizer, `DistributedGradientTape` with Horovod's keywords, `broadcast_object`,
 `allgather_object`, `Compression`, `global_process_set`, `cross_rank`, the `*_built()`
 facts (`_horovod.py`); `allreduce` takes Horovod's keywords (keyword-only).
@@ -22,6 +23,8 @@ from shoal.basics import __all__ as _basics_all
 
 from ._horovod import *  # noqa: F401,F403
 from ._horovod import __all__ as _horovod_all
+from ._horovod_ops import *  # noqa: F401,F403  (alltoall, grouped ops)
+from ._horovod_ops import __all__ as _horovod_ops_all
 from .ops import (DistributedGradientTape, allgather, allgather_object, allreduce, broadcast,  # noqa: F401
                   broadcast_object, broadcast_variables, consensus_distance, hierarchical_neighbor_allreduce,
                   neighbor_allgather, neighbor_allreduce, reducescatter)
@@ -46,4 +49,4 @@ __all__ = list(_basics_all) + [
     "allreduce", "broadcast", "allgather", "reducescatter", "neighbor_allreduce", "neighbor_allgather",
     "hierarchical_neighbor_allreduce", "broadcast_variables", "consensus_distance",
     "DistributedGradientTape", "DistributedOptimizer", "broadcast_object", "allgather_object",
-    "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology"] + list(_horovod_all)
+    "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology"] + list(_horovod_all) + list(_horovod_ops_all)

@@ -63,7 +63,8 @@ def _scale(t, factor):
         return t
     if t.dtype.is_floating or t.dtype.is_complex:
         return t * tf.cast(factor, t.dtype)
-    return tf.cast(tf.math.trunc(tf.cast(t, tf.float64) * factor), t.dtype)
+    v = tf.cast(t, tf.float64) * factor
+    return tf.cast(tf.math.sign(v) * tf.math.floor(tf.math.abs(v)), t.dtype)  # toward zero (TF has no trunc)
 
 
 def _sparse_allreduce(slices, rop, name, pre, post):
@@ -219,15 +220,20 @@ def _grad_name(op):
 
 @tf.RegisterGradient("ShoalAllreduce")
 def _allreduce_grad(op, grad):
-    forward, scope, name = op.get_attr("reduce_op"), op.get_attr("scope"), _grad_name(op)
+    return allreduce_grad(op.inputs[0], op.outputs[0], grad, op.get_attr("reduce_op"), op.get_attr("scope"),
+                          _grad_name(op))
+
+
+def allreduce_grad(x, y, grad, forward, scope, name):
+    """The gradient of y = allreduce(x) with reduce op code `forward` (a grouped allreduce's
+    members too), its backward ops named `name` and suffixes."""
     rop = _gradients.reduce_op_grad(forward)
 
     def allreduce_sum(t, suffix):
         return _lib.shoal_allreduce(t, op_name=name + suffix if name else "", reduce_op=rop, scope=scope)
 
     if forward in (Min.code, Max.code):
-        return _gradients.extremum_grad(op.inputs[0], op.outputs[0], grad, allreduce_sum,
-                                        lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
+        return _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
     if forward == Product.code:
         if scope != _ops.WORLD:
             raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
@@ -237,7 +243,7 @@ def _allreduce_grad(op, grad):
             every = _lib.shoal_allgather(tf.expand_dims(t, 0), op_name=name + suffix if name else "")
             r = shoal.rank()
             return tf.reduce_prod(tf.concat([every[:r], every[r + 1:]], 0), 0)
-        return _gradients.product_grad(op.inputs[0], grad, allreduce_sum, others_product)
+        return _gradients.product_grad(x, grad, allreduce_sum, others_product)
     return allreduce_sum(grad, "")
 
 
