@@ -3,22 +3,37 @@ list of tensors negotiated by the core as one unit (shoal_enqueue_group), so eve
 runs (allreduces fused where they can be) or every member fails with the same error on
 every rank. Framework-neutral, like shoal._ops: adapters only describe the tensors.
 """
+import weakref
+
 from ._loader import _core
 from ._ops import (ALLGATHER, ALLREDUCE, GROUPED, REDUCESCATTER, STATE, WORLD, _told, op_name, reduce_op,
                    reducescatter_op)
 
 
-def _settle(handle, keep):
-    """Release a member of a grouped op once it is done (its error, if any, is the group's,
-    raised for its first member); one whose memory the core still uses lingers."""
-    try:
-        _core.wait(handle)
-    except Exception:  # noqa: BLE001 - reported through the group's first member
-        pass
-    if _core.in_use(handle):
-        _core.linger(handle, keep)
-    else:
-        _core.release(handle)
+class _Members:
+    """A grouped op's members after the first, whose handle `synchronize` waits for and
+    releases: `result` takes their results; if that never happens (the group failed, or its
+    handle was dropped), they are handed to the core's lingering registry, which releases
+    each once the core is done with it."""
+
+    def __init__(self, handles, keep):
+        self.handles = handles
+        self._linger = weakref.finalize(self, _linger, handles, keep)
+
+    def results(self, result):
+        try:
+            out = []
+            for i, h in enumerate(self.handles, 1):
+                _core.wait(h)
+                out.append(result(i, h))
+            return out
+        finally:
+            self._linger()  # the rest (after an error), or every one: released once done
+
+
+def _linger(handles, keep):
+    for h in handles:
+        _core.linger(h, keep)
 
 
 def _submit_group(op, name, adapter, tensors, outputs, keep, result, code=0, scope=WORLD):
@@ -34,22 +49,13 @@ def _submit_group(op, name, adapter, tensors, outputs, keep, result, code=0, sco
         items.append((ptr, dtype, shape, out_ptr) + tuple(adapter.device(t)))
     STATE.calls.reached = True
     handles = _core.enqueue_group(op, name, items, reduce_op=code, scope=scope)
-    first, rest = handles[0], handles[1:]
+    first, rest = handles[0], _Members(handles[1:], keep)
 
     def finish():
-        try:
-            out = [result(0, first)]
-            for i, h in enumerate(rest, 1):
-                _core.wait(h)
-                out.append(result(i, h))
-            return out
-        finally:
-            for h in rest:
-                _settle(h, keep)
+        return [result(0, first)] + rest.results(result)
 
     with STATE.lock:
-        STATE.pending[first] = (keep, finish)
-        STATE.on_failure[first] = lambda exc: [_settle(h, keep) for h in rest]
+        STATE.pending[first] = ((keep, rest), finish)
     return first
 
 
