@@ -335,12 +335,12 @@ Status EachGatherShape(shape_inference::InferenceContext* c) {
   return OkStatus();
 }
 
-REGISTER_OP("ShoalGroupedAllreduce").Attr(SHOAL_LIST_TYPES).Attr("op_name: string").Attr("reduce_op: int")
-    .Attr("scope: int = 0").Input("tensors: T").Output("outputs: T").SetShapeFn(EachSameShape);
-REGISTER_OP("ShoalGroupedAllgather").Attr(SHOAL_LIST_TYPES).Attr("op_name: string").Input("tensors: T")
-    .Output("outputs: T").SetShapeFn(EachGatherShape);
-REGISTER_OP("ShoalGroupedReducescatter").Attr(SHOAL_LIST_TYPES).Attr("op_name: string").Attr("reduce_op: int")
-    .Input("tensors: T").Output("outputs: T").SetShapeFn(EachGatherShape);
+// A grouped op: one input and one output per member, of any dtypes.
+#define SHOAL_GROUPED_OP(Name) \
+  REGISTER_OP(Name).Attr(SHOAL_LIST_TYPES).Attr("op_name: string").Input("tensors: T").Output("outputs: T")
+SHOAL_GROUPED_OP("ShoalGroupedAllreduce").Attr("reduce_op: int").Attr("scope: int = 0").SetShapeFn(EachSameShape);
+SHOAL_GROUPED_OP("ShoalGroupedAllgather").SetShapeFn(EachGatherShape);
+SHOAL_GROUPED_OP("ShoalGroupedReducescatter").Attr("reduce_op: int").SetShapeFn(EachGatherShape);
 // Neighbor averaging over ranks, and the hierarchical op's over machines (ranks: machine ids).
 #define SHOAL_NEIGHBOR_OP(Name)                                                                       \
   REGISTER_OP(Name).Attr(SHOAL_TYPES).Attr("op_name: string").Attr("uniform: bool").Attr("topo_check: bool") \
