@@ -27,7 +27,7 @@ def build(tmp_path_factory):
                     "-DSHOAL_BUILD_TESTS=ON", "-DSHOAL_SANITIZE=thread"], check=True, capture_output=True, timeout=300)
     subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join",
                     "test_stages", "test_collectives"],
-                   check=True, capture_output=True, timeout=900)
+                   check=True, capture_output=True, timeout=1200)
     return build
 
 
