@@ -5,7 +5,7 @@ semantics (BlueFog's, reference/bluefog-semantics.md §1.4–1.5, plus Horovod's
 """
 import inspect
 
-from . import _hierarchical, _ops
+from . import _grouped, _hierarchical, _ops
 from ._loader import _core
 from ._process import STATE
 
@@ -125,6 +125,91 @@ def build_api(adapter):
         """Blocking reducescatter: `synchronize(reducescatter_nonblocking(...))`; see there."""
         return _ops.synchronize(reducescatter_nonblocking(tensor, op, name, process_set))
 
+    def alltoall_nonblocking(tensor, splits=None, name=None, process_set=None):
+        """Start an alltoall; returns a handle whose `synchronize` gives (output,
+        received_splits).
+
+        Semantics: Horovod's `alltoall`. Rank r sends rows [o_q, o_q + splits[q]) of its
+        tensor's dim 0 to rank q (o_q = splits[0] + ... + splits[q-1]); without `splits`,
+        dim 0 is divided evenly by size(). In a `process_set` (a ProcessSet: its members
+        only call it), ranks, splits and the order are the set's (ascending world ranks).
+        `output` is the rows every rank sent to this
+        rank, concatenated along dim 0 in rank order (shape [Σ received, *rest], the
+        input's dtype; dims after the first and the dtype must agree across ranks, dim 0
+        may differ); `received_splits` (int32, one per rank) says how many rows came from
+        each. Any dtype incl. bool; the input is not modified.
+        Args:
+            splits: None, or size() non-negative ints summing to dim 0 (a list, numpy array
+                or tensor).
+        Raises:
+            ValueError: a 0-d tensor, splits of another length or sum, negative splits, dim 0
+                not divisible by size() without splits (the same error on the ranks that
+                submit the call). TypeError: non-integer splits. ShoalError (at synchronize):
+                ranks disagree on dtype or on the dims after the first, a rank joined.
+        """
+        return _ops.alltoall(adapter, tensor, splits, name, process_set)
+
+    def alltoall(tensor, splits=None, name=None, process_set=None):
+        """Blocking alltoall (Horovod's return convention): the received tensor, or
+        (tensor, received_splits) when `splits` is given; see `alltoall_nonblocking`."""
+        out, received = _ops.synchronize(alltoall_nonblocking(tensor, splits, name, process_set))
+        return out if splits is None else (out, received)
+
+    def grouped_allreduce_nonblocking(tensors, average=None, name=None, op=None, is_hierarchical_local=False,
+                                      process_set=None):
+        """Start an allreduce of every tensor of the list `tensors` as one grouped op;
+        returns one handle whose `synchronize` gives the list of results.
+
+        Semantics: Horovod's `grouped_allreduce` (its argument order up to `op`): each tensor
+        as `allreduce_nonblocking`
+        (same reduce op and scope for all; dtypes and shapes may differ between members,
+        not across ranks), negotiated as one unit under `name` (members "<name>[i]"): every
+        member runs, consecutive members of one dtype fused into one collective, or every
+        member fails with the same ShoalError on every rank (a member whose shape or
+        dtype differs across ranks, another number of tensors). Raises ValueError /
+        TypeError as allreduce for any member (the whole group is refused), and for a
+        `tensors` that is not a non-empty list or tuple. `process_set`: as for allreduce.
+        """
+        return _grouped.grouped_allreduce(adapter, tensors, average, name, op, scope=_scope(is_hierarchical_local),
+                                          process_set=process_set)
+
+    def grouped_allreduce_nonblocking_(tensors, average=None, name=None, op=None, is_hierarchical_local=False,
+                                       process_set=None):
+        """In-place `grouped_allreduce_nonblocking`: each result overwrites its tensor
+        (contiguous)."""
+        return _grouped.grouped_allreduce(adapter, tensors, average, name, op, inplace=True,
+                                          scope=_scope(is_hierarchical_local), process_set=process_set)
+
+    def grouped_allreduce(tensors, average=None, name=None, op=None, is_hierarchical_local=False, process_set=None):
+        """Blocking grouped allreduce: the list of results; see `grouped_allreduce_nonblocking`."""
+        return _ops.synchronize(grouped_allreduce_nonblocking(tensors, average, name, op, is_hierarchical_local,
+                                                              process_set))
+
+    def grouped_allreduce_(tensors, average=None, name=None, op=None, is_hierarchical_local=False, process_set=None):
+        """Blocking in-place grouped allreduce; returns the list `tensors`."""
+        return _ops.synchronize(grouped_allreduce_nonblocking_(tensors, average, name, op, is_hierarchical_local,
+                                                               process_set))
+
+    def grouped_allgather_nonblocking(tensors, name=None, process_set=None):
+        """Start an allgather of every tensor of the list as one grouped op (Horovod's
+        `grouped_allgather`): each as `allgather_nonblocking`, all run or all fail with one
+        error (see `grouped_allreduce_nonblocking`); `synchronize` gives the list."""
+        return _grouped.grouped_allgather(adapter, tensors, name, process_set)
+
+    def grouped_allgather(tensors, name=None, process_set=None):
+        """Blocking grouped allgather; see `grouped_allgather_nonblocking`."""
+        return _ops.synchronize(grouped_allgather_nonblocking(tensors, name, process_set))
+
+    def grouped_reducescatter_nonblocking(tensors, op=None, name=None, process_set=None):
+        """Start a reducescatter of every tensor of the list as one grouped op (Horovod's
+        `grouped_reducescatter`): each as `reducescatter_nonblocking` (op Average or Sum
+        for all), all run or all fail with one error; `synchronize` gives the list."""
+        return _grouped.grouped_reducescatter(adapter, tensors, op, name, process_set)
+
+    def grouped_reducescatter(tensors, op=None, name=None, process_set=None):
+        """Blocking grouped reducescatter; see `grouped_reducescatter_nonblocking`."""
+        return _ops.synchronize(grouped_reducescatter_nonblocking(tensors, op, name, process_set))
+
     def neighbor_allreduce_nonblocking(tensor, self_weight=None, src_weights=None,
                                        dst_weights=None, enable_topo_check=True, name=None):
         """Start one neighbor-averaging (gossip) step; returns a handle.
@@ -217,7 +302,9 @@ def build_api(adapter):
         allreduce, allreduce_, allreduce_nonblocking, allreduce_nonblocking_,
         broadcast, broadcast_, broadcast_nonblocking, broadcast_nonblocking_,
         allgather, allgather_nonblocking, reducescatter, reducescatter_nonblocking, neighbor_allreduce,
-        neighbor_allreduce_nonblocking)}
+        neighbor_allreduce_nonblocking, alltoall, alltoall_nonblocking, grouped_allreduce, grouped_allreduce_,
+        grouped_allreduce_nonblocking, grouped_allreduce_nonblocking_, grouped_allgather,
+        grouped_allgather_nonblocking, grouped_reducescatter, grouped_reducescatter_nonblocking)}
     for f in api.values():  # error messages name the public function, not this factory
         f.__qualname__ = f.__name__
     # The names in adapter.native as one C function each (bindings/python/native_entry.cc):

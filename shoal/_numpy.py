@@ -73,5 +73,9 @@ class NumpyAdapter:
     def from_bytes(self, data, shape, like):
         return data.view(like.dtype).reshape(shape)
 
+    def int32(self, values):
+        """A list of ints as the framework's int32 tensor (alltoall's received splits)."""
+        return np.array(values, dtype=np.int32)
+
 
 ADAPTER = NumpyAdapter()

@@ -16,9 +16,10 @@ from ._process import STATE
 # Codes of the C ABI, as the core exports them (core/include/shoal/c_api.h).
 OPS = dict(_core.OPS)
 OP_NAMES = {code: name for name, code in OPS.items()}
-ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER, REDUCESCATTER = (
+ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, NEIGHBOR_ALLREDUCE, NEIGHBOR_ALLGATHER, REDUCESCATTER, ALLTOALL = (
     _core.OPS[n] for n in ("allreduce", "broadcast", "allgather", "barrier", "neighbor_allreduce",
-                           "neighbor_allgather", "reducescatter"))
+                           "neighbor_allgather", "reducescatter", "alltoall"))
+GROUPED = _core.GROUPED  # or'ed into an op code: its grouped form (one negotiation for a list)
 WORLD, MACHINE = _core.SCOPES["world"], _core.SCOPES["machine"]  # scope of allreduce/broadcast
 DTYPE_CODES = dict(_core.DTYPES)
 
@@ -121,10 +122,10 @@ def op_name(name):
 
 
 def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce_op=0, root=0,
-            scope=WORLD, peers=None, process_set=0):
+            scope=WORLD, peers=None, splits=None, process_set=0):
     """Enqueue one op; returns its handle, or with `block` waits and returns finish().
-    `peers`: a neighbor op's lists (`_core.NeighborArgs`, see `peers_of`); `process_set`:
-    the core's id of the set that runs it."""
+    `peers`: a neighbor op's lists (`_core.NeighborArgs`, see `peers_of`); `splits`: an
+    alltoall's rows per rank; `process_set`: the core's id of the set that runs it."""
     name = op_name(name)
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
@@ -132,7 +133,7 @@ def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce
     STATE.calls.reached = True
     handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, peers=peers, reduce_op=reduce_op, root=root,
                            scope=scope, device_type=device_type, device_id=device_id, stream=stream,
-                           block=block, keep=keep, process_set=process_set)
+                           block=block, keep=keep, splits=splits, process_set=process_set)
     if block:  # waited for and released by the core already
         return finish()
     with STATE.lock:
@@ -214,11 +215,59 @@ def allgather(adapter, tensor, name=None, process_set=None):
 @_told(REDUCESCATTER)
 def reducescatter(adapter, tensor, op=None, name=None, process_set=None):
     """See `shoal.reducescatter_nonblocking` for the semantics."""
+    pset = process_sets.id_of(process_set, "reducescatter")
+    return _submit_gather(REDUCESCATTER, name, adapter, tensor, reduce_op=reducescatter_op(op).code, process_set=pset)
+
+
+def split_list(splits):
+    """An alltoall's `splits` (None, or a 1-d sequence, numpy array or tensor of integers) as
+    None or a list of ints; TypeError for anything else. The core checks the values."""
+    if splits is None:
+        return None
+    if hasattr(splits, "tolist"):  # numpy arrays, torch tensors (CUDA ones too)
+        splits = splits.tolist()
+    elif hasattr(splits, "numpy"):  # tf.Tensor
+        splits = splits.numpy().tolist()
+    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
+        raise TypeError(f"alltoall: splits must be a 1-d sequence of ints, got {type(splits).__name__}")
+    out = []
+    for v in splits:
+        if isinstance(v, bool):
+            raise TypeError("alltoall: splits must be ints, got bool")
+        try:
+            v = operator.index(v)
+        except TypeError:
+            raise TypeError(f"alltoall: splits must be ints, got {type(v).__name__}") from None
+        if not -2**63 <= v < 2**63:
+            raise ValueError(f"alltoall: split {v} is outside the range of int64")
+        out.append(v)
+    return out
+
+
+@_told(ALLTOALL)
+def alltoall(adapter, tensor, splits=None, name=None, process_set=None):
+    """See `shoal.alltoall_nonblocking` for the semantics; synchronize gives (output,
+    received splits)."""
+    splits = split_list(splits)
+    pset = process_sets.id_of(process_set, "alltoall")
+    src, _ = adapter.prepare(tensor, False, "alltoall", need_output=False)
+    holder = {}
+
+    def finish():
+        received = _core.received_splits(holder["h"])
+        data, shape = _core.take_result(holder["h"])
+        return adapter.from_bytes(data, shape, src), adapter.int32(received)
+
+    holder["h"] = _submit(ALLTOALL, name, adapter, src, None, (tensor, src), finish, splits=splits, process_set=pset)
+    return holder["h"]
+
+
+def reducescatter_op(op):
+    """reducescatter's reduce op: Average (the default) or Sum, as in Horovod."""
     rop = Average if op is None else reduce_op(None, op)
     if rop is not Sum and rop is not Average:
         raise ValueError(f"reducescatter: op must be Sum or Average (as in Horovod), got {rop!r}")
-    pset = process_sets.id_of(process_set, "reducescatter")
-    return _submit_gather(REDUCESCATTER, name, adapter, tensor, reduce_op=rop.code, process_set=pset)
+    return rop
 
 
 def reducescatter_rows(rows, size, rank):
@@ -460,13 +509,17 @@ def join():
     Until then this rank takes part in the other ranks' collectives without data of its
     own, so ranks may run different numbers of steps (uneven data per rank):
 
-    * allreduce (op=Sum or op=Average, CPU tensors): this rank contributes zeros of the
-      other ranks' shape and dtype; Average still divides by `size()` (Horovod's divisor),
-      so it is the sum over the ranks still running / size();
+    * allreduce (CPU tensors; grouped ones too): this rank contributes the identity of the
+      reduction in the other ranks' shape and dtype: zeros for Sum and Average (Average
+      still divides by `size()`, Horovod's divisor, so it is the sum over the ranks still
+      running / size()), the dtype's largest value (+inf) for Min, its lowest (-inf) for
+      Max, ones for Product: the result is the reduction over the ranks still running;
+    * reducescatter (CPU tensors): zeros, so each rank gets its rows of the sum over the
+      ranks still running (/ size() for Average);
     * barrier: this rank takes part;
-    * broadcast, allgather (Horovod raises for both with joined ranks), allreduce of CUDA
-      tensors and neighbor ops that need a joined rank fail on the ranks that submit them
-      with `ShoalError` naming the joined ranks.
+    * broadcast, allgather, alltoall (Horovod raises for each with joined ranks), allreduce
+      and reducescatter of CUDA tensors and neighbor ops that need a joined rank fail on the
+      ranks that submit them with `ShoalError` naming the joined ranks.
 
     Fused and cached allreduces are handed back to negotiation while a rank is joined, and
     the stall check does not count a joined rank as missing. After join() returns,

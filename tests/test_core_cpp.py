@@ -4,9 +4,11 @@ format, the dtype math) and test_runtime (the Runtime itself over the fake backe
 core/tests/fake_backend.h: neighbor exchange in random orders with and without fusion,
 mismatches, stalls, a dead peer, dynamic weights, at 2, 4 and 8 ranks) and test_join
 (Horovod's join in the Runtime: uneven steps, zeros in fused and cached allreduces, the
-last rank returned, the ops that fail while ranks are joined, a rank that leaves) and
-test_stages (hierarchical_neighbor_allreduce as one op of the core over machines of fake
-ranks: exact values in any submission order, a refusal on one rank, a dead rank) and
+last rank returned, the ops that fail while ranks are joined, a rank that leaves, the
+identities joined ranks contribute), test_stages (hierarchical_neighbor_allreduce as one
+op of the core over machines of fake ranks: exact values in any submission order, a
+refusal on one rank, a dead rank), test_collectives (alltoall with splits and grouped
+ops in the Runtime: exact values, mismatches, a group that fails as a whole) and
 test_process_sets (process sets: disjoint sets whose ops never wait for each other,
 negotiation at each set's leader, cached batches per set, mismatched membership, a member
 that leaves or dies)."""
@@ -27,14 +29,15 @@ def build(tmp_path_factory):
     subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), "-DSHOAL_BUILD_RUNTIME=OFF",
                     "-DSHOAL_BUILD_TESTS=ON", "-DSHOAL_SANITIZE=thread"], check=True, capture_output=True, timeout=300)
     subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join",
-                    "test_stages", "test_process_sets"],
-                   check=True, capture_output=True, timeout=900)
+                    "test_stages", "test_collectives", "test_process_sets"],
+                   check=True, capture_output=True, timeout=1200)
     return build
 
 
 # The first one also builds (five sanitized binaries: minutes on 2 busy cores).
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join", "test_stages", "test_process_sets"])
+@pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join", "test_stages", "test_collectives",
+                                    "test_process_sets"])
 def test_unit_tests_under_thread_sanitizer(build, binary):
     out = subprocess.run([str(build / binary)], capture_output=True, text=True, timeout=600,
                          env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})

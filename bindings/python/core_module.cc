@@ -2,6 +2,7 @@
 // Tensors arrive as (address, dtype code, shape); the Python side keeps them alive.
 #include "cuda_api.h"
 #include "module.h"
+#include <algorithm>
 #include <cstring>
 #include <optional>
 
@@ -125,14 +126,12 @@ void SetPeers(shoal_op_desc* d, const NeighborArgs& a) {
   d->topo_check = a.topo_check;
 }
 
-// Any op, from its parts (the shoal._ops path); `peers`: a neighbor op's lists (None: no peers).
-int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, const std::vector<int64_t>& shape,
-                py::handle output, const NeighborArgs* peers, int reduce_op, int root, int scope, int device_type,
-                int device_id, uintptr_t stream, bool block, py::object keep, int process_set) {
-  static const NeighborArgs kNoPeers{};
+// The desc of one tensor op (its shape must outlive the desc).
+shoal_op_desc Describe(int op, py::handle input, int dtype, const std::vector<int64_t>& shape, py::handle output,
+                       int reduce_op, int scope, int device_type, int device_id, uintptr_t stream,
+                       int process_set) {
   shoal_op_desc d{};
   d.op = op;
-  d.name = name.c_str();
   d.input = MakeTensor(input, dtype, shape, false);
   d.input.device_type = device_type;
   d.input.device_id = device_id;
@@ -140,11 +139,55 @@ int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, co
   d.output = d.input;
   d.output.data = output.is(input) ? d.input.data : Address(output, true);
   d.reduce_op = reduce_op;
-  d.root_rank = root;
   d.scope = scope;
   d.process_set = process_set;
+  return d;
+}
+
+// Any op, from its parts (the shoal._ops path); `peers`: a neighbor op's lists (None: no
+// peers); `splits`: an alltoall's rows per rank (None: even); `process_set`: the set's id
+// (0: every rank).
+int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, const std::vector<int64_t>& shape,
+                py::handle output, const NeighborArgs* peers, int reduce_op, int root, int scope, int device_type,
+                int device_id, uintptr_t stream, bool block, py::object keep,
+                const std::optional<std::vector<int64_t>>& splits, int process_set) {
+  static const NeighborArgs kNoPeers{};
+  shoal_op_desc d =
+      Describe(op, input, dtype, shape, output, reduce_op, scope, device_type, device_id, stream, process_set);
+  d.name = name.c_str();
+  d.root_rank = root;
   SetPeers(&d, peers ? *peers : kNoPeers);
+  if (splits) {
+    d.n_splits = static_cast<int32_t>(splits->size());
+    d.splits = splits->data();
+  }
   return Submit(d, block, keep.is_none() ? py::object(py::make_tuple(input, output)) : keep);
+}
+
+// A grouped op (shoal_enqueue_group): `tensors` is a list of (input, dtype, shape, output,
+// device type, device id, stream); returns the members' handles.
+std::vector<int64_t> EnqueueGroup(int op, const std::string& name, const py::list& tensors, int reduce_op, int scope,
+                                  int process_set) {
+  if (!g_lingering->empty()) ReleaseLingering();
+  const size_t n = tensors.size();
+  std::vector<std::vector<int64_t>> shapes(n);
+  std::vector<shoal_op_desc> descs(n);
+  for (size_t i = 0; i < n; ++i) {
+    py::tuple t = tensors[i].cast<py::tuple>();
+    shapes[i] = t[2].cast<std::vector<int64_t>>();
+    descs[i] = Describe(op, t[0], t[1].cast<int>(), shapes[i], t[3], reduce_op, scope, t[4].cast<int>(),
+                        t[5].cast<int>(), t[6].cast<uintptr_t>(), process_set);
+  }
+  std::vector<int64_t> handles(n);
+  char err[kErrLen];
+  int rc;
+  {
+    py::gil_scoped_release nogil;  // the core may start the ops right away
+    rc = shoal_enqueue_group(name.c_str(), descs.data(), static_cast<int32_t>(n), nullptr, nullptr, handles.data(),
+                             err, kErrLen);
+  }
+  Check(rc, err);
+  return handles;
 }
 
 int64_t WinEnqueue(int op, const std::string& name, py::handle data, int dtype,
@@ -197,8 +240,9 @@ void DefineConstants(py::module_& m) {
                            "allgather"_a = int(SHOAL_OP_ALLGATHER), "barrier"_a = int(SHOAL_OP_BARRIER),
                            "neighbor_allreduce"_a = int(SHOAL_OP_NEIGHBOR_ALLREDUCE),
                            "neighbor_allgather"_a = int(SHOAL_OP_NEIGHBOR_ALLGATHER),
-                           "reducescatter"_a = int(SHOAL_OP_REDUCESCATTER),
+                           "reducescatter"_a = int(SHOAL_OP_REDUCESCATTER), "alltoall"_a = int(SHOAL_OP_ALLTOALL),
                            "hierarchical_neighbor_allreduce"_a = int(SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE));
+  m.attr("GROUPED") = SHOAL_GROUPED;  // or'ed into an op code: its grouped form
   m.attr("DTYPES") = py::dict("float16"_a = int(SHOAL_FLOAT16), "bfloat16"_a = int(SHOAL_BFLOAT16),
                               "float32"_a = int(SHOAL_FLOAT32), "float64"_a = int(SHOAL_FLOAT64),
                               "int8"_a = int(SHOAL_INT8), "uint8"_a = int(SHOAL_UINT8), "int16"_a = int(SHOAL_INT16),
@@ -362,7 +406,16 @@ PYBIND11_MODULE(_core, m) {
         py::arg("shape"), py::arg("output"), py::kw_only(), py::arg("peers") = py::none(),
         py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("scope") = 0, py::arg("device_type") = 0,
         py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false, py::arg("keep") = py::none(),
-        py::arg("process_set") = 0);
+        py::arg("splits") = py::none(), py::arg("process_set") = 0);
+  m.def("enqueue_group", &EnqueueGroup, py::arg("op"), py::arg("name"), py::arg("tensors"), py::kw_only(),
+        py::arg("reduce_op") = 0, py::arg("scope") = 0, py::arg("process_set") = 0);
+  m.def("received_splits", [](int64_t h) {  // of a completed alltoall
+    std::vector<int64_t> v(shoal_size() > 0 ? shoal_size() : 1);
+    int32_t n = 0;
+    Check(shoal_received_splits(h, v.data(), static_cast<int32_t>(v.size()), &n), "no alltoall result for this handle");
+    v.resize(std::min<size_t>(v.size(), static_cast<size_t>(n)));
+    return v;
+  });
   // Keeps `keep` referenced until the core no longer uses `handle`'s memory (a failed op
   // with a send in flight), then releases the handle: the one registry of such tensors.
   m.def("linger", &Linger);

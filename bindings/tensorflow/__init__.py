@@ -10,7 +10,8 @@ compiled against the installed TensorFlow on first import (see `_build.py`). XLA
 Inside a `tf.while_loop`/`tf.range` loop, iterations may run concurrently and would submit
 one op name twice; use `parallel_iterations=1` for loops that contain Shoal ops.
 
-Horovod's names (`import shoal.tensorflow as hvd`, issue 17): `DistributedOptimizer` for
+Horovod's names (`import shoal.tensorflow as hvd`, issue 17): `alltoall`, `grouped_allreduce`,
+`grouped_allgather`, `grouped_reducescatter` (`_horovod_ops.py`), `DistributedOptimizer` for
 a Keras 3 optimizer, `DistributedGradientTape` with Horovod's keywords,
 `PartialDistributedGradientTape`, `SyncBatchNormalization`, `broadcast_object[_fn]`,
 `allgather_object`, `Compression`, `global_process_set`, `cross_rank`, `rank_op` & co., the
@@ -23,6 +24,8 @@ from shoal.basics import __all__ as _basics_all
 
 from ._horovod import *  # noqa: F401,F403
 from ._horovod import __all__ as _horovod_all
+from ._horovod_ops import *  # noqa: F401,F403  (alltoall, grouped ops)
+from ._horovod_ops import __all__ as _horovod_ops_all
 from .ops import (DistributedGradientTape, PartialDistributedGradientTape, allgather,  # noqa: F401
                   allgather_object, allreduce, broadcast, broadcast_object, broadcast_object_fn, broadcast_variables,
                   consensus_distance, hierarchical_neighbor_allreduce, neighbor_allgather, neighbor_allreduce,
@@ -50,4 +53,4 @@ __all__ = list(_basics_all) + [
     "hierarchical_neighbor_allreduce", "broadcast_variables", "consensus_distance",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
     "broadcast_object", "broadcast_object_fn", "allgather_object",
-    "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology"] + list(_horovod_all)
+    "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology"] + list(_horovod_all) + list(_horovod_ops_all)

@@ -25,7 +25,10 @@ SOURCE = HERE / "shoal_tf_ops.cc"
 
 def _cache_dir():
     root = Path(os.environ.get("SHOAL_CACHE_DIR") or Path.home() / ".cache" / "shoal")
-    key = hashlib.sha256(SOURCE.read_bytes() + str(PKG).encode()).hexdigest()[:12]
+    # The C ABI header too: a kernel built against another layout of shoal_op_desc would
+    # hand the core garbage in the fields it lacks.
+    header = (_include_dir() / "shoal" / "c_api.h").read_bytes()
+    key = hashlib.sha256(SOURCE.read_bytes() + header + str(PKG).encode()).hexdigest()[:12]
     return root / f"tf-{tf.__version__}-shoal-{shoal.__version__}-{key}"
 
 

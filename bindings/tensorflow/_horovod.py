@@ -54,7 +54,8 @@ def join():
     """Horovod's `hvd.join()`: this rank has run out of data; blocks until every rank has
     joined and returns the rank that joined last (a Python int, the same everywhere).
     Meanwhile this rank contributes zeros to the others' allreduces (Average still divides
-    by size(), as in Horovod); semantics and errors: `shoal.join`. Eager only: it blocks
+    by size(), as in Horovod) and reducescatters, the identity to their Min/Max/Product
+    allreduces; semantics and errors: `shoal.join`. Eager only: it blocks
     the calling thread, so inside a tf.function it raises RuntimeError (Horovod's op
     returns a tensor there)."""
     if not tf.executing_eagerly():

@@ -66,7 +66,8 @@ def _scale(t, factor):
         return t
     if t.dtype.is_floating or t.dtype.is_complex:
         return t * tf.cast(factor, t.dtype)
-    return tf.cast(tf.math.trunc(tf.cast(t, tf.float64) * factor), t.dtype)
+    v = tf.cast(t, tf.float64) * factor
+    return tf.cast(tf.math.sign(v) * tf.math.floor(tf.math.abs(v)), t.dtype)  # toward zero (TF has no trunc)
 
 
 def _sparse_allreduce(slices, rop, name, pre, post, process_set):
@@ -228,7 +229,13 @@ def _grad_name(op):
 
 @tf.RegisterGradient("ShoalAllreduce")
 def _allreduce_grad(op, grad):
-    forward, scope, name, ps = op.get_attr("reduce_op"), op.get_attr("scope"), _grad_name(op), op.get_attr("process_set")
+    return allreduce_grad(op.inputs[0], op.outputs[0], grad, op.get_attr("reduce_op"), op.get_attr("scope"),
+                          _grad_name(op), op.get_attr("process_set"))
+
+
+def allreduce_grad(x, y, grad, forward, scope, name, ps=0):
+    """The gradient of y = allreduce(x) with reduce op code `forward` (a grouped allreduce's
+    members too), its backward ops named `name` and suffixes, in process set `ps` (core id)."""
     rop = _gradients.reduce_op_grad(forward)
 
     def allreduce_sum(t, suffix):
@@ -236,8 +243,7 @@ def _allreduce_grad(op, grad):
                                     process_set=ps)
 
     if forward in (Min.code, Max.code):
-        return _gradients.extremum_grad(op.inputs[0], op.outputs[0], grad, allreduce_sum,
-                                        lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
+        return _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
     if forward == Product.code:
         if scope != _ops.WORLD:
             raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
@@ -247,7 +253,7 @@ def _allreduce_grad(op, grad):
             every = _lib.shoal_allgather(tf.expand_dims(t, 0), op_name=name + suffix if name else "", process_set=ps)
             r = process_sets.layout(ps)[1]
             return tf.reduce_prod(tf.concat([every[:r], every[r + 1:]], 0), 0)
-        return _gradients.product_grad(op.inputs[0], grad, allreduce_sum, others_product)
+        return _gradients.product_grad(x, grad, allreduce_sum, others_product)
     return allreduce_sum(grad, "")
 
 

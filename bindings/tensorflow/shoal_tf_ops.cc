@@ -1,7 +1,9 @@
 // TensorFlow kernels for Shoal's ops: AsyncOpKernels over the C ABI of libshoal.so.
 // Compiled against the installed TensorFlow on first import (see _build.py), so a
 // TensorFlow upgrade gets a matching library instead of a crash.
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -29,6 +31,43 @@ int DtypeCode(DataType t) {
   }
 }
 
+// The op's outcome as a TensorFlow status (InvalidArgument: a ValueError when eager).
+Status FromShoal(int status, const char* message) {
+  if (status == SHOAL_INVALID_ARGUMENT || status == SHOAL_DUPLICATE_NAME || status == SHOAL_INVALID_TYPE)
+    return errors::InvalidArgument(message);
+  if (status != SHOAL_OK) return errors::Aborted("ShoalError: ", message);
+  return OkStatus();
+}
+
+// Output `index` from a core-allocated result (gathers: its shape is known only now).
+Status TakeGathered(OpKernelContext* ctx, int64_t handle, int index) {
+  void* data = nullptr;
+  size_t nbytes = 0;
+  int32_t ndim = 0;
+  int64_t dims[32];
+  if (shoal_take_result(handle, &data, &nbytes, &ndim, dims) != SHOAL_OK)
+    return errors::Internal("Shoal: result of a gather is missing");
+  TensorShape shape;
+  for (int i = 0; i < ndim; ++i) shape.AddDim(dims[i]);
+  Tensor* out = nullptr;
+  Status st = ctx->allocate_output(index, shape, &out);
+  if (st.ok() && nbytes) std::memcpy(out->data(), data, nbytes);
+  shoal_free_buffer(data);
+  return st;
+}
+
+// Output 1 of an alltoall: the rows received from each rank (int32, Horovod's).
+Status TakeReceivedSplits(OpKernelContext* ctx, int64_t handle) {
+  std::vector<int64_t> v(shoal_size() > 0 ? shoal_size() : 1);
+  int32_t n = 0;
+  if (shoal_received_splits(handle, v.data(), static_cast<int32_t>(v.size()), &n) != SHOAL_OK)
+    return errors::Internal("Shoal: the received splits of an alltoall are missing");
+  Tensor* out = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({n}), &out));
+  for (int32_t i = 0; i < n; ++i) out->flat<int32>()(i) = static_cast<int32>(v[i]);
+  return OkStatus();
+}
+
 // Lives from enqueue until the core's completion callback.
 struct Pending {
   OpKernelContext* ctx;
@@ -36,31 +75,15 @@ struct Pending {
   Tensor input;  // keeps the input buffer alive
   bool gather;
   DataType dtype;
+  bool splits;  // alltoall: output 1 is the received splits
 };
 
 void OnComplete(int64_t handle, int status, const char* message, void* arg) {
   Pending* p = static_cast<Pending*>(arg);
-  if (status == SHOAL_INVALID_ARGUMENT || status == SHOAL_DUPLICATE_NAME) {
-    p->ctx->SetStatus(errors::InvalidArgument(message));
-  } else if (status != SHOAL_OK) {
-    p->ctx->SetStatus(errors::Aborted("ShoalError: ", message));
-  } else if (p->gather) {
-    void* data = nullptr;
-    size_t nbytes = 0;
-    int32_t ndim = 0;
-    int64_t dims[32];
-    if (shoal_take_result(handle, &data, &nbytes, &ndim, dims) != SHOAL_OK) {
-      p->ctx->SetStatus(errors::Internal("Shoal: result of a gather is missing"));
-    } else {
-      TensorShape shape;
-      for (int i = 0; i < ndim; ++i) shape.AddDim(dims[i]);
-      Tensor* out = nullptr;
-      Status st = p->ctx->allocate_output(0, shape, &out);
-      if (st.ok() && nbytes) std::memcpy(out->data(), data, nbytes);
-      else if (!st.ok()) p->ctx->SetStatus(st);
-      shoal_free_buffer(data);
-    }
-  }
+  Status st = FromShoal(status, message);
+  if (st.ok() && p->gather) st = TakeGathered(p->ctx, handle, 0);
+  if (st.ok() && p->splits) st = TakeReceivedSplits(p->ctx, handle);
+  if (!st.ok()) p->ctx->SetStatus(st);
   shoal_release(handle);
   AsyncOpKernel::DoneCallback done = std::move(p->done);
   delete p;
@@ -94,7 +117,8 @@ class ShoalKernel : public AsyncOpKernel {
     const int code = DtypeCode(in.dtype());
     OP_REQUIRES_ASYNC(ctx, code >= 0, errors::InvalidArgument("Shoal: unsupported dtype ", DataTypeString(in.dtype())), done);
     // Ops whose result the core allocates (its shape known only at completion).
-    const bool gather = op_ == SHOAL_OP_ALLGATHER || op_ == SHOAL_OP_NEIGHBOR_ALLGATHER || op_ == SHOAL_OP_REDUCESCATTER;
+    const bool gather = op_ == SHOAL_OP_ALLGATHER || op_ == SHOAL_OP_NEIGHBOR_ALLGATHER ||
+                        op_ == SHOAL_OP_REDUCESCATTER || op_ == SHOAL_OP_ALLTOALL;
     Tensor* out = nullptr;
     if (!gather) OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
     std::vector<int64_t> shape(in.dims());
@@ -126,13 +150,20 @@ class ShoalKernel : public AsyncOpKernel {
       recv = Ranks(ctx->input(1));
       send = Ranks(ctx->input(2));
     }
+    std::vector<int64_t> splits;  // alltoall: none (even) or one per rank
+    if (op_ == SHOAL_OP_ALLTOALL) {
+      auto v = ctx->input(1).flat<int64>();
+      splits.assign(v.data(), v.data() + v.size());
+      d.n_splits = static_cast<int32_t>(splits.size());
+      d.splits = splits.empty() ? nullptr : splits.data();
+    }
     d.n_recv = static_cast<int32_t>(recv.size());
     d.recv_ranks = recv.data();
     d.recv_weights = recv_w.empty() ? nullptr : recv_w.data();
     d.n_send = static_cast<int32_t>(send.size());
     d.send_ranks = send.data();
     d.send_weights = send_w.empty() ? nullptr : send_w.data();
-    auto* p = new Pending{ctx, done, in, gather, in.dtype()};
+    auto* p = new Pending{ctx, done, in, gather, in.dtype(), op_ == SHOAL_OP_ALLTOALL};
     char err[2048];
     int64_t handle = 0;
     int rc = shoal_enqueue_with_callback(&d, OnComplete, p, &handle, err, sizeof err);
@@ -150,6 +181,92 @@ class ShoalKernel : public AsyncOpKernel {
   bool uniform_ = true, topo_check_ = false;
 };
 
+// A grouped op (shoal_enqueue_group): one input and one output per member; the kernel is
+// done when every member's callback has run.
+struct GroupPending {
+  OpKernelContext* ctx;
+  AsyncOpKernel::DoneCallback done;
+  std::vector<Tensor> inputs;  // keep the input buffers alive
+  bool gather;
+  std::atomic<int> left;
+  std::mutex mu;  // SetStatus
+  std::vector<std::pair<GroupPending*, int>> members;  // the callbacks' args: (group, index)
+};
+
+void OnMemberComplete(int64_t handle, int status, const char* message, void* arg) {
+  auto* m = static_cast<std::pair<GroupPending*, int>*>(arg);
+  GroupPending* g = m->first;
+  Status st = FromShoal(status, message);
+  if (st.ok() && g->gather) st = TakeGathered(g->ctx, handle, m->second);
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> lock(g->mu);
+    g->ctx->SetStatus(st);
+  }
+  shoal_release(handle);
+  if (--g->left > 0) return;
+  AsyncOpKernel::DoneCallback done = std::move(g->done);
+  delete g;
+  done();
+}
+
+class ShoalGroupKernel : public AsyncOpKernel {
+ public:
+  ShoalGroupKernel(OpKernelConstruction* c, int op) : AsyncOpKernel(c), op_(op) {
+    OP_REQUIRES_OK(c, c->GetAttr("op_name", &name_));
+    if (c->HasAttr("reduce_op")) OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+    if (c->HasAttr("scope")) OP_REQUIRES_OK(c, c->GetAttr("scope", &scope_));
+    OP_REQUIRES_OK(c, c->GetAttr("process_set", &process_set_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const int n = ctx->num_inputs();
+    OP_REQUIRES_ASYNC(ctx, n > 0, errors::InvalidArgument("Shoal: a grouped op needs at least one tensor"), done);
+    const bool gather = op_ != SHOAL_OP_ALLREDUCE;
+    auto* g = new GroupPending{ctx, done, {}, gather, {n}, {}, {}};
+    std::vector<std::vector<int64_t>> shapes(n);
+    std::vector<shoal_op_desc> descs(n);
+    Status st;
+    for (int i = 0; i < n && st.ok(); ++i) {
+      const Tensor& in = ctx->input(i);
+      g->inputs.push_back(in);
+      const int code = DtypeCode(in.dtype());
+      if (code < 0) st = errors::InvalidArgument("Shoal: unsupported dtype ", DataTypeString(in.dtype()));
+      Tensor* out = nullptr;
+      if (st.ok() && !gather) st = ctx->allocate_output(i, in.shape(), &out);
+      for (int k = 0; k < in.dims(); ++k) shapes[i].push_back(in.dim_size(k));
+      shoal_op_desc& d = descs[i];
+      d.op = op_;
+      d.input.data = const_cast<void*>(static_cast<const void*>(in.tensor_data().data()));
+      d.input.dtype = code;
+      d.input.ndim = in.dims();
+      d.input.shape = shapes[i].data();
+      d.output = d.input;
+      d.output.data = out ? const_cast<char*>(out->tensor_data().data()) : nullptr;
+      d.reduce_op = reduce_op_;
+      d.scope = scope_;
+      d.process_set = process_set_;
+      g->members.push_back({g, i});
+    }
+    std::vector<void*> args(n);
+    for (int i = 0; i < n && st.ok(); ++i) args[i] = &g->members[i];
+    std::vector<int64_t> handles(n);
+    char err[2048];
+    if (st.ok() && shoal_enqueue_group(name_.c_str(), descs.data(), n, OnMemberComplete, args.data(), handles.data(),
+                                       err, sizeof err) != SHOAL_OK)
+      st = errors::InvalidArgument(err);
+    if (!st.ok()) {  // no callback will run
+      delete g;
+      ctx->SetStatus(st);
+      done();
+    }
+  }
+
+ private:
+  int op_;
+  std::string name_;
+  int reduce_op_ = 0, scope_ = 0, process_set_ = 0;
+};
+
 #define SHOAL_KERNEL(Kind, code)                                                      \
   class Kind##Op : public ShoalKernel {                                               \
    public:                                                                            \
@@ -164,6 +281,18 @@ SHOAL_KERNEL(NeighborAllreduce, SHOAL_OP_NEIGHBOR_ALLREDUCE)
 SHOAL_KERNEL(NeighborAllgather, SHOAL_OP_NEIGHBOR_ALLGATHER)
 SHOAL_KERNEL(Reducescatter, SHOAL_OP_REDUCESCATTER)
 SHOAL_KERNEL(HierarchicalNeighborAllreduce, SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE)
+SHOAL_KERNEL(Alltoall, SHOAL_OP_ALLTOALL)
+
+#define SHOAL_GROUP_KERNEL(Kind, code)                                                \
+  class Grouped##Kind##Op : public ShoalGroupKernel {                                 \
+   public:                                                                            \
+    explicit Grouped##Kind##Op(OpKernelConstruction* c) : ShoalGroupKernel(c, code) {} \
+  };                                                                                  \
+  REGISTER_KERNEL_BUILDER(Name("ShoalGrouped" #Kind).Device(DEVICE_CPU), Grouped##Kind##Op);
+
+SHOAL_GROUP_KERNEL(Allreduce, SHOAL_OP_ALLREDUCE)
+SHOAL_GROUP_KERNEL(Allgather, SHOAL_OP_ALLGATHER)
+SHOAL_GROUP_KERNEL(Reducescatter, SHOAL_OP_REDUCESCATTER)
 
 #define SHOAL_TYPES "T: {half, bfloat16, float, double, int8, uint8, int16, int32, int64, bool}"
 
@@ -189,6 +318,38 @@ REGISTER_OP("ShoalAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("pr
     .Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
 REGISTER_OP("ShoalReducescatter").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
     .Attr("process_set: int = 0").Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
+
+REGISTER_OP("ShoalAlltoall").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("process_set: int = 0")
+    .Input("tensor: T").Input("splits: int64")
+    .Output("output: T").Output("received_splits: int32").SetShapeFn([](shape_inference::InferenceContext* c) {
+      TF_RETURN_IF_ERROR(GatherShape(c));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return OkStatus();
+    });
+
+#define SHOAL_LIST_TYPES "T: list({half, bfloat16, float, double, int8, uint8, int16, int32, int64, bool})"
+
+Status EachSameShape(shape_inference::InferenceContext* c) {
+  for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+  return OkStatus();
+}
+
+Status EachGatherShape(shape_inference::InferenceContext* c) {
+  for (int i = 0; i < c->num_inputs(); ++i) {
+    shape_inference::ShapeHandle out;
+    TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(i), 0, c->UnknownDim(), &out));
+    c->set_output(i, out);
+  }
+  return OkStatus();
+}
+
+// A grouped op: one input and one output per member, of any dtypes.
+#define SHOAL_GROUPED_OP(Name) \
+  REGISTER_OP(Name).Attr(SHOAL_LIST_TYPES).Attr("op_name: string").Attr("process_set: int = 0")   \
+      .Input("tensors: T").Output("outputs: T")
+SHOAL_GROUPED_OP("ShoalGroupedAllreduce").Attr("reduce_op: int").Attr("scope: int = 0").SetShapeFn(EachSameShape);
+SHOAL_GROUPED_OP("ShoalGroupedAllgather").SetShapeFn(EachGatherShape);
+SHOAL_GROUPED_OP("ShoalGroupedReducescatter").Attr("reduce_op: int").SetShapeFn(EachGatherShape);
 // Neighbor averaging over ranks, and the hierarchical op's over machines (ranks: machine ids).
 #define SHOAL_NEIGHBOR_OP(Name)                                                                       \
   REGISTER_OP(Name).Attr(SHOAL_TYPES).Attr("op_name: string").Attr("uniform: bool").Attr("topo_check: bool") \

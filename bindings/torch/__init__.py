@@ -32,7 +32,8 @@ from .optimizers import (CommunicationType, CommunicationTypeError,  # noqa: E40
                          DistributedAdaptThenCombineOptimizer, DistributedAdaptWithCombineOptimizer,
                          DistributedAllreduceOptimizer, DistributedGradientAllreduceOptimizer,
                          DistributedHierarchicalNeighborAllreduceOptimizer,
-                         DistributedNeighborAllreduceOptimizer, DistributedOptimizer, GradientsInFlightError)
+                         DistributedNeighborAllreduceOptimizer, GradientsInFlightError)
+from ._horovod_optimizer import DistributedOptimizer  # noqa: E402
 from .win_optimizers import DistributedPushSumOptimizer, DistributedWinPutOptimizer  # noqa: E402
 from .sync_batch_norm import SyncBatchNorm  # noqa: E402
 from .utility import (allgather_object, allreduce_parameters, broadcast_object,  # noqa: E402
@@ -42,6 +43,9 @@ from .utility import (allgather_object, allreduce_parameters, broadcast_object, 
 # broadcast_optimizer_state): bindings/torch/_horovod.py.
 from ._horovod import *  # noqa: E402,F401,F403,F811
 from ._horovod import __all__ as _HOROVOD_NAMES  # noqa: E402
+# Horovod's alltoall and grouped ops (differentiable, torch.library): _horovod_ops.py.
+from ._horovod_ops import *  # noqa: E402,F401,F403,F811
+from ._horovod_ops import __all__ as _HOROVOD_OPS  # noqa: E402
 
 __all__ = list(_basics_all) + sorted(_API) + [
     "ConsensusControl", "consensus_distance", "CommunicationType",
@@ -55,5 +59,5 @@ __all__ = list(_basics_all) + sorted(_API) + [
                                                          "InferSourceFromDestinationRanks",
                                                          "InferDestinationFromSourceRanks"]
 __all__ += list(_TOPOLOGY_NAMES)
-__all__ += [n for n in _HOROVOD_NAMES if n not in __all__]
+__all__ += [n for n in list(_HOROVOD_NAMES) + list(_HOROVOD_OPS) if n not in __all__]
 del _torch_ops

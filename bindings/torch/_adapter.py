@@ -97,6 +97,10 @@ class TorchAdapter:
         # on its device, copied on the current stream.
         return torch.from_numpy(data).view(like.dtype).reshape(shape).to(like.device)
 
+    def int32(self, values):
+        """A list of ints as an int32 CPU tensor (alltoall's received splits, as Horovod's)."""
+        return torch.tensor(values, dtype=torch.int32)
+
 
 _FAKE = os.environ.get("SHOAL_FAKE_DEVICE") == "1"
 if _FAKE:  # CPU tensors described as CUDA ones: the C functions would take them as host memory

@@ -409,7 +409,8 @@ def join(device=-1):
     """Horovod's `hvd.join(device=-1)`: this rank has run out of data; blocks until every
     rank has joined and returns the rank that joined last (int, the same everywhere).
     Meanwhile this rank contributes zeros to the others' allreduces (Average still divides
-    by size(), as in Horovod); semantics and errors: `shoal.join`. `device` (int) is
+    by size(), as in Horovod) and reducescatters, the identity to their Min/Max/Product
+    allreduces; semantics and errors: `shoal.join`. `device` (int) is
     Horovod's device for its zero tensors: Shoal's are in host memory whatever it is, so
     allreduces of CUDA tensors fail (ShoalError) while a rank is joined."""
     if isinstance(device, bool) or not isinstance(device, int):

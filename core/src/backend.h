@@ -42,6 +42,11 @@ class Collectives {
   // (MPI_Reduce_scatter). World scope; reduce_op as Allreduce's.
   virtual void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
                              int reduce_op, Callback done) = 0;
+  // World scope. Sends send_counts[q] elements of `send` (consecutive, in rank order) to
+  // rank q and receives recv_counts[q] elements from rank q into host memory `recv`, in
+  // rank order (MPI_Alltoallv).
+  virtual void Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                         const std::vector<int64_t>& recv_counts, int dtype, Callback done) = 0;
   // Completes finished operations (running their callbacks); true if any finished.
   virtual bool Progress() = 0;
   virtual size_t num_in_flight() const = 0;

@@ -250,6 +250,20 @@ int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t 
   return shoal_enqueue_with_callback(desc, nullptr, nullptr, handle, err, len);
 }
 
+int shoal_enqueue_group(const char* name, const shoal_op_desc* descs, int32_t n, shoal_callback callback,
+                        void* const* args, int64_t* handles, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  try {
+    std::vector<int64_t> h = rt->EnqueueGroup(name, descs, n, callback, args);
+    std::copy(h.begin(), h.end(), handles);
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
 int shoal_enqueue_join(int64_t* handle, char* err, size_t len) {
   shoal_op_desc d{};
   d.op = shoal::kOpJoin;
@@ -293,6 +307,15 @@ int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim
 }
 
 void shoal_free_buffer(void* data) { std::free(data); }
+
+int shoal_received_splits(int64_t handle, int64_t* splits, int32_t capacity, int32_t* n) {
+  auto rt = Current();
+  auto e = rt ? rt->Find(handle) : nullptr;
+  if (!e || !e->done) return SHOAL_UNKNOWN_HANDLE;
+  *n = static_cast<int32_t>(e->recv_splits.size());
+  for (int32_t i = 0; i < *n && i < capacity; ++i) splits[i] = e->recv_splits[i];
+  return SHOAL_OK;
+}
 
 int shoal_release(int64_t handle) {
   auto rt = Current();

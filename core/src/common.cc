@@ -26,8 +26,17 @@ const char* OpName(int op) {
   if (op == kOpSetControl) return "process_set";
   if (op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) return "hierarchical_neighbor_allreduce";
   static const char* names[] = {"allreduce", "broadcast", "allgather", "barrier",
-                                "neighbor_allreduce", "neighbor_allgather", "reducescatter"};
-  return (op >= 0 && op <= SHOAL_OP_REDUCESCATTER) ? names[op] : "unknown_op";
+                                "neighbor_allreduce", "neighbor_allgather", "reducescatter", "alltoall"};
+  static const char* grouped[] = {"grouped_allreduce", "grouped_broadcast", "grouped_allgather", "grouped_barrier",
+                                  "grouped_neighbor_allreduce", "grouped_neighbor_allgather",
+                                  "grouped_reducescatter", "grouped_alltoall"};
+  const int base = op & ~SHOAL_GROUPED;
+  if (base < 0 || base > SHOAL_OP_ALLTOALL || (op & ~(SHOAL_GROUPED | 0xff))) return "unknown_op";
+  return (op & SHOAL_GROUPED) ? grouped[base] : names[base];
+}
+
+std::string MemberName(const std::string& group, int index) {
+  return group + "[" + std::to_string(index) + "]";
 }
 
 const char* ReduceOpName(int reduce_op) {

@@ -40,11 +40,13 @@ struct ArgumentError : std::runtime_error {
 
 size_t DtypeSize(int dtype);
 const char* DtypeName(int dtype);
-const char* OpName(int op);
+const char* OpName(int op);  // "allreduce", ...; "grouped_allreduce" with SHOAL_GROUPED
 // An op code of the C ABI (shoal_op_type).
 inline bool IsOpCode(int op) {
-  return (op >= SHOAL_OP_ALLREDUCE && op <= SHOAL_OP_REDUCESCATTER) || op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE;
+  return (op >= SHOAL_OP_ALLREDUCE && op <= SHOAL_OP_ALLTOALL) || op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE;
 }
+// The name of member `index` of the grouped op `group` (shoal_enqueue_group).
+std::string MemberName(const std::string& group, int index);
 // Horovod's join (runtime_join.cc): an op of the runtime and the coordinator only, not of
 // the C ABI's shoal_op_type (shoal_enqueue_join starts it).
 constexpr int kOpJoin = 100;

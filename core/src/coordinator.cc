@@ -18,11 +18,14 @@ template <typename IO, typename R> void RequestFields(IO& io, R& r) {
   Fields(io, r.set, r.name, r.sig, r.step, r.reject, r.reject_code, r.topo_check);
   if (r.topo_check) Fields(io, r.send, r.recv);
   io.Field(r.probe);
+  if (r.sig.op == SHOAL_OP_ALLTOALL) io.Field(r.splits);
+  if (r.sig.op & SHOAL_GROUPED) io.Field(r.members);
 }
 
 template <typename IO, typename R> void ResponseFields(IO& io, R& r) {
   Fields(io, r.kind, r.set, r.op, r.names, r.error, r.step, r.code, r.first_dims, r.channel, r.joined);
   if (!r.joined.empty()) io.Field(r.sigs);
+  if (r.op & SHOAL_GROUPED) io.Field(r.chunks);
 }
 
 }  // namespace
@@ -202,27 +205,34 @@ std::string JoinedUnsupported(const Signature& sig) {
     case SHOAL_OP_BARRIER:
       return "";
     case SHOAL_OP_ALLREDUCE:
+    case SHOAL_OP_REDUCESCATTER:  // every reduce op has an identity (runtime_join.cc)
       if (sig.device_type != SHOAL_DEVICE_CPU)
         return "a joined rank contributes from host memory; CUDA tensors are not supported while ranks are joined";
-      if (sig.reduce_op != SHOAL_REDUCE_SUM && sig.reduce_op != SHOAL_REDUCE_AVERAGE)
-        return "only Sum and Average have the zero contribution a joined rank makes";
       return "";
     case SHOAL_OP_NEIGHBOR_ALLREDUCE:
     case SHOAL_OP_NEIGHBOR_ALLGATHER:
       return "neighbor ops need every rank that sends or receives; finish them before join()";
+    case SHOAL_OP_ALLTOALL:
+      return "alltoall needs rows from every rank (Horovod: \"Alltoall is not supported with Join at this time\")";
     default:
-      return "only allreduce (and barrier) run while ranks are joined, as in Horovod's join";
+      return "only allreduce, reducescatter (and barrier) run while ranks are joined, as in Horovod's join";
   }
 }
 
 }  // namespace
 
 Response Coordinator::Validate(const std::string& name, const Pending& p) {
+  const Request& first = *std::find_if(p.req.begin(), p.req.end(), [](const Request& q) { return !q.name.empty(); });
+  if (first.sig.op & SHOAL_GROUPED) return ValidateGroup(name, p);
+  return ValidateOne(name, p.req, true);
+}
+
+Response Coordinator::ValidateOne(const std::string& name, const std::vector<Request>& req, bool cache) {
   Response resp;
   std::vector<int> absent;  // ranks that joined instead of submitting it
   for (int r = 0; r < size_; ++r)
-    if (!p.have[r]) absent.push_back(r);
-  const Request& first = *std::find_if(p.req.begin(), p.req.end(), [](const Request& q) { return !q.name.empty(); });
+    if (req[r].name.empty()) absent.push_back(r);
+  const Request& first = *std::find_if(req.begin(), req.end(), [](const Request& q) { return !q.name.empty(); });
   resp.op = first.sig.op;
   resp.names = {name};
   auto fail = [&](const std::string& what, const std::string& diff) {
@@ -242,7 +252,7 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
          return std::string(PathName(r.sig.path)) + ((r.sig.path & kFakePlugin) ? " (fake plugin)" : "");
        }}};
   const int op = resp.op;
-  if (op == SHOAL_OP_ALLGATHER || op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
+  if (op == SHOAL_OP_ALLGATHER || op == SHOAL_OP_NEIGHBOR_ALLGATHER || op == SHOAL_OP_ALLTOALL) {
     checks.push_back({"ranks (number of dimensions)",
                       [](const Request& r) { return std::to_string(r.sig.shape.size()); }});
     checks.push_back({"trailing dimensions", [](const Request& r) {
@@ -265,20 +275,21 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
     checks.push_back({"root ranks", [](const Request& r) {
                         return "root " + std::to_string(r.sig.root_rank);
                       }});
-  auto cached = validated_.find(name);
+  auto cached = cache ? validated_.find(name) : validated_.end();
   bool all_cached = cached != validated_.end();
-  for (auto& r : p.req) all_cached = all_cached && (r.name.empty() || r.sig == cached->second);
+  for (auto& r : req) all_cached = all_cached && (r.name.empty() || r.sig == cached->second);
   resp.repeat = all_cached;
   if (!all_cached) {
     // Operations first: other fields are meaningless across different ops.
     for (auto& c : checks) {
-      std::string d = Differences(p.req, c.second, world_);
+      std::string d = Differences(req, c.second, world_);
       if (!d.empty()) return fail(c.first, d);
     }
-    ++negotiations_;
+    if (cache) ++negotiations_;
     // A cache only (a name missing is validated again): bounded, for scripts that invent names.
     if (validated_.size() >= kValidatedNames) validated_.clear();
-    if (op != SHOAL_OP_ALLGATHER && op != SHOAL_OP_NEIGHBOR_ALLGATHER) validated_[name] = first.sig;
+    if (cache && op != SHOAL_OP_ALLGATHER && op != SHOAL_OP_NEIGHBOR_ALLGATHER && op != SHOAL_OP_ALLTOALL)
+      validated_[name] = first.sig;
   }
   if (!absent.empty()) {
     std::string why = JoinedUnsupported(first.sig);
@@ -290,7 +301,7 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
     }
     resp.joined = absent;
   }
-  std::string edges = CheckEdges(p);
+  std::string edges = CheckEdges(req);
   if (!edges.empty()) {
     resp.kind = Response::ERROR;
     resp.error = std::string(OpName(op)) + " '" + name + "': send and receive ranks disagree: " + edges;
@@ -298,25 +309,77 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) {
   }
   if (op == SHOAL_OP_ALLGATHER) {
     std::vector<int64_t> dims;
-    for (auto& r : p.req) dims.push_back(r.sig.shape.empty() ? 0 : r.sig.shape[0]);
+    for (auto& r : req) dims.push_back(r.sig.shape.empty() ? 0 : r.sig.shape[0]);
     resp.first_dims = {dims};
+  }
+  if (op == SHOAL_OP_ALLTOALL)  // every rank learns what every rank sends it
+    for (auto& r : req) resp.first_dims.push_back(r.splits);
+  return resp;
+}
+
+// A grouped op arrives as one request per rank with its members' signatures: validated as
+// one unit and answered with one response, so every member runs or every member fails,
+// with the same error on every rank.
+Response Coordinator::ValidateGroup(const std::string& name, const Pending& p) {
+  Response resp;
+  const Request& first = *std::find_if(p.req.begin(), p.req.end(), [](const Request& q) { return !q.name.empty(); });
+  resp.op = first.sig.op;
+  resp.names = {name};
+  auto fail = [&](const std::string& why) {
+    resp.kind = Response::ERROR;
+    resp.error = std::string(OpName(resp.op)) + " '" + name + "': " + why;
+    return resp;
+  };
+  std::string d = Differences(p.req, [](const Request& r) { return std::string(OpName(r.sig.op)); }, world_);
+  if (!d.empty()) return fail("mismatched operations across ranks: " + d);
+  d = Differences(p.req, [](const Request& r) { return std::to_string(r.members.size()) + " tensors"; }, world_);
+  if (!d.empty()) return fail("mismatched numbers of tensors across ranks: " + d);
+  const size_t n = first.members.size();
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<Request> member(size_);
+    for (int r = 0; r < size_; ++r) {
+      if (p.req[r].name.empty()) continue;  // joined
+      member[r].name = MemberName(name, static_cast<int>(i));
+      member[r].sig = p.req[r].members[i];
+    }
+    Response m = ValidateOne(MemberName(name, static_cast<int>(i)), member, false);
+    if (m.kind != Response::EXECUTE) return fail(m.error + "; no tensor of the group ran");
+    resp.first_dims.push_back(m.first_dims.empty() ? std::vector<int64_t>{} : m.first_dims[0]);
+    resp.joined = m.joined;
+  }
+  ++negotiations_;
+  // Consecutive allreduce members that one fused collective can carry; gathers one each.
+  const bool fuse = (resp.op & ~SHOAL_GROUPED) == SHOAL_OP_ALLREDUCE && fusion_threshold_ > 0;
+  int64_t bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const Signature& s = first.members[i];
+    const Signature* prev = i ? &first.members[i - 1] : nullptr;
+    const int64_t b = static_cast<int64_t>(s.nbytes());
+    if (fuse && prev && s.dtype == prev->dtype && s.device_type == prev->device_type && s.path == prev->path &&
+        bytes + b <= fusion_threshold_) {
+      ++resp.chunks.back();
+      bytes += b;
+    } else {
+      resp.chunks.push_back(1);
+      bytes = b;
+    }
   }
   return resp;
 }
 
-std::string Coordinator::CheckEdges(const Pending& p) const {
+std::string Coordinator::CheckEdges(const std::vector<Request>& req) const {
   bool any = false;
-  for (auto& r : p.req) any = any || r.topo_check;
+  for (auto& r : req) any = any || r.topo_check;
   if (!any) return "";
   std::vector<std::string> bad;
   auto has = [](const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); };
   for (int i = 0; i < size_; ++i) {
-    for (int j : p.req[i].send)
-      if (j >= 0 && j < size_ && !has(p.req[j].recv, i))
+    for (int j : req[i].send)
+      if (j >= 0 && j < size_ && !has(req[j].recv, i))
         bad.push_back("rank " + std::to_string(i) + " sends to rank " + std::to_string(j) +
                       ", which does not receive from it");
-    for (int j : p.req[i].recv)
-      if (j >= 0 && j < size_ && !has(p.req[j].send, i))
+    for (int j : req[i].recv)
+      if (j >= 0 && j < size_ && !has(req[j].send, i))
         bad.push_back("rank " + std::to_string(i) + " receives from rank " + std::to_string(j) +
                       ", which does not send to it");
   }
@@ -372,9 +435,12 @@ std::vector<Response> Coordinator::TakeResponses() {
     if (it == pending_.end()) continue;  // aborted meanwhile
     Response r = Validate(name, it->second);
     // Copied (the entry is erased next) from a rank that submitted it (rank 0 may have joined).
-    const Signature sig = std::find_if(it->second.req.begin(), it->second.req.end(), [](const Request& q) {
-                            return !q.name.empty();
-                          })->sig;
+    const Request& q = *std::find_if(it->second.req.begin(), it->second.req.end(), [](const Request& x) {
+      return !x.name.empty();
+    });
+    const Signature sig = q.sig;
+    // What a joined rank runs on its identity buffers: the op, or a group's members.
+    std::vector<Signature> sigs = (sig.op & SHOAL_GROUPED) ? q.members : std::vector<Signature>{sig};
     pending_.erase(it);
     if (r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && fusion_threshold_ > 0) {
       auto key = std::make_tuple(sig.dtype, sig.reduce_op, sig.device_type, sig.scope);
@@ -398,7 +464,7 @@ std::vector<Response> Coordinator::TakeResponses() {
       r.repeat &= r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && Cacheable(sig);
     }
     batch_bytes.push_back(static_cast<int64_t>(sig.nbytes()));
-    batch_sigs.push_back({sig});
+    batch_sigs.push_back(std::move(sigs));
     out.push_back(std::move(r));
   }
   complete_.clear();

@@ -27,6 +27,8 @@ struct Request {
   // op to run, only news for the stall check, which then names the ranks that are missing.
   bool probe = false;
   int32_t set = 0;  // the process set whose coordinator it is for (process_sets.h; 0: every rank)
+  std::vector<int64_t> splits{};     // alltoall: rows to each rank
+  std::vector<Signature> members{};  // a grouped op (sig.op has SHOAL_GROUPED): its ops, in order
 };
 
 struct Response {
@@ -40,8 +42,12 @@ struct Response {
   std::string error;
   int64_t step = -1;  // ERROR: the step of the names it fails (-1: whatever is pending)
   int32_t code = 0;   // REJECTED: the status code of the refusal
-  // allgather: first dimension of each rank's tensor, per name
+  // allgather: first dimension of each rank's tensor, per name (a grouped allgather: per
+  // member); alltoall: every rank's splits (first_dims[q][r]: rows rank q sends to rank r)
   std::vector<std::vector<int64_t>> first_dims;
+  // EXECUTE of a grouped op: how many consecutive members run as one collective (fused
+  // allreduces; gathers one each), in member order.
+  std::vector<int32_t> chunks;
   // EXECUTE of an allreduce batch: >= 0 when every rank caches the batch on this
   // collective channel after running it (runtime_cache.cc).
   int32_t channel = -1;
@@ -107,9 +113,15 @@ class Coordinator {
   bool Ready(const Pending& p) const;
   void AddJoin(int rank, const Request& req);
   Response Validate(const std::string& name, const Pending& p);
+  // One op's checks over every rank's request (an empty name: a rank that joined instead);
+  // `cache`: use and fill the first-sight cache.
+  Response ValidateOne(const std::string& name, const std::vector<Request>& req, bool cache);
+  // A grouped op (coordinator_group.cc): the number of members, then each member's checks;
+  // any error fails the whole group. Fills `chunks`.
+  Response ValidateGroup(const std::string& name, const Pending& p);
   static bool Cacheable(const Signature& sig);
   static constexpr int64_t kMaxCachedBytes = 256 << 10;  // cached batches: at most this much data
-  std::string CheckEdges(const Pending& p) const;
+  std::string CheckEdges(const std::vector<Request>& req) const;
 
   int World(int index) const { return world_.empty() ? index : world_[index]; }
 

@@ -48,6 +48,14 @@ struct Entry {
   std::shared_ptr<GpuOp> gpu;  // CUDA tensors: device pointers and staging state
   // A stage of a multi-stage op (hierarchical): the op and its stages still to run.
   std::shared_ptr<Stages> stages;
+  // alltoall: rows of dim 0 this rank sends to each rank; once run, the rows it received.
+  std::vector<int64_t> splits, recv_splits;
+  // A member of a grouped op (runtime_group.cc): the group's name, step and size, and
+  // this member's place in it (-1: not a member).
+  std::string group;
+  int64_t group_step = 0;
+  int group_index = -1, group_size = 0;
+  ByteVec joined_input;  // a joined rank's contribution (the reduction's identity)
 
   Clock::time_point enqueued = Clock::now();
   // Phase boundaries for the timeline (unset: time_point{}).

@@ -259,7 +259,7 @@ void Runtime::StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator) 
     g.direct = nccl || (cfg_.cuda_aware_mpi && g.api->mpi_cuda_aware(nullptr));
     e->sig.path = !g.direct ? kPathStaged : nccl ? kPathNccl : kPathMpi;
   } else {  // a process set's collectives are staged (NCCL's communicators here span every rank)
-    g.nccl = nccl && e->set == 0 && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER ||
+    g.nccl = nccl && e->set == 0 && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER || op == SHOAL_OP_ALLTOALL ||
                       ((op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_REDUCESCATTER) && dt != SHOAL_INT16 &&
                        dt != SHOAL_BOOL));
     e->sig.path = g.nccl ? kPathNccl : kPathStaged;
@@ -318,6 +318,15 @@ void Runtime::RunOnDevice(const Response& r, const std::vector<EntryPtr>& batch)
       continue;
     }
     const int dtype = e->sig.dtype, scope = e->sig.scope;
+    if (r.op == SHOAL_OP_ALLTOALL) {  // the result in host memory, as on the CPU path
+      std::vector<int64_t> send, recv;
+      bool any = false;
+      const std::string bad = AlltoallCounts(r, *e, w.size, w.rank, &send, &recv, &any);
+      if (!bad.empty()) done(Status::Error(SHOAL_ABORTED, "internal error: " + bad));
+      else if (!any) done(Status::Ok());
+      else engine->Alltoallv(g.dev_in, send, e->result, recv, dtype, done);
+      continue;
+    }
     if (r.op == SHOAL_OP_ALLGATHER || r.op == SHOAL_OP_REDUCESCATTER) {
       // Results in host memory, as on the CPU path (the binding moves them).
       std::vector<int64_t> counts = r.op == SHOAL_OP_ALLGATHER ? GatherCounts(*e, r.first_dims[0]) : ScatterCounts(*e, w.size, w.rank);

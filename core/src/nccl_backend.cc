@@ -153,6 +153,33 @@ void NcclBackend::ReduceScatter(const void* send, void* recv, const std::vector<
   }, std::move(done));
 }
 
+void NcclBackend::Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                            const std::vector<int64_t>& recv_counts, int dtype, Callback done) {
+  const int64_t es = static_cast<int64_t>(DtypeSize(dtype));
+  int64_t total = 0;
+  for (int64_t c : recv_counts) total += c * es;
+  Submit(SHOAL_SCOPE_WORLD, [=](void* comm, void* stream, Call* call) {
+    const char* e = nullptr;
+    void* tmp = Temp(call, total, &e);
+    // One group of ncclSend/ncclRecv with every rank that sends here or is sent to (this
+    // rank too); empty parts are left out, on both ends alike.
+    std::vector<shoal_nccl_peer> sends, recvs;
+    int64_t at_send = 0, at_recv = 0;
+    for (int q = 0; q < static_cast<int>(send_counts.size()); ++q) {
+      if (send_counts[q] > 0)
+        sends.push_back({q, const_cast<char*>(static_cast<const char*>(send)) + at_send * es, send_counts[q] * es});
+      if (recv_counts[q] > 0) recvs.push_back({q, static_cast<char*>(tmp) + at_recv * es, recv_counts[q] * es});
+      at_send += send_counts[q];
+      at_recv += recv_counts[q];
+    }
+    if (!e && (!sends.empty() || !recvs.empty()))
+      e = api_->nccl_exchange(sends.data(), static_cast<int>(sends.size()), recvs.data(), static_cast<int>(recvs.size()),
+                              comm, stream);
+    if (!e) e = CopyToHost(call, recv, tmp, total, stream);
+    return e;
+  }, std::move(done));
+}
+
 bool NcclBackend::Progress() {
   bool any = AdvanceComms();
   for (auto it = in_flight_.begin(); it != in_flight_.end();) {

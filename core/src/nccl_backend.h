@@ -5,7 +5,7 @@
 // blocking the driver: the scope's rank 0 creates the id (or fails to) and broadcasts it,
 // with the error if any, over the control engine (MPI); ranks join on a helper thread, and
 // calls made meanwhile wait in order. Allreduce also takes AVERAGE (sum, then divide on the
-// device); gathers leave their result in host memory, through pinned buffers. Destroyed
+// device); gathers and alltoall leave their result in host memory, through pinned buffers. Destroyed
 // (aborted, with work outstanding) by Stop. Driver only.
 #pragma once
 #include <atomic>
@@ -36,6 +36,8 @@ class NcclBackend : public Collectives {
                   Callback done) override;
   void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
                      Callback done) override;
+  void Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                 const std::vector<int64_t>& recv_counts, int dtype, Callback done) override;
   bool Progress() override;
   size_t num_in_flight() const override;
   void Stop();

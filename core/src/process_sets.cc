@@ -185,7 +185,7 @@ void Runtime::FailAwaiting(const std::function<bool(const Entry&)>& which, int c
   std::vector<EntryPtr> lost;
   for (auto a = awaiting_response_.begin(); a != awaiting_response_.end();) {
     if (which(*a->second)) {
-      lost.push_back(a->second);
+      ExpandGroup(a->second, &lost);  // a group waits as its first member: all of them
       a = awaiting_response_.erase(a);
     } else {
       ++a;

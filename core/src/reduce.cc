@@ -3,10 +3,12 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 
+#include "common.h"
 #include "shoal/c_api.h"
 
 namespace shoal {
@@ -274,6 +276,29 @@ void Reduce(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n
       return DispatchOrdered(dtype, [&](auto t) { Fold<decltype(t)>(srcs, dst, n, [](auto a, auto b) { return a < b ? b : a; }); });
   }
   throw std::invalid_argument("unknown reduce op " + std::to_string(reduce_op));
+}
+
+void FillIdentity(void* dst, int dtype, size_t n, int reduce_op) {
+  if (reduce_op == SHOAL_REDUCE_SUM || reduce_op == SHOAL_REDUCE_AVERAGE) {
+    std::memset(dst, 0, n * DtypeSize(dtype));
+    return;
+  }
+  auto fill = [&](auto t, auto v) {
+    using T = decltype(t);
+    auto d = static_cast<typename T::Store*>(dst);
+    const auto x = T::Save(static_cast<typename T::Acc>(v));
+    for (size_t i = 0; i < n; ++i) d[i] = x;
+  };
+  if (reduce_op == SHOAL_REDUCE_PRODUCT) return DispatchSummable(dtype, [&](auto t) { fill(t, 1); });
+  DispatchOrdered(dtype, [&](auto t) {
+    using A = typename decltype(t)::Acc;
+    using L = std::numeric_limits<A>;
+    const bool max_wanted = reduce_op == SHOAL_REDUCE_MIN;  // min's identity is the top
+    if (reduce_op != SHOAL_REDUCE_MIN && reduce_op != SHOAL_REDUCE_MAX)
+      throw std::invalid_argument("unknown reduce op " + std::to_string(reduce_op));
+    if (L::has_infinity) fill(t, max_wanted ? L::infinity() : -L::infinity());
+    else fill(t, max_wanted ? L::max() : L::lowest());
+  });
 }
 
 }  // namespace shoal

@@ -33,6 +33,10 @@ void Combine(const void* self, const std::vector<const void*>& srcs, void* out, 
 // half types compute in float32 and round once; integer sums and products wrap
 // (two's complement, like MPI's and NCCL's); min and max compare in the dtype itself.
 void Reduce(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n, int reduce_op);
+// dst[0..n) = the identity of `reduce_op` in `dtype`: 0 for SHOAL_REDUCE_SUM and AVERAGE,
+// 1 for PRODUCT, the largest value (+inf for floating dtypes) for MIN, the lowest (-inf)
+// for MAX, so reducing with it changes nothing.
+void FillIdentity(void* dst, int dtype, size_t n, int reduce_op);
 inline void Sum(const std::vector<const void*>& srcs, void* dst, int dtype, size_t n) {
   Reduce(srcs, dst, dtype, n, 0 /* SHOAL_REDUCE_SUM */);
 }

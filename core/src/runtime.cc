@@ -18,32 +18,7 @@ std::atomic<int64_t> g_next_handle{1};
 // Runtimes created in this process; the same sequence on every rank (init is collective).
 std::atomic<uint64_t> g_generations{0};
 
-
 [[noreturn]] void Bad(const std::string& msg) { throw ArgumentError(SHOAL_INVALID_ARGUMENT, msg); }
-
-// `op` and `which` ("receive"/"send") name the list in errors. Runs for every op: no
-// allocation beyond the result unless the list is long.
-std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ranks, int n, int self, int size) {
-  auto what = [&] { return std::string(op) + " " + which + " ranks"; };
-  if (n < 0 || (n > 0 && !ranks)) Bad(what() + ": missing rank list");
-  std::vector<int> out(ranks, ranks + n);
-  for (int r : out) {
-    if (r < 0 || r >= size) Bad(what() + ": rank " + std::to_string(r) + " is outside [0, " + std::to_string(size) + ")");
-    if (r == self) Bad(what() + ": rank " + std::to_string(r) + " is this rank itself");
-  }
-  auto twice = [&](int r) { Bad(what() + ": rank " + std::to_string(r) + " appears twice"); };
-  if (n <= 16) {
-    for (int i = 0; i < n; ++i)
-      for (int j = 0; j < i; ++j)
-        if (out[i] == out[j]) twice(out[i]);
-  } else {
-    std::vector<int> sorted = out;
-    std::sort(sorted.begin(), sorted.end());
-    auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-    if (dup != sorted.end()) twice(*dup);
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -86,117 +61,20 @@ double Runtime::Now() const {
 }
 
 int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
-  const WorldInfo& w = world();
-  auto e = std::make_shared<Entry>();
   if (!IsOpCode(d.op) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
-  const char* op = OpName(d.op);
-  ProcessSetPtr pset;
-  if (d.process_set != 0) {  // refused before the try: a call in no set of this rank's is nobody's to wait for
-    if (d.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || d.op == SHOAL_OP_NEIGHBOR_ALLGATHER ||
-        d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE || d.op == kOpJoin)
-      Bad(std::string(op) + ": process sets apply to collectives (allreduce, broadcast, allgather, reducescatter, "
-                            "barrier); " + (d.op == kOpJoin ? "join is global" : "neighbor ops run over the topology"));
-    pset = FindSet(d.process_set);
-    if (!pset) Bad(std::string(op) + ": no process set has id " + std::to_string(d.process_set) +
-                   " (never added, or removed)");
-    if (pset->index < 0)
-      Bad(std::string(op) + ": rank " + std::to_string(w.rank) + " is not a member of " + pset->Describe());
-    if (d.scope != SHOAL_SCOPE_WORLD)
-      Bad(std::string(op) + ": machine scope (is_hierarchical_local) cannot be combined with a process set");
-    e->set = d.process_set;
-    e->pset = pset;
-  }
+  // A call in no set of this rank's is refused before the try: nobody waits for it.
+  const ProcessSetPtr pset = CallSet(d);
+  EntryPtr e;
   try {
-  e->sig.op = d.op;
-  if (d.op != SHOAL_OP_BARRIER && d.op != kOpJoin) {
-    DtypeSize(d.input.dtype);  // throws for an unknown dtype
-    if (d.input.ndim < 0 || d.input.ndim > 32 || (d.input.ndim > 0 && !d.input.shape)) Bad(std::string(op) + ": bad shape");
-    e->sig.dtype = d.input.dtype;
-    e->sig.shape.assign(d.input.shape, d.input.shape + d.input.ndim);
-    for (auto s : e->sig.shape) if (s < 0) Bad(std::string(op) + ": negative dimension in " + ShapeString(e->sig.shape));
-    e->sig.device_type = d.input.device_type;
-    if (d.input.device_type != SHOAL_DEVICE_CPU && d.input.device_type != SHOAL_DEVICE_CUDA)
-      Bad(std::string(op) + ": unknown device type " + std::to_string(d.input.device_type));
-    if (!d.input.data && e->nbytes() > 0) Bad(std::string(op) + ": null data pointer");
-    if (e->count() > INT32_MAX) Bad(std::string(op) + ": tensors of more than 2^31-1 elements are not supported");
-    e->input = {d.input.data, d.input.device_type, d.input.device_id, d.input.stream, d.input.ready_event};
-    e->output = e->input;
-    if (d.output.data) e->output.data = d.output.data;
-  }
-  const std::string dt = DtypeName(e->sig.dtype);
-  if (d.op == SHOAL_OP_ALLREDUCE || d.op == SHOAL_OP_BROADCAST) {
-    if (d.scope != SHOAL_SCOPE_WORLD && d.scope != SHOAL_SCOPE_MACHINE) Bad(std::string(op) + ": unknown scope");
-    e->sig.scope = d.scope;
-  }
-  const int scope_size = e->sig.scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
-  switch (d.op) {
-    case SHOAL_OP_ALLREDUCE:
-      if (d.reduce_op < SHOAL_REDUCE_SUM || d.reduce_op > SHOAL_REDUCE_PRODUCT)
-        Bad("allreduce: unknown reduce op code " + std::to_string(d.reduce_op));
-      if (d.input.dtype == SHOAL_BOOL)
-        Bad(std::string("allreduce: bool tensors cannot be reduced (op=") + ReduceOpName(d.reduce_op) +
-            "); use an integer dtype");
-      if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype))
-        Bad("allreduce: average of " + dt + " is not representable; use op=Sum or a floating dtype");
-      e->sig.reduce_op = d.reduce_op;
-      break;
-    case SHOAL_OP_BROADCAST:
-      if (d.root_rank < 0 || d.root_rank >= scope_size)
-        Bad("broadcast: root rank " + std::to_string(d.root_rank) + " is outside [0, " + std::to_string(scope_size) + ")");
-      if (pset && !pset->Has(d.root_rank))  // Horovod's root: a world rank, in the set
-        Bad("broadcast: root rank " + std::to_string(d.root_rank) + " is not in " + pset->Describe());
-      e->sig.root_rank = d.root_rank;
-      break;
-    case SHOAL_OP_ALLGATHER:
-      if (e->sig.shape.empty()) Bad("allgather: a 0-d tensor has no first dimension to concatenate along");
-      break;
-    case SHOAL_OP_REDUCESCATTER:
-      if (e->sig.shape.empty()) Bad("reducescatter: a 0-d tensor has no first dimension to split");
-      if (d.reduce_op != SHOAL_REDUCE_SUM && d.reduce_op != SHOAL_REDUCE_AVERAGE)
-        Bad(std::string("reducescatter: op=") + ReduceOpName(d.reduce_op) + " is not supported; use Sum or Average");
-      if (d.input.dtype == SHOAL_BOOL) Bad("reducescatter: bool tensors cannot be summed");
-      if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype))
-        Bad("reducescatter: average of " + dt + " is not representable; use op=Sum or a floating dtype");
-      e->sig.reduce_op = d.reduce_op;
-      break;
-    case SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE:
-    case SHOAL_OP_NEIGHBOR_ALLGATHER:
-    case SHOAL_OP_NEIGHBOR_ALLREDUCE: {
-      const bool machines = d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE;
-      if (d.op != SHOAL_OP_NEIGHBOR_ALLGATHER && !IsFloating(d.input.dtype))
-        Bad(std::string(op) + ": weighted averaging needs a floating dtype, got " + dt);
-      if (d.op == SHOAL_OP_NEIGHBOR_ALLGATHER && e->sig.shape.empty())
-        Bad("neighbor_allgather: a 0-d tensor has no first dimension to concatenate along");
-      if (machines && !w.homogeneous)
-        Bad(std::string(op) + ": needs the same number of ranks on every machine, placed contiguously "
-            "(see SHOAL_RANKS_PER_MACHINE)");
-      const int self = machines ? w.machine_rank : w.rank, nodes = machines ? w.machine_size : w.size;
-      e->recv_ranks = CheckPeers(op, machines ? "receive machine" : "receive", d.recv_ranks, d.n_recv, self, nodes);
-      e->send_ranks = CheckPeers(op, machines ? "send machine" : "send", d.send_ranks, d.n_send, self, nodes);
-      e->topo_check = d.topo_check != 0;
-      e->uniform = d.uniform != 0;
-      e->self_weight = d.self_weight;
-      if (!e->uniform) {
-        if (d.n_recv > 0 && !d.recv_weights) Bad("neighbor_allreduce: weights missing");
-        e->recv_weights.assign(d.recv_weights, d.recv_weights + d.n_recv);
-      }
-      if (d.send_weights) e->send_weights.assign(d.send_weights, d.send_weights + d.n_send);
-      break;
-    }
-  }
+    e = Describe(d, pset);
   } catch (const ArgumentError& ex) {
-    Reject(d.op, d.name, ex.code, ex.what(), e->set);
+    Reject(d.op, d.name, ex.code, ex.what(), d.process_set);
     throw;
   }
   // Last, after validation: marks the point the producer reached on the caller's stream.
   if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
   std::unique_lock<std::mutex> lock(mu_);
-  if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
-  if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
-  if (join_in_flight_)  // its peers run its part of their ops: it has no more data
-    throw ArgumentError(d.op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
-                        std::string(op) + ": this rank called join(), which is still in flight; it takes part "
-                                          "in no new ops until every rank has joined");
+  Admissible(d.op);
   if (d.op == kOpJoin && !sets_.empty())
     throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
                                                 "exist (remove_process_set them first)");
@@ -204,26 +82,47 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   e->name = NameLocked(d.op, d.name, e->set);
   if (e->set) e->set_key = SetKey(e->set, e->name);
   NameState& ns = names_[e->key()];
-  if (ns.in_flight)
-    throw ArgumentError(SHOAL_DUPLICATE_NAME, std::string(op) + ": an op named '" + e->name +
-                                                  "' is already in flight on this rank; wait for it or use another name");
-  e->callback = cb;
-  e->callback_arg = cb_arg;
+  if (ns.in_flight) throw Duplicate(d.op, e->name);
   ns.in_flight = true;
   e->step = ns.calls++;
+  Queue(e, cb, cb_arg);
+  const int64_t handle = e->handle;
+  Start(lock, cb != nullptr);
+  return handle;
+}
+
+void Runtime::Admissible(int op) const {
+  if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
+  if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
+  if (join_in_flight_)  // its peers run its part of their ops: it has no more data
+    throw ArgumentError(op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
+                        std::string(OpName(op)) + ": this rank called join(), which is still in flight; it takes "
+                                                  "part in no new ops until every rank has joined");
+}
+
+ArgumentError Runtime::Duplicate(int op, const std::string& name) {
+  return ArgumentError(SHOAL_DUPLICATE_NAME, std::string(OpName(op)) + ": an op named '" + name +
+                                                 "' is already in flight on this rank; wait for it or use another name");
+}
+
+void Runtime::Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
+  e->callback = cb;
+  e->callback_arg = cb_arg;
   e->handle = g_next_handle++;
   handles_[e->handle] = e;
-  if (d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
+  if (e->sig.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
     QueueLocked(StartStages(e));  // the op completes after its last stage
   } else {
     queue_.push_back(e);
     queued_ = queue_.size();
   }
-  const int64_t handle = e->handle;
-  if (driving_) return handle;  // the driver takes it next cycle
+}
+
+void Runtime::Start(std::unique_lock<std::mutex>& lock, bool callback) {
+  if (driving_) return;  // the driver takes it next cycle
   if (waiters_ > 0) {
     done_cv_.notify_all();  // a waiter between cycles drives it
-  } else if (cb) {
+  } else if (callback) {
     work_cv_.notify_one();  // nobody will wait: the background thread runs it
   } else {
     // Start it here (send to peers, or ask the coordinator) without waking a thread;
@@ -234,7 +133,6 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     // every cycle would make them chase each other).
     if (waiters_ > 0) done_cv_.notify_all();
   }
-  return handle;
 }
 
 std::string Runtime::NameLocked(int op, const char* name, int set) {
@@ -252,7 +150,8 @@ void Runtime::FollowUnnamed(int op, const std::string& name) {
 }
 
 void Runtime::Reject(int op, const char* name, int code, const std::string& error, int set) {
-  if (!IsOpCode(op) || world().size == 1) return;
+  // A grouped op's refusal (SHOAL_GROUPED | op) names the group.
+  if (!IsOpCode((op & SHOAL_GROUPED) ? op & ~SHOAL_GROUPED : op) || world().size == 1) return;
   ProcessSetPtr pset = set ? FindSet(set) : nullptr;
   if (set && (!pset || pset->index < 0 || pset->size() == 1)) return;  // nobody waits for this rank's call
   std::unique_lock<std::mutex> lock(mu_);
@@ -476,6 +375,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
       case SHOAL_OP_NEIGHBOR_ALLGATHER: ++stats_.neighbor_allgather; break;
       case SHOAL_OP_REDUCESCATTER: ++stats_.reducescatter; break;
       case SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE: ++stats_.hierarchical_neighbor_allreduce; break;
+      case SHOAL_OP_ALLTOALL: ++stats_.alltoall; break;
     }
   } else {
     ++stats_.errors;
@@ -488,6 +388,10 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
     e->status = st;
     auto ns = names_.find(e->key());
     if (ns != names_.end()) ns->second.in_flight = false;
+    if (!e->group.empty()) {  // the group's name is free once every member is done
+      auto gs = names_.find(e->group);
+      if (gs != names_.end() && --gs->second.members_left <= 0) gs->second.in_flight = false;
+    }
     if (e->sig.op == kOpJoin) join_in_flight_ = false;
   }
   auto t_callback = Clock::now();
@@ -534,6 +438,7 @@ bool Runtime::SafeCycle(bool start_only) {
     // touching any op's memory; later enqueues are refused.
     Log(LOG_ERROR, std::string("runtime loop failed: ") + ex.what());
     awaiting_response_.clear();
+    groups_.clear();
     neighbor_ready_.clear();
     fresh_.clear();
     neighbors_.TakeAll();

@@ -62,6 +62,14 @@ class Pacer {
 // allocates its result (host memory).
 std::vector<int64_t> GatherCounts(Entry& e, const std::vector<int64_t>& first_dims);
 std::vector<int64_t> ScatterCounts(Entry& e, int size, int rank);  // over `size` ranks, this one `rank`
+// Horovod's alltoall (runtime_alltoall.cc), from the response's table of splits
+// (first_dims[q][r]: rows rank q sends to rank r; ranks: indices in the op's process set of
+// `size` ranks, this one `rank`): the elements this rank sends to and receives from each rank;
+// sets the entry's received splits and result shape and allocates its result. Returns "" or
+// why the table does not fit the entry; *any: whether any rank moves data (if none does, no
+// rank calls the collective).
+std::string AlltoallCounts(const Response& r, Entry& e, int size, int rank, std::vector<int64_t>* send,
+                           std::vector<int64_t>* recv, bool* any);
 
 class Runtime {
  public:
@@ -85,6 +93,9 @@ class Runtime {
   // Validates and queues; throws ArgumentError for bad arguments (and tells the peers,
   // which may be waiting for this call, through Reject).
   int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
+  // A grouped op (shoal_enqueue_group; runtime_group.cc): its members' handles, in order.
+  std::vector<int64_t> EnqueueGroup(const char* name, const shoal_op_desc* descs, int n, shoal_callback cb,
+                                    void* const* cb_args);
   // desc.op == kOpJoin: Horovod's join (runtime_join.cc); its result is the last rank to join.
   // A call of `op` named `name` (null: unnamed) refused at the call on this rank with
   // `error`: its name and step are used up as if it ran, and every rank that submits it
@@ -126,6 +137,22 @@ class Runtime {
   void RunCollective(const Response& r, std::vector<EntryPtr> batch);
   void RunReduceScatter(const EntryPtr& e, GroupCollectives* engine);
   GroupCollectives* Group(int set);  // the engine of process set `set` (0: every rank); null if unknown here
+  void RunAlltoall(const Response& r, const EntryPtr& e, GroupCollectives* engine);  // runtime_alltoall.cc
+  // Enqueue's parts: the entry of a valid desc (throws ArgumentError), whether this rank
+  // takes new ops (mu_ held; throws), queueing (mu_ held), and starting the queue.
+  // The call's process set (null: global); throws ArgumentError naming `what` (default: d's op).
+  ProcessSetPtr CallSet(const shoal_op_desc& d, const char* what = nullptr);
+  EntryPtr Describe(const shoal_op_desc& d, const ProcessSetPtr& pset);
+  void Admissible(int op) const;
+  static ArgumentError Duplicate(int op, const std::string& name);
+  void Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg);
+  void Start(std::unique_lock<std::mutex>& lock, bool callback);
+  // Grouped ops (runtime_group.cc): members wait until all are here, then the group asks
+  // the coordinator once; its response runs every member (RunGroup) or fails them all.
+  void RouteGroupMember(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  void ExpandGroup(const EntryPtr& e, std::vector<EntryPtr>* out);  // a group's leader: all its members
+  void RunGroup(const Response& r, std::vector<EntryPtr> members);
+  void JoinedGroup(const Response& r, std::vector<EntryPtr>* batch);  // takes mu_
   void Finish(const EntryPtr& e, const Status& st);
   void Trace(const Entry& e, const Status& st, Clock::time_point t_callback);
   void CheckStalls();
@@ -208,7 +235,9 @@ class Runtime {
     return rank < static_cast<int>(peer_joined_at_.size()) && peer_joined_at_[rank] == join_epoch_;
   }
   bool AnyPeerJoined() const;
-  EntryPtr JoinedEntry(const Response& r, size_t i);  // mu_ held
+  EntryPtr JoinedEntry(const Response& r, size_t i);
+  // This rank's call of `name` that it runs on the identity of `sig`'s reduction (takes mu_).
+  EntryPtr IdentityEntry(const std::string& name, const Signature& sig);
   void FinishJoin(const Response& r, const std::vector<EntryPtr>& batch);
   static bool IsJoinNotice(const ByteVec& msg, uint64_t* generation, int64_t* epoch);
 
@@ -237,6 +266,7 @@ class Runtime {
   struct NameState {
     int64_t calls = 0;  // ops submitted so far
     bool in_flight = false;
+    int members_left = 0;  // a grouped op's name: its members still running
   };
   std::map<std::string, NameState> names_;
   bool driving_ = false;  // a thread is running Cycle()
@@ -248,7 +278,8 @@ class Runtime {
   std::atomic<size_t> queued_{0};
 
   // Driver only.
-  std::map<std::string, EntryPtr> awaiting_response_;
+  std::map<std::string, EntryPtr> awaiting_response_;  // a grouped op: by its name, its first member
+  std::map<std::string, std::vector<EntryPtr>> groups_;  // grouped ops' members, from routing to response
   std::set<std::string> negotiated_neighbor_names_;
   std::vector<char> peer_left_;  // by rank: that rank left the job
   bool any_left_ = false;

@@ -78,6 +78,7 @@ void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     req.send = e->send_ranks;
     req.recv = e->recv_ranks;
   }
+  req.splits = e->splits;  // alltoall
   to_coordinator->push_back(std::move(req));
 }
 

@@ -1,15 +1,16 @@
 // Horovod's join: a rank that ran out of data calls join(); until every rank has joined it
-// takes part in the other ranks' allreduces contributing zeros (the identity of Sum, and of
-// Average's sum, whose divisor stays the number of ranks, as in Horovod) and in their
-// barriers. The join completes on every rank when the last rank joins, with that rank as
+// takes part in the other ranks' allreduces contributing the identity of the reduction
+// (zeros for Sum, and for Average's sum, whose divisor stays the number of ranks, as in
+// Horovod; the dtype's largest value or +inf for Min, its lowest or -inf for Max, ones for
+// Product), in their reducescatters (zeros) and in their barriers. The join completes on every rank when the last rank joins, with that rank as
 // its result; then the job runs as before (the next epoch, another join).
 //
 // The coordinator knows which ranks joined (coordinator.cc): a name submitted by every rank
 // that has not joined is complete, and its response lists the joined ranks and the
-// signatures, so each joined rank runs the collective on zeros of that signature
-// (JoinedEntry) in the same order as the others. Broadcast, allgather and neighbor ops
-// fail there with an error naming the joined ranks (Horovod raises for broadcast and
-// allgather too).
+// signatures, so each joined rank runs the collective on identity buffers of that signature
+// (JoinedEntry) in the same order as the others. Broadcast, allgather, alltoall and
+// neighbor ops fail there with an error naming the joined ranks (Horovod raises for
+// broadcast, allgather and alltoall too).
 //
 // Cached batches (runtime_cache.cc) skip the coordinator, so a joined rank would be missing
 // from their rounds: the joining rank dooms every batch and tells every peer (a notice on
@@ -22,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "reduce.h"
 #include "runtime.h"
 
 namespace shoal {
@@ -88,17 +90,27 @@ void Runtime::OnJoinNotice(int rank, int64_t epoch) {
 EntryPtr Runtime::JoinedEntry(const Response& r, size_t i) {
   if (i >= r.sigs.size() || std::find(r.joined.begin(), r.joined.end(), world().rank) == r.joined.end())
     return nullptr;
+  return IdentityEntry(r.names[i], r.sigs[i]);
+}
+
+EntryPtr Runtime::IdentityEntry(const std::string& name, const Signature& sig) {
   auto e = std::make_shared<Entry>();
-  e->name = r.names[i];
-  e->sig = r.sigs[i];
-  // The op counts as this rank's call of the name: its step, and for an unnamed op the
-  // generated-name counter, stay those of the ranks that ran it, so the ops after the join
-  // pair up again.
-  e->step = names_[e->name].calls++;
-  FollowUnnamed(e->sig.op, e->name);
-  // Zeros: the identity of the reductions that run while ranks are joined (Sum, Average).
-  e->result = std::calloc(std::max<size_t>(e->nbytes(), 1), 1);
-  e->input.data = e->output.data = e->result;
+  e->name = name;
+  e->sig = sig;
+  {
+    // The op counts as this rank's call of the name: its step, and for an unnamed op the
+    // generated-name counter, stay those of the ranks that ran it, so the ops after the
+    // join pair up again.
+    std::lock_guard<std::mutex> lock(mu_);
+    e->step = names_[e->name].calls++;
+    FollowUnnamed(e->sig.op, e->name);
+  }
+  // The identity of the reduction (zeros for Sum, Average and reducescatter; the dtype's
+  // largest value for Min, its lowest for Max, ones for Product), so the result is the
+  // reduction over the ranks still running.
+  e->joined_input.resize(std::max<size_t>(e->nbytes(), 1));
+  FillIdentity(e->joined_input.data(), e->sig.dtype, static_cast<size_t>(e->count()), e->sig.reduce_op);
+  e->input.data = e->output.data = e->joined_input.data();
   return e;
 }
 

@@ -69,6 +69,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (e->set && !SetOf(e->set))
     return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, std::string(OpName(e->sig.op)) + " '" + e->name + "': " +
                                                                e->pset->Describe() + " was removed"));
+  if (!e->group.empty()) return RouteGroupMember(e, to_coordinator);
   if (FailIfUnreachable(e)) return;
   if (e->sig.op == kOpJoin) return RouteJoin(e);
   if (e->sig.op == SHOAL_OP_ALLREDUCE && !cached_members_.empty() && RouteCached(e)) return;
@@ -173,9 +174,12 @@ void Runtime::Apply(const Response& r) {
     const std::string& name = r.set ? (keyed = SetKey(r.set, r.names[i])) : r.names[i];
     stall_warned_.erase(name);
     auto it = awaiting_response_.find(name);
-    if (it == awaiting_response_.end() || (r.step >= 0 && it->second->step != r.step)) {
+    if (it == awaiting_response_.end() ||
+        (r.step >= 0 && (it->second->group.empty() ? it->second->step : it->second->group_step) != r.step)) {
       if (r.kind == Response::EXECUTE && !r.joined.empty() && r.op != kOpJoin) {
-        if (EntryPtr z = JoinedEntry(r, i)) batch.push_back(z);  // this rank joined: it adds zeros
+        // This rank joined: it adds the identity of the reduction.
+        if (r.op & SHOAL_GROUPED) JoinedGroup(r, &batch);
+        else if (EntryPtr z = JoinedEntry(r, i)) batch.push_back(z);
         continue;
       }
       // A stall of a cached batch's round (its probes, runtime_cache.cc), a call refused on
@@ -185,7 +189,7 @@ void Runtime::Apply(const Response& r) {
       continue;
     }
     it->second->t_negotiated = now;
-    batch.push_back(it->second);
+    ExpandGroup(it->second, &batch);
     awaiting_response_.erase(it);
   }
   if (r.op == kOpJoin) {
@@ -209,6 +213,7 @@ void Runtime::Apply(const Response& r) {
     for (auto& e : batch) Finish(e, Status::Error(code, r.error));
     return;
   }
+  if (r.op & SHOAL_GROUPED) return RunGroup(r, std::move(batch));
   if (batch.size() != r.names.size()) {
     Log(LOG_ERROR, "coordinator scheduled an op this rank does not have: " + r.names[0]);
     for (auto& e : batch) Finish(e, Status::Error(SHOAL_ABORTED, "internal error: inconsistent schedule"));
@@ -257,6 +262,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     return;
   }
   if (r.op == SHOAL_OP_REDUCESCATTER) return RunReduceScatter(batch[0], engine);
+  if (r.op == SHOAL_OP_ALLTOALL) return RunAlltoall(r, batch[0], engine);
   if (r.op == SHOAL_OP_ALLGATHER) {
     EntryPtr e = batch[0];
     const std::vector<int64_t> counts = GatherCounts(*e, r.first_dims[0]);

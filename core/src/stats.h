@@ -10,7 +10,7 @@ namespace shoal {
 
 struct Stats {
 #define SHOAL_COUNTERS(X)                                                                   \
-  X(allreduce) X(broadcast) X(allgather) X(barrier) X(neighbor_allreduce) X(neighbor_allgather) X(reducescatter) X(hierarchical_neighbor_allreduce) X(bytes_sent)    \
+  X(allreduce) X(broadcast) X(allgather) X(barrier) X(neighbor_allreduce) X(neighbor_allgather) X(reducescatter) X(hierarchical_neighbor_allreduce) X(alltoall) X(bytes_sent)    \
   X(bytes_received) X(fused_batches) X(negotiations) X(coordinator_rounds) X(cache_hits) \
   X(global_collectives) X(stalls) X(errors) X(windows) X(window_bytes) X(win_puts)          \
   X(win_accumulates) X(win_gets) X(win_updates) X(neighbor_bytes_sent_mpi) X(neighbor_bytes_sent_staged)   \

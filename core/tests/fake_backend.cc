@@ -8,7 +8,7 @@
 namespace shoal {
 namespace testing {
 
-enum { kAllreduce = 1, kBroadcast, kAllgather, kBarrier, kReduceScatter };
+enum { kAllreduce = 1, kBroadcast, kAllgather, kBarrier, kReduceScatter, kAlltoall };
 
 FakeWorld::FakeWorld(int size, uint64_t seed, int max_delay_us, int ranks_per_machine)
     : size_(size), per_machine_(ranks_per_machine > 0 ? ranks_per_machine : size), rng_(seed),
@@ -52,6 +52,23 @@ void FakeWorld::Finish(Coll& c) {
   } else if (c.kind == kBroadcast) {
     for (int r = 0; r < c.members; ++r)
       if (r != c.root) std::memcpy(c.bufs[r], c.bufs[c.root], n);
+  } else if (c.kind == kAlltoall) {
+    const size_t es = DtypeSize(c.dtype);
+    for (int r = 0; r < c.members && c.error.empty(); ++r)
+      for (int q = 0; q < c.members; ++q)
+        if (c.received[r][q] != c.sent[q][r])
+          c.error = "rank " + std::to_string(r) + " expects " + std::to_string(c.received[r][q]) + " elements from rank " +
+                    std::to_string(q) + ", which sends " + std::to_string(c.sent[q][r]);
+    for (int r = 0; r < c.members && c.error.empty(); ++r) {
+      size_t at = 0;
+      for (int q = 0; q < c.members; ++q) {  // rank q's rows for r start after those for ranks < r
+        int64_t from = 0;
+        for (int k = 0; k < r; ++k) from += c.sent[q][k];
+        std::memcpy(static_cast<char*>(c.bufs[r]) + at, static_cast<const char*>(c.sends[q]) + from * es,
+                    c.sent[q][r] * es);
+        at += c.sent[q][r] * es;
+      }
+    }
   } else if (c.kind == kAllgather) {
     const size_t es = DtypeSize(c.dtype);
     for (int r = 0; r < c.members; ++r) {
@@ -144,6 +161,12 @@ void FakeBackend::Collective(const FakeGroup& group, FakeWorld::Coll mine, Callb
   c.bufs[me] = mine.bufs.empty() ? nullptr : mine.bufs[0];
   c.sends[me] = mine.sends.empty() ? nullptr : mine.sends[0];
   c.counts[me] = mine.count;
+  if (mine.kind == kAlltoall) {
+    c.sent.resize(members);
+    c.received.resize(members);
+    c.sent[me] = mine.split;
+    c.received[me] = mine.recv_split;
+  }
   if (++c.arrived == members) {
     w_->Finish(c);  // the last to arrive computes every rank's result
     c.complete = true;
@@ -200,6 +223,18 @@ void FakeGroup::ReduceScatter(const void* send, void* recv, const std::vector<in
   for (int64_t k : counts) c.count += k;
   c.dtype = dtype;
   c.reduce_op = reduce_op;
+  b_->Collective(*this, std::move(c), std::move(done));
+}
+
+void FakeGroup::Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                          const std::vector<int64_t>& recv_counts, int dtype, Callback done) {
+  FakeWorld::Coll c;
+  c.kind = kAlltoall;
+  c.bufs = {recv};
+  c.sends = {send};
+  c.split = send_counts;
+  c.recv_split = recv_counts;
+  c.dtype = dtype;
   b_->Collective(*this, std::move(c), std::move(done));
 }
 
@@ -271,8 +306,10 @@ bool FakeBackend::Progress() {
         ++c;
         continue;
       }
+      const Status st = it->second.error.empty() ? Status::Ok()
+                                                 : Status::Error(SHOAL_ABORTED, "fake backend: " + it->second.error);
       if (++it->second.seen == it->second.members) w_->colls_.erase(it);
-      run.push_back({std::move(c->second), Status::Ok()});
+      run.push_back({std::move(c->second), st});
       c = pending_colls_.erase(c);
     }
   }

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -47,7 +48,10 @@ class FakeWorld {
     std::vector<void*> bufs;
     std::vector<const void*> sends;
     std::vector<int64_t> counts;
-    std::vector<int64_t> split;  // reducescatter: every rank's share
+    std::vector<int64_t> split;  // reducescatter: every rank's share; alltoall: what one rank sends
+    std::vector<int64_t> recv_split;                    // alltoall: what one rank expects
+    std::vector<std::vector<int64_t>> sent, received;   // alltoall: the above, by rank
+    std::string error;  // the ranks' calls do not match: the collective fails everywhere
     int64_t count = 0;
     int dtype = 0, root = 0, reduce_op = 0;
   };
@@ -79,6 +83,8 @@ class FakeGroup : public GroupCollectives {
                   Callback done) override;
   void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
                      Callback done) override;
+  void Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                 const std::vector<int64_t>& recv_counts, int dtype, Callback done) override;
   void Barrier(Callback done) override;
   void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override;
   bool Progress() override;
@@ -113,6 +119,10 @@ class FakeBackend : public Backend {
   void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
                      Callback done) override {
     world_.ReduceScatter(send, recv, counts, dtype, reduce_op, std::move(done));
+  }
+  void Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                 const std::vector<int64_t>& recv_counts, int dtype, Callback done) override {
+    world_.Alltoallv(send, send_counts, recv, recv_counts, dtype, std::move(done));
   }
   void Barrier(Callback done) override { world_.Barrier(std::move(done)); }
   void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override {

@@ -2,7 +2,9 @@
 // over one fake world (fake_backend.h), a CHECK that counts passes and failures from any
 // rank thread, and the test configuration (short cycle, stall check and shutdown times).
 #pragma once
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "fake_backend.h"
+#include "reduce.h"
 #include "runtime.h"
 
 namespace shoal::testing {
@@ -110,5 +113,82 @@ struct Op {
     return st;
   }
 };
+
+// Element i of a buffer of `dtype`, written from and read as a double (exact for the small
+// integers and halves the tests use; half types through float32).
+inline void PutValue(int dtype, void* buf, size_t i, double v) {
+  char* p = static_cast<char*>(buf) + i * DtypeSize(dtype);
+  auto put = [p](auto x) { std::memcpy(p, &x, sizeof x); };
+  switch (dtype) {
+    case SHOAL_FLOAT16: put(FloatToHalf(static_cast<float>(v))); break;
+    case SHOAL_BFLOAT16: put(FloatToBFloat16(static_cast<float>(v))); break;
+    case SHOAL_FLOAT32: put(static_cast<float>(v)); break;
+    case SHOAL_FLOAT64: put(v); break;
+    case SHOAL_INT8: put(static_cast<int8_t>(v)); break;
+    case SHOAL_UINT8: put(static_cast<uint8_t>(v)); break;
+    case SHOAL_INT16: put(static_cast<int16_t>(v)); break;
+    case SHOAL_INT32: put(static_cast<int32_t>(v)); break;
+    case SHOAL_INT64: put(static_cast<int64_t>(v)); break;
+    default: put(static_cast<uint8_t>(v != 0)); break;
+  }
+}
+
+inline double GetValue(int dtype, const void* buf, size_t i) {
+  const char* p = static_cast<const char*>(buf) + i * DtypeSize(dtype);
+  auto get = [p](auto x) { std::memcpy(&x, p, sizeof x); return x; };
+  switch (dtype) {
+    case SHOAL_FLOAT16: return HalfToFloat(get(uint16_t{}));
+    case SHOAL_BFLOAT16: return BFloat16ToFloat(get(uint16_t{}));
+    case SHOAL_FLOAT32: return get(float{});
+    case SHOAL_FLOAT64: return get(double{});
+    case SHOAL_INT8: return get(int8_t{});
+    case SHOAL_UINT8: return get(uint8_t{});
+    case SHOAL_INT16: return get(int16_t{});
+    case SHOAL_INT32: return get(int32_t{});
+    case SHOAL_INT64: return static_cast<double>(get(int64_t{}));
+    default: return get(uint8_t{});
+  }
+}
+
+// One op of any dtype and shape over byte buffers that outlive it (the core reads and
+// writes them until it completes); `out` is allreduce's output.
+struct TypedOp {
+  std::string name;
+  int op = SHOAL_OP_ALLREDUCE, reduce_op = SHOAL_REDUCE_SUM, dtype = SHOAL_FLOAT64;
+  std::vector<int64_t> shape, splits;
+  std::vector<char> x, out;
+  TypedOp(std::string n, int o, int dt, std::vector<int64_t> s) : name(std::move(n)), op(o), dtype(dt), shape(std::move(s)) {
+    x.assign(std::max<size_t>(NumElements(shape) * DtypeSize(dtype), 1), 0);
+    out = x;
+  }
+  size_t count() const { return static_cast<size_t>(NumElements(shape)); }
+  shoal_op_desc Desc() {
+    shoal_op_desc d{};
+    d.op = op;
+    d.name = name.c_str();
+    d.input = {x.data(), dtype, static_cast<int32_t>(shape.size()), shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+    d.output = d.input;
+    d.output.data = out.data();
+    d.reduce_op = reduce_op;
+    d.n_splits = static_cast<int32_t>(splits.size());
+    d.splits = splits.empty() ? nullptr : splits.data();
+    return d;
+  }
+};
+
+// Waits for `h`, takes its core-allocated result (if any) into *result, releases it.
+inline Status WaitTake(Runtime& rt, int64_t h, std::vector<char>* result = nullptr,
+                       std::vector<int64_t>* shape = nullptr, std::vector<int64_t>* recv_splits = nullptr) {
+  Status st = rt.Wait(h);
+  EntryPtr e = rt.Find(h);
+  if (st.ok() && e && result) {
+    const char* p = static_cast<const char*>(e->result);
+    result->assign(p, p + e->result_nbytes);
+    if (shape) *shape = e->result_shape;
+    if (recv_splits) *recv_splits = e->recv_splits;
+  }
+  rt.Release(h);
+  return st;
+}
 
 }  // namespace shoal::testing

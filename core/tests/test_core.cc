@@ -376,6 +376,51 @@ static void TestTopologyPlan() {
   CHECK(t.Get(SHOAL_GRAPH_RANKS).recv == q.recv && t.Get(SHOAL_GRAPH_MACHINES).recv == p.recv);
 }
 
+// Alltoall: every rank's splits travel with its request and come back to every rank as
+// one table; grouped ops: one request per rank with the members' signatures, one response
+// whose chunks fuse adjacent allreduce members of one dtype up to the threshold; both
+// survive the wire.
+static void TestAlltoallAndGroups() {
+  Coordinator c(3, 16);
+  for (int r = 0; r < 3; ++r) {
+    Request q = Req("a2a", SHOAL_OP_ALLTOALL, SHOAL_FLOAT32, {r + 3, 2});
+    q.splits = {r, 1, 2};
+    auto enc = EncodeRequests({q});
+    c.Add(r, DecodeRequests(enc.data(), enc.size())[0], 0);
+  }
+  auto resps = c.TakeResponses();
+  auto enc = EncodeResponses(resps);
+  auto dec = DecodeResponses(enc.data(), enc.size());
+  CHECK(dec.size() == 1 && dec[0].kind == Response::EXECUTE &&
+        dec[0].first_dims == (std::vector<std::vector<int64_t>>{{0, 1, 2}, {1, 1, 2}, {2, 1, 2}}));
+  const int gop = SHOAL_GROUPED | SHOAL_OP_ALLREDUCE;
+  for (int r = 0; r < 3; ++r) {
+    Request g = Req("grp", gop, 0, {});
+    // float32 [2] and [2] fuse (16 bytes); the third float32 would pass the threshold; float64 differs.
+    for (auto& m : {Req("", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {2}), Req("", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {2}),
+                    Req("", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {1}), Req("", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, {1})})
+      g.members.push_back(m.sig);
+    auto genc = EncodeRequests({g});
+    c.Add(r, DecodeRequests(genc.data(), genc.size())[0], 0);
+  }
+  resps = c.TakeResponses();
+  enc = EncodeResponses(resps);
+  dec = DecodeResponses(enc.data(), enc.size());
+  CHECK(dec.size() == 1 && dec[0].kind == Response::EXECUTE && dec[0].op == gop &&
+        dec[0].names == std::vector<std::string>{"grp"} && dec[0].chunks == (std::vector<int32_t>{2, 1, 1}));
+  // A member whose shape differs on rank 2 fails the whole group, naming the member.
+  for (int r = 0; r < 3; ++r) {
+    Request g = Req("grp", gop, 0, {});
+    g.members = {Req("", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {2}).sig,
+                 Req("", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT32, {r == 2 ? 3 : 1}).sig};
+    c.Add(r, g, 0);
+  }
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::ERROR && resps[0].names == std::vector<std::string>{"grp"} &&
+        resps[0].error.find("grouped_allreduce 'grp': allreduce 'grp[1]': mismatched shapes across ranks: [1] on "
+                            "ranks 0, 1; [3] on rank 2") == 0);
+}
+
 int main() {
   TestTopologyPlan();
   TestOutOfOrderThreads();
@@ -388,6 +433,7 @@ int main() {
   TestSum();
   TestCachingAndProbes();
   TestJoin();
+  TestAlltoallAndGroups();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed ? 1 : 0;
 }

@@ -2,11 +2,13 @@
 // the fake backend (fake_backend.h), at 2, 4 and 8 ranks: uneven steps per rank with the
 // joined ranks contributing zeros to fused and cached allreduces, the last rank to join
 // returned everywhere, a second join in the same job, the ops that fail while ranks are
-// joined, a joined rank that is not stalled, an op still in a cached batch at join, and a
-// rank that leaves instead of joining. tests/test_core_cpp.py also runs it under
+// joined, a joined rank that is not stalled, an op still in a cached batch at join, a
+// rank that leaves instead of joining, and the identities joined ranks add to Min, Max and
+// Product allreduces (and zeros to reducescatters). tests/test_core_cpp.py also runs it under
 // ThreadSanitizer. Exit status 0 = all passed.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -261,12 +263,120 @@ static void TestCachedAndLeave(int n) {
   });
 }
 
+// While ranks [n/2, n) are joined, the running ranks' allreduces with op=Min, Max and
+// Product (of several dtypes, fused, and a grouped one) get the reduction over the running
+// ranks only (a joined rank adds the identity: the dtype's largest value or +inf, its lowest
+// or -inf, one), and reducescatters the sum (zeros) or sum / n (Horovod's divisor) of their
+// rows; an alltoall fails with one message naming the joined ranks, as in Horovod.
+static void TestIdentities(int n) {
+  g_case = "identities n=" + std::to_string(n);
+  Job job(n, TestConfig(8 << 20), 37 + n);
+  const int half = n / 2;
+  std::vector<std::string> a2a(half);
+  job.Run([&](int r, Runtime& rt) {
+    Status st;
+    if (r >= half) {
+      const int got = Join(rt, &st);
+      CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
+      return;
+    }
+    // Values in [-2, 2], negative ones too (so Max's identity must be below them); uint8's in
+    // [0, 3]. Products over up to 4 running ranks stay in range (int8: 16, uint8: 81).
+    auto val = [](int q, size_t i, int k) { return static_cast<double>((q * 5 + static_cast<int>(i) * 3 + k) % 5) - 2; };
+    auto uval = [&](int q, size_t i, int k) { return std::fmod(val(q, i, k) + 2, 4.0); };
+    const int rops[] = {SHOAL_REDUCE_MIN, SHOAL_REDUCE_MAX, SHOAL_REDUCE_PRODUCT};
+    const int dtypes[] = {SHOAL_FLOAT64, SHOAL_FLOAT32, SHOAL_FLOAT16, SHOAL_INT8, SHOAL_UINT8, SHOAL_INT32, SHOAL_INT64};
+    std::vector<std::unique_ptr<TypedOp>> ops;
+    std::vector<int64_t> handles;
+    int k = 0;
+    for (int rop : rops)
+      for (int dt : dtypes) {  // all in flight at once: fused per (dtype, op)
+        ops.push_back(std::make_unique<TypedOp>("id." + std::to_string(k), SHOAL_OP_ALLREDUCE, dt, std::vector<int64_t>{5}));
+        ops.back()->reduce_op = rop;
+        for (size_t i = 0; i < 5; ++i) PutValue(dt, ops.back()->x.data(), i, dt == SHOAL_UINT8 ? uval(r, i, k) : val(r, i, k));
+        shoal_op_desc d = ops.back()->Desc();
+        handles.push_back(rt.Enqueue(d));
+        ++k;
+      }
+    for (size_t j = 0; j < ops.size(); ++j) {
+      TypedOp& o = *ops[j];
+      st = WaitTake(rt, handles[j]);
+      bool exact = st.ok();
+      for (size_t i = 0; exact && i < 5; ++i) {
+        double want = o.reduce_op == SHOAL_REDUCE_PRODUCT ? 1 : o.reduce_op == SHOAL_REDUCE_MIN ? 1e9 : -1e9;
+        for (int q = 0; q < half; ++q) {
+          const double v = o.dtype == SHOAL_UINT8 ? uval(q, i, static_cast<int>(j)) : val(q, i, static_cast<int>(j));
+          want = o.reduce_op == SHOAL_REDUCE_PRODUCT ? want * v : o.reduce_op == SHOAL_REDUCE_MIN ? std::min(want, v)
+                                                                                                 : std::max(want, v);
+        }
+        exact = GetValue(o.dtype, o.out.data(), i) == want;
+      }
+      CHECK(exact, "rank %d %s %s: %s (got %g)", r, DtypeName(o.dtype), ReduceOpName(o.reduce_op),
+            st.ok() ? "not the reduction over the running ranks" : st.message.c_str(), GetValue(o.dtype, o.out.data(), 0));
+    }
+    // A grouped allreduce (Max) with a joined rank: its members get the identity too.
+    std::vector<TypedOp> g;
+    g.emplace_back("", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, std::vector<int64_t>{3});
+    g.emplace_back("", SHOAL_OP_ALLREDUCE, SHOAL_INT32, std::vector<int64_t>{2});
+    std::vector<shoal_op_desc> gd;
+    for (auto& o : g) {
+      o.reduce_op = SHOAL_REDUCE_MAX;
+      for (size_t i = 0; i < o.count(); ++i) PutValue(o.dtype, o.x.data(), i, -10.0 - r - static_cast<double>(i));
+      gd.push_back(o.Desc());
+    }
+    std::vector<int64_t> gh = rt.EnqueueGroup("id.group", gd.data(), 2, nullptr, nullptr);
+    for (size_t m = 0; m < g.size(); ++m) {
+      st = WaitTake(rt, gh[m]);
+      bool exact = st.ok();
+      for (size_t i = 0; exact && i < g[m].count(); ++i) exact = GetValue(g[m].dtype, g[m].out.data(), i) == -10.0 - i;
+      CHECK(exact, "rank %d group member %zu: %s", r, m, st.ok() ? "not the max over the running ranks" : st.message.c_str());
+    }
+    // Reducescatter: the joined ranks add zeros; Average still divides by n.
+    for (int rop : {SHOAL_REDUCE_SUM, SHOAL_REDUCE_AVERAGE}) {
+      const int64_t d0 = 2 * n + 1;
+      TypedOp s("id.rs." + std::to_string(rop), SHOAL_OP_REDUCESCATTER, SHOAL_FLOAT64, {d0, 2});
+      s.reduce_op = rop;
+      for (size_t i = 0; i < s.count(); ++i) PutValue(SHOAL_FLOAT64, s.x.data(), i, val(r, i, 0) * 2);
+      shoal_op_desc d = s.Desc();
+      std::vector<char> got;
+      st = WaitTake(rt, rt.Enqueue(d), &got);
+      const int64_t rows = d0 / n + (r < d0 % n ? 1 : 0), first = r * (d0 / n) + std::min<int64_t>(r, d0 % n);
+      bool exact = st.ok() && got.size() == static_cast<size_t>(rows * 2) * sizeof(double);
+      for (int64_t i = 0; exact && i < rows * 2; ++i) {
+        double want = 0;
+        for (int q = 0; q < half; ++q) want += val(q, static_cast<size_t>(first * 2 + i), 0) * 2;
+        if (rop == SHOAL_REDUCE_AVERAGE) want /= n;
+        exact = GetValue(SHOAL_FLOAT64, got.data(), static_cast<size_t>(i)) == want;
+      }
+      CHECK(exact, "rank %d reducescatter %s: %s", r, ReduceOpName(rop), st.ok() ? "inexact" : st.message.c_str());
+    }
+    TypedOp t("id.a2a", SHOAL_OP_ALLTOALL, SHOAL_FLOAT32, {n});
+    shoal_op_desc d = t.Desc();
+    st = WaitTake(rt, rt.Enqueue(d));
+    a2a[r] = st.message;
+    const std::string joined = half == 1 ? "rank 1 has joined" : "ranks " + std::to_string(half);
+    CHECK(st.code == SHOAL_MISMATCH && st.message.find(joined) != std::string::npos &&
+              st.message.find("Alltoall is not supported with Join") != std::string::npos,
+          "rank %d: %s", r, st.message.c_str());
+    if (r == 0) {  // completes once every other rank has joined: rank 0 joins last
+      TypedOp last("id.last", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, {1});
+      d = last.Desc();
+      st = WaitTake(rt, rt.Enqueue(d));
+      CHECK(st.ok(), "rank 0: %s", st.message.c_str());
+    }
+    const int got = Join(rt, &st);
+    CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
+  });
+  for (int r = 1; r < half; ++r) CHECK(a2a[r] == a2a[0], "rank %d: %s vs %s", r, a2a[r].c_str(), a2a[0].c_str());
+}
+
 int main() {
   for (int n : {2, 4, 8}) {
     TestUneven(n, 8 << 20);  // fused
     TestUneven(n, 0);        // one allreduce per tensor
     TestWhileJoined(n);
     TestCachedAndLeave(n);
+    TestIdentities(n);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

@@ -1,8 +1,11 @@
 """Horovod's join (core/src/runtime_join.cc) under shoalrun: ranks run different numbers of
 steps; a joined rank contributes zeros to the others' allreduces (Average divides by
-size(), Horovod's divisor); join returns the rank that joined last on every rank; the ops
-Horovod refuses with joined ranks fail the same way everywhere; after join the job runs as
-before. numpy (shoal), torch (shoal.torch with Horovod's names) and TensorFlow eagerly."""
+size(), Horovod's divisor) and reducescatters, the identity to their Min/Max/Product
+allreduces; join returns the rank that joined last on every rank; the ops Horovod refuses
+with joined ranks (broadcast, allgather, alltoall) fail the same way everywhere; after join
+the job runs as before. numpy (shoal), torch (shoal.torch with Horovod's names) and
+TensorFlow eagerly."""
+import functools
 import os
 import time
 
@@ -138,6 +141,73 @@ def a_joined_rank_is_not_stalled():
     if R == 0:
         time.sleep(5)
         expect(shoal.allreduce(np.ones(3), average=False, name="late"), np.ones(3))
+    assert shoal.join() == 0
+
+
+FOLDS = {"Min": np.minimum, "Max": np.maximum, "Product": np.multiply}
+
+
+def signed(r, step, dt, n=5):
+    """Values in [-1, 2]: products over 4 ranks stay exact (float16 included)."""
+    return ((np.arange(n) + r + step) % 4 - 1).astype(dt)
+
+
+def running_fold(op, step, dt):
+    return functools.reduce(FOLDS[op], [signed(q, step, dt) for q in range(N) if step < steps_of(q)])
+
+
+@check
+def min_max_product_and_reducescatter_with_joined_ranks():
+    # A joined rank adds the identity (+inf / max, -inf / lowest, 1) to Min/Max/Product
+    # allreduces and zeros to reducescatters: each result is over the ranks still running.
+    d0 = 2 * N + 1
+    start, rows = R * (d0 // N) + min(R, d0 % N), d0 // N + (1 if R < d0 % N else 0)
+    for step in range(steps_of(R)):
+        for dt, floating in DTYPES:
+            for op in FOLDS:
+                got = shoal.allreduce(signed(R, step, dt), op=getattr(shoal, op), name=f"id.{op}.{dt}")
+                expect(got, running_fold(op, step, dt))
+            x = (np.arange(d0 * 2).reshape(d0, 2) % 7 + R + step).astype(dt)
+            total = sum((np.arange(d0 * 2).reshape(d0, 2) % 7 + q + step).astype("float64")
+                        for q in range(N) if step < steps_of(q))
+            expect(shoal.reducescatter(x, op=shoal.Sum, name=f"id.rs.{dt}"), total[start:start + rows].astype(dt))
+            if floating:  # Average: / size() (Horovod's divisor), half types in float32, rounded once
+                got = shoal.reducescatter(x, name=f"id.rs.avg.{dt}")
+                expect(got, (total[start:start + rows] / N).astype(dt))
+        got = shoal.grouped_allreduce([signed(R, step, "float64"), signed(R, step, "int32")], op=shoal.Min,
+                                      name="id.group")
+        expect(got[0], running_fold("Min", step, "float64"))
+        expect(got[1], running_fold("Min", step, "int32"))
+        got = hvd.allreduce(torch.from_numpy(signed(R, step, "float32")), op=hvd.Product, name="id.t.prod")
+        expect(got.numpy(), running_fold("Product", step, "float32"))
+        if st is not None:
+            got = st.allreduce(tf.constant(signed(R, step, "int64")), op=st.Max, name="id.tf.max")
+            expect(got.numpy(), running_fold("Max", step, "int64"))
+    assert shoal.join() == last_rank()
+
+
+@check
+def alltoall_and_grouped_allgather_fail_while_ranks_are_joined():
+    if N == 1:
+        raise Skip("needs 2 ranks")
+    half = N // 2
+    if R >= half:
+        assert shoal.join() == 0
+        return
+    joined = "rank 1 has joined" if half == 1 else f"ranks {', '.join(map(str, range(half, N)))} have joined"
+    for fn in (lambda: shoal.alltoall(np.ones((N, 2)), name="ja"),
+               lambda: hvd.alltoall(torch.ones(N, 2), name="ja.t"),
+               lambda: shoal.grouped_allgather([np.ones((1, 2)), np.ones(3)], name="jga")):
+        try:
+            fn()
+        except shoal.ShoalError as e:
+            assert joined in str(e) and "join()" in str(e), str(e)
+            if "alltoall" in str(e):
+                assert "Alltoall is not supported with Join" in str(e), str(e)
+        else:
+            raise AssertionError("no error")
+    if R == 0:
+        time.sleep(0.2)  # the last to join
     assert shoal.join() == 0
 
 

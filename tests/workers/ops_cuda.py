@@ -1,4 +1,5 @@
-"""Every op on CUDA tensors (float32, bfloat16) through the host-staged MPI path, exact
+"""Every op on CUDA tensors (float32, bfloat16; alltoall and grouped ops too) through the
+host-staged MPI path or NCCL (SHOAL_GPU_BACKEND), exact
 where the CPU tests are exact; the stream-race check runs 100 times. Several ranks may
 share one GPU (SHOAL_GPU_BACKEND=mpi).
 
@@ -64,6 +65,47 @@ def reducescatter_uneven():
 
 
 @check
+def alltoall_uneven_splits():
+    # NCCL: grouped ncclSend/ncclRecv with every rank (this one too; empty rows skipped);
+    # MPI: staged, MPI_Ialltoallv. Values < 256: exact in bfloat16.
+    def split(r, q):
+        return (r + 2 * q) % 3
+
+    def x_of(r, dt):
+        d0 = sum(split(r, q) for q in range(N))
+        return (torch.arange(d0 * 2).reshape(d0, 2) + 30 * r).to(dt)
+
+    for dt in DTYPES + [torch.int32]:
+        got, received = bf.alltoall(x_of(R, dt).to(DEV), splits=[split(R, q) for q in range(N)], name=f"g.a2a.{dt}")
+        want = []
+        for q in range(N):
+            start = sum(split(q, k) for k in range(R))
+            want.append(x_of(q, dt)[start:start + split(q, R)])
+        assert on_device(got).dtype == dt and torch.equal(got.cpu(), torch.cat(want)), (dt, got, want)
+        assert received.tolist() == [split(q, R) for q in range(N)], received
+    got = on_device(bf.alltoall(torch.full((N, 3), float(R), device=DEV), name="g.a2a.even"))
+    assert torch.equal(got.cpu(), torch.arange(N, dtype=torch.float32).repeat_interleave(3).reshape(N, 3)), got
+
+
+@check
+def grouped_ops():
+    # One negotiation per group; on NCCL each member is its own collective, on MPI the
+    # allreduce members of one dtype are fused.
+    xs = [torch.full((3,), float(R + k), device=DEV).to(dt) for k, dt in enumerate(DTYPES + [torch.float32])]
+    got = bf.grouped_allreduce(xs, op=bf.Sum, name="g.grp.ar")
+    for k, (g, x) in enumerate(zip(got, xs)):
+        assert on_device(g).dtype == x.dtype and torch.equal(g.float().cpu(), torch.full((3,), N * (N - 1) / 2 + N * k))
+    got = bf.grouped_allgather([torch.full((R % 2 + 1, 2), R, device=DEV), torch.full((1,), float(R), device=DEV)],
+                               name="g.grp.ag")
+    assert torch.equal(on_device(got[0]).cpu(), torch.cat([torch.full((r % 2 + 1, 2), r) for r in range(N)])), got
+    assert torch.equal(on_device(got[1]).cpu(), torch.arange(N, dtype=torch.float32)), got
+    d0 = 2 * N + 1
+    rows, start = d0 // N + (1 if R < d0 % N else 0), R * (d0 // N) + min(R, d0 % N)
+    got = bf.grouped_reducescatter([base(torch.float32, d0) * (R + 1)], op=bf.Sum, name="g.grp.rs")
+    assert torch.equal(on_device(got[0]).cpu(), (base(torch.float32, d0).cpu() * (N * (N + 1) // 2))[start:start + rows])
+
+
+@check
 def inplace_nonblocking_and_fused():
     x = torch.full((3,), float(R), device=DEV)
     h = bf.allreduce_nonblocking_(x, average=False, name="g.inplace")
@@ -98,7 +140,8 @@ def gpu_backend_carries_collectives():
     bf.allreduce(torch.ones(3), name="g.count.ar")
     bf.broadcast(torch.ones(3), 0, name="g.count.bc")
     bf.allgather(torch.ones(1, 2), name="g.count.ag")
-    want = 3 if os.environ.get("SHOAL_GPU_BACKEND") == "nccl" else 0
+    bf.alltoall(torch.ones(N, 2), name="g.count.a2a")  # one grouped send/recv
+    want = 4 if os.environ.get("SHOAL_GPU_BACKEND") == "nccl" else 0
     assert calls() - before == want, (calls() - before, want)
 
 

@@ -221,12 +221,49 @@ def every_reduce_op_and_dtype_in_a_set():
 
 
 @check
+def alltoall_and_grouped_ops_in_a_set():
+    me, mates = MINE.rank(), MINE.ranks
+    for dt in ("int32", "float64"):
+        # Member i sends i + 1 + j rows of 10 * rank + j to member j (splits by position in the set).
+        splits = [me + 1 + j for j in range(2)]
+        rows = np.concatenate([np.full((s, 2), 10 * R + j) for j, s in enumerate(splits)])
+        out, received = hvd.alltoall(tensor(rows, dt), splits=splits, name=f"set.a2a.{dt}", process_set=MINE)
+        want = np.concatenate([np.full((i + 1 + me, 2), 10 * q + me) for i, q in enumerate(mates)])
+        assert np.array_equal(array(out), in_dtype(want, dt)), (dt, array(out), want)
+        assert list(array(received)) == [i + 1 + me for i in range(2)], array(received)
+    ints, floats = hvd.grouped_allreduce([tensor(value(R), "int64"), tensor(value(R), "float32")], op=hvd.Sum,
+                                         name="set.grp.ar", process_set=MINE)
+    total = value(mates[0]) + value(mates[1])
+    assert np.array_equal(array(ints), total) and np.array_equal(array(floats), total.astype("float32")), total
+    rows, ids = hvd.grouped_allgather([tensor(np.full((R + 1, 2), R), "int16"), tensor(np.array([R]), "float64")],
+                                      name="set.grp.ag", process_set=MINE)
+    assert np.array_equal(array(rows), np.concatenate([np.full((q + 1, 2), q) for q in mates]).astype("int16"))
+    assert np.array_equal(array(ids), np.array(mates, "float64")), array(ids)
+    (part,) = hvd.grouped_reducescatter([tensor(np.arange(6).reshape(3, 2) * (R + 1), "float64")], op=hvd.Sum,
+                                        name="set.grp.rs", process_set=MINE)
+    total = np.arange(6).reshape(3, 2) * (mates[0] + mates[1] + 2)
+    assert np.array_equal(array(part), total[:2] if me == 0 else total[2:]), array(part)
+    if FW == "torch":  # the gradients run in the same set
+        x = torch.full((3,), float(R), requires_grad=True)
+        (y,) = hvd.grouped_allreduce([x], op=hvd.Sum, name="set.grp.grad", process_set=MINE)
+        ((R + 1) * y.sum()).backward()
+        assert torch.equal(x.grad, torch.full((3,), float(mates[0] + mates[1] + 2))), x.grad
+        x = torch.zeros((3, 2), requires_grad=True)
+        out, _ = hvd.alltoall(x, splits=[1 + me, 2 - me], name="set.a2a.grad", process_set=MINE)
+        ((R + 1) * out).sum().backward()  # rows sent to member j come back scaled by its rank + 1
+        want = np.concatenate([np.full((s, 2), q + 1.0) for s, q in zip([1 + me, 2 - me], mates)])
+        assert np.array_equal(x.grad.numpy(), want.astype("float32")), x.grad
+
+
+@check
 def non_members_and_bad_roots_refused():
     x = tensor(np.ones(2), "float32")
     calls = {"allreduce": lambda: hvd.allreduce(x, name="refused", process_set=OTHER),
              "broadcast": lambda: hvd.broadcast(x, OTHER.ranks[0], name="refused", process_set=OTHER),
              "allgather": lambda: hvd.allgather(x, name="refused", process_set=OTHER),
-             "reducescatter": lambda: hvd.reducescatter(x, name="refused", process_set=OTHER)}
+             "reducescatter": lambda: hvd.reducescatter(x, name="refused", process_set=OTHER),
+             "alltoall": lambda: hvd.alltoall(x, name="refused", process_set=OTHER),
+             "grouped_allreduce": lambda: hvd.grouped_allreduce([x, x], name="refused.g", process_set=OTHER)}
     for op, call in calls.items():
         try:
             call()

@@ -2,7 +2,7 @@
 
 `import horovod.tensorflow.keras as hvd` scripts run with `import shoal.keras as hvd`
 (issue 17): `init`, `shutdown`, `rank`, `size`, `local_rank`, `local_size`, `cross_rank`,
-`cross_size`, `is_initialized`, the `*_built()` facts, `allreduce`/`allgather`/`broadcast`
+`cross_size`, `is_initialized`, the `*_built()` facts, `allreduce`/`allgather`/`broadcast`/`alltoall`
 (Horovod's Keras signatures, over the shoal.tensorflow kernels), `broadcast_object`,
 `DistributedOptimizer` (gradient allreduce before a Keras 3 optimizer's `apply`;
 `_optimizer.py`), `load_model`, `Compression`, process sets (`ProcessSet`,
@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from shoal.basics import (ShoalError, init, is_homogeneous, is_initialized, local_rank,  # noqa: F401
                           local_size, mpi_threads_supported, nccl_built, rank, shutdown, size)
+from shoal.tensorflow import _horovod_ops as _tf_ops_more
 from shoal.tensorflow import ops as _tf_ops
 from shoal.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from shoal.tensorflow._horovod import *  # noqa: F401,F403
@@ -59,6 +60,14 @@ def allgather(value, name=None, process_set=global_process_set):
     return _tf_ops.allgather(tf.convert_to_tensor(value), name=name, process_set=process_set)
 
 
+def alltoall(value, splits=None, name=None, process_set=global_process_set):
+    """Horovod's `alltoall` for a tensor-compatible value: rank r sends splits[q] rows of
+    dim 0 to each rank q (without `splits`, dim 0 / size() each) and gets every rank's rows
+    for it in rank order — the tf.Tensor, or (tensor, received_splits) when `splits` is
+    given (`shoal.tensorflow.alltoall`)."""
+    return _tf_ops_more.alltoall(tf.convert_to_tensor(value), splits, name=name, process_set=process_set)
+
+
 def broadcast(value, root_rank, name=None, process_set=global_process_set):
     """Horovod's Keras `broadcast`: root_rank's value on every rank, as a tf.Tensor."""
     return _tf_ops.broadcast(tf.convert_to_tensor(value), root_rank, name=name, process_set=process_set)
@@ -82,7 +91,7 @@ def broadcast_global_variables(root_rank):
 
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "mpi_threads_supported", "nccl_built", "is_homogeneous", "ShoalError", "allreduce", "allgather",
+           "mpi_threads_supported", "nccl_built", "is_homogeneous", "ShoalError", "allreduce", "allgather", "alltoall",
            "broadcast", "reducescatter", "broadcast_object", "allgather_object", "broadcast_global_variables",
            "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "SyncBatchNormalization",
            "DistributedAdaptWithCombineOptimizer", "DistributedAdaptThenCombineOptimizer", "ConsensusControl",

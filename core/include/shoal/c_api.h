@@ -37,8 +37,12 @@ typedef enum { SHOAL_DEVICE_CPU = 0, SHOAL_DEVICE_CUDA = 1 } shoal_device_type;
 typedef enum {
   SHOAL_OP_ALLREDUCE = 0, SHOAL_OP_BROADCAST = 1, SHOAL_OP_ALLGATHER = 2,
   SHOAL_OP_BARRIER = 3, SHOAL_OP_NEIGHBOR_ALLREDUCE = 4, SHOAL_OP_NEIGHBOR_ALLGATHER = 5,
-  SHOAL_OP_REDUCESCATTER = 6, SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE = 8
+  SHOAL_OP_REDUCESCATTER = 6, SHOAL_OP_ALLTOALL = 7, SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE = 8
 } shoal_op_type;
+
+/* Or'ed into the op code of a grouped op (shoal_enqueue_group): e.g. the op passed to
+ * shoal_reject for a grouped allreduce refused at the call. */
+#define SHOAL_GROUPED 0x100
 
 typedef enum { SHOAL_SCOPE_WORLD = 0, SHOAL_SCOPE_MACHINE = 1 } shoal_scope;
 
@@ -107,6 +111,13 @@ typedef struct {
    * rank in the set; reducescatter splits over the set's ranks in ascending order, and
    * allgather concatenates in that order. Neighbor ops and machine scope: 0 only. */
   int32_t process_set;
+  /* alltoall (Horovod's): splits[q] rows of dim 0 go to rank q, in order (n_splits ==
+   * size, non-negative, summing to dim 0); n_splits == 0: dim 0 / size rows each (dim 0
+   * must divide). Ranks agree on dtype and the dimensions after the first. The
+   * core-allocated result is the rows every rank sent here, concatenated along dim 0 in
+   * rank order; shoal_received_splits says how many came from each rank. */
+  int32_t n_splits;
+  const int64_t* splits;
 } shoal_op_desc;
 
 int shoal_init(char* err, size_t err_len);
@@ -185,9 +196,11 @@ int shoal_topology_plan(int graph, int32_t capacity, int32_t* recv, double* recv
 /* Queues an op; it may also start it on the calling thread (one communication cycle). */
 int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t err_len);
 /* Horovod's join: this rank has run out of data (semantics: shoal.join() in shoal/_ops.py).
- * Until every rank has joined it takes part in the other ranks' allreduces (Sum and Average,
- * contributing zeros; Average still divides by the number of ranks) and barriers; their
- * broadcasts, allgathers and neighbor ops with it fail with an error naming the joined ranks.
+ * Until every rank has joined it takes part in the other ranks' allreduces (contributing
+ * the identity of the reduction: zeros for Sum and Average, whose divisor stays the number
+ * of ranks; the dtype's largest value (+inf) for Min, its lowest (-inf) for Max, 1 for
+ * Product), reducescatters (zeros) and barriers; their broadcasts, allgathers, alltoalls
+ * and neighbor ops with it fail with an error naming the joined ranks.
  * Completes when the last rank joins: shoal_take_result then gives that rank as one int32
  * (ndim 0). Ops enqueued on this rank while its join is in flight are refused. */
 int shoal_enqueue_join(int64_t* handle, char* err, size_t err_len);
@@ -198,6 +211,17 @@ int shoal_enqueue_join(int64_t* handle, char* err, size_t err_len);
 typedef void (*shoal_callback)(int64_t handle, int status, const char* message, void* arg);
 int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callback, void* arg,
                                 int64_t* handle, char* err, size_t err_len);
+/* A grouped op (Horovod's grouped_allreduce, grouped_allgather, grouped_reducescatter):
+ * n ops of one type (descs[i].op: allreduce, allgather or reducescatter; descs[i].name is
+ * ignored) negotiated as one unit named `name` (NULL or "": a generated name, counted per
+ * op type). Either all of them run, allreduces fused where they can be, or all fail with
+ * the same error: a bad argument in any desc refuses them all here (and on every rank
+ * that submits the group), a disagreement across ranks on the number of ops or on any
+ * member fails every member everywhere. Member i is named "<name>[i]" (timeline, errors).
+ * handles receives n handles, one per member, each waited and released as usual;
+ * `callback`, if not NULL, is called for each member with args[i] (args may be NULL). */
+int shoal_enqueue_group(const char* name, const shoal_op_desc* descs, int32_t n, shoal_callback callback,
+                        void* const* args, int64_t* handles, char* err, size_t err_len);
 /* 1 when complete, 0 while pending, -SHOAL_UNKNOWN_HANDLE for an unknown handle. */
 int shoal_poll(int64_t handle);
 /* 1 while the core may still read or write the op's tensors (running, or failed while a
@@ -211,10 +235,13 @@ int shoal_wait(int64_t handle, char* err, size_t err_len);
 /* As shoal_wait, but returns SHOAL_TIMEOUT after `timeout_ms` if the op is still
  * running (so a binding can check for Ctrl-C between waits). */
 int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t err_len);
-/* Results the core allocated (allgather, reducescatter, neighbor_allgather): ownership moves to the caller, who frees
+/* Results the core allocated (allgather, reducescatter, alltoall, neighbor_allgather): ownership moves to the caller, who frees
  * the buffer with shoal_free_buffer. shape must hold 32 entries. */
 int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape);
 void shoal_free_buffer(void* data);
+/* A completed alltoall: the rows received from each rank (in rank order) into splits
+ * (capacity entries); *n is the number of ranks. */
+int shoal_received_splits(int64_t handle, int64_t* splits, int32_t capacity, int32_t* n);
 int shoal_release(int64_t handle);
 
 /* User activities on the timeline (SHOAL_TIMELINE): a span named `activity` on the

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -201,6 +202,26 @@ class MpiGroup : public GroupCollectives {
                      });
   }
 
+  void Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                 const std::vector<int64_t>& recv_counts, int dtype, Callback done) override {
+    // counts and displacements: send, then receive (MPI reads them until completion)
+    auto v = std::make_shared<std::array<std::vector<int>, 4>>();
+    Callback keep_alive = [v, done = std::move(done)](const Status& s) { done(s); };
+    requests_->Start(Op{{}, std::move(keep_alive), "MPI_Ialltoallv"}, [&](MPI_Request* r) {
+      for (int k = 0; k < 2; ++k) {
+        const std::vector<int64_t>& counts = k ? recv_counts : send_counts;
+        int64_t off = 0;
+        for (int64_t c : counts) {
+          (*v)[2 * k].push_back(CheckedCount(c));
+          (*v)[2 * k + 1].push_back(CheckedCount(off));
+          off += c;
+        }
+      }
+      return MPI_Ialltoallv(send, (*v)[0].data(), (*v)[1].data(), MoveType(dtype), recv, (*v)[2].data(),
+                            (*v)[3].data(), MoveType(dtype), comm_, r);
+    });
+  }
+
   void Barrier(Callback done) override {
     requests_->Start(Op{{}, std::move(done), "MPI_Ibarrier"},
                      [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
@@ -343,6 +364,10 @@ class MpiBackend : public Backend {
   void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
                      Callback done) override {
     world_->ReduceScatter(send, recv, counts, dtype, reduce_op, std::move(done));
+  }
+  void Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                 const std::vector<int64_t>& recv_counts, int dtype, Callback done) override {
+    world_->Alltoallv(send, send_counts, recv, recv_counts, dtype, std::move(done));
   }
   void Barrier(Callback done) override { world_->Barrier(std::move(done)); }
 
