@@ -303,6 +303,15 @@ def check_build():
         print(f"tensorflow binding: usable (tensorflow {tf.__version__})")
     except ImportError as exc:
         print(f"tensorflow binding: not usable ({str(exc).splitlines()[0]})")
+    gpu_report()
+    print(f"CUDA devices: {'available to torch' if cuda else 'none visible to torch'}")
+    return 0
+
+
+def gpu_report():
+    """Print --check-build's GPU lines: the CUDA plugin, NCCL, CUDA-aware MPI and the data
+    paths the settings (SHOAL_CUDA_PLUGIN, SHOAL_GPU_BACKEND, SHOAL_CUDA_AWARE_MPI) select."""
+    from shoal._loader import _core
     built, what = _core.gpu_support()
     # "CUDA kernels: built (...)" is what CI looks for; the plugin loads without a GPU.
     print(f"CUDA kernels: {'built' if built else 'not built'} ({what})")
@@ -334,8 +343,6 @@ def check_build():
         paths = ("neighbor ops from device memory by CUDA-aware MPI" if aware
                  else "neighbor ops staged through pinned host memory") + "; collectives staged through host memory"
     print(f"GPU data paths (SHOAL_GPU_BACKEND={backend}): {paths}")
-    print(f"CUDA devices: {'available to torch' if cuda else 'none visible to torch'}")
-    return 0
 
 
 def main(argv=None):

@@ -52,7 +52,11 @@ def _run(np_, script, args, env, timeout):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
-    return proc.returncode, out, time.monotonic() - start
+    secs = time.monotonic() - start
+    if os.environ.get("SHOAL_TEST_JOB_LOG"):  # where the suite's time goes: one line per job
+        with open(os.environ["SHOAL_TEST_JOB_LOG"], "a") as log:
+            log.write(f"{secs:8.1f} {np_} {script} {' '.join(map(str, args))} {sorted((env or {}).items())}\n")
+    return proc.returncode, out, secs
 
 
 def run_ranks(np_, script, *args, env=None, timeout=120):

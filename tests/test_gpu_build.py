@@ -1,20 +1,11 @@
-"""GPU support on a machine without a GPU: the build reports the CUDA plugin, a CUDA
+"""GPU support on a machine without a GPU (--check-build's GPU lines: test_launcher.py): a CUDA
 tensor gives a clear ValueError (not a crash), and shoalrun's rank -> GPU binding."""
-import os
 import subprocess
 import sys
 
 import pytest
 
 from shoal.launcher import rank as rank_wrapper
-
-
-def test_check_build_reports_gpu_support():
-    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "--check-build"], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    assert "CUDA kernels: " in out and "NCCL backend: " in out, out
-    if os.environ.get("SHOAL_EXPECT_CUDA_BUILD") == "1":  # CI builds with nvcc + NCCL headers
-        assert "CUDA kernels: built" in out and "NCCL backend: built" in out, out
 
 
 def test_cuda_tensor_without_usable_gpu_is_a_value_error():

@@ -22,12 +22,15 @@ def _run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, **kw)
 
 
-def test_check_build_reports_mpich_from_pypi_and_torch():
+def test_check_build_reports_mpich_from_pypi_torch_and_gpu_support():
     out = _run([sys.executable, "-m", "shoal.launcher.run", "--check-build"])
     assert out.returncode == 0, out.stderr
     assert "MPICH" in out.stdout and "from PyPI" in out.stdout, out.stdout
     if importlib.util.find_spec("torch") is not None:  # without torch the rest still counts
         assert "torch binding: usable" in out.stdout, out.stdout
+    assert "CUDA kernels: " in out.stdout and "NCCL backend: " in out.stdout, out.stdout
+    if os.environ.get("SHOAL_EXPECT_CUDA_BUILD") == "1":  # CI builds with nvcc + NCCL headers
+        assert "CUDA kernels: built" in out.stdout and "NCCL backend: built" in out.stdout, out.stdout
 
 
 def test_shoalrun_allreduce_prints_sum_on_every_rank():

@@ -1,6 +1,6 @@
 """The GPU code path on CPUs, through the fake device plugin (SHOAL_CUDA_PLUGIN=fake; DESIGN
 decision 12): the GPU suite (tests/workers/ops_cuda.py, on CPU tensors marked as device
-tensors with SHOAL_FAKE_DEVICE=1) at 2, 4 and 8 ranks with both GPU backends; the fake's
+tensors with SHOAL_FAKE_DEVICE=1) with NCCL at 2, 4 and 8 ranks and the MPI backend at 4; the fake's
 NCCL rules (tests/workers/fake_nccl.py); the CPU neighbor suite (tests/workers/neighbor.py)
 on fake-device tensors with every GPU backend (tests/workers/neighbor_device.py); the fake's
 streams, events and memory, called here.
@@ -22,9 +22,13 @@ def _outcome(np_, script, env, name, timeout):
     Job(np_, script, env=env, timeout=timeout).check(name)
 
 
+# NCCL, with ordering rules of its own, at 2, 4 and 8 ranks; the MPI backend (host staging)
+# at 4, as in NEIGHBOR_SETTINGS below (the suite's CPU half runs at 1-8 ranks in test_ops.py).
+GPU_SETTINGS = [(2, "nccl"), (4, "nccl"), (8, "nccl"), (4, "mpi")]
+
+
 @pytest.mark.parametrize("check", _checks("ops_cuda.py"))
-@pytest.mark.parametrize("backend", ["mpi", "nccl"])
-@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("ranks,backend", GPU_SETTINGS)
 def test_gpu_suite_on_fake_devices(ranks, backend, check):
     pytest.importorskip("torch")
     env = {"SHOAL_CUDA_PLUGIN": "fake", "SHOAL_FAKE_DEVICE": "1", "SHOAL_GPU_BACKEND": backend}
@@ -61,9 +65,15 @@ def test_fake_nccl_rules(check):
     _outcome(3, "fake_nccl.py", env, check, timeout=120)
 
 
+def _gpu_report(env):
+    """--check-build's GPU lines (launcher/run.py gpu_report) under `env`, in a fresh process
+    (the plugin is chosen at its first load); tests/test_gpu_build.py runs the whole report."""
+    return subprocess.run([sys.executable, "-c", "from shoal.launcher.run import gpu_report; gpu_report()"],
+                          capture_output=True, text=True, timeout=120, check=True, env={**os.environ, **env}).stdout
+
+
 def test_check_build_names_the_fake_plugin():
-    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "--check-build"], capture_output=True, text=True,
-                         timeout=120, check=True, env={**os.environ, "SHOAL_CUDA_PLUGIN": "fake"}).stdout
+    out = _gpu_report({"SHOAL_CUDA_PLUGIN": "fake"})
     assert "CUDA plugin: fake" in out and "libshoal_cuda_fake.so" in out, out
     assert "CUDA kernels: built (fake CPU devices" in out and "NCCL backend: built" in out, out
     assert "CUDA-aware MPI: no: the fake plugin says so" in out, out
@@ -77,8 +87,7 @@ def test_check_build_names_the_fake_plugin():
     ({"SHOAL_GPU_BACKEND": "nccl"}, "GPU data paths (SHOAL_GPU_BACKEND=nccl): collectives and neighbor ops by NCCL"),
 ])
 def test_check_build_reports_the_gpu_data_path(env, line):
-    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "--check-build"], capture_output=True, text=True,
-                         timeout=120, check=True, env={**os.environ, "SHOAL_CUDA_PLUGIN": "fake", **env}).stdout
+    out = _gpu_report({"SHOAL_CUDA_PLUGIN": "fake", **env})
     assert line in out, out
 
 
