@@ -151,3 +151,9 @@ class Job:
         assert rc == 0, f"{self.title} exited {rc}" + (f"; failed checks (each an item of its own): {', '.join(failed)}"
                                                       if failed else f":\n{out[-6000:]}")
         return out
+
+
+def pytest_collection_modifyitems(items):
+    """The sanitized C++ unit-test build (test_core_cpp.py) keeps one worker busy for minutes:
+    it goes first, not last, so the other worker's jobs overlap it (the order is otherwise kept)."""
+    items.sort(key=lambda item: item.path.name != "test_core_cpp.py")
