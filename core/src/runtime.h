@@ -114,6 +114,8 @@ class Runtime {
   void Leave();
   // "rank 1 left the job (...)" once some peer left, else "" (any thread).
   std::string LeftRanksMessage() const;
+  static std::string LeftMessage(const std::vector<int>& ranks);  // "ranks 0, 2 left the job (...)"
+  std::vector<int> LeftMembers(const Entry& e) const;  // ranks of e's set (or every rank) that left
   int Poll(int64_t handle);
   // 1 while the op's tensors may still be read or written (see shoal_in_use).
   int InUse(int64_t handle);

@@ -87,14 +87,15 @@ void Runtime::RouteGroupMember(const EntryPtr& e, std::vector<Request>* to_coord
   const std::string group = e->group;  // its key in the per-name tables
   const std::string shown = parts[0]->name.substr(0, parts[0]->name.rfind('['));  // the group's own name
   const int gop = SHOAL_GROUPED | e->sig.op;
-  // A refusal of this call on another rank, or a rank that left: every member fails.
+  // A refusal of this call on another rank, or a rank of its set that left: every member fails.
   Status st;
   auto rej = rejections_.find(group);
   if (rej != rejections_.end() && rej->second.step == e->group_step) {
     st = Status::Error(rej->second.code, rej->second.error);
     rejections_.erase(rej);
   } else if (any_left_) {
-    st = Status::Error(SHOAL_ABORTED, std::string(OpName(gop)) + " '" + shown + "': " + LeftRanksMessage());
+    const std::vector<int> gone = LeftMembers(*e);
+    if (!gone.empty()) st = Status::Error(SHOAL_ABORTED, std::string(OpName(gop)) + " '" + shown + "': " + LeftMessage(gone));
   }
   if (!st.ok()) {
     std::vector<EntryPtr> members = std::move(parts);

@@ -118,15 +118,23 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
       if (k < e->send_weights.size()) e->send_weights.erase(e->send_weights.begin() + k);
     }
   } else {  // every rank (of its process set) takes part in a collective and in a negotiation
-    for (size_t r = 0; r < peer_left_.size(); ++r)
-      if (peer_left_[r] && (!e->pset || e->pset->Has(static_cast<int>(r)))) gone.push_back(static_cast<int>(r));
+    gone = LeftMembers(*e);
   }
   if (gone.empty()) return false;
-  Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " +
-                                             (gone.size() == 1 ? "rank " : "ranks ") + Ranks(gone) +
-                                             " left the job (script ended, sys.exit or shoal.shutdown()) "
-                                             "before taking part in this op"));
+  Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': " + LeftMessage(gone)));
   return true;
+}
+
+std::vector<int> Runtime::LeftMembers(const Entry& e) const {
+  std::vector<int> gone;
+  for (size_t r = 0; r < peer_left_.size(); ++r)
+    if (peer_left_[r] && (!e.pset || e.pset->Has(static_cast<int>(r)))) gone.push_back(static_cast<int>(r));
+  return gone;
+}
+
+std::string Runtime::LeftMessage(const std::vector<int>& ranks) {
+  return (ranks.size() == 1 ? "rank " : "ranks ") + Ranks(ranks) +
+         " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
 }
 
 std::string Runtime::LeftRanksMessage() const {
@@ -134,8 +142,7 @@ std::string Runtime::LeftRanksMessage() const {
   if (left_ranks_.empty()) return "";
   std::vector<int> ranks = left_ranks_;
   std::sort(ranks.begin(), ranks.end());
-  return (ranks.size() == 1 ? "rank " : "ranks ") + Ranks(ranks) +
-         " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
+  return LeftMessage(ranks);
 }
 
 void Runtime::OnLeave(int rank) {

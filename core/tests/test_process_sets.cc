@@ -354,6 +354,26 @@ static void TestLeaverAndDeath() {
           Status st = c.Run(rt);
           CHECK(st.ok() && c.out == Fill(40 + 2 * k, 2), "rank %d step %d: %s", r, k, st.message.c_str());
         }
+        // A grouped op of the odd set: a rank of another set that left is no member of it.
+        Call a(SHOAL_OP_ALLREDUCE, "", Fill(r, 2), odd), b(SHOAL_OP_ALLREDUCE, "", Fill(2 * r, 3), odd);
+        std::vector<shoal_op_desc> d(2);
+        for (Call* c : {&a, &b}) {
+          c->shape = {static_cast<int64_t>(c->x.size())};
+          c->out.assign(c->x.size(), 0.0);
+          shoal_op_desc& one = d[c == &a ? 0 : 1];
+          one.op = SHOAL_OP_ALLREDUCE;
+          one.input = {c->x.data(), SHOAL_FLOAT64, 1, c->shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
+          one.output = one.input;
+          one.output.data = c->out.data();
+          one.reduce_op = SHOAL_REDUCE_SUM;
+          one.process_set = odd;
+        }
+        std::vector<int64_t> h = rt.EnqueueGroup("g", d.data(), 2, nullptr, nullptr);
+        a.handle = h[0];
+        b.handle = h[1];
+        Status sa = a.Wait(rt), sb = b.Wait(rt);
+        CHECK(sa.ok() && sb.ok() && a.out == Fill(4, 2) && b.out == Fill(8, 3), "rank %d group: %s %s", r,
+              sa.message.c_str(), sb.message.c_str());
         if (r == 3) {
           Call c(SHOAL_OP_ALLREDUCE, "y", Fill(1, 2), led);  // its leader left
           Status st = c.Run(rt);
