@@ -11,7 +11,9 @@ import sys
 
 import numpy as np
 
+import a2a_expect
 import shoal
+from a2a_expect import rows, split
 from checks import Skip, check, raises, run_all
 
 shoal.init()
@@ -20,24 +22,8 @@ DTYPES = ["int8", "uint8", "int16", "int32", "int64", "float16", "float32", "flo
 FOLDS = {"Min": np.minimum, "Max": np.maximum, "Product": np.multiply}
 
 
-def rows(r, d0, width=3):
-    """Rank r's [d0, width] input: small integers (exact in every dtype), unique per (r, row)."""
-    return ((r * 37 + np.arange(d0)[:, None] * 3 + np.arange(width)) % 97).astype("int64")
-
-
-def split(r, q):
-    """Rows rank r sends to rank q in the uneven pattern (some zero)."""
-    return (r + 2 * q) % 3
-
-
 def received(r, splits_of, d0_of, width=3):
-    """What rank r receives: each rank q's rows for r, in rank order."""
-    parts = []
-    for q in range(N):
-        s = [splits_of(q, k) for k in range(N)]
-        start = sum(s[:r])
-        parts.append(rows(q, d0_of(q), width)[start:start + s[r]])
-    return np.concatenate(parts)
+    return a2a_expect.received(r, N, splits_of, d0_of, width)
 
 
 def same_everywhere(msg, strip=""):

@@ -12,8 +12,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import a2a_expect  # noqa: E402
 import shoal.keras as hvd_keras  # noqa: E402
 import shoal.tensorflow as hvd  # noqa: E402
+from a2a_expect import rows, split  # noqa: E402
 from checks import Skip, check, raises, run_all  # noqa: E402
 
 hvd.init()
@@ -22,20 +24,8 @@ DTYPES = [tf.int8, tf.uint8, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.flo
 NP_FOLDS = {"Sum": np.add, "Min": np.minimum, "Max": np.maximum, "Product": np.multiply}
 
 
-def rows(r, d0, width=3):
-    return (r * 37 + np.arange(d0)[:, None] * 3 + np.arange(width)) % 97
-
-
-def split(r, q):
-    return (r + 2 * q) % 3
-
-
 def received(r, splits_of, d0_of, width=3):
-    parts = []
-    for q in range(N):
-        s = [splits_of(q, k) for k in range(N)]
-        parts.append(rows(q, d0_of(q), width)[sum(s[:r]):sum(s[:r]) + s[r]])
-    return np.concatenate(parts)
+    return a2a_expect.received(r, N, splits_of, d0_of, width)
 
 
 def as_tf(a, dt):

@@ -11,7 +11,9 @@ import sys
 
 import torch
 
+import a2a_expect
 import shoal.torch as hvd
+from a2a_expect import split
 from checks import Skip, check, raises, run_all
 
 hvd.init()
@@ -22,20 +24,11 @@ FOLDS = {"Sum": torch.add, "Min": torch.minimum, "Max": torch.maximum, "Product"
 
 
 def rows(r, d0, width=3):
-    """Rank r's [d0, width] input: small integers (exact in every dtype), unique per (r, row)."""
-    return (r * 37 + torch.arange(d0)[:, None] * 3 + torch.arange(width)) % 97
-
-
-def split(r, q):
-    return (r + 2 * q) % 3
+    return torch.from_numpy(a2a_expect.rows(r, d0, width))
 
 
 def received(r, splits_of, d0_of, width=3):
-    parts = []
-    for q in range(N):
-        s = [splits_of(q, k) for k in range(N)]
-        parts.append(rows(q, d0_of(q), width)[sum(s[:r]):sum(s[:r]) + s[r]])
-    return torch.cat(parts)
+    return torch.from_numpy(a2a_expect.received(r, N, splits_of, d0_of, width))
 
 
 def as_dtype(t, dt):
