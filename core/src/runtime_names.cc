@@ -78,7 +78,7 @@ void Runtime::Propose(const EntryPtr& y, Request* req) {
     std::nth_element(idle.begin(), idle.begin() + excess, idle.end());
     idle.resize(excess);
   }
-  if (idle.empty()) return Later();
+  if (idle.empty()) return;
   auto& mine = proposed_[y->set];
   for (auto& [last_use, key] : idle) {
     InSet(*key, y->set, &name);
