@@ -1,12 +1,9 @@
 """A long run of fresh unnamed ops keeps the Python side's state and memory flat: the
 helpers that generate names (hierarchical ops, rank inference, topology checks) reuse a
 bounded set, and shutdown() resets every piece of per-process state (shoal._process)."""
-import os
 import subprocess
 import sys
 import textwrap
-
-import pytest
 
 SCRIPT = textwrap.dedent("""
     import gc, tracemalloc
@@ -57,11 +54,10 @@ def test_fresh_unnamed_ops_keep_memory_flat():
 
 
 NAMED = textwrap.dedent("""
-    import os
     import numpy as np
     import shoal
 
-    LIMIT = int(os.environ["SHOAL_NAME_LIMIT"])  # op names the core keeps before retiring idle ones
+    LIMIT = 16384  # op names the core keeps before retiring idle ones (Config::name_limit)
 
     def rss_kib():
         with open("/proc/self/statm") as f:
@@ -94,11 +90,8 @@ NAMED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("limit", [1024, 16384])
-def test_fresh_op_names_keep_the_name_tables_bounded(limit):
-    """A script that names each op after its step (6 x SHOAL_NAME_LIMIT fresh names, at a
-    small limit and at the default): the core retires idle names (core/src/runtime_names.cc),
-    so its per-name tables and memory stay flat."""
-    env = dict(os.environ, SHOAL_NAME_LIMIT=str(limit))
-    out = subprocess.run([sys.executable, "-c", NAMED], capture_output=True, text=True, timeout=600, env=env)
+def test_fresh_op_names_keep_the_name_tables_bounded():
+    """A script that names each op after its step (6 x 16384 fresh names): the core retires
+    idle names (core/src/runtime_names.cc), so its per-name tables and memory stay flat."""
+    out = subprocess.run([sys.executable, "-c", NAMED], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "bounded" in out.stdout, out.stdout + out.stderr

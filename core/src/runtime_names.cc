@@ -97,14 +97,11 @@ void Runtime::Vote(const Response& r) {
   vote.set = r.set;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::map<std::string, int64_t> mine;  // this rank's proposal on file (there is one)
     auto filed = proposed_.find(r.set);
-    if (filed != proposed_.end()) {
-      mine = std::move(filed->second);
-      proposed_.erase(filed);
-    }
+    if (filed == proposed_.end()) return;  // (a removed set's)
+    const std::map<std::string, int64_t> mine = std::move(filed->second);
+    proposed_.erase(filed);
     if (r.retired.empty()) return Later();  // no name every rank proposed: no vote
-    // Every rank votes, with the names it froze (possibly none): the others wait for it.
     for (auto& n : std::set<std::string>(r.retired.begin(), r.retired.end())) {
       auto calls = mine.find(n);
       const std::string key = SetKey(r.set, n);
