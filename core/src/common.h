@@ -53,9 +53,6 @@ constexpr int kOpJoin = 100;
 // Process sets' agreement and creation on the progress driver (process_sets.cc): an op of
 // the runtime only.
 constexpr int kOpSetControl = 101;
-// The vote that retires idle op names (runtime_names.cc): an op of the runtime and the
-// coordinator only.
-constexpr int kOpRetire = 102;
 const char* ReduceOpName(int reduce_op);  // "Sum", "Average", "Min", "Max", "Product"
 bool IsFloating(int dtype);
 std::string ShapeString(const std::vector<int64_t>& shape);

@@ -94,40 +94,6 @@ static void TestUneven(int n, int64_t fusion) {
   });
 }
 
-// Fresh names past a name limit of 16 while ranks join one after another (rank r after
-// 20 + 8r steps; no name is retired while a rank is joined), then 40 more steps on every
-// rank: exact sums over the ranks still running, and as many names retired on every rank.
-static void TestFreshNames(int n) {
-  g_case = "fresh names and join n=" + std::to_string(n);
-  Config cfg = TestConfig(8 << 20);
-  cfg.name_limit = 16;
-  Job job(n, cfg, 43 + n);
-  auto steps = [](int r) { return 20 + 8 * r; };
-  std::vector<int64_t> retired(n);
-  job.Run([&](int r, Runtime& rt) {
-    auto run = [&](int s, const std::function<bool(int)>& running) {
-      AllreduceOp op;
-      op.name = "j." + std::to_string(s);
-      op.x = Data(r, s, 3);
-      op.Enqueue(rt);
-      Status st = op.Wait(rt);
-      std::vector<double> want(3, 0.0);
-      for (int q = 0; q < n; ++q)
-        if (running(q))
-          for (size_t i = 0; i < 3; ++i) want[i] += Data(q, s, 3)[i];
-      CHECK(st.ok() && op.out == want, "rank %d step %d: %s", r, s, st.message.c_str());
-    };
-    for (int s = 0; s < steps(r); ++s) run(s, [&](int q) { return s < steps(q); });
-    Status st;
-    CHECK(Join(rt, &st) == n - 1 && st.ok(), "rank %d: join: %s", r, st.message.c_str());
-    for (int s = 1000; s < 1040; ++s) run(s, [](int) { return true; });
-    retired[r] = rt.stats().names_retired;
-  });
-  for (int r = 0; r < n; ++r)
-    CHECK(retired[r] > 0 && retired[r] == retired[0], "rank %d retired %lld names, rank 0 %lld", r,
-          static_cast<long long>(retired[r]), static_cast<long long>(retired[0]));
-}
-
 // While ranks [n/2, n) are joined: broadcast and allgather fail with the same error on every
 // rank still running, naming the joined ranks (as in Horovod); neighbor ops with a joined
 // peer fail naming it; the running ranks' disagreeing shapes are a mismatch as usual; a
@@ -411,7 +377,6 @@ int main() {
     TestWhileJoined(n);
     TestCachedAndLeave(n);
     TestIdentities(n);
-    TestFreshNames(n);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

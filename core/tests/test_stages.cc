@@ -166,38 +166,6 @@ void TestDeadRank(int n, int L) {
   });
 }
 
-// A hierarchical op of a fresh name each step, past a name limit of 24 (four names per op:
-// its own and its stages'): they are retired together, as many on every rank, and every
-// result is the uniform hierarchical average.
-void TestFreshNames(int n, int L) {
-  g_case = "hierarchical fresh names n=" + std::to_string(n) + " L=" + std::to_string(L);
-  Config cfg = TestConfig(8 << 20);
-  cfg.name_limit = 24;
-  Job job(n, cfg, 41 + n + L, 150, L);
-  const int M = n / L;
-  std::vector<int64_t> retired(n);
-  job.Run([&](int r, Runtime& rt) {
-    const int m = r / L;
-    for (int k = 0; k < 60; ++k) {
-      Hier h;
-      h.name = "fresh." + std::to_string(k);
-      h.x = Data(r, k, 3);
-      h.recv = h.send = MachineRing(m, M);
-      h.Enqueue(rt);
-      Status st = h.Wait(rt);
-      std::vector<double> want = MachineSum(m, L, k, 3);
-      for (int src : h.recv)
-        for (size_t i = 0; i < 3; ++i) want[i] += MachineSum(src, L, k, 3)[i];
-      for (auto& w : want) w = w / static_cast<double>(h.recv.size() + 1) / L;
-      CHECK(st.ok() && h.out == want, "rank %d op %d: %s", r, k, st.message.c_str());
-    }
-    retired[r] = rt.stats().names_retired;
-  });
-  for (int r = 0; r < n; ++r)
-    CHECK(retired[r] > 0 && retired[r] == retired[0], "rank %d retired %lld names, rank 0 %lld", r,
-          static_cast<long long>(retired[r]), static_cast<long long>(retired[0]));
-}
-
 }  // namespace
 
 int main() {
@@ -206,7 +174,6 @@ int main() {
     TestValues(n, L, 0);
     TestRefused(n, L);
     TestDeadRank(n, L);
-    TestFreshNames(n, L);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;
