@@ -261,7 +261,9 @@ def is_topo_weighted():
 def stats():
     """Counters of this rank's runtime: ops by type, bytes_sent/bytes_received,
     fused_batches, negotiations, coordinator_rounds, cache_hits, global_collectives,
-    stalls, errors. Values are integers since init() or reset_stats()."""
+    stalls, errors, names_retired (idle op names forgotten on every rank, past
+    SHOAL_NAME_LIMIT names) and held_calls (calls that waited for such a retirement). Values are integers
+    since init() or reset_stats()."""
     _require_init()
     return _core.stats()
 

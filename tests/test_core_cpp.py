@@ -11,7 +11,8 @@ refusal on one rank, a dead rank), test_collectives (alltoall with splits and gr
 ops in the Runtime: exact values, mismatches, a group that fails as a whole) and
 test_process_sets (process sets: disjoint sets whose ops never wait for each other,
 negotiation at each set's leader, cached batches per set, mismatched membership, a member
-that leaves or dies)."""
+that leaves or dies) and test_names (bounded per-name state: fresh names retired on every
+rank alike, exact results, held calls of names being retired in any submission order)."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,15 +30,15 @@ def build(tmp_path_factory):
     subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), "-DSHOAL_BUILD_RUNTIME=OFF",
                     "-DSHOAL_BUILD_TESTS=ON", "-DSHOAL_SANITIZE=thread"], check=True, capture_output=True, timeout=300)
     subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join",
-                    "test_stages", "test_collectives", "test_process_sets"],
+                    "test_stages", "test_collectives", "test_process_sets", "test_names"],
                    check=True, capture_output=True, timeout=1200)
     return build
 
 
-# The first one also builds (five sanitized binaries: minutes on 2 busy cores).
+# The first one also builds (every sanitized binary: minutes on 2 busy cores).
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join", "test_stages", "test_collectives",
-                                    "test_process_sets"])
+                                    "test_process_sets", "test_names"])
 def test_unit_tests_under_thread_sanitizer(build, binary):
     out = subprocess.run([str(build / binary)], capture_output=True, text=True, timeout=600,
                          env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})

@@ -24,6 +24,7 @@ const char* DtypeName(int dtype) {
 const char* OpName(int op) {
   if (op == kOpJoin) return "join";
   if (op == kOpSetControl) return "process_set";
+  if (op == kOpRetire) return "retire";
   if (op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) return "hierarchical_neighbor_allreduce";
   static const char* names[] = {"allreduce", "broadcast", "allgather", "barrier",
                                 "neighbor_allreduce", "neighbor_allgather", "reducescatter", "alltoall"};

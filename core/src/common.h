@@ -53,6 +53,16 @@ constexpr int kOpJoin = 100;
 // Process sets' agreement and creation on the progress driver (process_sets.cc): an op of
 // the runtime only.
 constexpr int kOpSetControl = 101;
+// The vote that retires idle op names (runtime_names.cc): an op of the runtime and the
+// coordinator only.
+constexpr int kOpRetire = 102;
+// A hierarchical op's stages (runtime_stages.cc): their ops and the suffixes of their names.
+struct Stage {
+  int op;
+  const char* suffix;
+};
+inline constexpr Stage kHierarchicalStages[3] = {
+    {SHOAL_OP_ALLREDUCE, ".machine_sum"}, {SHOAL_OP_NEIGHBOR_ALLREDUCE, ".exchange"}, {SHOAL_OP_BROADCAST, ".share"}};
 const char* ReduceOpName(int reduce_op);  // "Sum", "Average", "Min", "Max", "Product"
 bool IsFloating(int dtype);
 std::string ShapeString(const std::vector<int64_t>& shape);

@@ -60,6 +60,10 @@ Config Config::FromEnvironment() {
     if (s != "0" && s != "1") throw std::invalid_argument("SHOAL_CUDA_AWARE_MPI must be 0 or 1, got '" + s + "'");
     c.cuda_aware_mpi = s == "1";
   }
+  const double limit = EnvDouble("SHOAL_NAME_LIMIT", static_cast<double>(c.name_limit));
+  if (limit < 16)
+    throw std::invalid_argument("SHOAL_NAME_LIMIT must be at least 16 (names), got " + std::to_string(static_cast<int64_t>(limit)));
+  c.name_limit = static_cast<size_t>(limit);
   return c;
 }
 
@@ -70,7 +74,7 @@ std::string Config::ToString() const {
     << " SHOAL_STALL_SHUTDOWN_TIME=" << stall_shutdown_time
     << " SHOAL_RANKS_PER_MACHINE=" << ranks_per_machine
     << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level] << " SHOAL_TIMELINE=" << timeline << " SHOAL_GPU_BACKEND=" << gpu_backend
-    << " SHOAL_CUDA_AWARE_MPI=" << cuda_aware_mpi;
+    << " SHOAL_CUDA_AWARE_MPI=" << cuda_aware_mpi << " SHOAL_NAME_LIMIT=" << name_limit;
   return s.str();
 }
 

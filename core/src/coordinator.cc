@@ -20,12 +20,15 @@ template <typename IO, typename R> void RequestFields(IO& io, R& r) {
   io.Field(r.probe);
   if (r.sig.op == SHOAL_OP_ALLTOALL) io.Field(r.splits);
   if (r.sig.op & SHOAL_GROUPED) io.Field(r.members);
+  io.Field(r.retire);
+  if (!r.retire.empty()) io.Field(r.retire_calls);
 }
 
 template <typename IO, typename R> void ResponseFields(IO& io, R& r) {
   Fields(io, r.kind, r.set, r.op, r.names, r.error, r.step, r.code, r.first_dims, r.channel, r.joined);
   if (!r.joined.empty()) io.Field(r.sigs);
   if (r.op & SHOAL_GROUPED) io.Field(r.chunks);
+  io.Field(r.retired);
 }
 
 }  // namespace
@@ -77,6 +80,7 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     early_.push_back(std::move(r));
     return;
   }
+  if (!req.retire.empty() && req.sig.op != kOpRetire) Propose(rank, req);
   if (req.probe) {
     auto done = rounds_done_.find(req.name);
     auto it = pending_.find(req.name);
@@ -115,6 +119,7 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     p.have.assign(size_, false);
     p.first_seen = now;
     p.probe = req.probe;
+    p.vote = req.sig.op == kOpRetire;
     it = pending_.emplace(req.name, std::move(p)).first;
   }
   Pending& p = it->second;
@@ -133,7 +138,7 @@ void Coordinator::Add(int rank, const Request& req, double now) {
 
 bool Coordinator::Ready(const Pending& p) const {
   if (p.count == size_) return true;
-  if (num_joined_ == 0) return false;
+  if (num_joined_ == 0 || p.vote) return false;
   for (int r = 0; r < size_; ++r)
     if (!p.have[r] && !joined_[r]) return false;
   return true;
@@ -159,6 +164,40 @@ void Coordinator::AddJoin(int rank, const Request& req) {
     }
     ++it;
   }
+}
+
+std::vector<std::string> Coordinator::Agreed(const std::vector<const Request*>& lists) const {
+  if (!left_.empty() || num_joined_ > 0) return {};
+  std::vector<std::string> agreed;
+  const Request& first = *lists[0];
+  for (size_t i = 0; i < first.retire.size(); ++i) {
+    const std::string& n = first.retire[i];
+    bool all = !pending_.count(n);
+    for (size_t r = 1; r < lists.size() && all; ++r) {
+      const Request& q = *lists[r];
+      auto at = std::lower_bound(q.retire.begin(), q.retire.end(), n);
+      all = at != q.retire.end() && *at == n && q.retire_calls[at - q.retire.begin()] == first.retire_calls[i];
+    }
+    if (all) agreed.push_back(n);
+  }
+  return agreed;
+}
+
+void Coordinator::Propose(int rank, const Request& req) {
+  if (proposals_.empty()) proposals_.resize(size_);
+  if (proposals_[rank].retire.empty()) ++num_proposals_;
+  proposals_[rank].retire = req.retire;
+  proposals_[rank].retire_calls = req.retire_calls;
+  if (num_proposals_ < size_) return;
+  std::vector<const Request*> lists;
+  for (auto& q : proposals_) lists.push_back(&q);
+  Response r;
+  r.op = kOpRetire;
+  r.set = req.set;
+  r.retired = Agreed(lists);
+  proposals_.clear();
+  num_proposals_ = 0;
+  early_.push_back(std::move(r));
 }
 
 void Coordinator::RoundDone(const std::string& name, int64_t step) {
@@ -434,6 +473,19 @@ std::vector<Response> Coordinator::TakeResponses() {
     auto it = pending_.find(name);
     if (it == pending_.end()) continue;  // aborted meanwhile
     Response r = Validate(name, it->second);
+    if (it->second.vote && r.kind == Response::EXECUTE) {
+      std::vector<const Request*> votes;
+      for (auto& q : it->second.req) votes.push_back(&q);
+      r.retired = Agreed(votes);
+      for (auto& n : r.retired)  // forgotten here too, with a hierarchical op's stages
+        for (const std::string& key : {n, n + kHierarchicalStages[0].suffix, n + kHierarchicalStages[1].suffix,
+                                       n + kHierarchicalStages[2].suffix}) {
+          validated_.erase(key);
+          rounds_done_.erase(key);
+          if (rejected_.erase(key))  // (rare: then its place in the order goes too)
+            rejected_order_.erase(std::find(rejected_order_.begin(), rejected_order_.end(), key));
+        }
+    }
     // Copied (the entry is erased next) from a rank that submitted it (rank 0 may have joined).
     const Request& q = *std::find_if(it->second.req.begin(), it->second.req.end(), [](const Request& x) {
       return !x.name.empty();

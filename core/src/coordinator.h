@@ -29,6 +29,10 @@ struct Request {
   int32_t set = 0;  // the process set whose coordinator it is for (process_sets.h; 0: every rank)
   std::vector<int64_t> splits{};     // alltoall: rows to each rank
   std::vector<Signature> members{};  // a grouped op (sig.op has SHOAL_GROUPED): its ops, in order
+  // Names of this set the rank proposes to retire (sorted), with its call count of each
+  // (idle names; runtime_names.cc); in a vote (sig.op kOpRetire), those it froze.
+  std::vector<std::string> retire{};
+  std::vector<int64_t> retire_calls{};
 };
 
 struct Response {
@@ -57,6 +61,9 @@ struct Response {
   // rank that joined last.
   std::vector<int> joined;
   std::vector<Signature> sigs;
+  // op kOpRetire (runtime_names.cc), no names: the names every rank proposed with the same
+  // count (each rank votes on them); names {the vote}: those every rank froze (forget them).
+  std::vector<std::string> retired;
 };
 
 struct Stall {
@@ -108,6 +115,7 @@ class Coordinator {
     double first_seen = 0;
     bool probe = false;  // only probes: dropped once complete
     bool complete = false;  // in complete_
+    bool vote = false;      // a vote to retire names: every rank's driver sends one (joined or not)
   };
   // Every rank has submitted the name or joined.
   bool Ready(const Pending& p) const;
@@ -122,6 +130,9 @@ class Coordinator {
   static bool Cacheable(const Signature& sig);
   static constexpr int64_t kMaxCachedBytes = 256 << 10;  // cached batches: at most this much data
   std::string CheckEdges(const std::vector<Request>& req) const;
+  // The names on every list with the same call count; none while a rank has left or joined.
+  std::vector<std::string> Agreed(const std::vector<const Request*>& lists) const;
+  void Propose(int rank, const Request& req);  // files a rank's proposal; all filed: the answer
 
   int World(int index) const { return world_.empty() ? index : world_[index]; }
 
@@ -146,6 +157,8 @@ class Coordinator {
   int64_t negotiations_ = 0;
   std::vector<int> free_channels_;  // collective channels no cached batch uses
   std::map<std::string, int64_t> rounds_done_;  // cached names: the last step rank 0 completed
+  std::vector<Request> proposals_;  // by rank: its latest proposal to retire names (until answered)
+  int num_proposals_ = 0;
 };
 
 }  // namespace shoal

@@ -240,12 +240,18 @@ void Runtime::DropSet(int32_t id) {
   if (it == sets_.end()) return;
   const ProcessSetPtr s = it->second.info;
   DropCached(id);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (voting_sets_.count(id)) Thaw(id, {});  // its coordinator will not answer the vote
+    proposed_.erase(id);
+  }
   // Submitted by another thread meanwhile.
   FailAwaiting([id](const Entry& e) { return e.set == id; }, SHOAL_INVALID_ARGUMENT, s->Describe() + " was removed");
   if (s->index >= 0) backend_->RemoveSet(id);
   {
     std::lock_guard<std::mutex> lock(mu_);
     sets_.erase(it);
+    ForgetSet(id);
   }
   set_leader_ = false;
   for (auto& kv : sets_) set_leader_ = set_leader_ || kv.second.coordinator != nullptr;

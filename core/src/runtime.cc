@@ -12,7 +12,6 @@
 namespace shoal {
 namespace {
 
-constexpr int64_t kUnnamed = 1024;
 // Handles are unique for the whole process, across init/shutdown cycles.
 std::atomic<int64_t> g_next_handle{1};
 // Runtimes created in this process; the same sequence on every rank (init is collective).
@@ -84,8 +83,15 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   NameState& ns = names_[e->key()];
   if (ns.in_flight) throw Duplicate(d.op, e->name);
   ns.in_flight = true;
-  e->step = ns.calls++;
-  Queue(e, cb, cb_arg);
+  ns.last_use = ++uses_;
+  if (d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) ns.staged = true;
+  Register(e, cb, cb_arg);
+  if (ns.frozen) {
+    held_.push_back(e);  // numbered at the commit of the vote that froze its name
+  } else {
+    e->step = ns.calls++;
+    Push(e);
+  }
   const int64_t handle = e->handle;
   Start(lock, cb != nullptr);
   return handle;
@@ -106,10 +112,18 @@ ArgumentError Runtime::Duplicate(int op, const std::string& name) {
 }
 
 void Runtime::Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
+  Register(e, cb, cb_arg);
+  Push(e);
+}
+
+void Runtime::Register(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
   e->callback = cb;
   e->callback_arg = cb_arg;
   e->handle = g_next_handle++;
   handles_[e->handle] = e;
+}
+
+void Runtime::Push(const EntryPtr& e) {
   if (e->sig.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
     QueueLocked(StartStages(e));  // the op completes after its last stage
   } else {
@@ -135,20 +149,6 @@ void Runtime::Start(std::unique_lock<std::mutex>& lock, bool callback) {
   }
 }
 
-std::string Runtime::NameLocked(int op, const char* name, int set) {
-  // Unnamed ops cycle through kUnnamed names per op, so caches stay bounded and repeated
-  // unnamed neighbor ops hit the negotiated-name cache; one count per process set (only
-  // its members run its ops).
-  if (name && *name) return name;
-  return std::string(OpName(op)) + ".noname." + std::to_string(noname_counter_[{set, op}]++ % kUnnamed);
-}
-
-void Runtime::FollowUnnamed(int op, const std::string& name) {
-  const std::string prefix = std::string(OpName(op)) + ".noname.";
-  if (name.compare(0, prefix.size(), prefix) != 0) return;
-  noname_counter_[{0, op}] = std::strtoll(name.c_str() + prefix.size(), nullptr, 10) + 1;  // the next one's index
-}
-
 void Runtime::Reject(int op, const char* name, int code, const std::string& error, int set) {
   // A grouped op's refusal (SHOAL_GROUPED | op) names the group.
   if (!IsOpCode((op & SHOAL_GROUPED) ? op & ~SHOAL_GROUPED : op) || world().size == 1) return;
@@ -162,8 +162,13 @@ void Runtime::Reject(int op, const char* name, int code, const std::string& erro
   } else {
     NameState& ns = names_[full];
     if (ns.in_flight) return;
-    ++ns.calls;
-    for (auto& [stage, suffix] : kHierarchicalStages) RejectLocked(stage, full + suffix, code, error);
+    ns.staged = true;  // its stages' names are retired with it
+    ns.last_use = ++uses_;
+    ++(ns.frozen ? ns.held_calls : ns.calls);  // the stages' refusals below carry the steps
+    for (auto& [stage, suffix] : kHierarchicalStages) {
+      RejectLocked(stage, full + suffix, code, error);
+      names_[full + suffix].stage = true;
+    }
   }
   if (driving_) return;
   if (waiters_ > 0) done_cv_.notify_all();
@@ -182,12 +187,17 @@ bool Runtime::RejectLocked(int op, const std::string& name, int code, const std:
   }
   NameState& ns = names_[e->key()];
   if (ns.in_flight) return false;  // the call is refused as a duplicate: it is not this step's
-  e->step = ns.calls++;
   e->reject = error;
   // A refusal at the call is a ValueError or TypeError everywhere; a failed earlier stage
   // of a multi-stage op is a runtime failure (ShoalError) on the ranks waiting in later ones.
   e->reject_code = code == SHOAL_INVALID_TYPE || code == SHOAL_ABORTED ? code : SHOAL_INVALID_ARGUMENT;
   e->done = true;
+  ns.last_use = ++uses_;
+  if (ns.frozen) {
+    held_.push_back(e);
+    return true;
+  }
+  e->step = ns.calls++;
   queue_.push_back(e);
   queued_ = queue_.size();
   return true;
@@ -196,6 +206,7 @@ bool Runtime::RejectLocked(int op, const std::string& name, int code, const std:
 void Runtime::QueueLocked(const EntryPtr& e) {
   NameState& ns = names_[e->name];
   ns.in_flight = true;
+  ns.stage = true;  // retired with its op's name only
   e->step = ns.calls++;
   e->handle = g_next_handle++;
   handles_[e->handle] = e;

@@ -83,6 +83,8 @@ class Runtime {
   const WorldInfo& world() const { return backend_->world(); }
   const Config& config() const { return cfg_; }
   Stats& stats() { return stats_; }
+  size_t NameCount();  // names with per-name state here (bounded: runtime_names.cc)
+  bool Voting();       // a vote on retiring names is in flight here (tests)
   Timeline& timeline() { return timeline_; }
   // The static graphs over ranks and machines (any thread).
   Topologies& topologies() { return topologies_; }
@@ -147,7 +149,9 @@ class Runtime {
   EntryPtr Describe(const shoal_op_desc& d, const ProcessSetPtr& pset);
   void Admissible(int op) const;
   static ArgumentError Duplicate(int op, const std::string& name);
-  void Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg);
+  void Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg);  // Register, then Push
+  void Register(const EntryPtr& e, shoal_callback cb, void* cb_arg);  // its handle (mu_ held)
+  void Push(const EntryPtr& e);  // onto the queue; a hierarchical op as its first stage (mu_ held)
   void Start(std::unique_lock<std::mutex>& lock, bool callback);
   // Grouped ops (runtime_group.cc): members wait until all are here, then the group asks
   // the coordinator once; its response runs every member (RunGroup) or fails them all.
@@ -167,14 +171,22 @@ class Runtime {
                     const ProcessSetPtr& pset = nullptr);
   // Queues an op of the runtime's own (a stage) under a handle of its own (mu_ held).
   void QueueLocked(const EntryPtr& e);
-  // Multi-stage ops (runtime_stages.cc): the stages' ops and the suffixes of their names.
-  static const std::pair<int, const char*> kHierarchicalStages[3];
   // Makes the stages of hierarchical op `e` (named, on its handle); returns the first (mu_ held).
   EntryPtr StartStages(const EntryPtr& e);
   // Stage `s` finished with `st`: queue the next stage, or finish the op.
   void NextStage(const EntryPtr& s, const Status& st);
   Status DivideResult(const Entry& e, int divisor);
   void FollowUnnamed(int op, const std::string& name);  // an unnamed op ran here without a call; mu_ held
+  // Bounded per-name state (runtime_names.cc): past cfg_.name_limit names, idle names
+  // every rank agrees on are retired (propose with a request, vote, commit).
+  void Propose(const EntryPtr& e, Request* req);  // takes mu_
+  void Vote(const Response& r);    // the names every rank proposed (takes mu_)
+  void Commit(const Response& r);  // the vote's outcome (takes mu_)
+  // Thaws set `set`'s frozen names, forgets those in `gone`, runs its held calls (mu_ held).
+  void Thaw(int set, const std::set<std::string>& gone);
+  void ThawIfLost(int left_rank);  // a vote's coordinator left (takes mu_)
+  void Later();  // nothing retired: propose again only after more names (mu_ held)
+  void ForgetSet(int set);  // a removed set's names (driver, mu_ held)
   void FailAll(const std::string& why);
   double Now() const;
   std::chrono::microseconds CycleTime() const {
@@ -269,8 +281,24 @@ class Runtime {
     int64_t calls = 0;  // ops submitted so far
     bool in_flight = false;
     int members_left = 0;  // a grouped op's name: its members still running
+    int64_t last_use = 0;  // uses_ at its last call
+    int64_t held_calls = 0;  // a hierarchical op's refused calls while proposed
+    bool frozen = false;     // voted to retire: new calls wait in held_ until the commit
+    bool staged = false;     // a hierarchical op's name (its stages' names go with it)
+    bool stage = false;      // a stage's name
+    bool grouped = false;    // a grouped op's or member's name (kept)
   };
   std::map<std::string, NameState> names_;
+  int64_t uses_ = 0;  // calls so far (NameState::last_use)
+  std::vector<EntryPtr> held_;  // calls of frozen names, in call order
+  struct Frozen {
+    std::string key, op_key;  // op_key: its own, or a stage's hierarchical op's
+    int set;
+  };
+  std::vector<Frozen> frozen_;
+  std::map<int, std::map<std::string, int64_t>> proposed_;  // by set: the names on file, with counts
+  std::set<int> voting_sets_;  // sets whose vote is in flight
+  size_t next_proposal_at_ = 0;  // names_ size at which to look for idle names again
   bool driving_ = false;  // a thread is running Cycle()
   bool left_ = false;     // Leave() ran
   bool leaving_ = false;  // Leave() waits for the driving token

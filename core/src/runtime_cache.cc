@@ -79,6 +79,7 @@ void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     req.recv = e->recv_ranks;
   }
   req.splits = e->splits;  // alltoall
+  Propose(e, &req);
   to_coordinator->push_back(std::move(req));
 }
 

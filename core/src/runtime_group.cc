@@ -59,20 +59,33 @@ std::vector<int64_t> Runtime::EnqueueGroup(const char* name, const shoal_op_desc
     auto ns = names_.find(members[i]->key());
     if (ns != names_.end() && ns->second.in_flight) throw Duplicate(op, members[i]->name);
   }
-  gs.in_flight = true;
+  // A name frozen for retirement as a single op's (grouped names never are): the whole
+  // group waits for the commit (Thaw numbers it then).
+  bool hold = gs.frozen;
+  for (int i = 0; i < n; ++i) {
+    auto ns = names_.find(members[i]->key());
+    hold |= ns != names_.end() && ns->second.frozen;
+  }
+  gs.in_flight = gs.grouped = true;
   gs.members_left = n;
-  const int64_t step = gs.calls++;
+  gs.last_use = ++uses_;
+  const int64_t step = hold ? -1 : gs.calls++;
   std::vector<int64_t> handles;
   for (int i = 0; i < n; ++i) {
     const EntryPtr& e = members[i];
     NameState& ns = names_[e->key()];
-    ns.in_flight = true;
-    e->step = ns.calls++;
+    ns.in_flight = ns.grouped = true;
     e->group = group_key;
-    e->group_step = step;
     e->group_index = i;
     e->group_size = n;
-    Queue(e, cb, cb_args ? cb_args[i] : nullptr);
+    Register(e, cb, cb_args ? cb_args[i] : nullptr);
+    if (hold) {
+      held_.push_back(e);
+    } else {
+      e->step = ns.calls++;
+      e->group_step = step;
+      Push(e);
+    }
     handles.push_back(e->handle);
   }
   Start(lock, cb != nullptr);

@@ -64,6 +64,13 @@ void Runtime::RouteJoin(const EntryPtr& e) {
 void Runtime::SendJoin(std::vector<Request>* to_coordinator) {
   // Doomed batches hand their ops to late_requests_, which this cycle has sent already.
   if (OwnCachedOps() || (gpu_ && !gpu_->Idle())) return;
+  {
+    // Calls held for a vote on retiring names (runtime_names.cc) are this rank's calls
+    // before the join: they reach the coordinator first (queued at the commit, sent the
+    // cycle after).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!held_.empty() || !queue_.empty()) return;
+  }
   join_sent_ = true;
   Ask(joining_, to_coordinator);
 }

@@ -157,6 +157,7 @@ void Runtime::OnLeave(int rank) {
   }
   Log(LOG_DEBUG, "rank " + std::to_string(rank) + " left the job");
   device_plane_.OnLeave(rank);
+  ThawIfLost(rank);
   const std::string why = " left the job (script ended, sys.exit or shoal.shutdown()) before taking part in this op";
   for (auto& e : neighbors_.TakeNeeding(rank))
     Finish(e, Status::Error(SHOAL_ABORTED, std::string(OpName(e->sig.op)) + " '" + e->name + "': rank " +
@@ -171,6 +172,7 @@ void Runtime::OnLeave(int rank) {
 }
 
 void Runtime::Apply(const Response& r) {
+  if (r.op == kOpRetire) return r.names.empty() ? Vote(r) : Commit(r);
   std::vector<EntryPtr> batch;
   const auto now = Clock::now();
   const int code = r.kind == Response::REJECTED ? r.code

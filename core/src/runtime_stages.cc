@@ -13,9 +13,6 @@ struct Stages {
   std::vector<EntryPtr> rest;  // stages not queued yet, in order
 };
 
-const std::pair<int, const char*> Runtime::kHierarchicalStages[3] = {
-    {SHOAL_OP_ALLREDUCE, ".machine_sum"}, {SHOAL_OP_NEIGHBOR_ALLREDUCE, ".exchange"}, {SHOAL_OP_BROADCAST, ".share"}};
-
 EntryPtr Runtime::StartStages(const EntryPtr& e) {
   const WorldInfo& w = world();
   auto stages = std::make_shared<Stages>();

@@ -14,7 +14,7 @@ struct Stats {
   X(bytes_received) X(fused_batches) X(negotiations) X(coordinator_rounds) X(cache_hits) \
   X(global_collectives) X(stalls) X(errors) X(windows) X(window_bytes) X(win_puts)          \
   X(win_accumulates) X(win_gets) X(win_updates) X(neighbor_bytes_sent_mpi) X(neighbor_bytes_sent_staged)   \
-  X(neighbor_bytes_sent_nccl)
+  X(neighbor_bytes_sent_nccl) X(names_retired) X(held_calls)
 #define SHOAL_DECLARE(n) std::atomic<int64_t> n{0};
   SHOAL_COUNTERS(SHOAL_DECLARE)
 #undef SHOAL_DECLARE

@@ -4,6 +4,7 @@
 #pragma once
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <cstdio>
 #include <functional>
@@ -48,12 +49,37 @@ struct Job {
     for (auto& r : rt) t.emplace_back([&r] { r->Stop(); });
     for (auto& x : t) x.join();
   }
+  // Called by every rank thread after its last op: returns once every rank has called it
+  // and no vote on retiring names is in flight anywhere, with `agreed` (e.g. as many names
+  // retired on every rank) true for 50 ms on end; false after 60 s. Votes run without user
+  // calls, so a rank may still commit one after its last op returns.
+  bool Settle(const std::function<bool()>& agreed) {
+    ++arrived;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    auto since = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() < deadline) {
+      bool quiet = arrived == static_cast<int>(rt.size()) && agreed();
+      for (auto& r : rt) quiet = quiet && !r->Voting();
+      if (!quiet) since = std::chrono::steady_clock::now();
+      else if (std::chrono::steady_clock::now() - since > std::chrono::milliseconds(50)) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  }
+  std::atomic<int> arrived{0};
   void Run(const std::function<void(int, Runtime&)>& fn) {
     std::vector<std::thread> t;
     for (int r = 0; r < static_cast<int>(rt.size()); ++r) t.emplace_back([&, r] { fn(r, *rt[r]); });
     for (auto& x : t) x.join();
   }
 };
+
+// Every rank q has retired as many names as rank q % period (the ranks of its sets).
+inline bool RetiredAlike(const Job& job, int period = 1) {
+  for (size_t q = 0; q < job.rt.size(); ++q)
+    if (job.rt[q]->stats().names_retired != job.rt[q % period]->stats().names_retired) return false;
+  return true;
+}
 
 inline Config TestConfig(int64_t fusion) {
   Config c;

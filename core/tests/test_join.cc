@@ -94,6 +94,41 @@ static void TestUneven(int n, int64_t fusion) {
   });
 }
 
+// Fresh names past a name limit of 16 while ranks join one after another (rank r after
+// 20 + 8r steps; no name is retired while a rank is joined), then 40 more steps on every
+// rank: exact sums over the ranks still running, and as many names retired on every rank.
+static void TestFreshNames(int n) {
+  g_case = "fresh names and join n=" + std::to_string(n);
+  Config cfg = TestConfig(8 << 20);
+  cfg.name_limit = 16;
+  Job job(n, cfg, 43 + n);
+  auto steps = [](int r) { return 20 + 8 * r; };
+  std::vector<int64_t> retired(n);
+  job.Run([&](int r, Runtime& rt) {
+    auto run = [&](int s, const std::function<bool(int)>& running) {
+      AllreduceOp op;
+      op.name = "j." + std::to_string(s);
+      op.x = Data(r, s, 3);
+      op.Enqueue(rt);
+      Status st = op.Wait(rt);
+      std::vector<double> want(3, 0.0);
+      for (int q = 0; q < n; ++q)
+        if (running(q))
+          for (size_t i = 0; i < 3; ++i) want[i] += Data(q, s, 3)[i];
+      CHECK(st.ok() && op.out == want, "rank %d step %d: %s", r, s, st.message.c_str());
+    };
+    for (int s = 0; s < steps(r); ++s) run(s, [&](int q) { return s < steps(q); });
+    Status st;
+    CHECK(Join(rt, &st) == n - 1 && st.ok(), "rank %d: join: %s", r, st.message.c_str());
+    for (int s = 1000; s < 1040; ++s) run(s, [](int) { return true; });
+    CHECK(job.Settle([&] { return RetiredAlike(job); }), "rank %d: the ranks' retired names never agreed", r);
+    retired[r] = rt.stats().names_retired;
+  });
+  for (int r = 0; r < n; ++r)
+    CHECK(retired[r] > 0 && retired[r] == retired[0], "rank %d retired %lld names, rank 0 %lld", r,
+          static_cast<long long>(retired[r]), static_cast<long long>(retired[0]));
+}
+
 // While ranks [n/2, n) are joined: broadcast and allgather fail with the same error on every
 // rank still running, naming the joined ranks (as in Horovod); neighbor ops with a joined
 // peer fail naming it; the running ranks' disagreeing shapes are a mismatch as usual; a
@@ -370,6 +405,49 @@ static void TestIdentities(int n) {
   for (int r = 1; r < half; ++r) CHECK(a2a[r] == a2a[0], "rank %d: %s vs %s", r, a2a[r].c_str(), a2a[0].c_str());
 }
 
+// Past a name limit of 16: each round, every rank runs fresh names, starts an allreduce of
+// a name from a pool of 8 (it may wait for a vote that retires it) and joins at once: the
+// pool op is this rank's call before the join, so it sums over every rank, exactly.
+static void TestHeldThenJoin(int n) {
+  g_case = "held call then join n=" + std::to_string(n);
+  Config cfg = TestConfig(8 << 20);
+  cfg.name_limit = 16;
+  Job job(n, cfg, 71 + n);
+  std::vector<int64_t> held(n);
+  job.Run([&](int r, Runtime& rt) {
+    std::mt19937 rng(13 * r + n);
+    for (int round = 0; round < 60; ++round) {
+      // Fresh names, and the pool's other names, in random order, waited for in another.
+      std::vector<AllreduceOp> ops(6);
+      for (int s = 0; s < 6; ++s) {
+        ops[s].name = s < 4 ? "fresh." + std::to_string(round) + "." + std::to_string(s)
+                            : "pool." + std::to_string((round + 3 * s) % 8);
+        ops[s].x = Data(r, s, 2);
+      }
+      std::vector<int> order = {0, 1, 2, 3, 4, 5};
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int i : order) ops[i].Enqueue(rt);
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int i : order) CHECK(ops[i].Wait(rt).ok(), "rank %d round %d: %s failed", r, round, ops[i].name.c_str());
+      AllreduceOp pool;
+      pool.name = "pool." + std::to_string(round % 8);
+      pool.x = Data(r, round, 3);
+      pool.Enqueue(rt);
+      Status st;
+      CHECK(Join(rt, &st) >= 0 && st.ok(), "rank %d round %d: join: %s", r, round, st.message.c_str());
+      Status ps = pool.Wait(rt);
+      std::vector<double> want(3, 0.0);
+      for (int q = 0; q < n; ++q)
+        for (size_t i = 0; i < 3; ++i) want[i] += Data(q, round, 3)[i];
+      CHECK(ps.ok() && pool.out == want, "rank %d round %d: pool op: %s", r, round, ps.message.c_str());
+    }
+    held[r] = rt.stats().held_calls;
+  });
+  int64_t total = 0;
+  for (int64_t h : held) total += h;
+  std::printf("%s: %lld calls waited for a vote\n", g_case.c_str(), static_cast<long long>(total));
+}
+
 int main() {
   for (int n : {2, 4, 8}) {
     TestUneven(n, 8 << 20);  // fused
@@ -377,6 +455,8 @@ int main() {
     TestWhileJoined(n);
     TestCachedAndLeave(n);
     TestIdentities(n);
+    TestFreshNames(n);
+    TestHeldThenJoin(n);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

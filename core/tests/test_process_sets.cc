@@ -403,6 +403,35 @@ static void TestLeaverAndDeath() {
   });
 }
 
+// Fresh names past a name limit of 16, in {0, 2} and {1, 3} and (every third op) in the
+// global set: each set retires its own names, as many on each of its members; exact sums.
+static void TestFreshNames() {
+  g_case = "fresh names in sets";
+  Config cfg = TestConfig(8 << 20);
+  cfg.name_limit = 16;
+  Job job(4, cfg, 29);
+  std::vector<int64_t> retired(4);
+  job.Run([&](int r, Runtime& rt) {
+    const int32_t even = Add(rt, {0, 2}), odd = Add(rt, {1, 3}), mine = r % 2 ? odd : even;
+    for (int k = 0; k < 120; ++k) {
+      const bool global = k % 3 == 2;
+      Call c(SHOAL_OP_ALLREDUCE, "f." + std::to_string(k), Fill(r + k, 2), global ? 0 : mine);
+      Status st = c.Run(rt);
+      const double want = global ? 6 + 4 * k : (r % 2 ? 4 : 2) + 2 * k;  // ranks {0..3} or the set's two
+      CHECK(st.ok() && c.out == Fill(want, 2), "rank %d op %d: %s", r, k, st.message.c_str());
+    }
+    CHECK(job.Settle([&] { return RetiredAlike(job, 2); }), "rank %d: the ranks' retired names never agreed", r);
+    retired[r] = rt.stats().names_retired;
+    const size_t before = rt.NameCount();
+    CHECK(Remove(rt, even).ok() && Remove(rt, odd).ok(), "rank %d: removes", r);
+    // The removed sets' names are forgotten (at least the 2 of their last ops).
+    CHECK(rt.NameCount() + 2 <= before, "rank %d: %zu names before the removes, %zu after", r, before, rt.NameCount());
+  });
+  for (int r = 0; r < 4; ++r)
+    CHECK(retired[r] > 0 && retired[r] == retired[r % 2], "rank %d retired %lld names, rank %d %lld", r,
+          static_cast<long long>(retired[r]), r % 2, static_cast<long long>(retired[r % 2]));
+}
+
 int main() {
   TestAddRemove();
   TestDisjointSets();
@@ -412,6 +441,7 @@ int main() {
   TestMissingCall();
   TestRefusedCalls();
   TestLeaverAndDeath();
+  TestFreshNames();
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;
 }

@@ -166,6 +166,54 @@ void TestDeadRank(int n, int L) {
   });
 }
 
+// Hierarchical ops of fresh names and of a pool of 10 reused names, past a name limit of
+// 24 (four names per op: its own and its stages'), every seventh refused at the call on the
+// last rank: names are retired with their stages, as many on every rank; a refusal fails
+// that call on every rank alike and no later one (after retirement too: steps restart at
+// 0); every other result is the uniform hierarchical average.
+void TestFreshNames(int n, int L) {
+  g_case = "hierarchical fresh names n=" + std::to_string(n) + " L=" + std::to_string(L);
+  Config cfg = TestConfig(8 << 20);
+  cfg.name_limit = 24;
+  Job job(n, cfg, 41 + n + L, 150, L);
+  const int M = n / L, bad = n - 1;
+  std::vector<int64_t> retired(n);
+  job.Run([&](int r, Runtime& rt) {
+    const int m = r / L;
+    for (int k = 0; k < 90; ++k) {
+      Hier h;
+      h.name = k % 3 ? "fresh." + std::to_string(k) : "pool." + std::to_string(k / 3 % 10);
+      h.x = Data(r, k, 3);
+      h.recv = h.send = MachineRing(m, M);
+      const bool refused = k % 7 == 3;
+      if (refused && r == bad) h.recv = {static_cast<int32_t>(M + 3)};
+      Status st;
+      try {
+        h.Enqueue(rt);
+        st = h.Wait(rt);
+      } catch (const ArgumentError& ex) {
+        st = Status::Error(ex.code, ex.what());
+      }
+      if (refused) {
+        CHECK(st.code == SHOAL_INVALID_ARGUMENT && st.message.find("is outside [0, " + std::to_string(M) + ")") !=
+                                                       std::string::npos,
+              "rank %d op %d (%s): %d %s", r, k, h.name.c_str(), st.code, st.message.c_str());
+        continue;
+      }
+      std::vector<double> want = MachineSum(m, L, k, 3);
+      for (int src : h.recv)
+        for (size_t i = 0; i < 3; ++i) want[i] += MachineSum(src, L, k, 3)[i];
+      for (auto& w : want) w = w / static_cast<double>(h.recv.size() + 1) / L;
+      CHECK(st.ok() && h.out == want, "rank %d op %d (%s): %s", r, k, h.name.c_str(), st.message.c_str());
+    }
+    CHECK(job.Settle([&] { return RetiredAlike(job); }), "rank %d: the ranks' retired names never agreed", r);
+    retired[r] = rt.stats().names_retired;
+  });
+  for (int r = 0; r < n; ++r)
+    CHECK(retired[r] > 0 && retired[r] == retired[0], "rank %d retired %lld names, rank 0 %lld", r,
+          static_cast<long long>(retired[r]), static_cast<long long>(retired[0]));
+}
+
 }  // namespace
 
 int main() {
@@ -174,6 +222,7 @@ int main() {
     TestValues(n, L, 0);
     TestRefused(n, L);
     TestDeadRank(n, L);
+    TestFreshNames(n, L);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

@@ -136,4 +136,32 @@ def torch_tensors_take_the_same_cache():
     assert rounds() == before, f"{rounds() - before} coordinator rounds in steady state"
 
 
+@check
+def fresh_names_are_retired_alike_on_every_rank():
+    """Past SHOAL_NAME_LIMIT names (a step number in each name; 512 in this job), idle names
+    are retired on every rank at one agreed point (core/src/runtime_names.cc): exact results
+    throughout, names reused after their retirement pair up again, every rank retired as many."""
+    x = np.arange(3.0) + R
+    before = shoal.stats()["names_retired"]
+    ring = {(R - 1) % N: 0.5}
+    for i in range(2400):
+        if i % 2:
+            got = shoal.neighbor_allreduce(x, self_weight=0.5, src_weights=ring, dst_weights=[(R + 1) % N],
+                                           name=f"fresh.nar.{i % 1000 if i >= 2000 else i}")
+            expect(got, 0.5 * x + 0.5 * (np.arange(3.0) + (R - 1) % N))
+        else:
+            got = shoal.allreduce(x, average=False, name=f"fresh.ar.{i % 1000 if i >= 2000 else i}")
+            expect(got, N * np.arange(3.0) + N * (N - 1) / 2)
+    # A vote runs without user calls, so a rank may commit one after its last op returned:
+    # compare until every rank has committed the same votes (the same answer on every rank).
+    for _ in range(500):
+        retired = shoal.stats()["names_retired"] - before
+        everyone = shoal.allgather(np.array([retired]), name="fresh.count")
+        if (everyone == everyone[0]).all():
+            break
+        time.sleep(0.01)
+    assert retired > 0, "no name was retired"
+    assert (everyone == retired).all(), f"names retired per rank: {everyone}"
+
+
 raise SystemExit(run_all(R))
