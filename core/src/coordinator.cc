@@ -558,7 +558,10 @@ std::vector<Stall> Coordinator::Stalled(double now, double older_than) const {
   std::vector<Stall> out;
   for (auto& kv : pending_) {
     const Pending& p = kv.second;
-    if (now - p.first_seen < older_than || p.complete) continue;
+    // A vote is never late: every rank's driver sends one at once, without a user call (a
+    // rank that died or left ends it through Leave); aborting it would let a late vote
+    // land in the next round.
+    if (now - p.first_seen < older_than || p.complete || p.vote) continue;
     Stall s;
     s.name = kv.first;
     s.waited = now - p.first_seen;

@@ -1,7 +1,7 @@
 // Op names and bounded per-name state. Each name keeps a call count on every rank (its
 // step: how ranks pair their calls of it), so a script that invents names (a step number
-// in each) would grow the tables without end. Past cfg_.name_limit names, idle names are
-// retired, on every rank at one agreed point, so that their next call is step 0 everywhere:
+// in each) would grow the tables without end. Past cfg_.name_limit names, idle names (not
+// called in the last name_limit calls) are retired, on every rank at one agreed point, so that their next call is step 0 everywhere:
 //   1. propose: a request to the coordinator carries this rank's least recently used idle
 //      names of its set with their counts (Propose); once every rank's proposal is on file,
 //      the coordinator answers with the names all of them proposed with the same count;
@@ -10,7 +10,8 @@
 //      no user call, so a held call never waits on another call;
 //   3. commit: the vote's response names those every rank froze: each rank forgets them,
 //      then numbers and queues the held calls (Thaw).
-// Names of grouped ops and of cached allreduce batches are kept.
+// Names of grouped ops and of cached allreduce batches are kept (a script that invents
+// group names still grows the tables).
 #include <algorithm>
 #include <cstdlib>
 #include <set>
@@ -74,8 +75,11 @@ void Runtime::Propose(const EntryPtr& y, Request* req) {
     return;
   std::vector<std::pair<int64_t, const std::string*>> idle;  // (last use, key)
   std::string name;
+  // Names not called in the last name_limit calls: a script's names used every step stay
+  // (as long as there are fewer than the limit).
+  const int64_t stale = uses_ - static_cast<int64_t>(cfg_.name_limit);
   for (auto& [key, ns] : names_) {
-    if (ns.in_flight || ns.frozen || ns.grouped || ns.stage || key == y->key() || !InSet(key, y->set, &name) ||
+    if (ns.last_use >= stale || ns.in_flight || ns.frozen || ns.grouped || ns.stage || key == y->key() || !InSet(key, y->set, &name) ||
         name == kSetsAgreement || cached_members_.count(key) || rejections_.count(key))
       continue;
     bool busy_stage = false;  // a hierarchical op's machine sum runs as a cached allreduce
@@ -102,6 +106,7 @@ void Runtime::Propose(const EntryPtr& y, Request* req) {
 }
 
 void Runtime::Vote(const Response& r) {
+  if (r.set && !SetOf(r.set)) return;  // removed meanwhile (DropSet forgot its proposal)
   Request vote;
   vote.name = kRetireName;
   vote.sig.op = kOpRetire;
@@ -200,6 +205,8 @@ void Runtime::ForgetSet(int set) {
     it = of_set(it->first) ? rejections_.erase(it) : std::next(it);
   for (auto it = negotiated_neighbor_names_.begin(); it != negotiated_neighbor_names_.end();)
     it = of_set(*it) ? negotiated_neighbor_names_.erase(it) : std::next(it);
+  for (auto it = stall_warned_.begin(); it != stall_warned_.end();)
+    it = of_set(*it) ? stall_warned_.erase(it) : std::next(it);
   for (auto it = noname_counter_.begin(); it != noname_counter_.end();)
     it = it->first.first == set ? noname_counter_.erase(it) : std::next(it);
 }

@@ -421,8 +421,49 @@ static void TestAlltoallAndGroups() {
                             "ranks 0, 1; [3] on rank 2") == 0);
 }
 
+// Retiring names (runtime_names.cc) at the coordinator: once both ranks propose name n at
+// the same count, the answer asks for a vote; a vote is never reported as stalled (every
+// driver sends one without a user call), so a late one lands in its own round; the vote's
+// response retires the names every rank voted for, and none that a rank voted to keep.
+static void TestRetirementVotes() {
+  Coordinator c(2, 0);
+  auto proposal = [](const std::string& carrier, int64_t count) {
+    Request q;
+    q.name = carrier;
+    q.sig.op = SHOAL_OP_ALLREDUCE;
+    q.retire = {"n"};
+    q.retire_calls = {count};
+    return q;
+  };
+  auto vote = [](bool keep) {
+    Request q;
+    q.name = "shoal.retire";
+    q.sig.op = kOpRetire;
+    if (!keep) q.retire = {"n"}, q.retire_calls = {5};
+    return q;
+  };
+  auto retired = [](const std::vector<Response>& rs) {
+    std::vector<std::string> names;
+    for (auto& r : rs)
+      if (r.op == kOpRetire) names.insert(names.end(), r.retired.begin(), r.retired.end());
+    return names;
+  };
+  for (int round = 0; round < 2; ++round) {
+    const std::string carrier = "a" + std::to_string(round);
+    c.Add(0, proposal(carrier, 5), 10.0 * round);
+    c.Add(1, proposal(carrier, 5), 10.0 * round);
+    CHECK(retired(c.TakeResponses()) == std::vector<std::string>{"n"});  // the answer: vote on n
+    c.Add(0, vote(false), 10.0 * round);
+    CHECK(c.Stalled(10.0 * round + 9, 1.0).empty());  // rank 1's vote is late, not stalled
+    c.Add(1, vote(round == 1), 10.0 * round + 9);     // round 1: rank 1 called n meanwhile
+    const std::vector<std::string> want = round == 0 ? std::vector<std::string>{"n"} : std::vector<std::string>{};
+    CHECK(retired(c.TakeResponses()) == want);
+  }
+}
+
 int main() {
   TestTopologyPlan();
+  TestRetirementVotes();
   TestOutOfOrderThreads();
   TestMismatches();
   TestAllgatherDimsAndStalls();
