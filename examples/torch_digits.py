@@ -2,7 +2,7 @@
 
     shoalrun -np 4 python examples/torch_digits.py
     shoalrun -np 4 python examples/torch_digits.py --topology exp2 --optimizer atc
-    shoalrun -np 4 python examples/torch_digits.py --partition dirichlet --alpha 0.1 --consensus-target 0.5
+    shoalrun -np 4 python examples/torch_digits.py --partition dirichlet --alpha 0.1 --consensus-target 0.05
 
 Every rank keeps its own model and trains on its own shard of the 8x8 digits (1797
 images shipped with scikit-learn: no download). Ranks average parameters with their
