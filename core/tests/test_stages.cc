@@ -32,6 +32,16 @@ std::vector<double> MachineSum(int m, int L, int k, size_t len) {
   return s;
 }
 
+// Enqueues and waits for `h`: its status, or the refusal at the call as a status.
+Status Called(Hier& h, Runtime& rt) {
+  try {
+    h.Enqueue(rt);
+    return h.Wait(rt);
+  } catch (const ArgumentError& ex) {
+    return Status::Error(ex.code, ex.what());
+  }
+}
+
 std::vector<int32_t> MachineRing(int m, int M) {
   if (M == 2) return {1 - m};
   return {(m + M - 1) % M, (m + 1) % M};
@@ -114,13 +124,7 @@ void TestRefused(int n, int L) {
     h.x = Data(r, 1, 4);
     h.recv = h.send = MachineRing(m, M);
     if (r == bad) h.recv = {static_cast<int32_t>(M + 3)};
-    Status st;
-    try {
-      h.Enqueue(rt);
-      st = h.Wait(rt);
-    } catch (const ArgumentError& ex) {
-      st = Status::Error(ex.code, ex.what());
-    }
+    Status st = Called(h, rt);
     CHECK(st.code == SHOAL_INVALID_ARGUMENT && st.message.find("receive machine ranks: rank " + std::to_string(M + 3) +
                                                                " is outside [0, " + std::to_string(M) + ")") !=
                                                    std::string::npos,
@@ -187,13 +191,7 @@ void TestFreshNames(int n, int L) {
       h.recv = h.send = MachineRing(m, M);
       const bool refused = k % 7 == 3;
       if (refused && r == bad) h.recv = {static_cast<int32_t>(M + 3)};
-      Status st;
-      try {
-        h.Enqueue(rt);
-        st = h.Wait(rt);
-      } catch (const ArgumentError& ex) {
-        st = Status::Error(ex.code, ex.what());
-      }
+      Status st = Called(h, rt);
       if (refused) {
         CHECK(st.code == SHOAL_INVALID_ARGUMENT && st.message.find("is outside [0, " + std::to_string(M) + ")") !=
                                                        std::string::npos,
