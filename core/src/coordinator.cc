@@ -478,8 +478,8 @@ std::vector<Response> Coordinator::TakeResponses() {
       for (auto& q : it->second.req) votes.push_back(&q);
       r.retired = Agreed(votes);
       for (auto& n : r.retired)  // forgotten here too, with a hierarchical op's stages
-        for (const std::string& key : {n, n + kHierarchicalStages[0].suffix, n + kHierarchicalStages[1].suffix,
-                                       n + kHierarchicalStages[2].suffix}) {
+        for (int s = -1; s < 3; ++s) {
+          const std::string key = s < 0 ? n : n + kHierarchicalStages[s].suffix;
           validated_.erase(key);
           rounds_done_.erase(key);
           if (rejected_.erase(key))  // (rare: then its place in the order goes too)

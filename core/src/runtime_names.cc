@@ -1,7 +1,8 @@
 // Op names and bounded per-name state. Each name keeps a call count on every rank (its
 // step: how ranks pair their calls of it), so a script that invents names (a step number
 // in each) would grow the tables without end. Past cfg_.name_limit names, idle names (not
-// called in the last name_limit calls) are retired, on every rank at one agreed point, so that their next call is step 0 everywhere:
+// called in the last name_limit calls) are retired, on every rank at one agreed point, so
+// that their next call is step 0 everywhere:
 //   1. propose: a request to the coordinator carries this rank's least recently used idle
 //      names of its set with their counts (Propose); once every rank's proposal is on file,
 //      the coordinator answers with the names all of them proposed with the same count;
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <set>
+#include <type_traits>
 
 #include "runtime.h"
 
@@ -79,8 +81,8 @@ void Runtime::Propose(const EntryPtr& y, Request* req) {
   // (as long as there are fewer than the limit).
   const int64_t stale = uses_ - static_cast<int64_t>(cfg_.name_limit);
   for (auto& [key, ns] : names_) {
-    if (ns.last_use >= stale || ns.in_flight || ns.frozen || ns.grouped || ns.stage || key == y->key() || !InSet(key, y->set, &name) ||
-        name == kSetsAgreement || cached_members_.count(key) || rejections_.count(key))
+    if (ns.last_use >= stale || ns.in_flight || ns.frozen || ns.grouped || ns.stage || key == y->key() ||
+        !InSet(key, y->set, &name) || name == kSetsAgreement || cached_members_.count(key) || rejections_.count(key))
       continue;
     bool busy_stage = false;  // a hierarchical op's machine sum runs as a cached allreduce
     if (ns.staged)
@@ -199,14 +201,18 @@ void Runtime::Later() {
 
 void Runtime::ForgetSet(int set) {
   std::string name;
-  auto of_set = [&](const std::string& key) { return InSet(key, set, &name); };
-  for (auto it = names_.begin(); it != names_.end();) it = of_set(it->first) ? names_.erase(it) : std::next(it);
-  for (auto it = rejections_.begin(); it != rejections_.end();)
-    it = of_set(it->first) ? rejections_.erase(it) : std::next(it);
-  for (auto it = negotiated_neighbor_names_.begin(); it != negotiated_neighbor_names_.end();)
-    it = of_set(*it) ? negotiated_neighbor_names_.erase(it) : std::next(it);
-  for (auto it = stall_warned_.begin(); it != stall_warned_.end();)
-    it = of_set(*it) ? stall_warned_.erase(it) : std::next(it);
+  auto key_of = [](const auto& item) -> const std::string& {
+    if constexpr (std::is_same_v<std::decay_t<decltype(item)>, std::string>) return item;
+    else return item.first;
+  };
+  auto forget = [&](auto& table) {  // the entries whose key is of set `set`
+    for (auto it = table.begin(); it != table.end();)
+      it = InSet(key_of(*it), set, &name) ? table.erase(it) : std::next(it);
+  };
+  forget(names_);
+  forget(rejections_);
+  forget(negotiated_neighbor_names_);
+  forget(stall_warned_);
   for (auto it = noname_counter_.begin(); it != noname_counter_.end();)
     it = it->first.first == set ? noname_counter_.erase(it) : std::next(it);
 }
