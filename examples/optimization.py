@@ -246,8 +246,9 @@ def main():
     ap.add_argument("--lr", type=float, default=None,
                     help="step size for every algorithm (None: 1/L of each problem)")
     ap.add_argument("--seed", type=int, default=0, help="least-squares data")
-    ap.add_argument("--every", type=int, default=50, help="print the distance every k iterations")
-    ap.add_argument("--plot", default="optimization.png", help="PNG path ('' to skip)")
+    out = ap.add_argument_group("output")
+    out.add_argument("--every", type=int, default=50, help="print the distance every k iterations")
+    out.add_argument("--plot", default="optimization.png", help="PNG path ('' to skip)")
     args = ap.parse_args()
     start = time.perf_counter()
 

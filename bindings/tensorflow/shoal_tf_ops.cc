@@ -100,16 +100,29 @@ std::vector<double> Weights(const Tensor& t) {
   return std::vector<double>(v.data(), v.data() + v.size());
 }
 
+// The part of an op's description its kernel fixes, from the node's attributes: the op,
+// its name (kept in `name`, which must outlive `d`) and whichever of reduce op, scope, root,
+// weights mode, topology check and process set the op has.
+Status FixedPart(OpKernelConstruction* c, int op, std::string* name, shoal_op_desc* d) {
+  *d = shoal_op_desc{};
+  d->op = op;
+  TF_RETURN_IF_ERROR(c->GetAttr("op_name", name));
+  d->name = name->c_str();
+  for (auto [attr, field] : {std::pair<const char*, int32_t*>{"reduce_op", &d->reduce_op}, {"scope", &d->scope},
+                             {"root_rank", &d->root_rank}, {"process_set", &d->process_set}})
+    if (c->HasAttr(attr)) TF_RETURN_IF_ERROR(c->GetAttr(attr, field));
+  bool uniform = true, topo_check = false;
+  if (c->HasAttr("uniform")) TF_RETURN_IF_ERROR(c->GetAttr("uniform", &uniform));
+  if (c->HasAttr("topo_check")) TF_RETURN_IF_ERROR(c->GetAttr("topo_check", &topo_check));
+  d->uniform = uniform;
+  d->topo_check = topo_check;
+  return OkStatus();
+}
+
 class ShoalKernel : public AsyncOpKernel {
  public:
   explicit ShoalKernel(OpKernelConstruction* c, int op) : AsyncOpKernel(c), op_(op) {
-    OP_REQUIRES_OK(c, c->GetAttr("op_name", &name_));
-    if (c->HasAttr("reduce_op")) OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
-    if (c->HasAttr("scope")) OP_REQUIRES_OK(c, c->GetAttr("scope", &scope_));
-    if (c->HasAttr("root_rank")) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
-    if (c->HasAttr("uniform")) OP_REQUIRES_OK(c, c->GetAttr("uniform", &uniform_));
-    if (c->HasAttr("topo_check")) OP_REQUIRES_OK(c, c->GetAttr("topo_check", &topo_check_));
-    if (c->HasAttr("process_set")) OP_REQUIRES_OK(c, c->GetAttr("process_set", &process_set_));
+    OP_REQUIRES_OK(c, FixedPart(c, op, &name_, &base_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -125,21 +138,13 @@ class ShoalKernel : public AsyncOpKernel {
     for (int i = 0; i < in.dims(); ++i) shape[i] = in.dim_size(i);
     std::vector<int32_t> recv, send;
     std::vector<double> recv_w, send_w;
-    shoal_op_desc d{};
-    d.op = op_;
-    d.name = name_.c_str();
+    shoal_op_desc d = base_;
     d.input.data = const_cast<void*>(static_cast<const void*>(in.tensor_data().data()));
     d.input.dtype = code;
     d.input.ndim = in.dims();
     d.input.shape = shape.data();
     d.output = d.input;
     d.output.data = out ? const_cast<char*>(out->tensor_data().data()) : nullptr;
-    d.reduce_op = reduce_op_;
-    d.root_rank = root_;
-    d.scope = scope_;
-    d.uniform = uniform_;
-    d.topo_check = topo_check_;
-    d.process_set = process_set_;
     if (op_ == SHOAL_OP_NEIGHBOR_ALLREDUCE || op_ == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
       d.self_weight = ctx->input(1).scalar<double>()();
       recv = Ranks(ctx->input(2));
@@ -177,8 +182,7 @@ class ShoalKernel : public AsyncOpKernel {
  private:
   int op_;
   std::string name_;
-  int reduce_op_ = 0, scope_ = 0, root_ = 0, process_set_ = 0;
-  bool uniform_ = true, topo_check_ = false;
+  shoal_op_desc base_;
 };
 
 // A grouped op (shoal_enqueue_group): one input and one output per member; the kernel is
@@ -212,10 +216,7 @@ void OnMemberComplete(int64_t handle, int status, const char* message, void* arg
 class ShoalGroupKernel : public AsyncOpKernel {
  public:
   ShoalGroupKernel(OpKernelConstruction* c, int op) : AsyncOpKernel(c), op_(op) {
-    OP_REQUIRES_OK(c, c->GetAttr("op_name", &name_));
-    if (c->HasAttr("reduce_op")) OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
-    if (c->HasAttr("scope")) OP_REQUIRES_OK(c, c->GetAttr("scope", &scope_));
-    OP_REQUIRES_OK(c, c->GetAttr("process_set", &process_set_));
+    OP_REQUIRES_OK(c, FixedPart(c, op, &name_, &base_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -235,16 +236,13 @@ class ShoalGroupKernel : public AsyncOpKernel {
       if (st.ok() && !gather) st = ctx->allocate_output(i, in.shape(), &out);
       for (int k = 0; k < in.dims(); ++k) shapes[i].push_back(in.dim_size(k));
       shoal_op_desc& d = descs[i];
-      d.op = op_;
+      d = base_;
       d.input.data = const_cast<void*>(static_cast<const void*>(in.tensor_data().data()));
       d.input.dtype = code;
       d.input.ndim = in.dims();
       d.input.shape = shapes[i].data();
       d.output = d.input;
       d.output.data = out ? const_cast<char*>(out->tensor_data().data()) : nullptr;
-      d.reduce_op = reduce_op_;
-      d.scope = scope_;
-      d.process_set = process_set_;
       g->members.push_back({g, i});
     }
     std::vector<void*> args(n);
@@ -264,7 +262,7 @@ class ShoalGroupKernel : public AsyncOpKernel {
  private:
   int op_;
   std::string name_;
-  int reduce_op_ = 0, scope_ = 0, process_set_ = 0;
+  shoal_op_desc base_;
 };
 
 #define SHOAL_KERNEL(Kind, code)                                                      \

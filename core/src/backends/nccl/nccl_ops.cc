@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "plugin_table.h"
@@ -84,29 +85,24 @@ shoal_cuda_error NcclCheck(const Nccl& L, ncclResult_t rc, const char* what, ncc
 ncclComm_t C(void* c) { return static_cast<ncclComm_t>(c); }
 cudaStream_t S(void* s) { return static_cast<cudaStream_t>(s); }
 
-bool ReduceType(int dtype, ncclDataType_t* t) {
-  switch (dtype) {
-    case SHOAL_FLOAT16: *t = ncclFloat16; return true;
-    case SHOAL_BFLOAT16: *t = ncclBfloat16; return true;
-    case SHOAL_FLOAT32: *t = ncclFloat32; return true;
-    case SHOAL_FLOAT64: *t = ncclFloat64; return true;
-    case SHOAL_INT8: *t = ncclInt8; return true;
-    case SHOAL_UINT8: *t = ncclUint8; return true;
-    case SHOAL_INT32: *t = ncclInt32; return true;
-    case SHOAL_INT64: *t = ncclInt64; return true;
-    default: return false;  // int16, bool: no NCCL reduction type
-  }
+// `*out` = the NCCL value `table` pairs with `code`; false if it has none.
+template <typename T, size_t N> bool Find(const std::pair<int, T> (&table)[N], int code, T* out) {
+  for (const auto& [key, value] : table)
+    if (key == code) return *out = value, true;
+  return false;
 }
 
-bool ReduceOp(int reduce_op, ncclRedOp_t* op) {
-  switch (reduce_op) {
-    case SHOAL_REDUCE_SUM: *op = ncclSum; return true;
-    case SHOAL_REDUCE_MIN: *op = ncclMin; return true;
-    case SHOAL_REDUCE_MAX: *op = ncclMax; return true;
-    case SHOAL_REDUCE_PRODUCT: *op = ncclProd; return true;
-    default: return false;
-  }
-}
+// Reduction types: NCCL has none for int16 and bool.
+constexpr std::pair<int, ncclDataType_t> kReduceTypes[] = {
+    {SHOAL_FLOAT16, ncclFloat16}, {SHOAL_BFLOAT16, ncclBfloat16}, {SHOAL_FLOAT32, ncclFloat32},
+    {SHOAL_FLOAT64, ncclFloat64}, {SHOAL_INT8, ncclInt8}, {SHOAL_UINT8, ncclUint8},
+    {SHOAL_INT32, ncclInt32}, {SHOAL_INT64, ncclInt64}};
+constexpr std::pair<int, ncclRedOp_t> kReduceOps[] = {
+    {SHOAL_REDUCE_SUM, ncclSum}, {SHOAL_REDUCE_MIN, ncclMin}, {SHOAL_REDUCE_MAX, ncclMax},
+    {SHOAL_REDUCE_PRODUCT, ncclProd}};
+
+bool ReduceType(int dtype, ncclDataType_t* t) { return Find(kReduceTypes, dtype, t); }
+bool ReduceOp(int reduce_op, ncclRedOp_t* op) { return Find(kReduceOps, reduce_op, op); }
 
 shoal_cuda_error UniqueId(void* id) {
   SHOAL_NCCL_LOADED();
