@@ -4,7 +4,10 @@ Each op is an opaque call with a fake (meta) implementation giving its output sh
 the real implementation enqueues into the core and waits.
 """
 import functools
+import importlib.abc
+import importlib.machinery
 import inspect
+import sys
 
 import numpy as np
 import torch
@@ -102,10 +105,39 @@ def _plain(t, dtypes):
     return t.numpy()
 
 
-try:
-    from torch._dynamo import substitute_in_graph as _substitute  # torch >= 2.5
-except ImportError:
-    _substitute = None
+class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Registers the C entry points' substitutions for torch.compile once `torch._dynamo`
+    is imported (torch.compile imports it), not at `import shoal.torch`: importing dynamo
+    costs about 2 s of CPU in every process, most of which never compile."""
+    pending = []  # (entry, traced) not yet registered
+
+    @classmethod
+    def substitute(cls, entry, traced):
+        cls.pending.append((entry, traced))
+        if "torch._dynamo" in sys.modules:
+            cls.register()
+        elif not any(isinstance(f, cls) for f in sys.meta_path):
+            sys.meta_path.insert(0, cls())
+
+    @classmethod
+    def register(cls):
+        while cls.pending:
+            entry, traced = cls.pending.pop()
+            torch.compiler.substitute_in_graph(entry, skip_signature_check=True)(traced)
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):  # the loader of this one module, then the substitutions
+                run(module)
+                type(self).register()
+            spec.loader.exec_module = exec_module
+        return spec
 
 
 def native(fallback, make, traced=None):
@@ -116,11 +148,11 @@ def native(fallback, make, traced=None):
     that signature calls it. Without torch.compile's substitution, or for the fake device
     (tests), `fallback` itself."""
     traced = traced or fallback
-    if _adapter._FAKE or _substitute is None:
+    if _adapter._FAKE or not hasattr(torch.compiler, "substitute_in_graph"):  # torch < 2.5
         return fallback
     doc = f"{traced.__name__}{inspect.signature(traced)}\n--\n\n{traced.__doc__}"
     entry = make(fallback, doc, ADAPTER.module, torch=ADAPTER.torch_api)
-    _substitute(entry, skip_signature_check=True)(traced)
+    _WhenDynamoLoads.substitute(entry, traced)
     try:
         if inspect.signature(entry) == inspect.signature(traced):
             return entry
