@@ -4,6 +4,10 @@ imported); and the Python side keeps no mutable module-level state outside
 shoal._process.STATE."""
 import ast
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -127,3 +131,25 @@ def test_no_module_level_mutable_state():
                                                          or t.id == "__all__"):
                         offenders.append(f"{name}.{t.id} (line {node.lineno})")
     assert not offenders, "module-level mutable state outside shoal._process.STATE: " + ", ".join(offenders)
+
+
+_DYNAMO_FIRST = """
+import torch._dynamo
+import torch
+import shoal.torch as bf
+bf.init()
+print(torch.compile(lambda x: bf.allreduce(x * 2, name="c"), fullgraph=True)(torch.ones(3)).tolist())
+"""
+
+
+def test_shoal_torch_imports_dynamo_only_for_torch_compile():
+    # Importing dynamo costs ~2 s per process: shoal.torch leaves it to torch.compile, whose
+    # full graph (no break at the C entry points) needs the substitutions registered whether
+    # dynamo came first (here) or later (tests/workers/ops_torch.py compiled_fullgraph).
+    pytest.importorskip("torch")
+    lazy = subprocess.run([sys.executable, "-c", "import sys, shoal.torch; print('torch._dynamo' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120)
+    assert lazy.stdout.strip() == "False", lazy.stdout + lazy.stderr[-4000:]
+    first = subprocess.run([sys.executable, "-c", _DYNAMO_FIRST], capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert first.stdout.strip() == "[2.0, 2.0, 2.0]", first.stdout

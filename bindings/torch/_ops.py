@@ -105,25 +105,28 @@ def _plain(t, dtypes):
     return t.numpy()
 
 
+def _substitute(entry, traced):
+    torch.compiler.substitute_in_graph(entry, skip_signature_check=True)(traced)
+
+
 class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
     """Registers the C entry points' substitutions for torch.compile once `torch._dynamo`
     is imported (torch.compile imports it), not at `import shoal.torch`: importing dynamo
-    costs about 2 s of CPU in every process, most of which never compile."""
-    pending = []  # (entry, traced) not yet registered
+    costs about 2 s of CPU in every process, most of which never compile. One finder, in
+    sys.meta_path until then, holds the (entry, traced) pairs waiting."""
+
+    def __init__(self):
+        self.pending = []
 
     @classmethod
     def substitute(cls, entry, traced):
-        cls.pending.append((entry, traced))
         if "torch._dynamo" in sys.modules:
-            cls.register()
-        elif not any(isinstance(f, cls) for f in sys.meta_path):
-            sys.meta_path.insert(0, cls())
-
-    @classmethod
-    def register(cls):
-        while cls.pending:
-            entry, traced = cls.pending.pop()
-            torch.compiler.substitute_in_graph(entry, skip_signature_check=True)(traced)
+            return _substitute(entry, traced)
+        finder = next((f for f in sys.meta_path if isinstance(f, cls)), None)
+        if finder is None:
+            finder = cls()
+            sys.meta_path.insert(0, finder)
+        finder.pending.append((entry, traced))
 
     def find_spec(self, fullname, path, target=None):
         if fullname != "torch._dynamo":
@@ -133,9 +136,10 @@ class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
         if spec is not None and spec.loader is not None:
             run = spec.loader.exec_module
 
-            def exec_module(module):  # the loader of this one module, then the substitutions
+            def exec_module(module):  # this one module's loader, then the substitutions
                 run(module)
-                type(self).register()
+                for entry, traced in self.pending:
+                    _substitute(entry, traced)
             spec.loader.exec_module = exec_module
         return spec
 
