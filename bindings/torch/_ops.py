@@ -5,7 +5,6 @@ the real implementation enqueues into the core and waits.
 """
 import functools
 import importlib.abc
-import importlib.machinery
 import inspect
 import sys
 
@@ -132,7 +131,9 @@ class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
         if fullname != "torch._dynamo":
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        # The finder that would have found it without this one (any kind of install).
+        spec = next(filter(None, (f.find_spec(fullname, path, target) for f in sys.meta_path
+                                  if hasattr(f, "find_spec"))), None)
         if spec is not None and spec.loader is not None:
             run = spec.loader.exec_module
 

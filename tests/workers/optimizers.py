@@ -19,7 +19,7 @@ if bf.machine_size() > 1 and bf.local_size() > 1:
     bf.set_machine_topology(bf.topology.ring_graph(bf.machine_size()))
 
 
-def train(wrapper, make_opt, ctype, steps=400, **kw):
+def train(wrapper, make_opt, ctype, steps=300, **kw):
     torch.manual_seed(R)  # different starting points: communication must pull them together
     model = torch.nn.Linear(5, 1, bias=False)
     inner = make_opt(model.parameters())
