@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 
 WORKERS = Path(__file__).parent / "workers"
+# One BLAS / OpenMP thread per process: two test workers already share the cores with the
+# ranks they start, and OpenBLAS's idle threads spin, which on oversubscribed cores costs
+# far more than its parallelism gains. (shoalrun keeps a value that is already set.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
