@@ -133,23 +133,26 @@ def test_no_module_level_mutable_state():
     assert not offenders, "module-level mutable state outside shoal._process.STATE: " + ", ".join(offenders)
 
 
-_DYNAMO_FIRST = """
-import torch._dynamo
+_COMPILE = """
+import importlib.util
+import sys
+{first}
 import torch
 import shoal.torch as bf
+print("torch._dynamo" in sys.modules)
+importlib.util.find_spec("torch._dynamo")  # an availability probe: must not lose the substitutions
 bf.init()
 print(torch.compile(lambda x: bf.allreduce(x * 2, name="c"), fullgraph=True)(torch.ones(3)).tolist())
 """
 
 
-def test_shoal_torch_imports_dynamo_only_for_torch_compile():
+@pytest.mark.parametrize("first", ["", "import torch._dynamo"])
+def test_shoal_torch_imports_dynamo_only_for_torch_compile(first):
     # Importing dynamo costs ~2 s per process: shoal.torch leaves it to torch.compile, whose
     # full graph (no break at the C entry points) needs the substitutions registered whether
-    # dynamo came first (here) or later (tests/workers/ops_torch.py compiled_fullgraph).
+    # dynamo came first or later.
     pytest.importorskip("torch")
-    lazy = subprocess.run([sys.executable, "-c", "import sys, shoal.torch; print('torch._dynamo' in sys.modules)"],
-                          capture_output=True, text=True, timeout=120)
-    assert lazy.stdout.strip() == "False", lazy.stdout + lazy.stderr[-4000:]
-    first = subprocess.run([sys.executable, "-c", _DYNAMO_FIRST], capture_output=True, text=True, timeout=240)
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert first.stdout.strip() == "[2.0, 2.0, 2.0]", first.stdout
+    out = subprocess.run([sys.executable, "-c", _COMPILE.format(first=first)], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == [str(bool(first)), "[2.0,", "2.0,", "2.0]"], out.stdout

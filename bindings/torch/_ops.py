@@ -111,8 +111,9 @@ def _substitute(entry, traced):
 class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
     """Registers the C entry points' substitutions for torch.compile once `torch._dynamo`
     is imported (torch.compile imports it), not at `import shoal.torch`: importing dynamo
-    costs about 2 s of CPU in every process, most of which never compile. One finder, in
-    sys.meta_path until then, holds the (entry, traced) pairs waiting."""
+    costs about 2 s of CPU in every process that never compiles. One finder, in
+    sys.meta_path until dynamo's module has run, holds the (entry, traced) pairs waiting;
+    a spec only asked for (importlib.util.find_spec) changes nothing."""
 
     def __init__(self):
         self.pending = []
@@ -130,19 +131,36 @@ class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != "torch._dynamo":
             return None
-        sys.meta_path.remove(self)
-        # The finder that would have found it without this one (any kind of install).
+        # The spec of whichever finder comes next (any kind of install), its loader wrapped.
         spec = next(filter(None, (f.find_spec(fullname, path, target) for f in sys.meta_path
-                                  if hasattr(f, "find_spec"))), None)
+                                  if f is not self and hasattr(f, "find_spec"))), None)
         if spec is not None and spec.loader is not None:
-            run = spec.loader.exec_module
-
-            def exec_module(module):  # this one module's loader, then the substitutions
-                run(module)
-                for entry, traced in self.pending:
-                    _substitute(entry, traced)
-            spec.loader.exec_module = exec_module
+            spec.loader = _ThenSubstitute(spec.loader, self)
         return spec
+
+    def loaded(self):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        while self.pending:
+            _substitute(*self.pending.pop(0))
+
+
+class _ThenSubstitute(importlib.abc.Loader):
+    """`loader` (which may serve other modules too, so it is wrapped, not changed), then
+    the waiting substitutions once the module has run."""
+
+    def __init__(self, loader, finder):
+        self.loader, self.finder = loader, finder
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.finder.loaded()
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...
+        return getattr(self.loader, name)
 
 
 def native(fallback, make, traced=None):
