@@ -121,7 +121,7 @@ Status FixedPart(OpKernelConstruction* c, int op, std::string* name, shoal_op_de
 
 class ShoalKernel : public AsyncOpKernel {
  public:
-  explicit ShoalKernel(OpKernelConstruction* c, int op) : AsyncOpKernel(c), op_(op) {
+  explicit ShoalKernel(OpKernelConstruction* c, int op) : AsyncOpKernel(c) {
     OP_REQUIRES_OK(c, FixedPart(c, op, &name_, &base_));
   }
 
@@ -130,8 +130,8 @@ class ShoalKernel : public AsyncOpKernel {
     const int code = DtypeCode(in.dtype());
     OP_REQUIRES_ASYNC(ctx, code >= 0, errors::InvalidArgument("Shoal: unsupported dtype ", DataTypeString(in.dtype())), done);
     // Ops whose result the core allocates (its shape known only at completion).
-    const bool gather = op_ == SHOAL_OP_ALLGATHER || op_ == SHOAL_OP_NEIGHBOR_ALLGATHER ||
-                        op_ == SHOAL_OP_REDUCESCATTER || op_ == SHOAL_OP_ALLTOALL;
+    const bool gather = base_.op == SHOAL_OP_ALLGATHER || base_.op == SHOAL_OP_NEIGHBOR_ALLGATHER ||
+                        base_.op == SHOAL_OP_REDUCESCATTER || base_.op == SHOAL_OP_ALLTOALL;
     Tensor* out = nullptr;
     if (!gather) OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
     std::vector<int64_t> shape(in.dims());
@@ -145,18 +145,18 @@ class ShoalKernel : public AsyncOpKernel {
     d.input.shape = shape.data();
     d.output = d.input;
     d.output.data = out ? const_cast<char*>(out->tensor_data().data()) : nullptr;
-    if (op_ == SHOAL_OP_NEIGHBOR_ALLREDUCE || op_ == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
+    if (base_.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || base_.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
       d.self_weight = ctx->input(1).scalar<double>()();
       recv = Ranks(ctx->input(2));
       recv_w = Weights(ctx->input(3));
       send = Ranks(ctx->input(4));
       send_w = Weights(ctx->input(5));
-    } else if (op_ == SHOAL_OP_NEIGHBOR_ALLGATHER) {
+    } else if (base_.op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
       recv = Ranks(ctx->input(1));
       send = Ranks(ctx->input(2));
     }
     std::vector<int64_t> splits;  // alltoall: none (even) or one per rank
-    if (op_ == SHOAL_OP_ALLTOALL) {
+    if (base_.op == SHOAL_OP_ALLTOALL) {
       auto v = ctx->input(1).flat<int64>();
       splits.assign(v.data(), v.data() + v.size());
       d.n_splits = static_cast<int32_t>(splits.size());
@@ -168,7 +168,7 @@ class ShoalKernel : public AsyncOpKernel {
     d.n_send = static_cast<int32_t>(send.size());
     d.send_ranks = send.data();
     d.send_weights = send_w.empty() ? nullptr : send_w.data();
-    auto* p = new Pending{ctx, done, in, gather, in.dtype(), op_ == SHOAL_OP_ALLTOALL};
+    auto* p = new Pending{ctx, done, in, gather, in.dtype(), base_.op == SHOAL_OP_ALLTOALL};
     char err[2048];
     int64_t handle = 0;
     int rc = shoal_enqueue_with_callback(&d, OnComplete, p, &handle, err, sizeof err);
@@ -180,9 +180,8 @@ class ShoalKernel : public AsyncOpKernel {
   }
 
  private:
-  int op_;
   std::string name_;
-  shoal_op_desc base_;
+  shoal_op_desc base_{};  // its op code, name and attributes
 };
 
 // A grouped op (shoal_enqueue_group): one input and one output per member; the kernel is
@@ -215,14 +214,14 @@ void OnMemberComplete(int64_t handle, int status, const char* message, void* arg
 
 class ShoalGroupKernel : public AsyncOpKernel {
  public:
-  ShoalGroupKernel(OpKernelConstruction* c, int op) : AsyncOpKernel(c), op_(op) {
+  ShoalGroupKernel(OpKernelConstruction* c, int op) : AsyncOpKernel(c) {
     OP_REQUIRES_OK(c, FixedPart(c, op, &name_, &base_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const int n = ctx->num_inputs();
     OP_REQUIRES_ASYNC(ctx, n > 0, errors::InvalidArgument("Shoal: a grouped op needs at least one tensor"), done);
-    const bool gather = op_ != SHOAL_OP_ALLREDUCE;
+    const bool gather = base_.op != SHOAL_OP_ALLREDUCE;
     auto* g = new GroupPending{ctx, done, {}, gather, {n}, {}, {}};
     std::vector<std::vector<int64_t>> shapes(n);
     std::vector<shoal_op_desc> descs(n);
@@ -260,9 +259,8 @@ class ShoalGroupKernel : public AsyncOpKernel {
   }
 
  private:
-  int op_;
   std::string name_;
-  shoal_op_desc base_;
+  shoal_op_desc base_{};  // its op code, name and attributes
 };
 
 #define SHOAL_KERNEL(Kind, code)                                                      \
