@@ -37,6 +37,7 @@ struct ArgumentError : std::runtime_error {
   int code;
   ArgumentError(int c, const std::string& m) : std::runtime_error(m), code(c) {}
 };
+[[noreturn]] inline void Bad(const std::string& msg) { throw ArgumentError(SHOAL_INVALID_ARGUMENT, msg); }
 
 size_t DtypeSize(int dtype);
 const char* DtypeName(int dtype);

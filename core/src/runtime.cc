@@ -17,8 +17,6 @@ std::atomic<int64_t> g_next_handle{1};
 // Runtimes created in this process; the same sequence on every rank (init is collective).
 std::atomic<uint64_t> g_generations{0};
 
-[[noreturn]] void Bad(const std::string& msg) { throw ArgumentError(SHOAL_INVALID_ARGUMENT, msg); }
-
 }  // namespace
 
 Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation)

@@ -12,8 +12,6 @@
 namespace shoal {
 namespace {
 
-[[noreturn]] void Bad(const std::string& msg) { throw ArgumentError(SHOAL_INVALID_ARGUMENT, msg); }
-
 // `op` and `which` ("receive"/"send") name the list in errors. Runs for every op: no
 // allocation beyond the result unless the list is long.
 std::vector<int> CheckPeers(const char* op, const char* which, const int32_t* ranks, int n, int self, int size) {

@@ -12,11 +12,6 @@
 #include "runtime.h"
 
 namespace shoal {
-namespace {
-
-[[noreturn]] void Bad(const std::string& msg) { throw ArgumentError(SHOAL_INVALID_ARGUMENT, msg); }
-
-}  // namespace
 
 std::vector<int64_t> Runtime::EnqueueGroup(const char* name, const shoal_op_desc* descs, int n, shoal_callback cb,
                                            void* const* cb_args) {
