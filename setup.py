@@ -159,10 +159,9 @@ class CMakeBuild(build_ext):
             "# Written by setup.py at build time.\n"
             f"MPI_FLAVOR = {info['flavor']!r}\nMPIEXEC = {info['mpiexec']!r}\n"
             f"MPI_LIBRARIES = {mpi['libraries']!r}\n")
-        # The C header ships with the package: shoal.tensorflow compiles against it.
-        header = out_dir / "include" / "shoal" / "c_api.h"
-        header.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / "core" / "include" / "shoal" / "c_api.h", header)
+        # The C headers ship with the package: shoal.tensorflow's kernels and shoal.torch's
+        # tensor access compile against them (shoal/_compiled.py).
+        shutil.copytree(ROOT / "core" / "include" / "shoal", out_dir / "include" / "shoal", dirs_exist_ok=True)
         built = out_dir / ext_path.name
         if built != ext_path:  # setuptools expects the extension at its own path too
             ext_path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +180,7 @@ setup(
     package_dir={"shoal": "shoal", "shoal.torch": "bindings/torch",
                  "shoal.tensorflow": "bindings/tensorflow", "shoal.keras": "bindings/tensorflow/keras",
                  "shoal.launcher": "launcher"},
-    package_data={"shoal.tensorflow": ["*.cc"]},
+    package_data={"shoal.tensorflow": ["*.cc"], "shoal.torch": ["*.cc"]},
     ext_modules=[Extension("shoal._core", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=dependencies(),

@@ -291,8 +291,9 @@ def check_build():
     print(f"mpiexec: {find_mpiexec()}")
     try:
         import torch
-        import shoal.torch  # noqa: F401
-        print(f"torch binding: usable (torch {torch.__version__})")
+        from shoal.torch import _adapter  # builds its tensor access on first use
+        direct = "compiled" if _adapter.TorchAdapter.torch_api[7] is not None else "through torch's Python API"
+        print(f"torch binding: usable (torch {torch.__version__}; tensor access {direct})")
         cuda = torch.cuda.is_available()
     except ImportError as exc:
         print(f"torch binding: not usable ({exc})")

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "module.h"
+#include "shoal/torch_tensors.h"
 
 namespace shoal_py {
 namespace {
@@ -25,12 +26,16 @@ struct Remembered {
 auto* g_remembered = new Remembered();
 constexpr size_t kMaxResolved = 1024;
 
-// torch's Python API as the torch entry points use it (Shoal is not compiled against torch,
+// torch's API as the torch entry points use it (Shoal is not compiled against torch,
 // DESIGN decision 2): the tensor and Parameter types, {dtype: (core code, numpy dtype or
-// None)}, torch.strided, torch.empty_like, torch.is_grad_enabled and torch.from_numpy.
+// None)}, torch.strided, torch.empty_like, torch.is_grad_enabled and torch.from_numpy;
+// and, where bindings/torch/torch_tensors.cc could be built for the installed torch, its
+// table, which reads and makes plain tensors without the Python API (null: not built).
 struct TorchApi {
-  py::object tensor, parameter, dtypes, strided, empty_like, is_grad_enabled, from_numpy;
+  py::object tensor, parameter, dtypes, strided, empty_like, is_grad_enabled, from_numpy, compiled;
+  const shoal_torch_tensors* direct = nullptr;
 };
+constexpr int32_t kMaxDims = 32;
 
 // The state of one native function: its Python fallback, for allreduce the {ReduceOp
 // object: core code} of `op=` (shoal._ops.REDUCE_OP_CODES), for torch tensors (instead of
@@ -118,6 +123,13 @@ PyObject* CallMethod(PyObject* x, PyObject* name) {  // new reference, or null w
 bool TorchInput(const TorchApi& t, PyObject* x, bool any, Input* in) {
   PyObject* tp = reinterpret_cast<PyObject*>(Py_TYPE(x));
   if (tp != t.tensor.ptr() && tp != t.parameter.ptr()) return false;
+  if (t.direct) {
+    int32_t ndim = 0;
+    int64_t shape[kMaxDims];
+    if (!t.direct->read(x, &in->dtype, &in->data, &ndim, shape, kMaxDims)) return false;
+    in->shape.assign(shape, shape + ndim);
+    return any || IsFloat(in->dtype);
+  }
   PyObject* dt = Attr(x, SHOAL_NAME("dtype"));
   PyObject* entry = dt ? PyDict_GetItem(t.dtypes.ptr(), dt) : nullptr;  // borrowed
   Py_XDECREF(dt);
@@ -168,6 +180,12 @@ py::object NewOutput(const Native& st, PyObject* x, const Input& in, void** data
     py::array out(py::reinterpret_borrow<py::dtype>(py::detail::array_proxy(x)->descr), shape);
     *data = out.mutable_data();
     return std::move(out);
+  }
+  if (st.torch->direct) {
+    auto out = py::reinterpret_steal<py::object>(static_cast<PyObject*>(
+        st.torch->direct->empty(in.dtype, static_cast<int32_t>(in.shape.size()), in.shape.data(), data)));
+    if (!out) throw py::error_already_set();
+    return out;
   }
   if (in.numpy_dtype && in.numpy_dtype != Py_None) {
     py::array arr(py::reinterpret_borrow<py::dtype>(in.numpy_dtype), shape);
@@ -533,14 +551,18 @@ void DefineNeighborNative(py::module_& m) {
   m.def("forget_neighbor_args", [] { g_remembered->by_key.clear(); });
   // `torch`: None (numpy arrays) or, for torch tensors, (torch.Tensor, torch.nn.Parameter,
   // {dtype: (code, numpy dtype or None)}, torch.strided, torch.empty_like,
-  // torch.is_grad_enabled, torch.from_numpy).
+  // torch.is_grad_enabled, torch.from_numpy, a shoal_torch_tensors capsule or None).
   // `state`: None (blocking) or shoal._process.STATE (nonblocking: the handle is returned).
   auto state = [](py::object fallback, py::object ops, py::object torch, py::object state = py::none(),
                   bool inplace = false) {
     auto* st = new Native{std::move(fallback), std::move(ops), nullptr, std::move(state), inplace};
     if (!torch.is_none()) {
       auto t = torch.cast<py::tuple>();
-      st->torch.reset(new TorchApi{t[0], t[1], t[2], t[3], t[4], t[5], t[6]});
+      st->torch.reset(new TorchApi{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]});
+      if (!st->torch->compiled.is_none())
+        st->torch->direct = static_cast<const shoal_torch_tensors*>(
+            PyCapsule_GetPointer(st->torch->compiled.ptr(), SHOAL_TORCH_TENSORS));
+      if (PyErr_Occurred()) throw py::error_already_set();
     }
     return st;
   };

@@ -16,6 +16,8 @@ import torch
 
 from shoal._ops import DTYPE_CODES
 
+from . import _tensors
+
 _CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
 
 
@@ -105,13 +107,15 @@ class TorchAdapter:
 _FAKE = os.environ.get("SHOAL_FAKE_DEVICE") == "1"
 if _FAKE:  # CPU tensors described as CUDA ones: the C functions would take them as host memory
     TorchAdapter.native = ()
-# torch's Python API as the C functions read it (bindings/python/native_entry.cc): the
-# plain tensor types, {dtype: (core code, numpy dtype of the same memory or None)},
-# torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy.
+# torch's API as the C functions read it (bindings/python/native_entry.cc): the plain
+# tensor types, {dtype: (core code, numpy dtype of the same memory or None)},
+# torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy, and the
+# compiled tensor access (_tensors.py; None: the Python API's attributes instead).
 TorchAdapter.torch_api = (torch.Tensor, torch.nn.Parameter,
                           {getattr(torch, n): (c, None if n == "bfloat16" else np.dtype(n))
                            for n, c in DTYPE_CODES.items()},
-                          torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy)
+                          torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy,
+                          None if _FAKE else _tensors.table())
 
 
 @functools.lru_cache(maxsize=None)

@@ -158,6 +158,62 @@ def lazily_negated_tensors_give_their_values():
 
 
 @check
+def outputs_are_reused_only_when_unobservable():
+    """With the compiled tensor access (bindings/torch/torch_tensors.cc) a small output that
+    nothing refers to any more is handed out again; anything that can still see one (a
+    reference, a view, a weak reference, a numpy array, a parameter's .data) keeps its
+    values through later ops, and no output carries an earlier user's attribute or
+    requires_grad. Without it (no C++ compiler) every output is new."""
+    import weakref
+    compiled = bf._adapter.TorchAdapter.torch_api[7] is not None
+    x = torch.arange(6, dtype=torch.float64) + R
+    total = float(N * (N - 1) // 2)
+
+    def op(k):  # rotates the entry points; each result is exact, and differs from the others
+        fn = [lambda t: bf.allreduce(t, average=False, name="t.reuse.ar"),
+              lambda t: bf.neighbor_allreduce(t, self_weight=1.0, src_weights={}, dst_weights=[],
+                                              enable_topo_check=False, name="t.reuse.nar"),
+              lambda t: bf.broadcast(t, N - 1, name="t.reuse.bc")][k % 3]
+        xk = x + 10 * k
+        want = [N * (xk - R) + total, xk, xk - R + (N - 1)][k % 3]
+        out = fn(xk)
+        assert torch.equal(out, want), (k, out, want)
+        return out
+
+    out = op(0)
+    out.add_(0)  # version 1: a new tensor has version 0
+    del out
+    assert (op(3)._version > 0) == compiled, "an unobserved output is handed out again exactly when compiled"
+    seen = []  # (what the keeper still sees, or None once nothing does; the values it must see)
+    for k in range(7):
+        out = op(k)
+        values = out.detach().clone()
+        if k == 0:
+            seen.append((lambda o=out: o, values))
+        elif k == 1:
+            seen.append((lambda v=out[1:]: v, values[1:]))
+        elif k == 2:
+            seen.append((weakref.ref(out), values))
+        elif k == 3:
+            seen.append((lambda a=out.numpy(): torch.from_numpy(a), values))
+        elif k == 4:
+            p = torch.nn.Parameter(torch.empty(0, dtype=torch.float64))
+            p.data = out
+            seen.append((lambda p=p: p.detach(), values))
+        elif k == 5:
+            out.mark = k  # seen by no one but whoever would get this tensor next
+        else:
+            out.requires_grad_()
+        del out
+    for k in range(12):  # every entry point, again and again
+        out = op(k)
+        assert not hasattr(out, "mark") and not out.requires_grad, "an output carries an earlier user's state"
+    for k, (read, values) in enumerate(seen):
+        now = read()
+        assert now is None or torch.equal(now, values), f"keeper {k}: an output it still sees was overwritten"
+
+
+@check
 def rejects_bad_input():
     for bad, exc in [(lambda: bf.allreduce([1.0, 2.0]), TypeError),
                      (lambda: bf.neighbor_allreduce(torch.ones(2, dtype=torch.int32)), ValueError),
