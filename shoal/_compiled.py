@@ -37,16 +37,20 @@ def library(framework, source, filename, flags, what):
     key = hashlib.sha256(Path(source).read_bytes() + headers + str(PKG).encode()).hexdigest()[:12]
     root = Path(os.environ.get("SHOAL_CACHE_DIR") or Path.home() / ".cache" / "shoal")
     folder = root / f"{framework}-shoal-{shoal.__version__}-{key}"
-    folder.mkdir(parents=True, exist_ok=True)
     out = folder / filename
     failed = folder / "build-failed.txt"  # a failed build is not retried by every process
-    with open(folder / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if failed.exists():
-            raise ImportError(f"{failed.read_text()}\n(remove {failed} to build again)")
-        if not out.exists():
-            print(f"shoal: building {what} (once) in {folder}", file=sys.stderr, flush=True)
-            _build(Path(source), out, flags, what, failed)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if failed.exists():
+                raise ImportError(f"{failed.read_text()}\n(remove {failed} to build again)")
+            if not out.exists():
+                print(f"shoal: building {what} (once) in {folder}", file=sys.stderr, flush=True)
+                _build(Path(source), out, flags, what, failed)
+    except OSError as exc:  # e.g. a read-only home: set SHOAL_CACHE_DIR
+        raise ImportError(f"shoal: building {what} in {folder} failed: {exc} (set SHOAL_CACHE_DIR to a "
+                          "writable folder)") from None
     return out
 
 
@@ -57,10 +61,7 @@ def _build(source, out, flags, what, failed):
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cxx, "-shared", "-fPIC", "-O2", "-Wno-deprecated-declarations", str(source), "-o", str(tmp),
            f"-I{include_dir()}", *flags]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as exc:
-        raise ImportError(f"shoal: building {what} failed: {exc}") from None
+    res = subprocess.run(cmd, capture_output=True, text=True)  # OSError: library() reports it
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
         failed.write_text(f"shoal: building {what} failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")

@@ -84,8 +84,13 @@ void* Empty(int32_t dtype, int32_t ndim, const int64_t* shape, void** data) {
     const c10::IntArrayRef sizes(shape, ndim);
     const bool small = c10::multiply_integers(sizes) * c10::elementSize(st) <= kKeptBytes;
     std::vector<PyObject*>* kept = nullptr;
+    std::string key;
     if (small) {
-      kept = &g_kept->by_shape[ShapeKey(dtype, ndim, shape)];
+      key = ShapeKey(dtype, ndim, shape);
+      auto it = g_kept->by_shape.find(key);
+      if (it != g_kept->by_shape.end()) kept = &it->second;
+    }
+    if (kept) {
       for (PyObject* obj : *kept) {
         if (!Unobserved(obj, st, sizes)) continue;
         *data = THPVariable_Unpack(obj).data_ptr();
@@ -102,7 +107,8 @@ void* Empty(int32_t dtype, int32_t ndim, const int64_t* shape, void** data) {
     } catch (const std::exception& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
-    if (out && small && kept->size() < kKeptPerShape && g_kept->total < kKeptTotal) {
+    if (out && small && g_kept->total < kKeptTotal && (!kept || kept->size() < kKeptPerShape)) {
+      if (!kept) kept = &g_kept->by_shape[key];  // bounded: an entry only with a tensor in it
       Py_INCREF(out);
       kept->push_back(out);
       ++g_kept->total;
