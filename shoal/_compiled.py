@@ -10,6 +10,7 @@ lock, so one builds and the others load its result."""
 import fcntl
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,8 @@ def library(framework, source, filename, flags, what):
     root = Path(os.environ.get("SHOAL_CACHE_DIR") or Path.home() / ".cache" / "shoal")
     folder = root / f"{framework}-shoal-{shoal.__version__}-{key}"
     out = folder / filename
+    if out.exists():  # written whole (os.replace): a read-only cache serves as well
+        return out
     failed = folder / "build-failed.txt"  # a failed build is not retried by every process
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -55,15 +58,19 @@ def library(framework, source, filename, flags, what):
 
 
 def _build(source, out, flags, what, failed):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    cxx = shlex.split(os.environ.get("CXX", "")) or [c for c in (shutil.which("c++") or shutil.which("g++"),) if c]
     if not cxx:
         raise ImportError(f"shoal: building {what} needs a C++ compiler (c++ or $CXX)")
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, "-shared", "-fPIC", "-O2", "-Wno-deprecated-declarations", str(source), "-o", str(tmp),
+    cmd = [*cxx, "-shared", "-fPIC", "-O2", "-Wno-deprecated-declarations", str(source), "-o", str(tmp),
            f"-I{include_dir()}", *flags]
-    res = subprocess.run(cmd, capture_output=True, text=True)  # OSError: library() reports it
-    if res.returncode != 0:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:  # the compiler's fault, not the cache folder's; the next import tries again
+        raise ImportError(f"shoal: building {what}: cannot run the C++ compiler {cxx[0]!r}: {exc}") from None
+    if res.returncode != 0 or not tmp.exists():
         tmp.unlink(missing_ok=True)
-        failed.write_text(f"shoal: building {what} failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+        why = res.stderr[-4000:] if res.returncode != 0 else "the compiler wrote no library"
+        failed.write_text(f"shoal: building {what} failed:\n{' '.join(cmd)}\n{why}")
         raise ImportError(failed.read_text())
     os.replace(tmp, out)

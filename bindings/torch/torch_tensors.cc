@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "shoal/c_api.h"
@@ -26,34 +27,48 @@ constexpr std::pair<c10::ScalarType, int32_t> kDtypes[] = {
     {c10::kBool, SHOAL_BOOL}};
 
 int Read(void* tensor, int32_t* dtype, void** data, int32_t* ndim, int64_t* shape, int32_t max_dims) {
-  const at::Tensor& t = THPVariable_Unpack(static_cast<PyObject*>(tensor));
-  if (!t.defined() || !t.is_cpu() || t.layout() != c10::kStrided || t.dim() > max_dims) return 0;
-  if (!t.is_contiguous() || t.is_neg() || t.is_conj()) return 0;
-  if (t.requires_grad() && c10::GradMode::is_enabled()) return 0;
-  *dtype = -1;
-  for (const auto& [st, code] : kDtypes)
-    if (st == t.scalar_type()) *dtype = code;
-  if (*dtype < 0) return 0;
-  *data = t.data_ptr();
-  *ndim = static_cast<int32_t>(t.dim());
-  for (int64_t i = 0; i < t.dim(); ++i) shape[i] = t.size(i);
-  return 1;
+  try {  // anything unusual (a functorch wrapper without storage, say) is the Python path's
+    const at::Tensor& t = THPVariable_Unpack(static_cast<PyObject*>(tensor));
+    if (!t.defined() || !t.has_storage() || !t.is_cpu() || t.layout() != c10::kStrided || t.dim() > max_dims)
+      return 0;
+    if (!t.is_contiguous() || t.is_neg() || t.is_conj()) return 0;
+    if (t.requires_grad() && c10::GradMode::is_enabled()) return 0;
+    *dtype = -1;
+    for (const auto& [st, code] : kDtypes)
+      if (st == t.scalar_type()) *dtype = code;
+    if (*dtype < 0) return 0;
+    *data = t.data_ptr();
+    *ndim = static_cast<int32_t>(t.dim());
+    for (int64_t i = 0; i < t.dim(); ++i) shape[i] = t.size(i);
+    return 1;
+  } catch (const std::exception&) {
+    return 0;
+  }
 }
 
 // Small outputs are kept and handed out again once nothing refers to them but this pool.
 // A new tensor and its later release cost about 1.5 us of CPU, and on shared cores, where
 // the call's first touches of torch's allocator come after a wait, as much latency as the
-// exchange of a small tensor itself. A kept tensor is reused only when no reference of any
-// kind is left (Python, weak, view, autograd) and it carries nothing of its last user's
-// (attributes, grad, another dtype, shape or device): no one can tell it is the same.
+// exchange of a small tensor itself. A kept tensor is handed out again only when no
+// reference of any kind is left (Python, weak, view, storage, autograd) and it is as it
+// was made (class, memory, size, no attributes, grad or autograd record; inference-ness
+// as the caller's mode makes): no one can tell it is the same tensor. One that can never
+// be again (changed by its last user) is dropped as soon as nothing else holds it.
 constexpr size_t kKeptBytes = 16 << 10;  // per tensor: larger exchanges dwarf the allocation
 constexpr size_t kKeptPerShape = 4, kKeptTotal = 256;  // at most 4 MiB held
 struct Kept {
-  std::unordered_map<std::string, std::vector<PyObject*>> by_shape;  // owned references
+  PyObject* tensor;  // owned
+  PyTypeObject* type;
+  const c10::StorageImpl* storage;
+  const void* data;
+  size_t nbytes;
+};
+struct Pool {
+  std::unordered_map<std::string, std::vector<Kept>> by_shape;
   size_t total = 0;
   PyObject* getweakrefcount = nullptr;
 };
-Kept* g_kept = new Kept();  // never destroyed: it holds Python objects at interpreter exit
+Pool* g_pool = new Pool();  // never destroyed: it holds Python objects at interpreter exit
 
 std::string ShapeKey(int32_t dtype, int32_t ndim, const int64_t* shape) {
   std::string key(reinterpret_cast<const char*>(&dtype), sizeof dtype);
@@ -61,21 +76,38 @@ std::string ShapeKey(int32_t dtype, int32_t ndim, const int64_t* shape) {
   return key;
 }
 
-bool Unobserved(PyObject* obj, c10::ScalarType st, c10::IntArrayRef sizes) {
-  if (Py_REFCNT(obj) != 1) return false;
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  if (t.use_count() != 1 || t.weak_use_count() != 1 || t.storage().use_count() != 1) return false;
-  if (t.unsafeGetTensorImpl()->autograd_meta() || !t.is_cpu() || t.layout() != c10::kStrided ||
-      t.scalar_type() != st || t.sizes() != sizes || !t.is_contiguous() || t.is_neg() || t.is_conj())
-    return false;
-  PyObject* dict = PyObject_GenericGetDict(obj, nullptr);
+enum class State { kFree, kSeen, kChanged };
+
+// Whether kept tensor `k` (held by the pool alone in Python) can be an output of dtype `st`
+// and shape `sizes` now (kFree), is still seen from elsewhere (kSeen), or never can be again.
+State Check(const Kept& k, c10::ScalarType st, c10::IntArrayRef sizes) {
+  const at::Tensor& t = THPVariable_Unpack(k.tensor);
+  if (Py_TYPE(k.tensor) != k.type || !t.has_storage()) return State::kChanged;
+  const c10::Storage& s = t.storage();
+  if (s.unsafeGetStorageImpl() != k.storage || s.data() != k.data || s.nbytes() != k.nbytes ||
+      t.storage_offset() != 0 || t.scalar_type() != st || t.sizes() != sizes || !t.is_contiguous() ||
+      !t.is_cpu() || t.layout() != c10::kStrided || t.is_neg() || t.is_conj() ||
+      t.unsafeGetTensorImpl()->autograd_meta())
+    return State::kChanged;
+  PyObject* dict = PyObject_GenericGetDict(k.tensor, nullptr);
   const bool bare = dict && PyDict_GET_SIZE(dict) == 0;
   Py_XDECREF(dict);
-  PyObject* weak = bare ? PyObject_CallOneArg(g_kept->getweakrefcount, obj) : nullptr;
+  PyErr_Clear();
+  if (!bare) return State::kChanged;
+  if (t.use_count() != 1 || t.weak_use_count() != 1 || s.use_count() != 1) return State::kSeen;
+  if (t.is_inference() != c10::InferenceMode::is_enabled()) return State::kSeen;
+  PyObject* weak = PyObject_CallOneArg(g_pool->getweakrefcount, k.tensor);
   const bool unseen = weak && PyLong_AsLong(weak) == 0;
   Py_XDECREF(weak);
   PyErr_Clear();
-  return unseen;
+  return unseen ? State::kFree : State::kSeen;
+}
+
+void Drop(std::vector<Kept>* kept, size_t i) {
+  Py_DECREF((*kept)[i].tensor);
+  (*kept)[i] = kept->back();
+  kept->pop_back();
+  --g_pool->total;
 }
 
 void* Empty(int32_t dtype, int32_t ndim, const int64_t* shape, void** data) {
@@ -83,20 +115,27 @@ void* Empty(int32_t dtype, int32_t ndim, const int64_t* shape, void** data) {
     if (code != dtype) continue;
     const c10::IntArrayRef sizes(shape, ndim);
     const bool small = c10::multiply_integers(sizes) * c10::elementSize(st) <= kKeptBytes;
-    std::vector<PyObject*>* kept = nullptr;
+    std::vector<Kept>* kept = nullptr;
     std::string key;
     if (small) {
       key = ShapeKey(dtype, ndim, shape);
-      auto it = g_kept->by_shape.find(key);
-      if (it != g_kept->by_shape.end()) kept = &it->second;
+      auto it = g_pool->by_shape.find(key);
+      if (it != g_pool->by_shape.end()) kept = &it->second;
     }
-    if (kept) {
-      for (PyObject* obj : *kept) {
-        if (!Unobserved(obj, st, sizes)) continue;
-        *data = THPVariable_Unpack(obj).data_ptr();
-        Py_INCREF(obj);
-        return obj;
+    for (size_t i = 0; kept && i < kept->size();) {
+      if (Py_REFCNT((*kept)[i].tensor) != 1) {
+        ++i;
+        continue;
       }
+      const State state = Check((*kept)[i], st, sizes);
+      if (state == State::kFree) {
+        PyObject* out = (*kept)[i].tensor;
+        *data = THPVariable_Unpack(out).data_ptr();
+        Py_INCREF(out);
+        return out;
+      }
+      if (state == State::kChanged) Drop(kept, i);
+      else ++i;
     }
     PyObject* out = nullptr;
     try {
@@ -107,11 +146,21 @@ void* Empty(int32_t dtype, int32_t ndim, const int64_t* shape, void** data) {
     } catch (const std::exception& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
-    if (out && small && g_kept->total < kKeptTotal && (!kept || kept->size() < kKeptPerShape)) {
-      if (!kept) kept = &g_kept->by_shape[key];  // bounded: an entry only with a tensor in it
+    if (!out || !small) return out;
+    if (kept && kept->size() >= kKeptPerShape) {  // full: drop one no Python code can reach
+      for (size_t i = 0; i < kept->size(); ++i) {
+        if (Py_REFCNT((*kept)[i].tensor) == 1) {
+          Drop(kept, i);
+          break;
+        }
+      }
+    }
+    if (g_pool->total < kKeptTotal && (!kept || kept->size() < kKeptPerShape)) {
+      if (!kept) kept = &g_pool->by_shape[key];  // bounded: an entry only with a tensor in it
+      const c10::Storage& s = THPVariable_Unpack(out).storage();
       Py_INCREF(out);
-      kept->push_back(out);
-      ++g_kept->total;
+      kept->push_back({out, Py_TYPE(out), s.unsafeGetStorageImpl(), s.data(), s.nbytes()});
+      ++g_pool->total;
     }
     return out;
   }
@@ -127,9 +176,9 @@ PyModuleDef kModule{PyModuleDef_HEAD_INIT, "shoal_torch_tensors", nullptr, -1, n
 
 PyMODINIT_FUNC PyInit_shoal_torch_tensors() {
   PyObject* weakref = PyImport_ImportModule("weakref");
-  g_kept->getweakrefcount = weakref ? PyObject_GetAttrString(weakref, "getweakrefcount") : nullptr;
+  g_pool->getweakrefcount = weakref ? PyObject_GetAttrString(weakref, "getweakrefcount") : nullptr;
   Py_XDECREF(weakref);
-  if (!g_kept->getweakrefcount) return nullptr;
+  if (!g_pool->getweakrefcount) return nullptr;
   PyObject* m = PyModule_Create(&kModule);
   if (!m) return nullptr;
   PyObject* table = PyCapsule_New(const_cast<shoal_torch_tensors*>(&kTable), SHOAL_TORCH_TENSORS, nullptr);

@@ -2,6 +2,7 @@
 and a BlueFog-style script run through `import shoal.torch as bf`."""
 import sys
 
+import numpy as np
 import torch
 
 import shoal.torch as bf
@@ -162,8 +163,10 @@ def outputs_are_reused_only_when_unobservable():
     """With the compiled tensor access (bindings/torch/torch_tensors.cc) a small output that
     nothing refers to any more is handed out again; anything that can still see one (a
     reference, a view, a weak reference, a numpy array, a parameter's .data) keeps its
-    values through later ops, and no output carries an earlier user's attribute or
-    requires_grad. Without it (no C++ compiler) every output is new."""
+    values through later ops, memory a user swapped in is never written, and no output
+    carries an earlier user's attribute, requires_grad, class, size of memory or inference
+    mode. Without it (no C++ compiler) every output is new. vmap's tensors (no storage of
+    their own) take the Python path."""
     import weakref
     compiled = bf._adapter.TorchAdapter.torch_api[7] is not None
     x = torch.arange(6, dtype=torch.float64) + R
@@ -184,8 +187,38 @@ def outputs_are_reused_only_when_unobservable():
     out.add_(0)  # version 1: a new tensor has version 0
     del out
     assert (op(3)._version > 0) == compiled, "an unobserved output is handed out again exactly when compiled"
+
+    class Marked(torch.Tensor):
+        pass
+
+    def grow(t):
+        if compiled:  # (torch.from_numpy's outputs cannot grow)
+            t.resize_(1 << 16)
+            t.resize_(6)
+
+    # Changed by its user, then dropped: the next output of the same shape shows no trace.
+    for change in (lambda t: setattr(t, "mark", 1), lambda t: t.requires_grad_(),
+                   lambda t: setattr(t, "__class__", Marked), grow):
+        out = op(0)
+        change(out)
+        del out
+        out = op(3)
+        assert not hasattr(out, "mark") and not out.requires_grad and type(out) is torch.Tensor, \
+            "an output carries an earlier user's state"
+        assert out.untyped_storage().nbytes() == 6 * 8, "a grown tensor was kept"
+        del out
+    with torch.inference_mode():
+        out = op(0)
+    del out
+    assert not op(3).is_inference(), "an inference tensor outside inference mode"
+    out = op(0)
+    del out
+    with torch.inference_mode():
+        assert op(3).is_inference(), "a normal tensor inside inference mode"
+
+    # Still seen from elsewhere: its values stay through every later op.
     seen = []  # (what the keeper still sees, or None once nothing does; the values it must see)
-    for k in range(7):
+    for k in range(6):
         out = op(k)
         values = out.detach().clone()
         if k == 0:
@@ -200,17 +233,18 @@ def outputs_are_reused_only_when_unobservable():
             p = torch.nn.Parameter(torch.empty(0, dtype=torch.float64))
             p.data = out
             seen.append((lambda p=p: p.detach(), values))
-        elif k == 5:
-            out.mark = k  # seen by no one but whoever would get this tensor next
-        else:
-            out.requires_grad_()
+        else:  # its memory replaced by the user's: never written again
+            mine = np.zeros(6)
+            out.data = torch.from_numpy(mine)
+            seen.append((lambda a=mine: torch.from_numpy(a), torch.zeros(6, dtype=torch.float64)))
         del out
     for k in range(12):  # every entry point, again and again
-        out = op(k)
-        assert not hasattr(out, "mark") and not out.requires_grad, "an output carries an earlier user's state"
+        op(k)
     for k, (read, values) in enumerate(seen):
         now = read()
         assert now is None or torch.equal(now, values), f"keeper {k}: an output it still sees was overwritten"
+    batched = torch.vmap(lambda v: bf.allreduce(v, average=False, name="t.reuse.vmap"))(torch.ones(3, 4))
+    assert torch.equal(batched, torch.full((3, 4), float(N))), batched
 
 
 @check
