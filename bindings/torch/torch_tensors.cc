@@ -51,21 +51,26 @@ int Read(void* tensor, int32_t* dtype, void** data, int32_t* ndim, int64_t* shap
 // the call's first touches of torch's allocator come after a wait, as much latency as the
 // exchange of a small tensor itself. A kept tensor is handed out again only when no
 // reference of any kind is left (Python, weak, view, storage, autograd) and it is as it
-// was made (class, memory, size, no attributes, grad or autograd record; inference-ness
-// as the caller's mode makes): no one can tell it is the same tensor. One that can never
-// be again (changed by its last user) is dropped as soon as nothing else holds it.
+// was made (class, memory, size, strides, no attributes, grad or autograd record;
+// inference-ness as the caller's mode makes): no one can tell it is the same tensor,
+// except that a dropped output lives on here (a weakref.finalize on it fires only when the
+// pool lets it go). One that can never be handed out again is let go when nothing else
+// holds it. Python code can run inside (a collection on an allocation, a finalizer on a
+// release, another thread then): while the pool is in use, other calls make new tensors
+// and leave it alone, and releases happen last.
 constexpr size_t kKeptBytes = 16 << 10;  // per tensor: larger exchanges dwarf the allocation
 constexpr size_t kKeptPerShape = 4, kKeptTotal = 256;  // at most 4 MiB held
 struct Kept {
   PyObject* tensor;  // owned
   PyTypeObject* type;
   const c10::StorageImpl* storage;
-  const void* data;
+  void* data;
   size_t nbytes;
 };
 struct Pool {
   std::unordered_map<std::string, std::vector<Kept>> by_shape;
   size_t total = 0;
+  bool busy = false;
   PyObject* getweakrefcount = nullptr;
 };
 Pool* g_pool = new Pool();  // never destroyed: it holds Python objects at interpreter exit
@@ -78,90 +83,117 @@ std::string ShapeKey(int32_t dtype, int32_t ndim, const int64_t* shape) {
 
 enum class State { kFree, kSeen, kChanged };
 
+bool AsMade(const Kept& k, const at::Tensor& t, c10::ScalarType st, c10::IntArrayRef sizes) {
+  if (Py_TYPE(k.tensor) != k.type || !t.has_storage()) return false;
+  const c10::Storage& s = t.storage();
+  if (s.unsafeGetStorageImpl() != k.storage || t.data_ptr() != k.data || s.nbytes() != k.nbytes ||
+      t.storage_offset() != 0 || t.scalar_type() != st || t.sizes() != sizes || !t.is_cpu() ||
+      t.layout() != c10::kStrided || t.is_neg() || t.is_conj() || t.unsafeGetTensorImpl()->autograd_meta())
+    return false;
+  int64_t stride = 1;  // at::empty's strides, size-1 dimensions included
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.stride(d) != stride) return false;
+    stride *= sizes[d];
+  }
+  return true;
+}
+
 // Whether kept tensor `k` (held by the pool alone in Python) can be an output of dtype `st`
 // and shape `sizes` now (kFree), is still seen from elsewhere (kSeen), or never can be again.
 State Check(const Kept& k, c10::ScalarType st, c10::IntArrayRef sizes) {
-  const at::Tensor& t = THPVariable_Unpack(k.tensor);
-  if (Py_TYPE(k.tensor) != k.type || !t.has_storage()) return State::kChanged;
-  const c10::Storage& s = t.storage();
-  if (s.unsafeGetStorageImpl() != k.storage || s.data() != k.data || s.nbytes() != k.nbytes ||
-      t.storage_offset() != 0 || t.scalar_type() != st || t.sizes() != sizes || !t.is_contiguous() ||
-      !t.is_cpu() || t.layout() != c10::kStrided || t.is_neg() || t.is_conj() ||
-      t.unsafeGetTensorImpl()->autograd_meta())
+  try {
+    const at::Tensor& t = THPVariable_Unpack(k.tensor);
+    if (!AsMade(k, t, st, sizes)) return State::kChanged;
+    if (t.use_count() != 1 || t.weak_use_count() != 1 || t.storage().use_count() != 1) return State::kSeen;
+    if (t.is_inference() != c10::InferenceMode::is_enabled()) return State::kSeen;
+  } catch (const std::exception&) {  // a data pointer it may not give, say
     return State::kChanged;
+  }
   PyObject* dict = PyObject_GenericGetDict(k.tensor, nullptr);
   const bool bare = dict && PyDict_GET_SIZE(dict) == 0;
   Py_XDECREF(dict);
   PyErr_Clear();
   if (!bare) return State::kChanged;
-  if (t.use_count() != 1 || t.weak_use_count() != 1 || s.use_count() != 1) return State::kSeen;
-  if (t.is_inference() != c10::InferenceMode::is_enabled()) return State::kSeen;
   PyObject* weak = PyObject_CallOneArg(g_pool->getweakrefcount, k.tensor);
   const bool unseen = weak && PyLong_AsLong(weak) == 0;
   Py_XDECREF(weak);
   PyErr_Clear();
-  return unseen ? State::kFree : State::kSeen;
+  // Python code may have run meanwhile (a collection, another thread): still ours alone?
+  return !unseen ? State::kSeen : Py_REFCNT(k.tensor) == 1 ? State::kFree : State::kSeen;
 }
 
-void Drop(std::vector<Kept>* kept, size_t i) {
-  Py_DECREF((*kept)[i].tensor);
-  (*kept)[i] = kept->back();
-  kept->pop_back();
-  --g_pool->total;
+PyObject* NewTensor(c10::ScalarType st, c10::IntArrayRef sizes, void** data) {
+  try {
+    // Not at::empty: the dispatcher's way there costs a third more.
+    at::Tensor t = at::detail::empty_cpu(sizes, st);
+    *data = t.data_ptr();
+    return THPVariable_Wrap(std::move(t));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// A kept tensor of the shape that is free, or a new one (kept if there is room). Runs with
+// the pool marked busy; what it lets go is released at the end (finalizers may run then).
+PyObject* FromPool(const std::string& key, c10::ScalarType st, c10::IntArrayRef sizes, void** data,
+                   std::vector<PyObject*>* release) {
+  auto it = g_pool->by_shape.find(key);
+  std::vector<Kept>* kept = it == g_pool->by_shape.end() ? nullptr : &it->second;
+  auto drop = [&](size_t i) {
+    release->push_back((*kept)[i].tensor);
+    (*kept)[i] = kept->back();
+    kept->pop_back();
+    --g_pool->total;
+  };
+  for (size_t i = 0; kept && i < kept->size();) {
+    if (Py_REFCNT((*kept)[i].tensor) != 1) {
+      ++i;
+      continue;
+    }
+    const State state = Check((*kept)[i], st, sizes);
+    if (state == State::kFree) {
+      *data = (*kept)[i].data;
+      Py_INCREF((*kept)[i].tensor);
+      return (*kept)[i].tensor;
+    }
+    if (state == State::kChanged) drop(i);
+    else ++i;
+  }
+  PyObject* out = NewTensor(st, sizes, data);
+  if (!out) return nullptr;
+  if (kept && kept->size() >= kKeptPerShape) {  // full: let go of one no Python code can reach
+    for (size_t i = 0; i < kept->size(); ++i) {
+      if (Py_REFCNT((*kept)[i].tensor) == 1) {
+        drop(i);
+        break;
+      }
+    }
+  }
+  if (g_pool->total < kKeptTotal && (!kept || kept->size() < kKeptPerShape)) {
+    if (!kept) kept = &g_pool->by_shape[key];  // bounded: an entry only with a tensor in it
+    const c10::Storage& s = THPVariable_Unpack(out).storage();
+    Py_INCREF(out);
+    kept->push_back({out, Py_TYPE(out), s.unsafeGetStorageImpl(), *data, s.nbytes()});
+    ++g_pool->total;
+  }
+  return out;
 }
 
 void* Empty(int32_t dtype, int32_t ndim, const int64_t* shape, void** data) {
   for (const auto& [st, code] : kDtypes) {
     if (code != dtype) continue;
     const c10::IntArrayRef sizes(shape, ndim);
-    const bool small = c10::multiply_integers(sizes) * c10::elementSize(st) <= kKeptBytes;
-    std::vector<Kept>* kept = nullptr;
-    std::string key;
-    if (small) {
-      key = ShapeKey(dtype, ndim, shape);
-      auto it = g_pool->by_shape.find(key);
-      if (it != g_pool->by_shape.end()) kept = &it->second;
-    }
-    for (size_t i = 0; kept && i < kept->size();) {
-      if (Py_REFCNT((*kept)[i].tensor) != 1) {
-        ++i;
-        continue;
-      }
-      const State state = Check((*kept)[i], st, sizes);
-      if (state == State::kFree) {
-        PyObject* out = (*kept)[i].tensor;
-        *data = THPVariable_Unpack(out).data_ptr();
-        Py_INCREF(out);
-        return out;
-      }
-      if (state == State::kChanged) Drop(kept, i);
-      else ++i;
-    }
-    PyObject* out = nullptr;
-    try {
-      // Not at::empty: the dispatcher's way there costs a third more.
-      at::Tensor t = at::detail::empty_cpu(sizes, st);
-      *data = t.data_ptr();
-      out = THPVariable_Wrap(std::move(t));
-    } catch (const std::exception& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-    }
-    if (!out || !small) return out;
-    if (kept && kept->size() >= kKeptPerShape) {  // full: drop one no Python code can reach
-      for (size_t i = 0; i < kept->size(); ++i) {
-        if (Py_REFCNT((*kept)[i].tensor) == 1) {
-          Drop(kept, i);
-          break;
-        }
-      }
-    }
-    if (g_pool->total < kKeptTotal && (!kept || kept->size() < kKeptPerShape)) {
-      if (!kept) kept = &g_pool->by_shape[key];  // bounded: an entry only with a tensor in it
-      const c10::Storage& s = THPVariable_Unpack(out).storage();
-      Py_INCREF(out);
-      kept->push_back({out, Py_TYPE(out), s.unsafeGetStorageImpl(), s.data(), s.nbytes()});
-      ++g_pool->total;
-    }
+    if (g_pool->busy || c10::multiply_integers(sizes) * c10::elementSize(st) > kKeptBytes)
+      return NewTensor(st, sizes, data);
+    g_pool->busy = true;
+    std::vector<PyObject*> release;
+    PyObject* out = FromPool(ShapeKey(dtype, ndim, shape), st, sizes, data, &release);
+    PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+    if (!out) PyErr_Fetch(&type, &value, &tb);  // finalizers must not see or clear it
+    for (PyObject* obj : release) Py_DECREF(obj);
+    if (!out) PyErr_Restore(type, value, tb);
+    g_pool->busy = false;
     return out;
   }
   PyErr_Format(PyExc_ValueError, "shoal.torch: no torch dtype for the core's dtype code %d", dtype);

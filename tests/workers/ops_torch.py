@@ -172,13 +172,16 @@ def outputs_are_reused_only_when_unobservable():
     x = torch.arange(6, dtype=torch.float64) + R
     total = float(N * (N - 1) // 2)
 
+    def expected(k):
+        xk = x + 10 * k
+        return xk, [N * (xk - R) + total, xk, xk - R + (N - 1)][k % 3]
+
     def op(k):  # rotates the entry points; each result is exact, and differs from the others
         fn = [lambda t: bf.allreduce(t, average=False, name="t.reuse.ar"),
               lambda t: bf.neighbor_allreduce(t, self_weight=1.0, src_weights={}, dst_weights=[],
                                               enable_topo_check=False, name="t.reuse.nar"),
               lambda t: bf.broadcast(t, N - 1, name="t.reuse.bc")][k % 3]
-        xk = x + 10 * k
-        want = [N * (xk - R) + total, xk, xk - R + (N - 1)][k % 3]
+        xk, want = expected(k)
         out = fn(xk)
         assert torch.equal(out, want), (k, out, want)
         return out
@@ -207,6 +210,27 @@ def outputs_are_reused_only_when_unobservable():
             "an output carries an earlier user's state"
         assert out.untyped_storage().nbytes() == 6 * 8, "a grown tensor was kept"
         del out
+    y = torch.ones(1, 6, dtype=torch.float64)
+    out = bf.allreduce(y, average=False, name="t.reuse.strided")
+    out.as_strided_((1, 6), (100, 1))  # a size-1 dimension's stride: still "contiguous"
+    del out
+    assert bf.allreduce(y, average=False, name="t.reuse.strided").stride() == (6, 1), "an earlier user's strides"
+
+    # A finalizer that runs while the pool lets a changed tensor go, and calls an op of the
+    # same shape, gets a tensor of its own.
+    inner = []
+
+    class Again:
+        def __del__(self):
+            inner.append(op(6))
+
+    out = op(0)
+    out.mark = Again()
+    del out
+    outer = op(3)
+    assert len(inner) == 1 and inner[0] is not outer, "one tensor handed to two callers"
+    assert torch.equal(inner[0], expected(6)[1]) and torch.equal(outer, expected(3)[1])
+    del inner, outer
     with torch.inference_mode():
         out = op(0)
     del out
