@@ -4,7 +4,7 @@
         [--batch-size 32] [--steps 10] [--rounds 3] [--warmup 3]
 
 Horovod-style: each rank trains on one fixed random batch (inputs and labels drawn once,
-no data loading), momentum SGD with cross-entropy, one torch thread per rank. Four
+no data loading), momentum SGD with cross-entropy, one torch thread per rank. Five
 configurations, each with its own copy of the same model (same initial weights), batch
 and step counts:
 
@@ -13,11 +13,12 @@ and step counts:
   2. AWC, static exponential-2 graph (default topology and weights);
   3. gradient allreduce through Shoal (`DistributedGradientAllreduceOptimizer`);
   4. `torch.nn.parallel.DistributedDataParallel` on gloo (TCP rendezvous on 127.0.0.1,
-     port $SHOAL_BENCH_DDP_PORT, default 29517).
+     port $SHOAL_BENCH_DDP_PORT, default 29517);
+  5. the same momentum SGD without any communication: the floor of a step on these cores.
 
 Every configuration first runs --warmup steps (first-sight negotiation, buffers, DDP
 buckets). Then, --rounds times, each configuration in turn runs --steps steps after a
-barrier (interleaved, so load changes on a shared host hit all four alike). A step ends
+barrier (interleaved, so load changes on a shared host hit all five alike). A step ends
 only when its communication has (AWC and allreduce wait in step(), DDP in backward). Rate
 = ranks x batch x timed steps / summed round times, each round timed on the slowest rank;
 rank 0 prints it with the range over rounds and the ratio to DDP-gloo.
@@ -154,6 +155,10 @@ def main():
     m4 = nn.parallel.DistributedDataParallel(fresh_model())
     configs.append(("DDP gloo", train_step(m4, sgd(m4), data, target)))
 
+    # 5. The same local step without any communication: the floor the others approach.
+    m5 = fresh_model()
+    configs.append(("SGD alone (no comm.)", train_step(m5, sgd(m5), data, target)))
+
     for _, step in configs:  # first-sight negotiation, buffer allocation, DDP bucket setup
         for _ in range(args.warmup):
             step()
@@ -173,7 +178,7 @@ def main():
     if rank == 0:
         n_params = sum(p.numel() for p in m1.parameters())
         samples = size * args.batch_size * args.steps  # per round
-        base = sum(secs[-1])
+        base = sum(secs[3])
         print(f"model {args.model}: {n_params / 1e6:.2f}M parameters ({n_params * 4 / 2**20:.1f} MiB fp32), "
               f"{size} ranks, batch {args.batch_size}/rank, {args.rounds}x{args.steps} timed steps "
               f"after {args.warmup} warm-up, {torch.get_num_threads()} thread/rank")

@@ -291,8 +291,8 @@ def check_build():
     print(f"mpiexec: {find_mpiexec()}")
     try:
         import torch
-        from shoal.torch import _adapter  # builds its tensor access on first use
-        direct = "compiled" if _adapter.TorchAdapter.torch_api[7] is not None else "through torch's Python API"
+        from shoal.torch import _tensors  # built on first use
+        direct = "compiled" if _tensors.module() is not None else "through torch's Python API"
         print(f"torch binding: usable (torch {torch.__version__}; tensor access {direct})")
         cuda = torch.cuda.is_available()
     except ImportError as exc:

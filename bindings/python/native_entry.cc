@@ -549,16 +549,16 @@ void DefineNeighborNative(py::module_& m) {
     return dict;
   });
   m.def("forget_neighbor_args", [] { g_remembered->by_key.clear(); });
-  // `torch`: None (numpy arrays) or, for torch tensors, (torch.Tensor, torch.nn.Parameter,
-  // {dtype: (code, numpy dtype or None)}, torch.strided, torch.empty_like,
-  // torch.is_grad_enabled, torch.from_numpy, a shoal_torch_tensors capsule or None).
+  // `torch`: None (numpy arrays) or, for torch tensors, an object with the attributes of
+  // TorchApi (bindings/torch/_adapter.py: TORCH_API).
   // `state`: None (blocking) or shoal._process.STATE (nonblocking: the handle is returned).
   auto state = [](py::object fallback, py::object ops, py::object torch, py::object state = py::none(),
                   bool inplace = false) {
     auto* st = new Native{std::move(fallback), std::move(ops), nullptr, std::move(state), inplace};
     if (!torch.is_none()) {
-      auto t = torch.cast<py::tuple>();
-      st->torch.reset(new TorchApi{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]});
+      st->torch.reset(new TorchApi{torch.attr("tensor"), torch.attr("parameter"), torch.attr("dtypes"),
+                                   torch.attr("strided"), torch.attr("empty_like"), torch.attr("is_grad_enabled"),
+                                   torch.attr("from_numpy"), torch.attr("compiled")});
       if (!st->torch->compiled.is_none())
         st->torch->direct = static_cast<const shoal_torch_tensors*>(
             PyCapsule_GetPointer(st->torch->compiled.ptr(), SHOAL_TORCH_TENSORS));

@@ -10,6 +10,7 @@ tensors of fake device local_rank % device count, on its legacy default stream, 
 whole GPU code path runs on CPUs in CI (DESIGN decision 12)."""
 import functools
 import os
+import types
 
 import numpy as np
 import torch
@@ -107,15 +108,15 @@ class TorchAdapter:
 _FAKE = os.environ.get("SHOAL_FAKE_DEVICE") == "1"
 if _FAKE:  # CPU tensors described as CUDA ones: the C functions would take them as host memory
     TorchAdapter.native = ()
-# torch's API as the C functions read it (bindings/python/native_entry.cc): the plain
-# tensor types, {dtype: (core code, numpy dtype of the same memory or None)},
+# torch's API as the C functions read it (bindings/python/native_entry.cc, TorchApi): the
+# plain tensor types, {dtype: (core code, numpy dtype of the same memory or None)},
 # torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy, and the
 # compiled tensor access (_tensors.py; None: the Python API's attributes instead).
-TorchAdapter.torch_api = (torch.Tensor, torch.nn.Parameter,
-                          {getattr(torch, n): (c, None if n == "bfloat16" else np.dtype(n))
-                           for n, c in DTYPE_CODES.items()},
-                          torch.strided, torch.empty_like, torch.is_grad_enabled, torch.from_numpy,
-                          None if _FAKE else _tensors.table())
+TorchAdapter.torch_api = types.SimpleNamespace(
+    tensor=torch.Tensor, parameter=torch.nn.Parameter,
+    dtypes={getattr(torch, n): (c, None if n == "bfloat16" else np.dtype(n)) for n, c in DTYPE_CODES.items()},
+    strided=torch.strided, empty_like=torch.empty_like, is_grad_enabled=torch.is_grad_enabled,
+    from_numpy=torch.from_numpy, compiled=None if _FAKE else _tensors.table())
 
 
 @functools.lru_cache(maxsize=None)

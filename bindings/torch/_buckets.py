@@ -4,7 +4,8 @@ Sending each of a model's 160 small tensors as its own op costs ~10 us of CPU pe
 in the enqueue path, more than their communication. Parameters below `SMALL` bytes are
 therefore copied into one flat buffer per (dtype, device) — up to `BUCKET` bytes each —
 and exchanged as one tensor; the combined values are copied back (two `_foreach_copy_`
-calls per bucket, not one op per tensor). Larger parameters go alone, as before: a copy
+calls per bucket, not one op per tensor; on the CPU one memcpy per tensor through the
+compiled `flat_copy`, about 1 us less per tensor). Larger parameters go alone, as before: a copy
 would cost more than it saves. The math is unchanged: neighbor_allreduce and allreduce
 act elementwise, so the flat buffer's result is each parameter's result.
 
@@ -18,6 +19,8 @@ import zlib
 import torch
 
 from shoal import _ops, basics
+
+from . import _tensors
 
 SMALL = 64 << 10
 BUCKET = 4 << 20
@@ -44,6 +47,7 @@ class Bucket:
         self.name = f"{prefix}.bucket.{names[params[0]]}.{len(params)}.{digest:08x}"
         p0 = params[0]
         self.signature = [(p.dtype, p.shape, p.device) for p in params]
+        self.shapes = [p.shape for p in params]
         total = sum(p.numel() for p in params)
         self.flat = torch.empty(total, dtype=p0.dtype, device=p0.device)
         self.out = torch.empty_like(self.flat)
@@ -57,20 +61,29 @@ class Bucket:
             at += p.numel()
         return views
 
+    def _flat_copy(self, flat, how):
+        """The compiled copy (_tensors.py) if it applies: how 0 checks, 1 gathers, 2 scatters."""
+        fast = _tensors.module()
+        return fast is not None and fast.flat_copy(flat, self.params, self.shapes, how)
+
     def still_fits(self):
-        return all(p.dtype == d and p.shape == s and p.device == v
-                   for p, (d, s, v) in zip(self.params, self.signature))
+        return self._flat_copy(self.flat, 0) or all(p.dtype == d and p.shape == s and p.device == v
+                                                    for p, (d, s, v) in zip(self.params, self.signature))
 
     def gather(self):
         """Copy the parameters' values into `flat` (no autograd record)."""
-        with torch.no_grad():
-            _copy_all(self.flat_views, self.params)
+        if not self._flat_copy(self.flat, 1):
+            with torch.no_grad():
+                _copy_all(self.flat_views, self.params)
         return self.flat
 
     def scatter(self, result):
         """Copy an op's result (`out`, `flat` or a fresh flat tensor) into the parameters."""
-        views = self.out_views if result is self.out else self.flat_views if result is self.flat else self._views(result)
         with torch.no_grad():
+            if self._flat_copy(result, 2):
+                return
+            views = (self.out_views if result is self.out else self.flat_views if result is self.flat
+                     else self._views(result))
             _copy_all(self.params, views)
 
 

@@ -95,7 +95,7 @@ class _ParameterMixing(_Distributed):
     def _plan(self, params):
         """The buckets of `params` (shoal.torch._buckets), made once per parameter list and
         again if a parameter changed shape, dtype or device."""
-        key = tuple(params)
+        key = tuple(map(id, params))  # the plan holds the parameters: their ids stay theirs
         plan = self._plans.get(key)
         if plan is None or not all(b.still_fits() for _, b in plan if b is not None):
             plan = self._plans[key] = _buckets.plan(params, self._names, self._prefix)
@@ -134,17 +134,15 @@ class _ParameterMixing(_Distributed):
             self.communications += 1
 
     def _control(self):
-        params = list(self._params())
-
         def mix(start):
-            handles = [(p, start(p)) for p in params]
+            handles = [(p, start(p)) for p in self._params()]
             with torch.no_grad():
                 for p, h in handles:
                     p.copy_(_ops.synchronize(h))
 
         checked = _consensus.control(
             self.consensus_control, self.steps, self.communications,
-            lambda: consensus_distance(params, name=f"{self._prefix}.xi"),
+            lambda: consensus_distance(list(self._params()), name=f"{self._prefix}.xi"),
             lambda: mix(lambda p: _ops.neighbor_allreduce(ADAPTER, p.data, name=f"{self._prefix}.cc.{self._names[p]}")),
             lambda: mix(lambda p: _ops.allreduce(ADAPTER, p.data, True, f"{self._prefix}.avg.{self._names[p]}")))
         if checked is not None:

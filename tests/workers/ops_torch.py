@@ -168,7 +168,7 @@ def outputs_are_reused_only_when_unobservable():
     mode. Without it (no C++ compiler) every output is new. vmap's tensors (no storage of
     their own) take the Python path."""
     import weakref
-    compiled = bf._adapter.TorchAdapter.torch_api[7] is not None
+    compiled = bf._adapter.TorchAdapter.torch_api.compiled is not None
     x = torch.arange(6, dtype=torch.float64) + R
     total = float(N * (N - 1) // 2)
 

@@ -9,7 +9,7 @@ import torch
 
 import shoal.torch as bf
 from linreg import NOISE, problem
-from checks import Skip, check, run_all
+from checks import Skip, check, raises, run_all
 
 bf.init()
 R, N = bf.rank(), bf.size()
@@ -168,6 +168,52 @@ def parameters_in_other_orders_and_changing_shapes():
     step()
     assert torch.equal(model["b"].bias, torch.full((2,), mean)), model["b"].bias
     assert torch.equal(model["c"].weight, torch.full((2, 3), mean)), model["c"].weight
+
+
+@check
+def bucket_copies_keep_torch_semantics():
+    """The compiled bucket copies (torch_tensors.cc, flat_copy) give exact values and bump
+    version counters as copy_ does (autograd sees a saved parameter being overwritten);
+    what they do not take goes through torch: a non-contiguous parameter, a torch function
+    mode (which then sees the copy)."""
+    from torch.overrides import TorchFunctionMode
+
+    from shoal.torch import _buckets, _tensors
+    if _tensors.module() is None:
+        raise Skip("no compiled tensor access here (no C++ compiler)")
+    ps = [torch.nn.Parameter(torch.full((2, 3), float(10 * R + i))) for i in range(3)]
+    [(_, b)] = _buckets.plan(ps, {p: f"p{i}" for i, p in enumerate(ps)}, "copies")
+    assert _tensors.module().flat_copy(b.flat, b.params, b.shapes, 0) and b.still_fits()
+    assert torch.equal(b.gather(), torch.cat([p.detach().reshape(-1) for p in ps]))
+    result = torch.arange(18.0)
+    versions = [p._version for p in ps]
+    b.scatter(result)
+    for i, p in enumerate(ps):
+        assert torch.equal(p.detach().reshape(-1), result[6 * i:6 * i + 6]), (i, p)
+    assert [p._version for p in ps] == [v + 1 for v in versions], [p._version for p in ps]
+    loss = (ps[0] * ps[0]).sum()  # saves ps[0] for backward
+    b.scatter(result + 1)
+    raises(RuntimeError, loss.backward)
+
+    ps[1].data = torch.full((3, 2), -1.0).t()  # same shape, not contiguous
+    assert not _tensors.module().flat_copy(b.flat, b.params, b.shapes, 0) and b.still_fits()
+    assert torch.equal(b.gather()[6:12], torch.full((6,), -1.0))
+    b.scatter(result)
+    assert torch.equal(ps[1].detach(), result[6:12].view(2, 3)) and not ps[1].is_contiguous()
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+    ps[1].data = torch.zeros(2, 3)
+    with Seen() as seen:
+        b.scatter(result)
+    assert any("copy" in c for c in seen.calls), seen.calls
+    assert torch.equal(ps[2].detach().reshape(-1), result[12:]), ps[2]
 
 
 @check
