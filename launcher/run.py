@@ -291,8 +291,9 @@ def check_build():
     print(f"mpiexec: {find_mpiexec()}")
     try:
         import torch
-        from shoal.torch import _tensors  # built on first use
-        direct = "compiled" if _tensors.module() is not None else "through torch's Python API"
+        from shoal.torch import _adapter, _tensors  # built on first use
+        direct = ("not used (SHOAL_FAKE_DEVICE=1)" if _adapter._FAKE else
+                  "compiled" if _tensors.module() is not None else "through torch's Python API")
         print(f"torch binding: usable (torch {torch.__version__}; tensor access {direct})")
         cuda = torch.cuda.is_available()
     except ImportError as exc:

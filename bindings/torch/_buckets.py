@@ -21,6 +21,7 @@ import torch
 from shoal import _ops, basics
 
 from . import _tensors
+from ._adapter import _FAKE
 
 SMALL = 64 << 10
 BUCKET = 4 << 20
@@ -63,8 +64,12 @@ class Bucket:
 
     def _flat_copy(self, flat, how):
         """The compiled copy (_tensors.py) if it applies: how 0 checks, 1 gathers, 2 scatters."""
-        fast = _tensors.module()
-        return fast is not None and fast.flat_copy(flat, self.params, self.shapes, how)
+        # Not on the fake device: its tests take the path of real CUDA buckets (torch's copies).
+        fast = None if _FAKE else _tensors.module()
+        if fast is None:
+            return False
+        with torch.no_grad():  # as the copies through torch: no autograd record
+            return fast.flat_copy(flat, self.params, self.shapes, how)
 
     def still_fits(self):
         return self._flat_copy(self.flat, 0) or all(p.dtype == d and p.shape == s and p.device == v

@@ -15,6 +15,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -29,12 +30,26 @@ constexpr std::pair<c10::ScalarType, int32_t> kDtypes[] = {
     {c10::kShort, SHOAL_INT16},    {c10::kInt, SHOAL_INT32},       {c10::kLong, SHOAL_INT64},
     {c10::kBool, SHOAL_BOOL}};
 
+// A CPU tensor whose memory is its data: strided, contiguous, no lazy negation or
+// conjugation, not a functionalized or Python-dispatched one (which may have no memory).
+bool Plain(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || !t.is_cpu() || t.layout() != c10::kStrided || !t.is_contiguous() ||
+      t.is_neg() || t.is_conj())
+    return false;
+  const c10::DispatchKeySet keys = t.key_set();
+  if (keys.has(c10::DispatchKey::Functionalize) || keys.has(c10::DispatchKey::Python)) return false;
+  return t.numel() == 0 || t.data_ptr() != nullptr;
+}
+
+// No key on this thread that reroutes ops (functionalization, functorch's layers, ...).
+bool PlainThread() {
+  return (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
+}
+
 int Read(void* tensor, int32_t* dtype, void** data, int32_t* ndim, int64_t* shape, int32_t max_dims) {
   try {  // anything unusual (a functorch wrapper without storage, say) is the Python path's
     const at::Tensor& t = THPVariable_Unpack(static_cast<PyObject*>(tensor));
-    if (!t.defined() || !t.has_storage() || !t.is_cpu() || t.layout() != c10::kStrided || t.dim() > max_dims)
-      return 0;
-    if (!t.is_contiguous() || t.is_neg() || t.is_conj()) return 0;
+    if (!Plain(t) || !PlainThread() || t.dim() > max_dims) return 0;
     if (t.requires_grad() && c10::GradMode::is_enabled()) return 0;
     *dtype = -1;
     for (const auto& [st, code] : kDtypes)
@@ -205,11 +220,6 @@ void* Empty(int32_t dtype, int32_t ndim, const int64_t* shape, void** data) {
 
 const shoal_torch_tensors kTable{Read, Empty};
 
-bool Plain(const at::Tensor& t) {
-  return t.defined() && t.has_storage() && t.is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() &&
-         !t.is_neg() && !t.is_conj();
-}
-
 bool HasSizes(const at::Tensor& t, PyObject* shape) {
   if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != t.dim()) return false;
   for (int64_t d = 0; d < t.dim(); ++d) {
@@ -226,8 +236,8 @@ bool HasSizes(const at::Tensor& t, PyObject* shape) {
 // step. how 0 only checks, 1 copies the members into flat, 2 flat into the members (bumping
 // their version counters, as copy_ does). Only if flat and every member are plain CPU
 // Tensors or Parameters (contiguous, flat's dtype, the sizes in `shapes`, together flat's
-// length), no member to be written is an inference tensor or recorded by autograd, and no
-// torch function or dispatch mode is active; else nothing is copied and the result is
+// length), none is recorded by autograd, no member to be written is an inference tensor, and
+// no torch function or dispatch mode or rerouting dispatch key is active; else nothing is copied and the result is
 // False: the caller copies through torch, which raises what torch raises.
 PyObject* FlatCopy(PyObject*, PyObject* args) {
   PyObject *flat_obj, *members, *shapes;
@@ -237,11 +247,12 @@ PyObject* FlatCopy(PyObject*, PyObject* args) {
   const Py_ssize_t n = PyList_GET_SIZE(members);
   if (!THPVariable_CheckExact(flat_obj) || PyList_GET_SIZE(shapes) != n || how < 0 || how > 2) Py_RETURN_FALSE;
   try {
-    if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::any_modes_set())
+    if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
+        !PlainThread())
       Py_RETURN_FALSE;
     const at::Tensor& flat = THPVariable_Unpack(flat_obj);
-    if (!Plain(flat) || flat.is_inference()) Py_RETURN_FALSE;
     const bool recording = c10::GradMode::is_enabled();
+    if (!Plain(flat) || flat.is_inference() || (recording && flat.requires_grad())) Py_RETURN_FALSE;
     int64_t total = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* obj = PyList_GET_ITEM(members, i);
@@ -249,7 +260,7 @@ PyObject* FlatCopy(PyObject*, PyObject* args) {
       const at::Tensor& t = THPVariable_Unpack(obj);
       if (!Plain(t) || t.scalar_type() != flat.scalar_type() || !HasSizes(t, PyList_GET_ITEM(shapes, i)))
         Py_RETURN_FALSE;
-      if (how == 2 && (t.is_inference() || (recording && t.requires_grad()))) Py_RETURN_FALSE;
+      if ((how == 2 && t.is_inference()) || (recording && t.requires_grad())) Py_RETURN_FALSE;
       total += t.numel();
     }
     if (total != flat.numel()) Py_RETURN_FALSE;
@@ -258,13 +269,10 @@ PyObject* FlatCopy(PyObject*, PyObject* args) {
     for (Py_ssize_t i = 0; i < n; ++i) {
       const at::Tensor& t = THPVariable_Unpack(PyList_GET_ITEM(members, i));
       const size_t nbytes = t.numel() * t.element_size();
+      if (how == 2) t.unsafeGetTensorImpl()->bump_version();  // as copy_ does, also when empty
       if (nbytes == 0) continue;
-      if (how == 1) {
-        std::memmove(at, t.data_ptr(), nbytes);
-      } else {
-        std::memmove(t.data_ptr(), at, nbytes);
-        t.unsafeGetTensorImpl()->bump_version();
-      }
+      if (how == 1) std::memmove(at, t.data_ptr(), nbytes);
+      else std::memmove(t.data_ptr(), at, nbytes);
       at += nbytes;
     }
     if (how == 1) flat.unsafeGetTensorImpl()->bump_version();

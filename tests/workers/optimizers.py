@@ -175,15 +175,15 @@ def bucket_copies_keep_torch_semantics():
     """The compiled bucket copies (torch_tensors.cc, flat_copy) give exact values and bump
     version counters as copy_ does (autograd sees a saved parameter being overwritten);
     what they do not take goes through torch: a non-contiguous parameter, a torch function
-    mode (which then sees the copy)."""
+    mode (which then sees the copy), functionalized tensors."""
     from torch.overrides import TorchFunctionMode
 
-    from shoal.torch import _buckets, _tensors
-    if _tensors.module() is None:
-        raise Skip("no compiled tensor access here (no C++ compiler)")
+    from shoal.torch import _adapter, _buckets, _tensors
+    if _tensors.module() is None or _adapter._FAKE:
+        raise Skip("no compiled tensor access here (no C++ compiler, or the fake device)")
     ps = [torch.nn.Parameter(torch.full((2, 3), float(10 * R + i))) for i in range(3)]
     [(_, b)] = _buckets.plan(ps, {p: f"p{i}" for i, p in enumerate(ps)}, "copies")
-    assert _tensors.module().flat_copy(b.flat, b.params, b.shapes, 0) and b.still_fits()
+    assert b._flat_copy(b.flat, 0) and b.still_fits()  # the compiled copies apply
     assert torch.equal(b.gather(), torch.cat([p.detach().reshape(-1) for p in ps]))
     result = torch.arange(18.0)
     versions = [p._version for p in ps]
@@ -196,7 +196,7 @@ def bucket_copies_keep_torch_semantics():
     raises(RuntimeError, loss.backward)
 
     ps[1].data = torch.full((3, 2), -1.0).t()  # same shape, not contiguous
-    assert not _tensors.module().flat_copy(b.flat, b.params, b.shapes, 0) and b.still_fits()
+    assert not b._flat_copy(b.flat, 0) and b.still_fits()
     assert torch.equal(b.gather()[6:12], torch.full((6,), -1.0))
     b.scatter(result)
     assert torch.equal(ps[1].detach(), result[6:12].view(2, 3)) and not ps[1].is_contiguous()
@@ -214,6 +214,13 @@ def bucket_copies_keep_torch_semantics():
         b.scatter(result)
     assert any("copy" in c for c in seen.calls), seen.calls
     assert torch.equal(ps[2].detach().reshape(-1), result[12:]), ps[2]
+
+    def functionalized(a, c):  # functionalized tensors may have no memory: torch copies them
+        [(_, fb)] = _buckets.plan([a, c], {a: "a", c: "c"}, "functional")
+        fb.scatter(torch.arange(5.0))
+        return a + 0, c + 0
+    got = torch.func.functionalize(functionalized)(torch.ones(2), torch.ones(3))
+    assert torch.equal(torch.cat(got), torch.arange(5.0)), got
 
 
 @check

@@ -14,8 +14,9 @@
 typedef struct {
   /* 1, with the core's dtype code, address and shape, if `tensor` (a torch.Tensor or
    * Parameter, a PyObject*) is on the CPU, strided, contiguous, without a lazy negation or
-   * conjugation, not to be recorded by autograd (no requires_grad, or grad mode off), of a
-   * dtype the core has and with at most `max_dims` dimensions; else 0. Never raises. */
+   * conjugation, not functionalized or Python-dispatched (nor is this thread), not to be
+   * recorded by autograd (no requires_grad, or grad mode off), of a dtype the core has and
+   * with at most `max_dims` dimensions; else 0. Never raises. */
   int (*read)(void* tensor, int32_t* dtype, void** data, int32_t* ndim, int64_t* shape, int32_t max_dims);
   /* A new contiguous CPU tensor of the core's dtype code and shape (a new PyObject*
    * reference) and its address in *data; null with a Python error set on failure. */
