@@ -191,8 +191,9 @@ void Runtime::Thaw(int set, const std::set<std::string>& gone) {
       names_.erase(ns);
   }
   voting_sets_.erase(set);
-  if (gone.empty()) Later();
-  else next_proposal_at_ = 0;
+  // Every idle name was proposed (or enough to halve the table): look again only after
+  // more new names, else each call past the limit would scan the whole table again.
+  Later();
 }
 
 void Runtime::Later() {
