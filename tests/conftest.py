@@ -7,6 +7,9 @@ item that needs the job runs it, the others read its cached output. `[rank R] PA
 (with that rank's traceback) or a rank reported nothing for it, it is skipped (with the
 reason) when every rank skipped it, and every item of a job that hung, crashed or exited
 non-zero without a failed check to explain it fails, with the reason."""
+import fcntl
+import hashlib
+import json
 import os
 import re
 import signal
@@ -87,36 +90,140 @@ _REPORT = re.compile(r"\[rank (\d+)\] (PASS|SKIP|FAIL) (\w+)(.*)$", re.M)
 _SUMMARY = re.compile(r"\[rank (\d+)\] \d+ checks passed, (\d+) failed", re.M)
 _outputs = {}  # Job.key -> (exit status or None, output, why it did not end, or None)
 
+# Workers that share a rank count and settings run as parts of one job (tests/workers/
+# bundle.py): each rank imports torch (3 s of CPU, 2 more for torch.optim) and TensorFlow
+# (9 s) once for all of them, on a fresh runtime for each part. (ranks, settings, timeout,
+# parts: (worker, *arguments)); a Job of one of the parts runs the bundle.
+_RPM2 = {"SHOAL_RANKS_PER_MACHINE": "2"}
+
+
+def fake_device_env(ranks, backend):
+    """Settings of the GPU suites on fake devices (tests/gpu/test_fake_device.py): the fake
+    plugin, SHOAL_GPU_BACKEND `backend` ("mpi-direct": mpi with a CUDA-aware MPI), and from 4
+    ranks on 2-rank "machines" (hierarchical ops across machines, as the CPU suite)."""
+    env = {"SHOAL_CUDA_PLUGIN": "fake", "SHOAL_FAKE_DEVICE": "1", "SHOAL_GPU_BACKEND": backend.split("-")[0]}
+    if backend == "mpi-direct":
+        env["SHOAL_FAKE_CUDA_AWARE_MPI"] = "1"
+    return {**env, **(_RPM2 if ranks >= 4 else {})}
+
+BUNDLES = [
+    (4, {}, 500, [("tf_ops.py",), ("psets.py", "tf"), ("psets.py", "torch"), ("psets.py", "numpy")]),
+    (4, {}, 400, [("ops_torch.py",), ("windows.py",), ("optimizer_compat.py",)]),
+    (4, _RPM2, 500, [("horovod_keras.py",), ("coll_tf.py",), ("a2a_grouped_tf.py",)]),  # first: it sets TF's threads
+    (4, _RPM2, 500, [("optimizers.py",), ("coll_torch.py",), ("a2a_grouped_torch.py",), ("horovod_torch.py",),
+                     ("coll_numpy.py",), ("a2a_grouped_numpy.py",)]),
+    (2, {}, 500, [("ops_torch.py",), ("coll_torch.py",), ("a2a_grouped_torch.py",), ("windows.py",),
+                  ("horovod_torch.py",), ("coll_numpy.py",), ("a2a_grouped_numpy.py",)]),
+] + [(ranks, fake_device_env(ranks, backend), 400, [("ops_cuda.py",), ("neighbor_device.py",)])
+     for ranks, backend in [(2, "nccl"), (4, "nccl"), (8, "nccl"), (4, "mpi")]]
+
+
+def _key(np_, script, args, env):
+    return np_, script, tuple(map(str, args)), tuple(sorted(env.items()))
+
+
+_BUNDLE_OF = {_key(np_, script, args, env): bundle for bundle in BUNDLES
+              for np_, env, _, parts in [bundle] for script, *args in parts}
+_shared_dir = None  # where xdist workers share bundles' results
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _bundle_results(tmp_path_factory):
+    global _shared_dir
+    base = tmp_path_factory.getbasetemp()  # an xdist worker's is <the run's root>/popen-gwN
+    _shared_dir = (base.parent if base.name.startswith("popen-gw") else base) / "bundles"
+    _shared_dir.mkdir(exist_ok=True)
+
+
+def _judge(np_, rc, out, timeout):
+    """Why a job (or a bundle's part) did not end well, or None."""
+    if rc is None:
+        return f"it hung: killed after {timeout} s"
+    summaries = {int(r): int(f) for r, f in _SUMMARY.findall(out)}
+    missing = sorted(set(range(np_)) - set(summaries))
+    if missing:
+        return f"ranks {missing} did not finish their checks (exit status {rc})"
+    if rc != 0 and not any(summaries.values()):
+        return f"it exited {rc} although no check failed"
+    return None
+
+
+_MARK = re.compile(r"\[rank (\d+)\] BUNDLE (BEGIN|END) (\d+)(?: (-?\d+))?$")
+_RANK_LINE = re.compile(r"\[rank (\d+)\] ")
+
+
+def _split(np_, rc, out, count):
+    """Each part's (exit status, output) from a bundle's output: a rank's lines go to the
+    part it is in, other lines to every part a rank is in then; a part that not every rank
+    ended has the bundle's status."""
+    now, texts, ends = {}, [[] for _ in range(count)], [{} for _ in range(count)]
+    for line in out.splitlines(keepends=True):
+        mark, who = _MARK.match(line.rstrip("\n")), _RANK_LINE.match(line)
+        if mark:
+            r, i = int(mark[1]), int(mark[3])
+            if mark[2] == "BEGIN":
+                now[r] = i
+            else:
+                now.pop(r, None)
+                ends[i][r] = int(mark[4])
+        elif who:
+            if int(who[1]) in now:
+                texts[now[int(who[1])]].append(line)
+        else:
+            for i in set(now.values()):
+                texts[i].append(line)
+    return [(next((s for s in e.values() if s), 0) if len(e) == np_ else rc, "".join(t))
+            for e, t in zip(ends, texts)]
+
+
+def _run_bundle(bundle):
+    """Run `bundle` once per session, across xdist workers (the first that needs it runs it,
+    the others wait for it), and file each part's result in _outputs."""
+    np_, env, timeout, parts = bundle
+    keys = [_key(np_, script, args, env) for script, *args in parts]
+    path = _shared_dir / hashlib.sha1(repr(keys).encode()).hexdigest()[:16]
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not Path(f"{path}.json").exists():
+            try:
+                rc, out, _ = _run(np_, "bundle.py", [json.dumps(parts)], env, timeout)
+                results = [(status, text, _judge(np_, status, text, timeout))
+                           for status, text in _split(np_, rc, out, len(parts))]
+            except BaseException as exc:  # interrupted: the parts' items fail at once
+                results = [(None, "", f"its run was interrupted ({type(exc).__name__}: {exc})")] * len(parts)
+                Path(f"{path}.json").write_text(json.dumps(results))
+                raise
+            Path(f"{path}.json").write_text(json.dumps(results))
+        results = json.loads(Path(f"{path}.json").read_text())
+    for key, result in zip(keys, results):
+        _outputs[key] = tuple(result)
+
 
 class Job:
     """One shoalrun job of a worker that runs its checks with checks.run_all; it runs once
-    per session, when the first item that needs it asks."""
+    per session, when the first item that needs it asks (with the other parts of its
+    bundle, if it is in one)."""
 
     def __init__(self, np_, script, *args, env=None, timeout=120):
         self.np, self.script, self.args, self.env, self.timeout = np_, script, args, dict(env or {}), timeout
-        self.key = (np_, script, tuple(map(str, args)), tuple(sorted(self.env.items())))
+        self.key = _key(np_, script, args, self.env)
         self.title = f"{script} {' '.join(map(str, args))}".rstrip() + f" on {np_} ranks"
+        if self.key in _BUNDLE_OF:
+            self.title += " (a part of one job with " + ", ".join(
+                " ".join(part) for part in _BUNDLE_OF[self.key][3] if part != (script, *self.args)) + ")"
 
     def result(self):
         """(exit status, output, None) of the job, or (status, output, why) when it did
         not end well: hung, interrupted, or stopped before every rank reported."""
+        if self.key not in _outputs and self.key in _BUNDLE_OF:
+            _run_bundle(_BUNDLE_OF[self.key])
         if self.key not in _outputs:
             try:
                 rc, out, _ = _run(self.np, self.script, self.args, self.env, self.timeout)
             except BaseException as exc:  # interrupted: the job's other items fail at once
                 _outputs[self.key] = None, "", f"its run was interrupted ({type(exc).__name__}: {exc})"
                 raise
-            why = None
-            if rc is None:
-                why = f"it hung: killed after {self.timeout} s"
-            else:
-                summaries = {int(r): int(f) for r, f in _SUMMARY.findall(out)}
-                missing = sorted(set(range(self.np)) - set(summaries))
-                if missing:
-                    why = f"ranks {missing} did not finish their checks (exit status {rc})"
-                elif rc != 0 and not any(summaries.values()):
-                    why = f"it exited {rc} although no check failed"
-            _outputs[self.key] = rc, out, why
+            _outputs[self.key] = rc, out, _judge(self.np, rc, out, self.timeout)
         return _outputs[self.key]
 
     def check(self, name):

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import Job, worker_checks as _checks
+from conftest import Job, fake_device_env, worker_checks as _checks
 
 
 def _outcome(np_, script, env, name, timeout):
@@ -24,6 +24,8 @@ def _outcome(np_, script, env, name, timeout):
 
 # NCCL, with ordering rules of its own, at 2, 4 and 8 ranks; the MPI backend (host staging)
 # at 4, as in NEIGHBOR_SETTINGS below (the suite's CPU half runs at 1-8 ranks in test_ops.py).
+# From 4 ranks on 2-rank "machines"; each setting runs in one job with the neighbor suite's
+# (tests/conftest.py BUNDLES).
 GPU_SETTINGS = [(2, "nccl"), (4, "nccl"), (8, "nccl"), (4, "mpi")]
 
 
@@ -31,8 +33,7 @@ GPU_SETTINGS = [(2, "nccl"), (4, "nccl"), (8, "nccl"), (4, "mpi")]
 @pytest.mark.parametrize("ranks,backend", GPU_SETTINGS)
 def test_gpu_suite_on_fake_devices(ranks, backend, check):
     pytest.importorskip("torch")
-    env = {"SHOAL_CUDA_PLUGIN": "fake", "SHOAL_FAKE_DEVICE": "1", "SHOAL_GPU_BACKEND": backend}
-    _outcome(ranks, "ops_cuda.py", env, check, timeout=240)
+    _outcome(ranks, "ops_cuda.py", fake_device_env(ranks, backend), check, timeout=240)
 
 
 # tests/workers/neighbor.py's checks on fake-device tensors (tests/workers/neighbor_device.py
@@ -50,12 +51,7 @@ NEIGHBOR_SETTINGS = [(2, "nccl"), (4, "nccl"), (8, "nccl"), (4, "mpi"), (4, "mpi
 @pytest.mark.parametrize("ranks,backend", NEIGHBOR_SETTINGS)
 def test_neighbor_suite_on_fake_devices(ranks, backend, check):
     pytest.importorskip("torch")
-    env = {"SHOAL_CUDA_PLUGIN": "fake", "SHOAL_FAKE_DEVICE": "1", "SHOAL_GPU_BACKEND": backend.split("-")[0]}
-    if backend == "mpi-direct":
-        env["SHOAL_FAKE_CUDA_AWARE_MPI"] = "1"
-    if ranks >= 4:
-        env["SHOAL_RANKS_PER_MACHINE"] = "2"  # hierarchical ops across 2-rank "machines", as the CPU suite
-    _outcome(ranks, "neighbor_device.py", env, check, timeout=120)
+    _outcome(ranks, "neighbor_device.py", fake_device_env(ranks, backend), check, timeout=120)
 
 
 @pytest.mark.parametrize("check", _checks("fake_nccl.py"))
