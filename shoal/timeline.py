@@ -77,7 +77,8 @@ def summary(events):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Merge Shoal timelines and summarise them per op.")
+    p = argparse.ArgumentParser(prog="python -m shoal.timeline",
+                                description="Merge Shoal timelines and summarise them per op.")
     p.add_argument("prefix", help="the SHOAL_TIMELINE prefix the job used")
     p.add_argument("-o", "--output", help="write the merged trace here")
     args = p.parse_args(argv)

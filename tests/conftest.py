@@ -267,10 +267,14 @@ class Job:
 # Longest first (seconds of one worker, 2-core machine): each worker takes whole files in
 # this order (`--dist loadfile --no-loadscope-reorder`), so the long files overlap each other
 # and short ones fill the end, instead of one worker running a long file alone at the end.
-LONGEST_FIRST = ["test_core_cpp.py", "gpu/test_fake_device.py", "test_torch_training.py", "test_tensorflow.py",
-                 "test_exits.py", "test_alltoall_grouped.py", "test_digits_example.py", "test_ops.py", "test_join.py",
-                 "test_windows.py", "test_collectives.py", "gpu/test_gpu_paths.py", "test_horovod_keras.py",
-                 "test_launcher.py", "test_horovod_torch.py", "test_loop_orders.py", "test_process_sets.py"]
+# Files whose jobs share bundles go to one worker together (else one worker would wait for
+# a bundle the other runs): the first two groups.
+SAME_WORKER = [("test_torch_training.py", "test_collectives.py", "test_alltoall_grouped.py", "test_ops.py",
+                "test_windows.py", "test_horovod_keras.py", "test_horovod_torch.py"),
+               ("test_tensorflow.py", "test_process_sets.py")]
+LONGEST_FIRST = [*SAME_WORKER[0], "test_core_cpp.py", *SAME_WORKER[1], "gpu/test_fake_device.py", "test_exits.py",
+                 "test_digits_example.py", "test_join.py", "gpu/test_gpu_paths.py", "test_launcher.py",
+                 "test_loop_orders.py"]
 
 
 def pytest_collection_modifyitems(items):
@@ -278,3 +282,19 @@ def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     here = Path(__file__).parent
     items.sort(key=lambda item: rank.get(item.path.relative_to(here).as_posix(), len(rank)))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with each group of SAME_WORKER's files as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    unit = {f"tests/{name}": "+".join(files) for files in SAME_WORKER for name in files}
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return unit.get(path, path)
+
+    return Scheduling(config, log)

@@ -1,5 +1,6 @@
 """The main job (examples/torch_digits.py) runs end to end: it trains, prints per-epoch
-lines, writes its history and plot."""
+lines, writes its history and plot, and with --timeline-filename a timeline of the
+optimizer's exchanges and of the model's own activity."""
 import json
 import re
 import subprocess
@@ -15,14 +16,30 @@ pytest.importorskip("sklearn")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torch_digits.py"
 
 
-@pytest.mark.parametrize("args", [["--optimizer", "awc"],
-                                  ["--optimizer", "atc", "--topology", "base-k", "--base-k", "2"],
-                                  ["--optimizer", "gradient-allreduce", "--partition", "dirichlet"],
-                                  ["--topology", "ring", "--consensus-target", "0.05"]])
-def test_digits_trains(tmp_path, args):
-    cmd = shoalrun_cmd(4, sys.executable, str(EXAMPLE), "--epochs", "4", "--no-progress",
-                       "--out-dir", str(tmp_path), *args)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+ARGS = [["--optimizer", "awc"],
+        ["--optimizer", "atc", "--topology", "base-k", "--base-k", "2"],
+        ["--optimizer", "gradient-allreduce", "--partition", "dirichlet"],
+        ["--topology", "ring", "--consensus-target", "0.05"]]
+_runs = {}  # first arguments -> (completed run, its output directory, its timeline prefix)
+
+
+def run(tmp_path_factory, args):
+    """The job with `args`, once per session; the first (default) one records a timeline too."""
+    key = tuple(args)
+    if key not in _runs:
+        out_dir = tmp_path_factory.mktemp("digits")
+        cmd = shoalrun_cmd(4, sys.executable, str(EXAMPLE), "--epochs", "4", "--no-progress",
+                           "--out-dir", str(out_dir), *args)
+        prefix = str(out_dir / "trace") if args == ARGS[0] else None
+        if prefix:
+            cmd[cmd.index("-np"):cmd.index("-np")] = ["--timeline-filename", prefix]
+        _runs[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=300), out_dir, prefix
+    return _runs[key]
+
+
+@pytest.mark.parametrize("args", ARGS)
+def test_digits_trains(tmp_path_factory, args):
+    out, tmp_path, _ = run(tmp_path_factory, args)
     assert out.returncode == 0, out.stdout + out.stderr
     acc = [float(a) for a in re.findall(r"epoch +\d+ .*test accuracy ([\d.]+)%", out.stdout)]
     assert len(acc) == 4 and acc[-1] > 60, out.stdout
@@ -39,3 +56,27 @@ def test_digits_trains(tmp_path, args):
     assert optimizer == expect.get("--optimizer", "awc") and partition == expect.get("--partition", "iid")
     assert topo == ("allreduce" if optimizer == "gradient-allreduce" else expect.get("--topology", "one-peer-exp"))
     assert float(accuracy) == acc[-1] and float(xi) == float(f"{hist['consensus_distance'][-1]:.3e}"), summary
+
+
+def test_timeline_of_the_main_job(tmp_path_factory, tmp_path):
+    from shoal import timeline
+    out, _, prefix = run(tmp_path_factory, ARGS[0])
+    assert out.returncode == 0, out.stderr
+    files = timeline.files(prefix)
+    assert sorted(files) == [0, 1, 2, 3]
+    for rank, path in files.items():
+        events = json.loads(Path(path).read_text())  # closed cleanly: plain JSON
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        phases = {(tracks[e["tid"]], e["name"]) for e in events if e.get("ph") == "X"}
+        # The optimizer's exchange of conv1's parameters (small ones travel in one bucket).
+        param = next(t for t in tracks.values() if t.startswith("opt") and "conv1." in t)
+        for phase in ("neighbor_allreduce", "FUSION_COPY", "WAIT_FOR_PEERS", "REDUCE", "CALLBACK", "NEGOTIATE"):
+            assert (param, phase) in phases, (rank, param, phase)
+        assert ("epoch_stats", "COMMUNICATE") in phases
+        forward = [e for e in events if e.get("ph") in ("B", "E") and tracks.get(e["tid"]) == "model"]
+        assert forward and forward[0]["name"] == "FORWARD", "no user/framework activity"
+    merged = tmp_path / "merged.json"
+    res = subprocess.run([sys.executable, "-m", "shoal.timeline", prefix, "-o", str(merged)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "neighbor_allreduce" in res.stdout, res.stdout + res.stderr
+    assert len(json.loads(merged.read_text())["traceEvents"]) > 100
