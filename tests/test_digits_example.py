@@ -30,7 +30,8 @@ def run(tmp_path_factory, args):
         out_dir = tmp_path_factory.mktemp("digits")
         cmd = shoalrun_cmd(4, sys.executable, str(EXAMPLE), "--epochs", "4", "--no-progress",
                            "--out-dir", str(out_dir), *args)
-        prefix = str(out_dir / "trace") if args == ARGS[0] else None
+        # Not in out_dir: the job reads every *.json there as a run's history.
+        prefix = str(tmp_path_factory.mktemp("trace") / "trace") if args == ARGS[0] else None
         if prefix:
             cmd[cmd.index("-np"):cmd.index("-np")] = ["--timeline-filename", prefix]
         _runs[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=300), out_dir, prefix
