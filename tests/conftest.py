@@ -90,10 +90,6 @@ _REPORT = re.compile(r"\[rank (\d+)\] (PASS|SKIP|FAIL) (\w+)(.*)$", re.M)
 _SUMMARY = re.compile(r"\[rank (\d+)\] \d+ checks passed, (\d+) failed", re.M)
 _outputs = {}  # Job.key -> (exit status or None, output, why it did not end, or None)
 
-# Workers that share a rank count and settings run as parts of one job (tests/workers/
-# bundle.py): each rank imports torch (3 s of CPU, 2 more for torch.optim) and TensorFlow
-# (9 s) once for all of them, on a fresh runtime for each part. (ranks, settings, timeout,
-# parts: (worker, *arguments)); a Job of one of the parts runs the bundle.
 _RPM2 = {"SHOAL_RANKS_PER_MACHINE": "2"}
 
 
@@ -106,6 +102,11 @@ def fake_device_env(ranks, backend):
         env["SHOAL_FAKE_CUDA_AWARE_MPI"] = "1"
     return {**env, **(_RPM2 if ranks >= 4 else {})}
 
+
+# Workers that share a rank count and settings run as parts of one job (tests/workers/
+# bundle.py): each rank imports torch (3 s of CPU, 2 more for torch.optim) and TensorFlow
+# (9 s) once for all of them, on a fresh runtime for each part. (ranks, settings, timeout,
+# parts: (worker, *arguments)); a Job of one of the parts runs the bundle.
 BUNDLES = [
     (4, {}, 500, [("tf_ops.py",), ("psets.py", "tf"), ("psets.py", "torch"), ("psets.py", "numpy")]),
     (4, {}, 400, [("ops_torch.py",), ("windows.py",), ("optimizer_compat.py",)]),
