@@ -8,7 +8,8 @@ MPI selection, at build time:
 GPU support (optional, built into libshoal_cuda.so, loaded at run time): when a CUDA
 compiler is found (CUDACXX, nvcc on PATH, CUDA_HOME or /usr/local/cuda); the NCCL backend
 when nccl.h is found too (NCCL_INCLUDE_DIR, NCCL_HOME, or an installed nvidia-nccl-cu13 /
--cu12 wheel). SHOAL_WITHOUT_CUDA=1 skips it.
+-cu12 wheel). SHOAL_CUDA_ARCHS="90;100" picks the GPU architectures (default 80;90);
+SHOAL_WITHOUT_CUDA=1 skips it.
 """
 import importlib.metadata
 import os
@@ -40,13 +41,23 @@ def _pypi_mpich():
     }
 
 
+def _shared_object(path):
+    """`path`, or the library it names when it is a linker script (`INPUT(libmpi.so.12)`, as
+    in the mpich wheel): the runtime dlopens these paths, and dlopen reads no scripts."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(512)
+    m = None if head.startswith(b"\x7fELF") else re.search(rb"\b(?:INPUT|GROUP)\s*\(\s*([^\s)-][^\s)]*)", head)
+    return str(path.parent / m.group(1).decode()) if m else str(path)
+
+
 def _system_mpi_from_home(home):
     home = Path(home)
     libdir = next((d for d in (home / "lib", home / "lib64") if (d / "libmpi.so").exists()), None)
     if libdir is None:
         sys.exit(f"MPI_HOME={home}: no lib/libmpi.so or lib64/libmpi.so")
     return {"flavor": "system", "include_dirs": [str(home / "include")],
-            "libraries": [str(libdir / "libmpi.so")], "rpath": [str(libdir)],
+            "libraries": [_shared_object(libdir / "libmpi.so")], "rpath": [str(libdir)],
             "mpiexec": str(home / "bin" / "mpiexec")}
 
 
@@ -72,9 +83,11 @@ def _system_mpi_from_wrapper(wrapper):
             rpath.append(tok.split(",", 2)[2])
     paths = []
     for lib in libs:
+        if lib in ("mpi_cxx", "mpicxx"):  # MPI's C++ bindings: Shoal calls the C API only
+            continue
         found = next((Path(d) / f"lib{lib}.so" for d in libdirs if (Path(d) / f"lib{lib}.so").exists()), None)
         if found:
-            paths.append(str(found))
+            paths.append(_shared_object(found))
     bindir = Path(shutil.which(wrapper) or wrapper).resolve().parent
     return {"flavor": "system", "include_dirs": inc, "libraries": paths,
             "rpath": rpath or libdirs, "mpiexec": str(bindir / "mpiexec")}
@@ -119,7 +132,8 @@ def cuda_cmake_args():
     nvcc = find_nvcc()
     if not nvcc:
         return ["-DSHOAL_BUILD_CUDA=OFF"]
-    return ["-DSHOAL_BUILD_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}",
+    archs = (os.environ.get("SHOAL_CUDA_ARCHS") or "80;90").replace(",", ";")
+    return ["-DSHOAL_BUILD_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DSHOAL_CUDA_ARCHS={archs}",
             f"-DSHOAL_NCCL_INCLUDE_DIR={find_nccl_include() or ''}"]
 
 

@@ -315,6 +315,14 @@ def tee(path):
     return write
 
 
+def launch_path(env):
+    """The child's PATH: shoalrun's (SHOAL_LAUNCH_PATH, run.py's worker_env) first, then what
+    this host adds (an MPI prefix, module-loaded tools), each folder once."""
+    launch = [d for d in env.pop("SHOAL_LAUNCH_PATH", "").split(os.pathsep) if d]
+    here = env.get("PATH", os.defpath).split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(launch + [d for d in here if d]))
+
+
 def main(argv):
     import subprocess
     import threading
@@ -325,6 +333,7 @@ def main(argv):
     rank = rank_from_env()
     env = dict(os.environ)
     env["SHOAL_STATUS_DIR"] = status_dir
+    env["PATH"] = launch_path(env)
     bind_gpu(env)
     child = subprocess.Popen(cmd, close_fds=False, preexec_fn=_die_with_parent, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -142,6 +142,9 @@ def worker_env(args, base=None):
         if sep:
             env[key] = value
         forwarded.append(key)
+    # Open MPI's mpirun may put its own prefix's bin/ first on the ranks' PATH (a system
+    # python3 instead of the user's venv): rank.py puts this PATH (-x PATH=... included) first.
+    env["SHOAL_LAUNCH_PATH"] = env.get("PATH", os.defpath)
     forwarded += [k for k in env if k.startswith("SHOAL_") or k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")]
     if getattr(args, "network_interface", None):
         forwarded.append("NCCL_SOCKET_IFNAME")

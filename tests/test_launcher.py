@@ -245,3 +245,20 @@ def test_a_job_stuck_after_a_failure_is_ended_by_shoalrun(tmp_path):
     while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "ranks left running"
+
+
+def test_ranks_run_programs_from_the_launching_shells_path(tmp_path):
+    # Open MPI's mpirun may put its prefix's bin/ first on the ranks' PATH, so "python3" would
+    # be the system's: the wrapper puts the PATH shoalrun was started with first, and keeps
+    # what the rank's host adds after it.
+    prog = tmp_path / "bin" / "shoal-path-probe"
+    prog.parent.mkdir()
+    prog.write_text("#!/bin/sh\necho \"probe ran; PATH=$PATH; ${SHOAL_LAUNCH_PATH-unset}\"\n")
+    prog.chmod(0o755)
+    (tmp_path / "status").mkdir()
+    env = {**os.environ, "PATH": "/usr/bin:/opt/node-tools:/bin", "PMI_RANK": "0", "PMI_SIZE": "1",
+           "SHOAL_LAUNCH_PATH": f"{prog.parent}:/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, rank_wrapper.__file__, str(tmp_path / "status"), prog.name],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"probe ran; PATH={prog.parent}:/usr/bin:/bin:/opt/node-tools; unset", out.stdout

@@ -1,6 +1,7 @@
 """shoalrun accepts horovodrun's and bfrun's flags (issue 17): each maps onto a Shoal
 setting or the MPI launcher, checked in the command it would run (--dry-run) and, for
 --output-filename, in a real 2-rank job."""
+import os
 import subprocess
 import sys
 
@@ -57,3 +58,9 @@ def test_output_filename_writes_each_rank_s_streams(tmp_path):
         assert (out_dir / f"rank.{r}" / "stdout").read_text() == f"rank {r} ok\n"
         assert (out_dir / f"rank.{r}" / "stderr").read_text() == f"rank {r} err\n"
         assert f"rank {r} ok" in out
+
+
+def test_ranks_get_the_launching_path_a_forwarded_path_included():
+    # rank.py puts it first on the ranks' PATH (Open MPI's mpirun may prepend its own bin/)
+    assert value_after(dry_run(), "SHOAL_LAUNCH_PATH") == os.environ["PATH"]
+    assert value_after(dry_run("-x", "PATH=/custom/bin:/usr/bin"), "SHOAL_LAUNCH_PATH") == "/custom/bin:/usr/bin"

@@ -24,6 +24,14 @@ def base(dtype, rows=2):
     return (torch.arange(3 * rows, device=DEV) % 3).reshape(rows, 3).to(dtype)
 
 
+def divided(total, n, dt):
+    """total / n as the kernels compute it: an exact division, rounded once to float32 (to
+    float64 for float64), then to dt. (torch on CUDA divides by a Python number as a multiply
+    by its reciprocal, which can be one ulp off: seen on an H200.)"""
+    q = total.cpu().double() / n  # on the CPU: CUDA divides float64 by a multiply too
+    return (q if dt == torch.float64 else q.float()).to(dt).to(total.device)
+
+
 def on_device(t):
     assert t.device == DEV, t.device
     return t
@@ -34,7 +42,7 @@ def allreduce_sum_and_average():
     for dt in DTYPES:
         got = on_device(bf.allreduce(base(dt) * (R + 1), average=False, name=f"g.sum.{dt}"))
         assert torch.equal(got, (base(torch.int64) * (N * (N + 1) // 2)).to(dt)), (dt, got)
-        want = (base(torch.float32) * (N * (N + 1) // 2) / N).to(dt)
+        want = divided(base(torch.float32) * (N * (N + 1) // 2), N, dt)
         got = on_device(bf.allreduce(base(dt) * (R + 1), name=f"g.avg.{dt}"))
         assert torch.equal(got, want), (dt, got, want)
 
@@ -150,7 +158,7 @@ def neighbor_allreduce_uniform_and_weighted():
     ins = bf.in_neighbor_ranks()
     for dt in DTYPES:
         total = sum((base(torch.float32) * (j + 1) for j in ins), base(torch.float32) * (R + 1))
-        want = (total / (len(ins) + 1)).to(dt)
+        want = divided(total, len(ins) + 1, dt)
         got = on_device(bf.neighbor_allreduce(base(dt) * (R + 1), name=f"g.nbr.{dt}"))
         assert torch.equal(got, want), (dt, got, want)
     # Dynamic: receive from the left neighbour, send to the right one with dst_weights.

@@ -210,7 +210,8 @@ double MpiWindows::LocalP(Window* w) {
   return w->OwnP();
 }
 
-// Distributed spin lock on (owner, slot): compare-and-swap 0 -> 1, back off, retry.
+// Distributed spin lock on (owner, slot): test-and-set (swap in 1; taken when 0 came back),
+// back off, retry. A mutex word only ever holds 0 or 1.
 // Takes every (owner, slot) mutex in order; on failure releases those already taken.
 void MpiWindows::LockAll(Window* w, const std::vector<std::pair<int, int>>& locks) {
   size_t taken = 0;
@@ -252,7 +253,9 @@ void MpiWindows::SpinLock(Window* w, int owner, int k, bool acquire) {
   for (int spin = 0;; ++spin) {
     {
       Epoch e(w->ctrl, owner, MPI_LOCK_SHARED);
-      if (acquire) Check(MPI_Compare_and_swap(&one, &zero, &old, MPI_INT64_T, owner, disp, w->ctrl), "MPI_Compare_and_swap");
+      // Test-and-set (an atomic swap) rather than MPI_Compare_and_swap, which crashes Open
+      // MPI 4.1's osc/rdma over shared memory (btl/vader's emulated compare-and-swap).
+      if (acquire) Check(MPI_Fetch_and_op(&one, &old, MPI_INT64_T, owner, disp, MPI_REPLACE, w->ctrl), "MPI_Fetch_and_op");
       else Check(MPI_Accumulate(&zero, 1, MPI_INT64_T, owner, disp, 1, MPI_INT64_T, MPI_REPLACE, w->ctrl), "MPI_Accumulate");
     }
     if (!acquire || old == 0) return;

@@ -1,0 +1,66 @@
+"""setup.py's build configuration, without building: which MPI library the runtime loads
+(a system MPI through its compiler wrapper or MPI_HOME) and the CUDA architectures."""
+import runpy
+from pathlib import Path
+
+import pytest
+import setuptools
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def setup_py(monkeypatch):
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)  # its functions, not a build
+    return runpy.run_path(str(ROOT / "setup.py"), run_name="setup_under_test")
+
+
+def _mpi_tree(root):
+    """An MPI installation as the mpich wheel lays it out: libmpi.so is a linker script."""
+    (root / "include").mkdir(parents=True)
+    (root / "bin").mkdir()
+    lib = root / "lib"
+    lib.mkdir()
+    (lib / "libmpi.so").write_text("INPUT(libmpi.so.12)\n")
+    (lib / "libmpi.so.12").write_bytes(b"\x7fELF" + bytes(60))
+    (lib / "libmpi_cxx.so").write_bytes(b"\x7fELF" + bytes(60))
+    return lib
+
+
+def test_mpi_home_gives_the_shared_object_behind_a_linker_script(setup_py, tmp_path):
+    lib = _mpi_tree(tmp_path)
+    mpi = setup_py["_system_mpi_from_home"](tmp_path)
+    assert mpi["libraries"] == [str(lib / "libmpi.so.12")]
+    assert mpi["mpiexec"] == str(tmp_path / "bin" / "mpiexec")
+
+
+def test_mpi_wrapper_gives_the_c_library_only(setup_py, tmp_path):
+    # Open MPI's mpicxx links its C++ bindings first; the runtime preloads the first library.
+    lib = _mpi_tree(tmp_path)
+    wrapper = tmp_path / "bin" / "mpicxx"
+    wrapper.write_text(f"#!/bin/sh\necho g++ -I{tmp_path}/include -L{lib} -Wl,-rpath,{lib} -lmpi_cxx -lmpi\n")
+    wrapper.chmod(0o755)
+    mpi = setup_py["_system_mpi_from_wrapper"](str(wrapper))
+    assert mpi["libraries"] == [str(lib / "libmpi.so.12")]
+    assert mpi["include_dirs"] == [f"{tmp_path}/include"] and mpi["rpath"] == [str(lib)]
+
+
+@pytest.mark.parametrize("value,want", [(None, "80;90"), ("90", "90"), ("90,100", "90;100")])
+def test_cuda_architectures(setup_py, monkeypatch, value, want):
+    monkeypatch.setenv("CUDACXX", "/bin/true")  # any executable stands for nvcc here
+    monkeypatch.delenv("SHOAL_WITHOUT_CUDA", raising=False)
+    if value is None:
+        monkeypatch.delenv("SHOAL_CUDA_ARCHS", raising=False)
+    else:
+        monkeypatch.setenv("SHOAL_CUDA_ARCHS", value)
+    assert f"-DSHOAL_CUDA_ARCHS={want}" in setup_py["cuda_cmake_args"]()
+
+
+@pytest.mark.parametrize("script,want", [
+    ("INPUT(libmpi.so.12)\n", "libmpi.so.12"),
+    ("/* GNU ld script */\nGROUP ( libmpi.so.12 )\n", "libmpi.so.12"),
+    ("INPUT(-lmpi)\n", "libmpi.so"),           # names no file of its own: the path as given
+])
+def test_linker_scripts(setup_py, tmp_path, script, want):
+    (tmp_path / "libmpi.so").write_text(script)
+    assert setup_py["_shared_object"](tmp_path / "libmpi.so") == str(tmp_path / want)
