@@ -287,8 +287,10 @@ class MpiBackend : public Backend {
   ~MpiBackend() override {
     sets_.clear();
     world_.reset();
-    for (MPI_Comm* c : {&ctrl_, &sets_parent_})
-      if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+    // ctrl_ is never freed: a message still unmatched on it (in flight at shutdown) would
+    // match the probes of a later runtime's communicator that got its context id back
+    // (Open MPI 4.1 reuses it; seen as lost neighbor messages after init, shutdown, init).
+    if (sets_parent_ != MPI_COMM_NULL) MPI_Comm_free(&sets_parent_);
   }
 
   const WorldInfo& world() const override { return info_; }
