@@ -1,6 +1,9 @@
 """setup.py's build configuration, without building: which MPI library the runtime loads
-(a system MPI through its compiler wrapper or MPI_HOME) and the CUDA architectures."""
+(a system MPI through its compiler wrapper or MPI_HOME) and the CUDA architectures; and
+what the built libshoal.so exports."""
 import runpy
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -64,3 +67,16 @@ def test_cuda_architectures(setup_py, monkeypatch, value, want):
 def test_linker_scripts(setup_py, tmp_path, script, want):
     (tmp_path / "libmpi.so").write_text(script)
     assert setup_py["_shared_object"](tmp_path / "libmpi.so") == str(tmp_path / want)
+
+
+def test_libshoal_exports_its_c_abi_only():
+    """core/libshoal.map: the C ABI and the MPI_Abort interposer; no C++ symbol (a template
+    copy exported here would bind another library's calls to this library's copy)."""
+    import shoal
+    if not shutil.which("nm"):
+        pytest.skip("nm (binutils) not installed")
+    lib = Path(shoal.__file__).parent / "libshoal.so"
+    out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+    names = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+    assert {"shoal_init", "shoal_enqueue", "MPI_Abort"} <= names, sorted(names)
+    assert {n for n in names if not n.startswith("shoal_")} == {"MPI_Abort"}, sorted(names)
