@@ -36,8 +36,9 @@ def _run_case(case, root):
     d.mkdir()
     cmd = shoalrun_cmd(4, sys.executable, str(WORKERS / "exits.py"), how, during, str(d))
     start = time.monotonic()
+    # cwd: this module-scoped fixture runs before tests/conftest.py leaves the checkout.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, cwd=root)
     try:
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
