@@ -7,6 +7,8 @@ Semantics follow BlueFog's ops (reference/bluefog-semantics.md §1.4–1.5).
 """
 import functools
 import inspect
+import math
+import numbers
 import operator
 
 from . import _process, process_sets
@@ -345,8 +347,16 @@ def _remembered(self_weight, src_weights, dst_weights, enable_topo_check, kept):
 _core.set_neighbor_resolver(_remembered)
 
 
+def _uniform(self_weight, weights):
+    """Whether the weights are all 1/(n+1), n the number of sources: then the average is
+    computed as a sum divided by n+1, exactly as without weights (BlueFog's uniform path)."""
+    weights = list(weights)
+    u = 1.0 / (len(weights) + 1)
+    return all(math.isclose(w, u, rel_tol=1e-9) for w in [self_weight, *weights])
+
+
 def _resolve(self_weight, src_weights, dst_weights, enable_topo_check, plan, weighted):
-    if self_weight is not None and not isinstance(self_weight, (int, float)):
+    if self_weight is not None and not isinstance(self_weight, numbers.Real):
         raise TypeError(f"self_weight must be a number, got {type(self_weight).__name__}")
     if dst_weights is not None:
         # Dynamic: this call's own send and receive lists.
@@ -362,8 +372,9 @@ def _resolve(self_weight, src_weights, dst_weights, enable_topo_check, plan, wei
                 send_w = []  # unscaled sends
         else:
             send, send_w = sorted(_weights_dict(dst_weights, "dst_weights")), []
-        return {"recv_ranks": recv, "recv_weights": [src[r] for r in recv],
-                "self_weight": float(self_weight), "uniform": False, "send_ranks": send,
+        uniform = not send_w and _uniform(self_weight, src.values())
+        return {"recv_ranks": recv, "recv_weights": [] if uniform else [src[r] for r in recv],
+                "self_weight": 1.0 if uniform else float(self_weight), "uniform": uniform, "send_ranks": send,
                 "send_weights": send_w, "topo_check": bool(enable_topo_check)}
     # Static: receive from every in-neighbor, send to every out-neighbor. The graph was
     # checked across ranks by set_topology, so no per-call check is needed.
@@ -379,8 +390,9 @@ def _resolve(self_weight, src_weights, dst_weights, enable_topo_check, plan, wei
         extra = sorted(set(src) - set(recv))
         if extra:
             raise ValueError(f"neighbor_allreduce: src_weights ranks {extra} are not in-neighbors {recv}")
-        args.update(uniform=False, self_weight=float(self_weight),
-                    recv_weights=[src.get(r, 0.0) for r in recv])
+        if len(src) < len(recv) or not _uniform(self_weight, src.values()):
+            args.update(uniform=False, self_weight=float(self_weight),
+                        recv_weights=[src.get(r, 0.0) for r in recv])
     elif weighted:
         args.update(uniform=False, self_weight=plan["self_weight"], recv_weights=list(plan["recv_weights"]))
     return args

@@ -81,6 +81,18 @@ def _registered(name, op):
         return STATE.windows[name]
 
 
+def _refuse_create(name, exc):
+    """Tells the peers waiting in win_create(`name`) that this rank refused it at the call
+    with `exc`: they raise the same error (the core's window record carries it)."""
+    if not _core.is_initialized():
+        return
+    try:
+        _wait(_submit(CREATE, name if isinstance(name, str) else repr(name), refused=str(exc),
+                      refused_type=isinstance(exc, TypeError)))
+    except (ValueError, TypeError, _core.ShoalError):
+        pass  # this rank raises `exc` itself
+
+
 def _wait(handle):
     try:
         _core.win_wait(handle)
@@ -124,8 +136,12 @@ def build_win_api(adapter):
         Raises ValueError (bad tensor or name, name already exists on some rank) and
         ShoalError (ranks disagree on name, dtype or shape: the same error on every rank).
         """
-        _check_name(name)
-        adapter.check_window_tensor(tensor, "win_create")
+        try:
+            _check_name(name)
+            adapter.check_window_tensor(tensor, "win_create")
+        except (ValueError, TypeError) as exc:
+            _refuse_create(name, exc)
+            raise
         # Device tensors: the window lives in host memory (staged copies, as BlueFog does).
         host = adapter.to_host(tensor) if adapter.is_device(tensor) else tensor
         args = tensor_args(host, "win_create")

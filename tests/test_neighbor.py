@@ -35,18 +35,21 @@ def test_remembered_dynamic_weights_only_for_plain_values():
     # and floats may be keys (a 0-d array changed in place must be read again), the kind
     # of dst_weights is part of the key, and remembered lists cannot be modified.
     from shoal import _ops
-    w = np.array(0.5)
-    assert _ops.neighbor_args(0.5, {1: w}, [1], False)["recv_weights"] == [0.5]
+    w = np.array(0.75)
+    assert _ops.neighbor_args(0.25, {1: w}, [1], False)["recv_weights"] == [0.75]
     w[...] = 0.125
-    assert _ops.neighbor_args(0.5, {1: w}, [1], False)["recv_weights"] == [0.125]
+    assert _ops.neighbor_args(0.25, {1: w}, [1], False)["recv_weights"] == [0.125]
+    # Weights of 1/(n+1) everywhere: the uniform (sum then divide) form, as BlueFog's.
+    a = _ops.neighbor_args(0.5, {1: 0.5}, [1], False)
+    assert a["uniform"] and not a["recv_weights"] and list(a["recv_ranks"]) == [1], a
     assert _ops.neighbor_args(0.5, {1: 0.5}, {1: 2.0}, False)["send_weights"] == (2.0,)
     for bad in ([(1, 2.0)], {1, 2}):
         with pytest.raises(TypeError):
             _ops.neighbor_args(0.5, {1: 0.5}, bad, False)
-    a = _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False)
-    assert a is _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False)  # remembered
-    assert a["send_ranks"] == (2, 3) and a["recv_ranks"] == (1,) and a["self_weight"] == 0.5
-    assert _ops.neighbor_args(0.5, {1: 0.5}, [2, 3], False, remember=False) is not a
+    a = _ops.neighbor_args(0.25, {1: 0.75}, [2, 3], False)
+    assert a is _ops.neighbor_args(0.25, {1: 0.75}, [2, 3], False)  # remembered
+    assert a["send_ranks"] == (2, 3) and a["recv_ranks"] == (1,) and a["self_weight"] == 0.25
+    assert _ops.neighbor_args(0.25, {1: 0.75}, [2, 3], False, remember=False) is not a
     # -0.0 == 0.0, but a negative zero weight is not the same argument.
     assert math.copysign(1.0, _ops.neighbor_args(0.0, {1: 1.0}, [1], False)["self_weight"]) == 1.0
     assert math.copysign(1.0, _ops.neighbor_args(-0.0, {1: 1.0}, [1], False)["self_weight"]) == -1.0

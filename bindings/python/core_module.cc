@@ -194,7 +194,8 @@ int64_t WinEnqueue(int op, const std::string& name, py::handle data, int dtype,
                    const std::vector<int64_t>& shape, const std::vector<int32_t>& ranks,
                    const std::vector<double>& weights, const std::vector<int32_t>& send_ranks,
                    double self_weight, bool uniform, bool zero_init, bool require_mutex, bool reset,
-                   bool with_p, bool for_self, bool clone) {
+                   bool with_p, bool for_self, bool clone, const std::optional<std::string>& refused,
+                   bool refused_type) {
   shoal_win_desc d{};
   d.op = op;
   d.name = name.c_str();
@@ -212,6 +213,8 @@ int64_t WinEnqueue(int op, const std::string& name, py::handle data, int dtype,
   d.with_p = with_p;
   d.for_self = for_self;
   d.clone = clone;
+  d.refused = refused ? refused->c_str() : nullptr;
+  d.refused_code = refused_type ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT;
   int64_t handle = 0;
   char err[kErrLen];
   Check(shoal_win_enqueue(&d, &handle, err, kErrLen), err);
@@ -427,7 +430,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("ranks") = std::vector<int32_t>{}, py::arg("weights") = std::vector<double>{},
         py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("self_weight") = 1.0,
         py::arg("uniform") = false, py::arg("zero_init") = false, py::arg("require_mutex") = false,
-        py::arg("reset") = false, py::arg("with_p") = false, py::arg("for_self") = false, py::arg("clone") = false);
+        py::arg("reset") = false, py::arg("with_p") = false, py::arg("for_self") = false, py::arg("clone") = false,
+        py::arg("refused") = py::none(), py::arg("refused_type") = false);
   DefinePollWait(m, "win_poll", "win_wait", "window handle", &shoal_win_poll, &shoal_win_wait_for);
   m.def("win_release", [](int64_t h) { shoal_win_release(h); });
   m.def("win_versions", [](const std::string& name) {

@@ -363,10 +363,20 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
   a.with_p = d->with_p;
   a.for_self = d->for_self;
   a.clone = d->clone;
+  if (d->refused) {
+    a.refused = d->refused;
+    a.refused_code = d->refused_code == SHOAL_INVALID_TYPE ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT;
+  }
   static const char* kDtypes = "float16, bfloat16, float32, float64, int32, int64";
   if (d->op != SHOAL_WIN_FREE && d->op != SHOAL_WIN_LOCK && d->op != SHOAL_WIN_UNLOCK && d->op != SHOAL_WIN_GET &&
-      (a.dtype < SHOAL_FLOAT16 || a.dtype > SHOAL_INT64 || a.dtype == SHOAL_INT8 || a.dtype == SHOAL_UINT8 || a.dtype == SHOAL_INT16))
-    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, std::string("window ops support ") + kDtypes), err, len);
+      a.refused.empty() &&
+      (a.dtype < SHOAL_FLOAT16 || a.dtype > SHOAL_INT64 || a.dtype == SHOAL_INT8 || a.dtype == SHOAL_UINT8 || a.dtype == SHOAL_INT16)) {
+    const std::string why = std::string(d->op == SHOAL_WIN_CREATE ? "win_create: " : "") + "window ops support " + kDtypes;
+    // win_create is collective: the peers waiting in it hear of the refusal.
+    if (d->op != SHOAL_WIN_CREATE) return Report(Status::Error(SHOAL_INVALID_ARGUMENT, why), err, len);
+    a.refused = why;
+    a.refused_code = SHOAL_INVALID_ARGUMENT;
+  }
   std::function<Status(shoal::WindowEngine&)> job;
   switch (d->op) {
     case SHOAL_WIN_CREATE: job = [a](shoal::WindowEngine& w) { return w.Create(a); }; break;

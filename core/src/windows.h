@@ -37,6 +37,8 @@ struct WinArgs {
   bool uniform = false;  // update: (x + sum of buffers) / (m + 1), sum then divide
   bool zero_init = false, require_mutex = false, reset = false, with_p = false, for_self = false;
   bool clone = false;  // update: writes a copy; the published value stays
+  std::string refused;  // create: why this rank refused the call ("": it did not)
+  int refused_code = 0;
 };
 
 // The communication engine of windows (MPI: core/src/backends/mpi/mpi_windows.h).

@@ -128,6 +128,14 @@ def neighbor_allreduce_uniform_exact():
     tiny = np.full(3, 2.0 ** -256)
     got = shoal.neighbor_allreduce(tiny * (R + 1), name="nbr.tiny")
     assert np.array_equal(got, neighbor_expected(lambda r: tiny * (r + 1), "float64"))
+    # Weights given as 1/(n+1) take the same sum-then-divide path (BlueFog's uniform path),
+    # statically and dynamically; values where w*x sums round differently from the average.
+    ins, u = shoal.in_neighbor_ranks(), 1.0 / (len(shoal.in_neighbor_ranks()) + 1)
+    x_of = lambda r: np.array([1 + 2.0 ** -23 * (r + 1), 0.1 * (r + 1), 1e-3 * 7 ** r], "float32")  # noqa: E731
+    want = neighbor_expected(x_of, "float32")
+    for how, kw in (("static", {}), ("dynamic", {"dst_weights": shoal.out_neighbor_ranks()})):
+        got = shoal.neighbor_allreduce(x_of(R), self_weight=u, src_weights={j: u for j in ins}, name=f"nbr.u.{how}", **kw)
+        assert np.array_equal(got, want), (how, got, want)
 
 
 @check

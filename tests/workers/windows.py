@@ -276,6 +276,34 @@ def bad_input_errors():
 
 
 @check
+def create_refused_on_one_rank_raises_on_every_rank():
+    """A win_create one rank refuses at the call (a dtype the core refuses, a tensor the
+    Python layer refuses) raises that error on every rank, at once, and windows work after."""
+    if N == 1:
+        raise Skip("needs peers")
+    shoal.win_free()
+    who = N - 1
+    cases = [(np.zeros(3, np.int8), "window ops support"), (np.zeros(6, np.float32)[::2], "contiguous")]
+    for bad, words in cases:
+        x = bad if R == who else np.zeros(len(bad), np.float32)
+        start = time.monotonic()
+        try:
+            shoal.win_create(x, "refused")
+        except ValueError as e:
+            msg = str(e)
+        else:
+            raise AssertionError(f"{words}: win_create did not raise")
+        assert words in msg, msg
+        assert msg.endswith(f"(raised at the call on rank {who})") == (R != who), msg
+        assert time.monotonic() - start < 10, time.monotonic() - start
+    x = fresh("after", "float32")
+    shoal.win_put(x, "after")
+    shoal.barrier()
+    assert shoal.win_update("after", 0.0, {j: 1.0 for j in shoal.in_neighbor_ranks()[:1]}, clone=True) is not None
+    shoal.win_free()
+
+
+@check
 def torch_half_types():
     try:
         import torch

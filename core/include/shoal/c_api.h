@@ -269,6 +269,8 @@ typedef struct {
   int32_t uniform;    /* update: (x + sum of buffers) / (n + 1) */
   int32_t zero_init, require_mutex, reset, with_p, for_self;
   int32_t clone;      /* update: the tensor is a copy; do not publish it as this rank's value */
+  const char* refused; /* create: NULL, or why this rank refused the call (its peers raise it too) */
+  int32_t refused_code; /* with refused: SHOAL_INVALID_ARGUMENT or SHOAL_INVALID_TYPE */
 } shoal_win_desc;
 
 int shoal_win_enqueue(const shoal_win_desc* desc, int64_t* handle, char* err, size_t err_len);

@@ -45,6 +45,12 @@ std::vector<std::string> Split(const std::string& s, char sep) {
   return out;
 }
 
+// `s` without the record's field separator.
+std::string Sanitized(std::string s) {
+  std::replace(s.begin(), s.end(), '\x1f', ' ');
+  return s;
+}
+
 std::vector<int> ParseRanks(const std::string& s) {
   std::vector<int> out;
   for (auto& t : Split(s, ',')) if (!t.empty()) out.push_back(std::stoi(t));
@@ -59,10 +65,15 @@ Status MpiWindows::Create(const WinArgs& a) {
     std::ostringstream rec;
     rec << "create\x1f" << a.name << "\x1f" << DtypeName(a.dtype) << ShapeString(a.shape) << "\x1f"
         << (windows_.count(a.name) ? "exists" : "new") << "\x1f" << Join(a.ranks) << "\x1f"
-        << Join(a.send);
+        << Join(a.send) << "\x1f" << a.refused_code << "\x1f" << Sanitized(a.refused);
     std::vector<std::vector<std::string>> all;
     Status st = Agree(rec.str(), "win_create('" + a.name + "')", &all);
     if (!st.ok()) return st;
+    // A rank that refused the call at its start: every rank raises its error.
+    if (!a.refused.empty()) return Status::Error(a.refused_code, a.refused);
+    for (int r = 0; r < size_; ++r)
+      if (all[r].size() > 7 && !all[r][7].empty())
+        return Status::Error(std::stoi(all[r][6]), all[r][7] + " (raised at the call on rank " + std::to_string(r) + ")");
     for (int r = 1; r < size_; ++r)
       if (all[r][2] != all[0][2])
         return Status::Error(SHOAL_MISMATCH, "win_create('" + a.name + "'): ranks disagree: rank 0 has " +
