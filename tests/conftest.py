@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,9 +47,11 @@ def _run(np_, script, args, env, timeout):
     full_env = dict(os.environ)
     full_env.update(env or {})
     cmd = shoalrun_cmd(np_, sys.executable, str(WORKERS / script), *map(str, args))
+    # A module-scoped fixture runs before _outside_source_tree: not in the checkout either.
+    cwd = tempfile.gettempdir() if Path.cwd().is_relative_to(WORKERS.parent.parent) else None
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
+                            env=full_env, start_new_session=True, cwd=cwd)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -91,6 +91,16 @@ inline Config TestConfig(int64_t fusion) {
   return c;
 }
 
+// For tests that assert no coordinator round: stall times far beyond any round, so a
+// cached round on loaded cores does not probe the coordinator (TestConfig's probe comes
+// after 75 ms; the stall paths have tests of their own).
+inline Config NoStallConfig(int64_t fusion) {
+  Config c = TestConfig(fusion);
+  c.stall_check_time = 30;
+  c.stall_shutdown_time = 60;
+  return c;
+}
+
 // Rank r's k-th input of `len` small exact values (sums and averages stay exact).
 inline std::vector<double> Data(int r, int k, size_t len) {
   std::vector<double> v(len);

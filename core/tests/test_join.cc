@@ -44,6 +44,18 @@ static int Join(Runtime& rt, Status* st) {
   return last;
 }
 
+// Returns once every other rank has joined (its join reached the coordinator): an
+// allreduce only this rank submits completes only then, joined ranks adding zeros. An
+// ordering, not a sleep, makes the caller the last to join on loaded cores.
+static void AwaitOthersJoined(Runtime& rt, int r, const std::string& name) {
+  AllreduceOp probe;
+  probe.name = name;
+  probe.x = {1.0};
+  probe.Enqueue(rt);
+  Status st = probe.Wait(rt);
+  CHECK(st.ok() && probe.out[0] == 1.0, "rank %d: %s: %s", r, name.c_str(), st.message.c_str());
+}
+
 // Rank r runs steps[r] steps of three allreduces (two Sum, one of them unnamed, one Average;
 // fused when fusion > 0, cached after their second step), then joins. Every result is exact: at step s the sum over
 // the ranks still running (the joined ones add zeros), the average that sum / n (Horovod's
@@ -281,7 +293,7 @@ static void TestCachedAndLeave(int n) {
     }
     CHECK(exact, "rank %d: x: %s", r, st.ok() ? "not the sum over every rank" : st.message.c_str());
     if (r != last) {
-      if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (r == 0) AwaitOthersJoined(rt, r, "cl.others_joined");
       const int got = Join(rt, &st);
       CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
     }

@@ -187,7 +187,7 @@ static void TestDisjointSets() {
 // cached after the third step, so members stop asking their coordinator.
 static void TestOpsAndCache(int64_t fusion) {
   g_case = "ops and cache fusion=" + std::to_string(fusion);
-  Job job(4, TestConfig(fusion), 25);
+  Job job(4, NoStallConfig(fusion), 25);
   job.Run([&](int r, Runtime& rt) {
     const int32_t even = Add(rt, {0, 2}), odd = Add(rt, {1, 3});
     const int32_t mine = r % 2 == 0 ? even : odd;

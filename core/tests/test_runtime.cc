@@ -207,13 +207,7 @@ static void TestDynamicWeights(int n) {
 // the batches are cached (the third time) no rank asks the coordinator again.
 static void TestCachedAllreduce(int n, int64_t fusion) {
   g_case = "cached allreduce n=" + std::to_string(n) + " fusion=" + std::to_string(fusion);
-  // Stall times far beyond any round here: on loaded cores a round may take longer than
-  // the test config's 75 ms before a cached round probes the coordinator (a stall check,
-  // which this test does not test: TestCachedFailures does).
-  Config cfg = TestConfig(fusion);
-  cfg.stall_check_time = 30;
-  cfg.stall_shutdown_time = 60;
-  Job job(n, cfg, 17 + n, 100);
+  Job job(n, NoStallConfig(fusion), 17 + n, 100);
   const int k_ops = 6;
   for (int round = 0; round < 5; ++round) {
     job.Run([&](int r, Runtime& rt) {
