@@ -223,6 +223,8 @@ def build_api(adapter):
         Dynamic mode (dst_weights {rank: weight} or [ranks]): send x_i·dst_weights[k] to
             each k, receive from the keys of src_weights; self_weight and src_weights are
             required.
+        Given weights that are all 1/(n+1) (n sources, unscaled sends) are computed as the
+            uniform sum then divide, as BlueFog does.
         Tensor: floating dtype (float16, bfloat16, float32, float64), same shape and dtype
             on every rank; the result has that shape and dtype.
         Semantics: BlueFog `neighbor_allreduce` (reference/bluefog-semantics.md §1.5).
