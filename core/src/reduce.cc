@@ -193,6 +193,10 @@ void Combine(const void* self, const std::vector<const void*>& srcs, void* out, 
       A* o = reinterpret_cast<A*>(y);
       const A sw = static_cast<A>(self_weight);
       const A div = static_cast<A>(srcs.size() + 1);
+      // 1/div is exact for a power of two, and then x * (1/div) is x / div bit for bit
+      // (both the one rounding of the same value): a multiply, several times cheaper.
+      const bool pow2 = ((srcs.size() + 1) & srcs.size()) == 0;
+      const A inv = A(1) / div;
       if (srcs.empty()) {
         for (size_t i = 0; i < n; ++i) o[i] = uniform ? static_cast<A>(x[i]) : sw * static_cast<A>(x[i]);
         return;
@@ -203,7 +207,8 @@ void Combine(const void* self, const std::vector<const void*>& srcs, void* out, 
         const A first = j == 0 && !uniform ? sw : A(1);
         const bool last = j + 1 == srcs.size();
         if (uniform) {
-          if (last) for (size_t i = 0; i < n; ++i) o[i] = (prev[i] + static_cast<A>(s[i])) / div;
+          if (last && pow2) for (size_t i = 0; i < n; ++i) o[i] = (prev[i] + static_cast<A>(s[i])) * inv;
+          else if (last) for (size_t i = 0; i < n; ++i) o[i] = (prev[i] + static_cast<A>(s[i])) / div;
           else for (size_t i = 0; i < n; ++i) o[i] = prev[i] + static_cast<A>(s[i]);
         } else {
           const A w = static_cast<A>(weights[j]);

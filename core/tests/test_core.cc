@@ -228,6 +228,26 @@ static void TestHalfConversions() {
   std::vector<double> self = {1, 2}, a = {2, 4}, b = {3, 6}, out(2);
   Combine(self.data(), {a.data(), b.data()}, out.data(), SHOAL_FLOAT64, 2, true, 0, {});
   CHECK(out[0] == 2.0 && out[1] == 4.0);
+  // With 1, 2, 3 and 7 sources (a multiply by 1/2, 1/4, 1/8 where exact, else a divide),
+  // bit for bit the sum divided, subnormals and odd last bits included.
+  std::mt19937_64 rng(5);
+  for (size_t k : {1, 2, 3, 7}) {
+    std::vector<std::vector<double>> src(k + 1, std::vector<double>(64));
+    for (auto& v : src)
+      for (size_t i = 0; i < v.size(); ++i)
+        v[i] = std::ldexp(static_cast<double>(rng() >> 11), static_cast<int>(i % 3 == 0 ? -1100 : -52));
+    std::vector<const void*> ptrs;
+    for (size_t j = 1; j <= k; ++j) ptrs.push_back(src[j].data());
+    std::vector<double> got(64);
+    Combine(src[0].data(), ptrs, got.data(), SHOAL_FLOAT64, 64, true, 0, {});
+    bool same = true;
+    for (size_t i = 0; i < 64; ++i) {
+      double sum = src[0][i];
+      for (size_t j = 1; j <= k; ++j) sum += src[j][i];
+      same = same && got[i] == sum / static_cast<double>(k + 1);
+    }
+    CHECK(same);
+  }
 }
 
 static void TestSum() {
