@@ -46,8 +46,9 @@ def build_api(adapter):
             ValueError: average of an integer tensor, average= with Min/Max/Product, bool
                 tensors, a second in-flight op with the same name, a rank outside
                 `process_set` or a set not added (or removed). NotImplementedError:
-                Horovod's Adasum. ShoalError (at synchronize): ranks disagree on shape,
-                dtype or op (the same error on every rank).
+                Horovod's Adasum. TypeError: average= not a bool (e.g. a string).
+                ShoalError (at synchronize): ranks disagree on shape, dtype or op (the
+                same error on every rank).
         """
         return _ops.allreduce(adapter, tensor, average, name, op, scope=_scope(is_hierarchical_local),
                               process_set=process_set)

@@ -53,7 +53,11 @@ def reduce_op(average, op):
     Raises ValueError for an `op` that is not one of Sum, Average, Min, Max, Product, for
     `average=` given with Min/Max/Product (it chooses between Sum and Average only), and
     for `average=` and `op=` that disagree; NotImplementedError for an op Shoal does not
-    implement (Horovod's Adasum)."""
+    implement (Horovod's Adasum); TypeError for an `average=` that is not a truth value
+    (bool, numpy bool or integer: a string such as 'no' would read as true)."""
+    if average is not None and not (isinstance(average, numbers.Integral)
+                                    or type(average).__name__ in ("bool", "bool_")):
+        raise TypeError(f"average must be a bool, got {type(average).__name__}")
     if op is not None:
         if isinstance(op, ReduceOp) and op.code is None:
             raise NotImplementedError(f"op={op.name} is not implemented in Shoal; use Sum, Average, Min, Max "
@@ -460,11 +464,14 @@ def synchronize(handle):
     """Wait (GIL released) for `handle` and return the op's output.
 
     Raises ShoalError if the op failed on this rank (mismatch, stall, dead peer,
-    shutdown) and ValueError for an unknown handle. A KeyboardInterrupt leaves the op
+    shutdown, also for a handle that was still pending at `shutdown()`) and ValueError for an unknown handle. A KeyboardInterrupt leaves the op
     running and its handle valid (synchronize it again, or let shutdown fail it).
     """
     with STATE.lock:
         if handle not in STATE.pending:
+            if isinstance(handle, int) and 0 < handle < STATE.ended_below:
+                raise _core.ShoalError(f"handle {handle} belongs to a runtime that shutdown() ended; "
+                                       "synchronize handles before shutdown()")
             raise ValueError(f"unknown handle {handle}")
     try:
         _core.wait(handle)

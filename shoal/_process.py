@@ -26,17 +26,21 @@ class ProcessState:
     ops carry push-sum weights. suspended/skip_negotiate: BlueFog switches (recorded).
     counters: generated-name counters by prefix (bounded, see `unnamed`); traced: the
     same per traced TensorFlow graph (dropped with the graph).
-    `atexit_registered` survives reset (an at-exit hook is registered once per process).
+    `atexit_registered` survives reset (an at-exit hook is registered once per process),
+    and so does `ended_below`: op handles below it belong to a runtime that `shutdown()`
+    ended (the core numbers handles once per process, so no later op reuses one).
     """
 
     def __init__(self):
         self.lock = threading.RLock()
         self.atexit_registered = False
+        self.ended_below, self.pending = 0, {}
         self.calls = threading.local()  # per thread: inside an op entry point (shoal._ops._told)
         self.reset()
 
     def reset(self):
         with self.lock:
+            self.ended_below = max(self.ended_below, max(self.pending, default=0) + 1)
             self.topology, self.plan = None, None
             self.machine_topology, self.machine_plan = None, None
             self.pending = {}

@@ -77,6 +77,27 @@ def test_single_process_without_launcher():
         shoal.shutdown()
 
 
+def test_argument_errors_name_what_was_given():
+    torch = pytest.importorskip("torch")
+    import shoal.torch as bft
+    shoal.init()
+    try:
+        for allreduce, ones in ((shoal.allreduce, np.ones), (bft.allreduce, torch.ones)):
+            with pytest.raises(TypeError, match="average must be a bool, got str"):
+                allreduce(ones(2), average="no")  # a string would read as true
+            assert allreduce(ones(2) * 3, average=np.False_).tolist() == [3, 3]
+            # torch's Horovod path averages integers by truncation; bool is no integer there
+            with pytest.raises(ValueError, match=r"bool tensors cannot be reduced \(op=Average\)"):
+                allreduce(ones(2, dtype=bool))
+        h = shoal.allreduce_nonblocking(np.ones(2))
+        with pytest.raises(ValueError, match="unknown handle"):
+            shoal.synchronize(h + 1000)
+    finally:
+        shoal.shutdown()
+    with pytest.raises(shoal.ShoalError, match=f"handle {h} belongs to a runtime that shutdown"):
+        shoal.synchronize(h)
+
+
 def test_bad_configuration_is_a_clear_error():
     code = "import shoal\ntry:\n    shoal.init()\nexcept ValueError as e:\n    print(e)\n"
     env = dict(os.environ, SHOAL_LOG_LEVEL="loud")

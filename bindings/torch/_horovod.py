@@ -116,6 +116,12 @@ def _allreduce_finish(out, integer_average, n, postscale):
     return out
 
 
+def _integer_average(rop, tensor):
+    """Whether this is Horovod's truncated integer average (bool is no integer here: the
+    core refuses it, naming the op asked for)."""
+    return rop is Average and not tensor.is_floating_point() and tensor.dtype != torch.bool
+
+
 @_ops._told(_ops.ALLREDUCE)
 def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=None, is_hierarchical_local=False,
@@ -126,7 +132,7 @@ def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=
     rop = _ops.reduce_op(average, op)
     n = basics.local_size() if is_hierarchical_local else _set_size(process_set, what)
     pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
-    integer_average = rop is Average and not tensor.is_floating_point()
+    integer_average = _integer_average(rop, tensor)
     src = tensor
     if inplace:
         ADAPTER.prepare(tensor, True, what)  # its checks first: nothing is scaled if it refuses
@@ -320,7 +326,7 @@ def _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_se
     if rop is not Average and rop is not Sum:
         raise ValueError(f"{what}: op must be hvd.Average or hvd.Sum (as in Horovod), got {rop!r}")
     pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
-    integer_average = rop is Average and not tensor.is_floating_point()
+    integer_average = _integer_average(rop, tensor)
     n = _set_size(process_set, what)
 
     def finish(out):
