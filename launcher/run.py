@@ -368,7 +368,7 @@ def main(argv=None):
             os.chmod(args.ssh_wrapper, 0o755)
         cmd = build_command(args, mpiexec, mpi_flavor(mpiexec), env, forwarded)
         if args.dry_run or args.verbose:
-            print(" ".join(cmd), flush=True)
+            print(shlex.join(cmd), flush=True)  # copy-pasteable: quoted where needed
             if args.dry_run:
                 return 0
         proc = subprocess.Popen(cmd, env=env)

@@ -270,7 +270,9 @@ def build_api(adapter):
         machine topology (`set_machine_topology`, static mode) or the given machine
         weights (dynamic mode: all three weight arguments), then share the result within
         the machine: y = (self_weight·S_self + Σ_m w_m·S_m) / local_size(), S = machine sums.
-        Floating dtypes. Needs a homogeneous job (ValueError otherwise); RuntimeError in
+        The result is one per machine: the weights of the machine's local rank 0 are the
+        ones used (BlueFog combines on each rank with that rank's own), so give every rank
+        of a machine the same weights; others' are not checked against them. Floating dtypes. Needs a homogeneous job (ValueError otherwise); RuntimeError in
         static mode without a machine topology. One op of the core: its stages (machine
         sum, exchange between the machines' local rank 0, share within the machine) run
         as ops named "<name>.machine_sum", ".exchange", ".share"; a stage that fails on a

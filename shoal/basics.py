@@ -174,6 +174,21 @@ def _check_same_everywhere(graph, is_weighted, what):
                          "every rank must pass the same topology")
 
 
+def _agreed_graph(what, make, nodes, unit):
+    """The graph `make()` builds, with `nodes` nodes. An argument error here is also told
+    to the peers, whose part of the call's collective check then raises it too (instead
+    of waiting for this rank)."""
+    try:
+        graph = make()
+        if graph.number_of_nodes() != nodes:
+            raise TopologySizeError(f"{what}: topology has {graph.number_of_nodes()} nodes but there are "
+                                    f"{nodes} {unit}")
+        return graph
+    except (TypeError, ValueError) as exc:
+        _core.reject(_ops.ALLGATHER, f"shoal.{what}", isinstance(exc, TypeError), str(exc), process_set=0)
+        raise
+
+
 def set_topology(topology=None, is_weighted=False):
     """Set the static topology used by neighbor ops (BlueFog's `set_topology`).
 
@@ -198,9 +213,8 @@ def set_topology(topology=None, is_weighted=False):
             shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
             sys.stderr.write(f"[shoal] set_topology refused: windows exist ({shown}); win_free() them first\n")
         return False
-    graph = _topo.exponential_two_graph(size()) if topology is None else _topo.as_graph(topology)
-    if graph.number_of_nodes() != size():
-        raise TopologySizeError(f"topology has {graph.number_of_nodes()} nodes but there are {size()} ranks")
+    graph = _agreed_graph("set_topology", lambda: _topo.exponential_two_graph(size()) if topology is None
+                          else _topo.as_graph(topology), size(), "ranks")
     _check_same_everywhere(graph, is_weighted, "set_topology")  # always: it is collective
     with STATE.lock:
         STATE.topology, STATE.plan = graph, _give_core(graph, is_weighted, "ranks")
@@ -212,16 +226,18 @@ def set_machine_topology(topology, is_weighted=False):
 
     Args: a `networkx.DiGraph` over 0..machine_size()-1 or a mixing matrix; is_weighted as
     in `set_topology`. Collective (checked like `set_topology`). Returns True.
-    Raises: ValueError for None; TopologySizeError (ValueError and TypeError) for a wrong
+    Raises: ValueError for None and for ranks not placed homogeneously; TopologySizeError (ValueError and TypeError) for a wrong
     node count; TypeError for other types.
     """
     _require_init()
-    if topology is None:
-        raise ValueError("set_machine_topology needs a graph over machines")
-    graph = _topo.as_graph(topology)
-    if graph.number_of_nodes() != machine_size():
-        raise TopologySizeError(f"machine topology has {graph.number_of_nodes()} nodes but there are "
-                         f"{machine_size()} machines")
+    if not is_homogeneous():  # known alike on every rank: each raises it
+        raise ValueError("set_machine_topology: needs the same number of ranks on every machine, placed "
+                         "contiguously (see SHOAL_RANKS_PER_MACHINE)")
+    def make():
+        if topology is None:
+            raise ValueError("set_machine_topology needs a graph over machines")
+        return _topo.as_graph(topology)
+    graph = _agreed_graph("set_machine_topology", make, machine_size(), "machines")
     _check_same_everywhere(graph, is_weighted, "set_machine_topology")
     with STATE.lock:
         STATE.machine_topology, STATE.machine_plan = graph, _give_core(graph, is_weighted, "machines")

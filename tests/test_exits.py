@@ -122,8 +122,8 @@ def test_process_started_by_a_rank_cannot_join_its_job():
 def test_call_refused_on_one_rank_reaches_the_others():
     rc, out, _ = run_ranks(4, "refused.py", env={"SHOAL_RANKS_PER_MACHINE": "2"}, timeout=120)
     assert rc == 0, out
-    for case in ("allreduce-int-average", "neighbor-int", "python-check", "native-weights", "torch-op",
-                 "hierarchical"):
+    for case in ("allreduce-int-average", "neighbor-int", "set-topology", "set-machine-topology", "python-check",
+                 "native-weights", "torch-op", "hierarchical"):
         lines = [line for line in out.splitlines() if line.startswith(case + " ")]
         assert len(lines) == 4, (case, out)
         messages = {line.split(": ", 1)[1].replace(" (raised at the call on rank 1)", "") for line in lines}

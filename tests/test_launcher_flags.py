@@ -2,6 +2,7 @@
 setting or the MPI launcher, checked in the command it would run (--dry-run) and, for
 --output-filename, in a real 2-rank job."""
 import os
+import shlex
 import subprocess
 import sys
 
@@ -13,20 +14,38 @@ from conftest import run_ranks
 def dry_run(*flags):
     out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", *flags, "--dry-run", "python", "x.py"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    return out.split()
+    return shlex.split(out)
 
 
 def value_after(words, key):
     return words[words.index(key) + 1]
 
 
+def passed(words):
+    """The variables the command passes to the ranks: hydra's `-genv K V`, Open MPI's `-x K=V`."""
+    env = {}
+    for i, w in enumerate(words):
+        if w == "-genv":
+            env[words[i + 1]] = words[i + 2]
+        elif w == "-x" and "=" in words[i + 1]:
+            k, v = words[i + 1].split("=", 1)
+            env[k] = v
+    return env
+
+
+def open_mpi():
+    """Whether shoalrun launches with Open MPI's mpirun (Shoal built against a system Open MPI)."""
+    from shoal.launcher import run
+    return run.mpi_flavor(run.find_mpiexec()) == "openmpi"
+
+
 def test_horovodrun_tuning_flags_set_shoal_settings():
-    words = dry_run("--fusion-threshold-mb", "2", "--cycle-time-ms", "0.5", "--stall-check-warning-time-seconds",
-                    "30", "--stall-check-shutdown-time-seconds", "90")
-    assert value_after(words, "SHOAL_FUSION_THRESHOLD") == str(2 << 20)
-    assert value_after(words, "SHOAL_CYCLE_TIME") == "0.5"
-    assert float(value_after(words, "SHOAL_STALL_CHECK_TIME")) == 30
-    assert float(value_after(words, "SHOAL_STALL_SHUTDOWN_TIME")) == 90
+    env = passed(dry_run("--fusion-threshold-mb", "2", "--cycle-time-ms", "0.5", "--stall-check-warning-time-seconds",
+                         "30", "--stall-check-shutdown-time-seconds", "90"))
+    assert env["SHOAL_FUSION_THRESHOLD"] == str(2 << 20)
+    assert env["SHOAL_CYCLE_TIME"] == "0.5"
+    assert float(env["SHOAL_STALL_CHECK_TIME"]) == 30
+    assert float(env["SHOAL_STALL_SHUTDOWN_TIME"]) == 90
 
 
 @pytest.mark.parametrize("flag", ["--mpi-args", "--extra-mpi-flags"])
@@ -38,20 +57,24 @@ def test_extra_mpi_arguments_reach_the_launcher(flag):
 
 def test_network_interface_and_ssh_port():
     words = dry_run("--network-interface", "eth7", "-p", "2222")
-    assert value_after(words, "-iface") == "eth7" and value_after(words, "NCCL_SOCKET_IFNAME") == "eth7"
-    wrapper = value_after(words, "-launcher-exec")
-    assert wrapper.endswith("/ssh")  # a script that runs ssh -p 2222 (removed with the job's temp dir)
+    assert passed(words)["NCCL_SOCKET_IFNAME"] == "eth7"
+    if open_mpi():
+        assert value_after(words, "btl_tcp_if_include") == "eth7" and value_after(words, "plm_rsh_args") == "-p 2222"
+    else:
+        assert value_after(words, "-iface") == "eth7"
+        wrapper = value_after(words, "-launcher-exec")
+        assert wrapper.endswith("/ssh")  # a script that runs ssh -p 2222 (removed with the job's temp dir)
 
 
 def test_bfrun_hostfile_spelling(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
-    assert value_after(dry_run("-hostfile", str(hosts)), "-f") == str(hosts)
+    assert value_after(dry_run("-hostfile", str(hosts)), "--hostfile" if open_mpi() else "-f") == str(hosts)
 
 
 def test_output_filename_writes_each_rank_s_streams(tmp_path):
     out_dir = tmp_path / "logs"
-    assert value_after(dry_run("--output-filename", str(out_dir)), "SHOAL_OUTPUT_DIR") == str(out_dir)
+    assert passed(dry_run("--output-filename", str(out_dir)))["SHOAL_OUTPUT_DIR"] == str(out_dir)
     rc, out, _ = run_ranks(2, "hello.py", env={"SHOAL_OUTPUT_DIR": str(out_dir)}, timeout=120)
     assert rc == 0, out
     for r in range(2):  # in the files, and on the terminal as before
@@ -62,5 +85,5 @@ def test_output_filename_writes_each_rank_s_streams(tmp_path):
 
 def test_ranks_get_the_launching_path_a_forwarded_path_included():
     # rank.py puts it first on the ranks' PATH (Open MPI's mpirun may prepend its own bin/)
-    assert value_after(dry_run(), "SHOAL_LAUNCH_PATH") == os.environ["PATH"]
-    assert value_after(dry_run("-x", "PATH=/custom/bin:/usr/bin"), "SHOAL_LAUNCH_PATH") == "/custom/bin:/usr/bin"
+    assert passed(dry_run())["SHOAL_LAUNCH_PATH"] == os.environ["PATH"]
+    assert passed(dry_run("-x", "PATH=/custom/bin:/usr/bin"))["SHOAL_LAUNCH_PATH"] == "/custom/bin:/usr/bin"

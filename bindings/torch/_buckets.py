@@ -11,14 +11,18 @@ act elementwise, so the flat buffer's result is each parameter's result.
 
 Ranks may list their parameters in different orders (a dict of modules, say): buckets are
 made in the order of the parameters' names, and a bucket's name carries a digest of its
-members' names and shapes, so ranks whose buckets differ never mix their data (their
-buckets do not match by name: a stall names the ranks, as for a parameter one rank lacks).
+members' names and shapes, so ranks whose buckets differ never mix their data. Each new
+plan is also compared across ranks once (`check_layout`, one collective): a model whose
+small parameters differ between ranks (a name, a shape, a dtype) fails there with the same
+ValueError on every rank, naming the difference, where its buckets' names would not match.
 """
 import zlib
 
+import numpy as np
 import torch
 
 from shoal import _ops, basics
+from shoal._numpy import ADAPTER as _NUMPY
 
 from . import _tensors
 from ._adapter import _FAKE
@@ -133,3 +137,27 @@ def plan(params, names, prefix):
         else:
             result.append(item)
     return result
+
+
+def check_layout(plan, name, process_set=None):
+    """Collective and blocking: every rank's `plan` must bucket the same parameters (names,
+    shapes, dtypes). Raises ValueError, the same on every rank, naming the first parameter
+    that differs between rank 0 and the first rank that differs (the ranks of
+    `process_set` when given). Two allgathers, once per plan."""
+    lines = [f"{m} {b.params[0].dtype}" for _, b in plan if b is not None for m in b.members]
+    mine = np.frombuffer("\n".join(["buckets"] + lines).encode(), np.uint8)
+    gather = lambda x, part: _ops.synchronize(_ops.allgather(_NUMPY, x, f"{name}.{part}", process_set=process_set))
+    sizes = gather(np.array([mine.size], np.int64), "sizes")
+    data = gather(mine, "members").tobytes()
+    ends = np.cumsum(sizes)
+    every = [data[e - n:e].decode().split("\n")[1:] for n, e in zip(sizes, ends)]
+    ranks = list(range(len(every))) if process_set is None else list(process_set.ranks)  # world ranks
+    differ = [ranks[i] for i, theirs in enumerate(every) if theirs != every[0]]
+    if not differ:
+        return
+    first, theirs = every[0], every[ranks.index(differ[0])]
+    at = next((i for i, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
+    show = lambda ls: repr(ls[at]) if at < len(ls) else "nothing more"
+    raise ValueError(f"the models' small parameters differ across ranks: ranks {differ} differ from rank "
+                     f"{ranks[0]}, which has {show(first)} where rank {differ[0]} has {show(theirs)} (name, "
+                     "shape, dtype); every rank's model must have the same parameters")

@@ -41,6 +41,12 @@ def _horovod_names(optimizer, named_parameters):
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
         raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+    given = {p for _, p in pairs}
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else []
+    unnamed = sum(p not in given for g in groups for p in g["params"])
+    if unnamed:
+        raise ValueError(f"named_parameters was specified, but {unnamed} of the optimizer's parameters are not "
+                         "named in it (pass model.named_parameters() of the whole model)")
     return pairs
 
 

@@ -64,6 +64,7 @@ class _ParameterMixing(_Distributed):
         self.last_consensus_distance = None
         self._spare = {}  # parameter -> output buffer of its next neighbor_allreduce
         self._plans = {}  # tuple of parameters -> their buckets (_plan)
+        self._layouts = 0  # plans made (each checked across ranks once)
 
     @property
     def communication_type(self):
@@ -99,6 +100,8 @@ class _ParameterMixing(_Distributed):
         plan = self._plans.get(key)
         if plan is None or not all(b.still_fits() for _, b in plan if b is not None):
             plan = self._plans[key] = _buckets.plan(params, self._names, self._prefix)
+            self._layouts += 1
+            _buckets.check_layout(plan, f"{self._prefix}.layout.{self._layouts}")
         return plan
 
     def _launch_all(self, params=None):
@@ -343,13 +346,16 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         # produces them. _grad_handles: parameter or Bucket -> (handle, [(parameter,
         # gradient, its _version)], tensor sent, compression ctx).
         self._bucket_of = {}
-        for p, bucket in _buckets.plan(list(self._params()), self._names, f"{self._prefix}.grad"):
+        plan = _buckets.plan(list(self._params()), self._names, f"{self._prefix}.grad")
+        for p, bucket in plan:
             for q in bucket.params if bucket is not None else ():
                 self._bucket_of[q] = bucket
         self._ready = {}  # Bucket -> {parameter: (gradient, _version)} of members whose gradient is in
         self.communications = 0
         if not self._member:
             return  # outside its process set: local steps (no hooks, nothing to average)
+        _buckets.check_layout(plan, f"{self._prefix}.grad.layout",
+                              None if process_set is None or process_set is global_process_set else process_set)
         self._count_passes(self._on_grad)
         for p in self._params():  # before accumulation: an in-flight gradient stays untouched
             self._hooks.append(p.register_hook(lambda grad, p=p: self._before_accumulation(p)))

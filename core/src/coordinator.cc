@@ -65,8 +65,18 @@ std::vector<Response> DecodeResponses(const char* p, size_t n) {
 
 void Coordinator::Add(int rank, const Request& req, double now) {
   if (!req.reject.empty()) {
-    // One rank refused the call: the ranks that submitted it, or will, get its error.
-    Response r = Abort(req.name, req.reject + " (raised at the call on rank " + std::to_string(World(rank)) + ")");
+    // One rank refused the call: the ranks that submitted it, or will, get its error. Ranks
+    // that refused the same call too may already wait in the name's next step: that stays.
+    const std::string error = req.reject + " (raised at the call on rank " + std::to_string(World(rank)) + ")";
+    auto later = pending_.find(req.name);
+    if (later != pending_.end()) {
+      auto q = std::find_if(later->second.req.begin(), later->second.req.end(),
+                            [](const Request& x) { return !x.name.empty(); });
+      if (q != later->second.req.end() && q->step == req.step) later = pending_.end();
+    }
+    Response r = later == pending_.end() ? Abort(req.name, error) : Response{};
+    r.names = {req.name};
+    r.error = error;
     r.kind = Response::REJECTED;
     r.op = req.sig.op;
     r.step = req.step;

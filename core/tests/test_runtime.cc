@@ -314,6 +314,23 @@ static void TestCachedFailures(int n) {
     CHECK(st.code == SHOAL_INVALID_ARGUMENT && st.message.find("bad argument here") != std::string::npos,
           "rank %d: %s", r, st.message.c_str());
   });
+  // Refused on every rank, rank 0 last (the others already wait in the name's next step
+  // when its refusal comes): that next step runs, with every rank.
+  job.Run([&](int r, Runtime& rt) {
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    rt.Reject(SHOAL_OP_ALLREDUCE, "cf.all_refused", SHOAL_INVALID_ARGUMENT, "bad argument everywhere");
+    Op a;
+    a.name = "cf.all_refused";
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.x = Data(r, 0, 4);
+    a.Enqueue(rt);
+    Status st = a.Wait(rt);
+    CHECK(st.ok(), "rank %d: %s", r, st.message.c_str());
+    std::vector<double> want(4, 0.0);
+    for (int q = 0; q < n; ++q)
+      for (size_t i = 0; i < 4; ++i) want[i] += Data(q, 0, 4)[i];
+    CHECK(a.out == want, "rank %d: wrong sum after a refusal on every rank", r);
+  });
   warm("cf.leave");
   job.Run([&](int r, Runtime& rt) {
     if (r == last) return rt.Leave();

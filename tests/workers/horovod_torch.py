@@ -165,6 +165,12 @@ def compression_none_sum_predivide_and_shoal_form():
     opt.remove_hooks()
     raises(ValueError, hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=LR),
            [("w", p) for p in model.parameters()])  # duplicate names
+    try:  # some of the optimizer's parameters not named (Horovod's check and wording)
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), list(model.named_parameters())[:1])
+    except ValueError as e:
+        assert "named_parameters was specified, but" in str(e) and "not named" in str(e), e
+    else:
+        raise AssertionError("parameters missing from named_parameters were accepted")
     raises(ValueError, hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=LR),
            op=hvd.Sum, gradient_predivide_factor=2.0)
 

@@ -171,6 +171,34 @@ def parameters_in_other_orders_and_changing_shapes():
 
 
 @check
+def models_that_differ_raise_the_same_error_on_every_rank():
+    """A small parameter whose shape differs on one rank: the buckets are compared across
+    ranks when they are made (gradient allreduce: at construction; the others: at the first
+    communication), so every rank raises one ValueError naming it, instead of stalling on
+    buckets whose names do not match."""
+    odd = R == N - 1
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2 + odd))
+    messages = []
+    for make in (lambda m: bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m),
+                 lambda m: bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)):
+        m = model()
+        try:
+            opt = make(m)
+            opt.zero_grad()
+            m(torch.ones(1, 3)).sum().backward()
+            opt.step()
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError("models that differ were accepted")
+    want = (f"ranks [{N - 1}] differ from rank 0, which has '1.bias (2,) torch.float32' where rank {N - 1} "
+            "has '1.bias (3,) torch.float32'")
+    assert all(want in msg for msg in messages), messages
+    assert bf.allreduce(torch.ones(2), average=False, name="after.models").tolist() == [N, N]
+
+
+@check
 def bucket_copies_keep_torch_semantics():
     """The compiled bucket copies (torch_tensors.cc, flat_copy) give exact values and bump
     version counters as copy_ does (autograd sees a saved parameter being overwritten);

@@ -24,6 +24,14 @@ attempt("allreduce-int-average",
 shoal.set_topology(shoal.topology.fully_connected_graph(shoal.size()))
 shoal.neighbor_allreduce(np.ones(3), name="n")
 attempt("neighbor-int", lambda: shoal.neighbor_allreduce(np.ones(3, np.int64) if r == 1 else np.ones(3), name="n"))
+# Collective set-up calls refused on rank 1 (a bad node label; a non-graph): the peers are
+# in the call's agreement round.
+ring = shoal.topology.ring_graph(shoal.size())
+attempt("set-topology", lambda: shoal.set_topology(
+    __import__("networkx").relabel_nodes(ring, {0: 7}) if r == 1 else ring))
+attempt("set-machine-topology", lambda: shoal.set_machine_topology(
+    [[1.0]] if r == 1 else shoal.topology.ring_graph(shoal.machine_size())))
+shoal.set_topology(shoal.topology.fully_connected_graph(shoal.size()))
 # Refused by the Python layer, before the core sees the call.
 attempt("python-check", lambda: shoal.broadcast(np.ones(3), "0" if r == 1 else 0, name="b"))
 # numpy's native neighbor_allreduce resolves its weights in C first.
