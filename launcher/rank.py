@@ -8,17 +8,18 @@ The command runs as a child that dies with this wrapper (PR_SET_PDEATHSIG), so k
 job never leaves a rank behind; SIGTERM, SIGINT and SIGHUP are passed on to it; stdin and
 every other file descriptor stay inherited (MPI's process manager needs them).
 
-Whole lines: the child's stdout and stderr are pipes read here, and only complete lines go on
-to this wrapper's stdout and stderr (the MPI launcher's pipes), each batch of lines in one
-write of at most PIPE_BUF bytes, which a pipe keeps in one piece. The launcher forwards what
-it reads from each rank's pipe, so it never splices lines of different ranks, whatever the
-child's buffering (with PYTHONUNBUFFERED=1 Python writes a line in pieces). A line ends at
-"\\n", "\\r\\n" or a lone "\\r" (progress bars redraw with "\\r"). A line longer than PIPE_BUF
-is written alone, in one call (beyond PIPE_BUF a pipe may take it in parts when it is nearly
-full; Hydra reads up to 64 KiB at once); one longer than MAX_LINE is forwarded in pieces. A
-trailing partial line is written at EOF, ended with "\\n". So a prompt without a newline
-(input(), pdb) shows only once its line ends. --tag-output prefixes every line with
-"[R]<stdout>:" or "[R]<stderr>:" (horovodrun's form).
+Whole lines: the child's stdout and stderr are pipes read here, and only complete lines go
+on, whatever the child's buffering (with PYTHONUNBUFFERED=1 Python writes a line in pieces).
+They go to shoalrun's collector (output.py: one TCP connection per rank, each batch of lines
+one record that shoalrun writes in one piece), so lines of different ranks never splice,
+whatever the MPI launcher. Where the collector cannot be reached (from
+another host) they go to this wrapper's stdout and stderr, the MPI launcher's pipes, each batch
+in one write of at most PIPE_BUF bytes, which a pipe keeps in one piece: whole under Hydra
+for lines up to 64 KiB (what it reads at once), while Open MPI may cut any line. A line ends
+at "\\n", "\\r\\n" or a lone "\\r" (progress bars redraw with "\\r"); one longer than MAX_LINE is
+forwarded in pieces. A trailing partial line is written at EOF, ended with "\\n". So a prompt
+without a newline (input(), pdb) shows only once its line ends. --tag-output prefixes every
+line with "[R]<stdout>:" or "[R]<stderr>:" (horovodrun's form).
 
 The child finds STATUS_DIR in SHOAL_STATUS_DIR: Shoal's runtime writes its own record there
 (write_status) before it aborts the job, since the launcher may kill this wrapper before it
@@ -45,6 +46,7 @@ PIPE_BUF = 4096        # POSIX minimum and Linux's value: pipe writes up to this
 MAX_LINE = 1 << 20     # a longer "line" is forwarded in pieces (bounds memory, e.g. binary output)
 READ_SIZE = 1 << 16
 EXIT_GRACE = 1.0       # s to wait for EOF once the child has exited (its own children may hold the pipes)
+COLLECTOR_ENV = "SHOAL_OUTPUT_COLLECTOR"  # where shoalrun's collector of output is (output.py)
 
 
 def status_path(status_dir, rank):
@@ -302,16 +304,51 @@ def pump(streams, child_exited_fd, grace=EXIT_GRACE):
     sel.close()
 
 
-def tee(path):
-    """A write for LineForwarder that also appends what it writes to the file `path`
+def tee(path, inner=os.write):
+    """A write for LineForwarder that also appends what `inner` writes to the file `path`
     (shoalrun --output-filename: <dir>/rank.<R>/stdout and stderr)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     f = open(path, "ab", buffering=0)  # noqa: SIM115 - open until the process ends
 
     def write(fd, data):
-        n = os.write(fd, data)
+        n = inner(fd, data)
         f.write(data[:n])
         return n
+    return write
+
+
+def collector_write(spec, fallback=os.write):
+    """A write for LineForwarder that sends each batch of lines, as one record, to shoalrun's
+    collector (output.py) at `spec` (SHOAL_OUTPUT_COLLECTOR), or None if it cannot be
+    reached. If a send fails (shoalrun's end is gone), the rest goes through `fallback`."""
+    import socket
+    try:
+        host, addresses, port, secret = spec.split(";")
+        port = int(port)
+    except ValueError:
+        return None
+    here = ["127.0.0.1"] if host == os.uname().nodename else []
+    conn = None
+    for address in dict.fromkeys(here + [a for a in addresses.split(",") if a]):
+        try:
+            conn = socket.create_connection((address, port), timeout=5)
+            conn.settimeout(None)
+            conn.sendall(secret.encode())
+            break
+        except OSError:
+            conn = None
+    if conn is None:
+        return None
+    state = [conn]
+
+    def write(fd, data):
+        if state[0] is not None:
+            try:
+                state[0].sendall(bytes([fd]) + len(data).to_bytes(4, "big") + bytes(data))
+                return len(data)
+            except OSError:
+                state[0] = None
+        return fallback(fd, data)
     return write
 
 
@@ -333,6 +370,7 @@ def main(argv):
     rank = rank_from_env()
     env = dict(os.environ)
     env["SHOAL_STATUS_DIR"] = status_dir
+    env.pop(COLLECTOR_ENV, None)  # the wrapper's, not the command's
     env["PATH"] = launch_path(env)
     bind_gpu(env)
     child = subprocess.Popen(cmd, close_fds=False, preexec_fn=_die_with_parent, env=env,
@@ -349,13 +387,18 @@ def main(argv):
         child.wait()
         os.write(exited_w, b"x")
     threading.Thread(target=wait_child, daemon=True).start()
+    # Through shoalrun's collector (output.py) when it can be reached: records of any size
+    # arrive whole there; else through the MPI launcher's pipes, PIPE_BUF at a time.
+    collector = collector_write(os.environ.get(COLLECTOR_ENV, ""))
+    base, limit = (collector, READ_SIZE) if collector else (os.write, PIPE_BUF)
     out_dir = os.environ.get("SHOAL_OUTPUT_DIR")
-    writes = {name: tee(os.path.join(out_dir, f"rank.{rank:0{len(str(max(size_from_env() - 1, 0)))}d}", name))
-              if out_dir else os.write for name in ("stdout", "stderr")}
+    writes = {name: tee(os.path.join(out_dir, f"rank.{rank:0{len(str(max(size_from_env() - 1, 0)))}d}", name),
+                        base) if out_dir else base for name in ("stdout", "stderr")}
     streams = [(child.stdout.fileno(), LineForwarder(1, f"[{rank}]<stdout>:".encode() if tag else b"",
-                                                     write=writes["stdout"])),
+                                                     write=writes["stdout"], limit=limit)),
                (child.stderr.fileno(), LineForwarder(2, f"[{rank}]<stderr>:".encode() if tag else b"",
-                                                     write=writes["stderr"], watch=abort_watcher(status_dir, rank)))]
+                                                     write=writes["stderr"], limit=limit,
+                                                     watch=abort_watcher(status_dir, rank)))]
     pump(streams, exited_r)
     status = child.wait()
     if status != 0 and not os.path.exists(status_path(status_dir, rank)):

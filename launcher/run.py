@@ -9,7 +9,8 @@ Flags map onto the MPI launcher (MPICH's Hydra or Open MPI's mpirun). Hosts come
 ssh reachability first. The ranks get this environment except the deny-list below
 (SHOAL_* settings from flags included); OMP_NUM_THREADS is set to cores // ranks when
 ranks outnumber cores and the user set none. Each rank runs under a wrapper (rank.py) that
-forwards its output in whole lines (never spliced with another rank's; --tag-output
+sends its output in whole lines to shoalrun (output.py), which writes each batch in one
+piece: never spliced with another rank's line, whatever the MPI launcher (--tag-output
 prefixes each with [R]<stdout>: or [R]<stderr>:). If any rank fails, the MPI launcher stops
 the others (or, if it has not FAILURE_GRACE s later, shoalrun does) and shoalrun exits
 non-zero, naming the rank that failed first and how.
@@ -27,7 +28,8 @@ import sys
 import tempfile
 import time
 
-from .rank import read_status
+from .output import Collector
+from .rank import COLLECTOR_ENV, read_status
 
 # After the first failure record, the MPI launcher has this long (s) to end the job before
 # shoalrun ends the ranks itself: Hydra's clean-up after a rank's death sometimes leaves the
@@ -179,9 +181,13 @@ def host_names(args):
     return names
 
 
+def local_names():
+    return {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+
+
 def check_ssh(hosts, port=None):
     """Exit with a clear message if a remote host cannot be reached with ssh."""
-    local = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+    local = local_names()
     for host in dict.fromkeys(hosts):
         if host in local:
             continue
@@ -356,9 +362,22 @@ def main(argv=None):
         return check_build()
     if not args.hosts and not args.hostfile:
         args.hosts = slurm_hosts()
-    check_ssh(host_names(args), args.ssh_port)
+    hosts = host_names(args)
+    check_ssh(hosts, args.ssh_port)
     mpiexec = find_mpiexec()
     env, forwarded = worker_env(args)
+    collector = None if args.dry_run else Collector(remote=bool(set(hosts) - local_names()))
+    if collector:
+        env[COLLECTOR_ENV] = collector.spec
+        forwarded.append(COLLECTOR_ENV)
+    try:
+        return run_job(args, mpiexec, env, forwarded, collector)
+    finally:
+        if collector:
+            collector.close()
+
+
+def run_job(args, mpiexec, env, forwarded, collector):
     with tempfile.TemporaryDirectory(prefix="shoalrun-") as status_dir:
         args.command = wrap(args.command, status_dir, args.tag_output)
         if args.ssh_port:
@@ -381,6 +400,8 @@ def main(argv=None):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 rc = 130
+        if collector:
+            collector.close()  # every rank's output is out before shoalrun's last word
         failed = first_failure(status_dir)
         if rc != 0:
             print(f"shoalrun: job failed (exit status {rc})" + (f"; first failure: {failed}" if failed else ""),

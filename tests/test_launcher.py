@@ -23,9 +23,13 @@ def _run(cmd, **kw):
 
 
 def test_check_build_reports_mpich_from_pypi_torch_and_gpu_support():
+    from shoal import _build_info
     out = _run([sys.executable, "-m", "shoal.launcher.run", "--check-build"])
     assert out.returncode == 0, out.stderr
-    assert "MPICH" in out.stdout and "from PyPI" in out.stdout, out.stdout
+    if _build_info.MPI_FLAVOR == "mpich-pypi":  # the default install
+        assert "MPICH" in out.stdout and "from PyPI" in out.stdout, out.stdout
+    else:  # built against a system MPI (MPICXX=...)
+        assert "[system]" in out.stdout, out.stdout
     if importlib.util.find_spec("torch") is not None:  # without torch the rest still counts
         assert "torch binding: usable" in out.stdout, out.stdout
     assert "CUDA kernels: " in out.stdout and "NCCL backend: " in out.stdout, out.stdout
@@ -53,8 +57,11 @@ def test_commands_work_from_the_checkout_root():
 
 def test_plain_mpiexec_works_too():
     pytest.importorskip("torch")
-    from shoal.launcher.run import find_mpiexec
-    out = _run([find_mpiexec(), "-n", "4", sys.executable, "-c", ALLREDUCE])
+    from shoal.launcher.run import find_mpiexec, mpi_flavor
+    mpiexec = find_mpiexec()
+    # Open MPI's mpirun refuses more ranks than cores, and root, unless told
+    extra = ["--oversubscribe", "--allow-run-as-root"] if mpi_flavor(mpiexec) == "openmpi" else []
+    out = _run([mpiexec, "-n", "4", *extra, sys.executable, "-c", ALLREDUCE])
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("tensor([6., 6., 6.])") == 4, out.stdout
 
@@ -79,14 +86,14 @@ def test_usage_errors():
 
 
 # -- whole lines and --tag-output --------------------------------------------------------------
-# Each rank writes a 10,000-byte line (longer than PIPE_BUF) first, then LINES lines in four
+# Each rank writes a 200,000-byte line (longer than PIPE_BUF and than what Hydra reads at once) first, then LINES lines in four
 # small writes each (unbuffered: four write calls), even ones to stdout, odd ones to stderr,
 # and a last line without a newline.
 LINES = 2000
 WRITER = r'''
 import os, sys
 r = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
-sys.stdout.write(f"long {r} " + "y" * 10000 + f" {r}\n")
+sys.stdout.write(f"long {r} " + "y" * 200000 + f" {r}\n")
 for i in range(int(sys.argv[1])):
     f = sys.stderr if i % 2 else sys.stdout
     for piece in (f"rank {r} ", f"line {i} ", "x" * 30, f" rank {r} end {i}\n"):
@@ -127,7 +134,7 @@ def test_lines_of_unbuffered_ranks_arrive_whole_and_once(tagged):
         even = [f"rank {r} line {i} {'x' * 30} rank {r} end {i}" for i in range(0, LINES, 2)]
         odd = [f"rank {r} line {i} {'x' * 30} rank {r} end {i}" for i in range(1, LINES, 2)]
         # In order, each exactly once; the long line whole; the partial last line ended.
-        assert stdout[r] == [f"long {r} {'y' * 10000} {r}", *even, f"tail {r}"], r
+        assert stdout[r] == [f"long {r} {'y' * 200000} {r}", *even, f"tail {r}"], r
         assert stderr[r] == odd, r
 
 
@@ -183,6 +190,32 @@ def test_forwarder_keeps_draining_after_the_reader_is_gone():
     assert calls == [5] and fwd.broken
 
 
+# -- shoalrun's collector of output (launcher/output.py) ------------------------------------------
+def test_collector_writes_records_whole_and_only_from_its_job(capfd):
+    import socket
+
+    from shoal.launcher.output import Collector
+    col = Collector(remote=False)
+    try:
+        host, addresses, port, secret = col.spec.split(";")
+        assert host == os.uname().nodename and addresses == "" and len(secret) == 32
+        stranger = socket.create_connection(("127.0.0.1", int(port)))  # wrong secret: dropped
+        stranger.sendall(b"0" * 32 + bytes([1]) + (6).to_bytes(4, "big") + b"fake!\n")
+        write = rank_wrapper.collector_write(col.spec)
+        line = b"x" * 300_000 + b"\n"
+        assert write(1, line[:100_000] + b"\n") == 100_001 and write(2, b"to stderr\n") == 10
+        assert write(1, line) == len(line)
+        assert stranger.recv(1) == b""  # closed by the collector
+        del write  # its connection closes: the collector has all it will get
+    finally:
+        col.close()
+    out, err = capfd.readouterr()
+    assert out == "x" * 100_000 + "\n" + "x" * 300_000 + "\n" and err == "to stderr\n", (len(out), err)
+    # Nothing listens there any more: a wrapper falls back to the MPI launcher's pipes.
+    assert rank_wrapper.collector_write(col.spec) is None
+    assert rank_wrapper.collector_write("not a spec") is None
+
+
 # -- status records ------------------------------------------------------------------------------
 def test_status_records_are_atomic_lines_and_the_earliest_is_named(tmp_path):
     path = rank_wrapper.write_status(str(tmp_path), 2, 1, "raised ValueError: bad\n  input")
@@ -206,8 +239,8 @@ def test_the_record_a_rank_writes_itself_is_what_shoalrun_names():
     # exit status 5 and must not replace the record with "exited with status 5"; rank 0 fails
     # after it (its wrapper writes a later record), rank 1 succeeds.
     code = ("import os, time\n"
-            "from shoal.launcher.rank import write_status\n"
-            "r, d = int(os.environ['PMI_RANK']), os.environ['SHOAL_STATUS_DIR']\n"
+            "from shoal.launcher.rank import rank_from_env, write_status\n"
+            "r, d = rank_from_env(), os.environ['SHOAL_STATUS_DIR']\n"
             "if r == 2:\n"
             "    write_status(d, r, 1, 'raised ValueError: bad input (rank 2)')\n"
             "    os._exit(5)\n"
@@ -226,8 +259,8 @@ def test_a_job_stuck_after_a_failure_is_ended_by_shoalrun(tmp_path):
     # rank 1, and leaves no process behind.
     from shoal.launcher.run import FAILURE_GRACE
     code = ("import os, sys, time\n"
-            "from shoal.launcher.rank import write_status\n"
-            "r, d = int(os.environ['PMI_RANK']), os.environ['SHOAL_STATUS_DIR']\n"
+            "from shoal.launcher.rank import rank_from_env, write_status\n"
+            "r, d = rank_from_env(), os.environ['SHOAL_STATUS_DIR']\n"
             f"open(os.path.join({str(tmp_path)!r}, f'pid{{r}}'), 'w').write(str(os.getpid()))\n"
             "if r == 1:\n"
             "    write_status(d, r, 1, 'raised RuntimeError: stuck peer (rank 1)')\n"

@@ -24,7 +24,8 @@ SPLIT = "split" in sys.argv[1:]
 MACHINES = "machines" in sys.argv[1:]
 MIXED = "mixed" in sys.argv[1:]
 if SPLIT:  # before init: the backend is read then
-    os.environ["SHOAL_GPU_BACKEND"] = "nccl" if os.environ.get("PMI_RANK") == "0" else "mpi"
+    from shoal.launcher.rank import rank_from_env
+    os.environ["SHOAL_GPU_BACKEND"] = "nccl" if rank_from_env() == 0 else "mpi"
 if MACHINES:
     os.environ["SHOAL_RANKS_PER_MACHINE"] = "2"
 bf.init()

@@ -455,4 +455,45 @@ def sparse_gradients_allgathered_or_densified_equal_the_dense_average():
         opt.remove_hooks()
 
 
+@check
+def elastic_state_and_sampler_for_a_fixed_set_of_ranks():
+    """hvd.elastic (torch): run() syncs rank 0's model, optimizer state and attributes and
+    the union of the samplers' processed indices, then calls the function once;
+    commit/restore keep and bring back state; ElasticSampler shares out what is left."""
+    missing = [n for n in ("run", "State", "ObjectState", "TorchState", "ElasticSampler")
+               if not hasattr(hvd.elastic, n)]
+    assert not missing, missing
+    model = model_of(R)  # differs per rank until sync
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * (1 + R), momentum=MOMENTUM)
+    data = list(range(10 * N + 3))
+    sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=5)
+    sampler.record_indices([R])  # each rank processed one index: the union (0..N-1) is done
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, batch=0, epoch=R)
+
+    @hvd.elastic.run
+    def train(state):
+        return state.epoch, list(state.sampler)
+
+    epoch, mine = train(state)
+    assert epoch == 0 and optimizer.param_groups[0]["lr"] == LR, (epoch, optimizer.param_groups[0]["lr"])
+    same_on_all_ranks(model, "elastic")
+    left = [i for i in data if i >= N]
+    every = hvd.allgather_object(mine, name="elastic.shares")
+    assert all(len(s) == len(mine) == -(-len(left) // N) for s in every), [len(s) for s in every]
+    assert sorted(set(sum(every, []))) == left  # every index left, to some rank (a few twice: padding)
+    assert len(sampler) == len(mine) and sampler.get_indices(0, 2) == mine[:2]
+    sampler.set_epoch(1)
+    assert len(sampler) == -(-len(data) // N) and list(sampler) != mine
+    state.commit()
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state.epoch = 99
+    state.sampler.record_batch(0, 4)
+    state.restore()  # back to the commit
+    assert state.epoch == 0 and state.sampler.processed_indices == set() and state.sampler.epoch == 1
+    assert all(torch.equal(v, kept[k]) for k, v in model.state_dict().items())
+
+
 sys.exit(1 if run_all(R) else 0)

@@ -9,7 +9,9 @@ import time
 
 import numpy as np
 
-rank = int(os.environ.get("PMI_RANK", "0"))
+from shoal.launcher.rank import rank_from_env
+
+rank = rank_from_env()
 os.environ["SHOAL_STALL_SHUTDOWN_TIME"] = "2" if rank == 0 else "6"
 import shoal  # noqa: E402  (the stall time is read at init)
 

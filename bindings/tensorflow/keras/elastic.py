@@ -14,25 +14,25 @@ behave as Horovod's do when no rank joins or leaves.
   `UpdateBatchStateCallback(state)`, `UpdateEpochStateCallback(state)`.
 """
 import copy
-import functools
 
 import keras
 
+from shoal._elastic import State, run
 from shoal.tensorflow import ops as _tf_ops
 
 __all__ = ["KerasState", "run", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
 
 
-class KerasState:
+class KerasState(State):
     """The state of a Keras model (built), its optimizer (or `optimizer`) and the attributes
     given as keyword arguments; see the module docstring."""
 
     def __init__(self, model, optimizer=None, **kwargs):
         if not model.built:
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        super().__init__()
         self.model, self.optimizer = model, optimizer or model.optimizer
         self._attrs = sorted(kwargs)
-        self._reset_callbacks = []
         for k, v in kwargs.items():
             setattr(self, k, v)
         self.save()
@@ -52,13 +52,6 @@ class KerasState:
         for k, v in self._saved_attrs.items():
             setattr(self, k, copy.deepcopy(v))
 
-    def commit(self):
-        """Horovod's commit: save() (a Shoal job has no host updates to check)."""
-        self.save()
-
-    def check_host_updates(self):
-        """Horovod's: nothing to check (the set of ranks is fixed)."""
-
     def sync(self):
         """Rank 0's variables and attributes on every rank (collective), then save()."""
         _tf_ops.broadcast_variables(self._variables(), 0)
@@ -66,25 +59,6 @@ class KerasState:
         for k, v in values.items():
             setattr(self, k, v)
         self.save()
-
-    def register_reset_callbacks(self, callbacks):
-        """Horovod's: kept; a Shoal job is never reset, so they are not called."""
-        self._reset_callbacks.extend(callbacks)
-
-    def on_reset(self):
-        for callback in self._reset_callbacks:
-            callback()
-
-
-def run(func):
-    """Horovod's `hvd.elastic.run` decorator: `func(state, *args, **kwargs)` runs once,
-    after `state.sync()`; its result is returned. ShoalError (HorovodInternalError) from a
-    failed rank propagates: the job ends (no restore and reset in a Shoal job)."""
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
-        state.sync()
-        return func(state, *args, **kwargs)
-    return wrapper
 
 
 class CommitStateCallback(keras.callbacks.Callback):

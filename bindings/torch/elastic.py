@@ -1,0 +1,155 @@
+"""`hvd.elastic` of Horovod's PyTorch API (horovod/torch/elastic, Horovod 0.28) for a Shoal
+job, whose set of ranks is fixed: Horovod elastic scripts run unchanged and behave as
+Horovod's do when no rank joins or leaves (the Keras form: shoal.keras.elastic).
+
+* `run(func)`: `func(state, ...)` after `state.sync()` (shoal/_elastic.py: a failed or
+  leaving rank ends the job; reset callbacks are kept but never called).
+* `TorchState(model=None, optimizer=None, **kwargs)`: `save()`/`restore()` (in-memory copies
+  of the model's and the optimizer's state_dict and of the attributes given as kwargs,
+  e.g. epoch=0, batch=0, or an `ElasticSampler`), `commit()` (= save: there are no host
+  updates to check), `sync()` (rank 0's parameters, buffers, optimizer state and
+  attributes on every rank; samplers take the union of every rank's processed indices, as
+  Horovod's; then save), `register_reset_callbacks`, `on_reset`. `ObjectState(**kwargs)`:
+  the same for attributes only.
+* `ElasticSampler(dataset, shuffle=True, seed=0)`: this rank's share of the dataset's
+  indices not processed yet in the epoch (`record_batch`/`record_indices` mark them; the
+  share is recomputed by `set_epoch` and `reset`), padded so every rank has as many; the
+  order is shuffled with `seed + epoch`, alike on every rank.
+"""
+import copy
+import math
+import random
+
+import torch
+
+from shoal import basics
+from shoal._elastic import State, run
+
+from . import utility
+
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler"]
+
+
+class ObjectState(State):
+    """Attributes given as keyword arguments, synced from rank 0 (broadcast_object); an
+    `ElasticSampler` among them syncs its processed indices instead."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self._attrs = sorted(kwargs)
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+        self.save()
+
+    def _plain(self):
+        return [k for k in self._attrs if not isinstance(getattr(self, k), ElasticSampler)]
+
+    def save(self):
+        self._saved = {k: (v.state_dict() if isinstance(v, ElasticSampler) else v)
+                       for k, v in ((k, getattr(self, k)) for k in self._attrs)}
+        self._saved = copy.deepcopy(self._saved)
+
+    def restore(self):
+        for k, v in copy.deepcopy(self._saved).items():
+            if isinstance(getattr(self, k), ElasticSampler):
+                getattr(self, k).load_state_dict(v)
+            else:
+                setattr(self, k, v)
+
+    def sync(self):
+        values = utility.broadcast_object({k: getattr(self, k) for k in self._plain()}, 0,
+                                          name="elastic.state")
+        for k, v in values.items():
+            setattr(self, k, v)
+        for k in self._attrs:
+            sampler = getattr(self, k)
+            if isinstance(sampler, ElasticSampler):
+                sampler.sync(name=f"elastic.sampler.{k}")
+        self.save()
+
+
+class TorchState(ObjectState):
+    """A model's and an optimizer's state (either may be None) and attributes; see the
+    module docstring."""
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        self.model, self.optimizer = model, optimizer
+        super().__init__(**kwargs)
+
+    def save(self):
+        self._saved_model = copy.deepcopy(self.model.state_dict()) if self.model is not None else None
+        self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
+        super().save()
+
+    def restore(self):
+        if self.model is not None:
+            self.model.load_state_dict(self._saved_model)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._saved_optimizer)
+        super().restore()
+
+    def sync(self):
+        if self.model is not None:
+            utility.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.optimizer is not None:
+            utility.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        super().sync()
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """Horovod's elastic sampler (see the module docstring). `len()` is this rank's number
+    of samples in what remains of the epoch."""
+
+    def __init__(self, dataset, shuffle=True, seed=0):
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.epoch, self.processed_indices = 0, set()
+        self.indices = []
+        self.reset()
+
+    def set_epoch(self, epoch):
+        """A new epoch: nothing processed yet, a new order."""
+        self.epoch, self.processed_indices = epoch, set()
+        self.reset()
+
+    def record_batch(self, batch_idx, batch_size):
+        """Mark batch `batch_idx` (of `batch_size`) of this rank's share as processed."""
+        self.record_indices(self.get_indices(batch_idx, batch_size))
+
+    def record_indices(self, indices):
+        self.processed_indices.update(indices)
+
+    def get_indices(self, batch_idx, batch_size):
+        """The dataset indices of batch `batch_idx` of this rank's current share."""
+        return self.indices[batch_idx * batch_size:(batch_idx + 1) * batch_size]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+
+    def load_state_dict(self, state_dict):
+        self.epoch, self.processed_indices = state_dict["epoch"], set(state_dict["processed_indices"])
+        self.reset()
+
+    def sync(self, name="elastic.sampler"):
+        """Collective: every rank takes the union of all ranks' processed indices (and rank
+        0's epoch), then recomputes its share."""
+        every = utility.allgather_object(self.state_dict(), name=name)
+        self.epoch = every[0]["epoch"]
+        self.processed_indices = set().union(*(s["processed_indices"] for s in every))
+        self.reset()
+
+    def reset(self):
+        """Recompute this rank's share of the indices not processed yet."""
+        n, r = basics.size(), basics.rank()
+        remaining = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(remaining)
+        self.num_samples = math.ceil(len(remaining) / n)
+        pad = self.num_samples * n - len(remaining)  # repeat from the start: every rank as many
+        padded = remaining + [remaining[k % len(remaining)] for k in range(pad)]
+        self.indices = padded[r::n]
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return self.num_samples
