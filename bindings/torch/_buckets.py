@@ -18,13 +18,11 @@ ValueError on every rank, naming the difference, where its buckets' names would 
 """
 import zlib
 
-import numpy as np
 import torch
 
 from shoal import _ops, basics
-from shoal._numpy import ADAPTER as _NUMPY
 
-from . import _tensors
+from . import _tensors, utility
 from ._adapter import _FAKE
 
 SMALL = 64 << 10
@@ -142,22 +140,7 @@ def plan(params, names, prefix):
 def check_layout(plan, name, process_set=None):
     """Collective and blocking: every rank's `plan` must bucket the same parameters (names,
     shapes, dtypes). Raises ValueError, the same on every rank, naming the first parameter
-    that differs between rank 0 and the first rank that differs (the ranks of
-    `process_set` when given). Two allgathers, once per plan."""
+    that differs (utility.agree; the ranks of `process_set` when given). Once per plan."""
     lines = [f"{m} {b.params[0].dtype}" for _, b in plan if b is not None for m in b.members]
-    mine = np.frombuffer("\n".join(["buckets"] + lines).encode(), np.uint8)
-    gather = lambda x, part: _ops.synchronize(_ops.allgather(_NUMPY, x, f"{name}.{part}", process_set=process_set))
-    sizes = gather(np.array([mine.size], np.int64), "sizes")
-    data = gather(mine, "members").tobytes()
-    ends = np.cumsum(sizes)
-    every = [data[e - n:e].decode().split("\n")[1:] for n, e in zip(sizes, ends)]
-    ranks = list(range(len(every))) if process_set is None else list(process_set.ranks)  # world ranks
-    differ = [ranks[i] for i, theirs in enumerate(every) if theirs != every[0]]
-    if not differ:
-        return
-    first, theirs = every[0], every[ranks.index(differ[0])]
-    at = next((i for i, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
-    show = lambda ls: repr(ls[at]) if at < len(ls) else "nothing more"
-    raise ValueError(f"the models' small parameters differ across ranks: ranks {differ} differ from rank "
-                     f"{ranks[0]}, which has {show(first)} where rank {differ[0]} has {show(theirs)} (name, "
-                     "shape, dtype); every rank's model must have the same parameters")
+    utility.agree(lines, "the models' small parameters", name, "(name, shape, dtype); every rank's model must "
+                  "have the same parameters", process_set)

@@ -79,10 +79,14 @@ def broadcast_parameters(params, root_rank):
         `model.named_parameters()` (lists or generators), a list/dict of tensors or
         (name, tensor) pairs, or one tensor: any dtype the ops take, leaf tensors that
         require grad included (autograd does not see the write). root_rank in [0, size()).
-    Raises ValueError for other types, non-tensor entries or a bad root; ShoalError when
-    ranks disagree on shapes or dtypes.
+    Raises ValueError for other types, non-tensor entries or a bad root, and, the same on
+    every rank, when the ranks' tensors differ (names, shapes, dtypes: checked first, with
+    one allgather of their descriptions).
     """
-    _run(_targets(params, "broadcast_parameters"),
+    targets = _targets(params, "broadcast_parameters")
+    agree([f"{name} {tuple(t.shape)} {t.dtype}" for name, t, _ in targets], "the tensors to broadcast",
+          "broadcast_parameters.agree", "(name, shape, dtype)")
+    _run(targets,
          lambda name, t: _ops.broadcast(ADAPTER, t, root_rank, name=f"broadcast.param.{name}",
                                         inplace=True))
 
@@ -122,18 +126,35 @@ def broadcast_object(obj, root_rank=0, name=None):
     return pickle.loads(buf.tobytes())
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=None):
     """Return the list of every rank's `obj` (picklable; generators as lists, as in
-    `broadcast_object`), in rank order."""
+    `broadcast_object`), in rank order (of the ranks of `process_set`, if given)."""
     name = name or "allgather_object"
     data = _dumps(obj)
-    sizes = shoal.allgather(np.array([data.size], np.int64), name=name + ".sizes")
-    flat = shoal.allgather(data, name=name + ".data")
+    sizes = shoal.allgather(np.array([data.size], np.int64), name=name + ".sizes", process_set=process_set)
+    flat = shoal.allgather(data, name=name + ".data", process_set=process_set)
     out, at = [], 0
     for s in sizes.tolist():
         out.append(pickle.loads(flat[at:at + s].tobytes()))
         at += s
     return out
+
+
+def agree(items, what, name, fields="", process_set=None):
+    """Collective: every rank (of `process_set`) must pass the same list of strings `items`.
+    Raises ValueError, the same on every rank, naming the first item where the first rank
+    that differs and the set's first rank disagree (`fields` says what an item holds)."""
+    every = allgather_object(list(items), name=name, process_set=process_set)
+    ranks = list(range(len(every))) if process_set is None else list(process_set.ranks)  # world ranks
+    differ = [ranks[i] for i, theirs in enumerate(every) if theirs != every[0]]
+    if not differ:
+        return
+    first, theirs = every[0], every[ranks.index(differ[0])]
+    at = next((i for i, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
+    show = lambda ls: repr(ls[at]) if at < len(ls) else "nothing more"
+    raise ValueError(f"{what} differ across ranks: ranks {differ} differ from rank {ranks[0]}, which has "
+                     f"{show(first)} where rank {differ[0]} has {show(theirs)}"
+                     + (f" {fields}" if fields else ""))
 
 
 def broadcast_optimizer_state(optimizer, root_rank):
@@ -145,13 +166,18 @@ def broadcast_optimizer_state(optimizer, root_rank):
     The root's `state_dict()` travels whole (torch.save) and is loaded on the other
     ranks, so nothing needs a tensor form. A root that has not stepped yet makes every
     rank's state empty (BlueFog instead ran one step with zero gradients). Raises
-    ValueError for LBFGS (as BlueFog) and TypeError for a non-optimizer; ValueError from
-    load_state_dict when the ranks' parameter groups differ.
+    ValueError for LBFGS (as BlueFog) and TypeError for a non-optimizer, and ValueError when
+    the ranks' optimizers are of different classes, each on every rank alike; ValueError
+    from load_state_dict when the ranks' parameter groups differ.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    # Checked on every rank together (one allgather), so a rank's refusal is every rank's.
+    usable = isinstance(optimizer, torch.optim.Optimizer)
+    inner = getattr(optimizer, "_opt", optimizer)
+    agree([type(inner).__name__ if usable else "not an optimizer"], "broadcast_optimizer_state: the optimizers",
+          "broadcast_optimizer_state.agree")
+    if not usable:
         raise TypeError(f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    inner = getattr(optimizer, "_opt", optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         raise ValueError("broadcast_optimizer_state does not support LBFGS")
     blob = None

@@ -241,4 +241,31 @@ def bad_arguments_raise_value_error():
     raises(ValueError, bf.allreduce_parameters, [torch.ones(2), "x"])
 
 
+
+@check
+def ranks_that_pass_different_things_get_one_error():
+    """What only one rank passes differently is found before anything moves, and every rank
+    raises the same ValueError (they used to wait for names the others never sent)."""
+    extra = {"extra": torch.ones(3)} if R == ROOT else {}
+    msgs = []
+    for call in (lambda: bf.broadcast_parameters({"w": torch.ones(2), **extra}, 0),
+                 lambda: bf.broadcast_optimizer_state(
+                     (torch.optim.Adam if R == ROOT else torch.optim.SGD)([torch.nn.Parameter(torch.ones(2))], lr=0.1),
+                     0),
+                 lambda: bf.broadcast_optimizer_state(torch.optim.LBFGS([torch.nn.Parameter(torch.ones(2))]) if R == 0
+                                                      else torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1),
+                                                      0)):
+        try:
+            call()
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            raise AssertionError("accepted")
+    assert f"ranks [{ROOT}] differ from rank 0, which has '0.w (2,) torch.float32' where rank {ROOT} has " \
+           "'0.extra (3,) torch.float32'" in msgs[0], msgs[0]
+    assert f"which has 'SGD' where rank {ROOT} has 'Adam'" in msgs[1], msgs[1]
+    assert "has 'LBFGS' where rank 1 has 'SGD'" in msgs[2], msgs[2]
+    assert bf.allreduce(torch.ones(1), average=False, name="after.differ").item() == N
+
+
 sys.exit(1 if run_all(R) else 0)
