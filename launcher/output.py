@@ -9,19 +9,23 @@ shoalrun writes each record to its own stdout or stderr in one piece. A wrapper 
 connect (a host that cannot reach shoalrun's) forwards through the MPI launcher as before.
 
 Where the collector is, and a secret per job, reach the wrappers in SHOAL_OUTPUT_COLLECTOR
-("<host>;<addresses>;<port>;<secret>"); a connection that does not start with the secret is
-closed, so nothing else can write into the job's output. Jobs on this host only listen on
-127.0.0.1.
+("<host>;<addresses>;<port>;<secret>"), passed to the MPI launcher by name, not on its
+command line; a connection that does not start with the secret, or sends a record over
+MAX_RECORD bytes, is closed. Jobs on this host only listen on 127.0.0.1. At the job's end
+the collector writes out everything the wrappers sent, however slowly its stdout drains; it
+stops waiting once no connection has sent anything for `grace` seconds.
 """
 import hmac
 import os
 import secrets
+import select
 import selectors
 import socket
 import threading
 import time
 
 HEADER = 5  # bytes before a record's data: the stream (1 or 2), then its length (4 bytes, big-endian)
+MAX_RECORD = 4 << 20  # rank.py sends lines in records of at most MAX_LINE plus one read
 
 
 def _addresses():
@@ -34,20 +38,25 @@ def _addresses():
 
 
 def _write_all(fd, data):
+    """Write all of `data` to `fd`; False once the reader is gone (EPIPE)."""
     view = memoryview(data)
     while view:
         try:
             view = view[os.write(fd, view):]
-        except OSError:  # our stdout is gone (EPIPE): nothing more can be shown
-            return
+        except BlockingIOError:  # a non-blocking stdout (shared with another process): wait
+            select.select([], [fd], [], 1.0)
+        except OSError:
+            return False
+    return True
 
 
 class _Connection:
     """One wrapper's stream of records; feed() writes the complete ones out and returns
     False when the connection must be dropped (wrong secret, malformed record)."""
 
-    def __init__(self, secret):
+    def __init__(self, secret, broken):
         self.secret, self.trusted, self.buf = secret, False, bytearray()
+        self.broken = broken  # called when our stdout or stderr is gone
 
     def feed(self, data):
         self.buf += data
@@ -60,11 +69,12 @@ class _Connection:
             self.trusted = True
         while len(self.buf) >= HEADER:
             fd, n = self.buf[0], int.from_bytes(self.buf[1:HEADER], "big")
-            if fd not in (1, 2):
+            if fd not in (1, 2) or n > MAX_RECORD:
                 return False
             if len(self.buf) < HEADER + n:
                 break
-            _write_all(fd, bytes(self.buf[HEADER:HEADER + n]))
+            if not _write_all(fd, bytes(self.buf[HEADER:HEADER + n])):
+                self.broken()
             del self.buf[:HEADER + n]
         return True
 
@@ -72,11 +82,12 @@ class _Connection:
 class Collector:
     """Listens (a thread) for the wrappers of one job; `spec` is SHOAL_OUTPUT_COLLECTOR's
     value. close() stops taking connections and returns once every wrapper's connection has
-    ended (they end with the job) or after `grace` seconds."""
+    ended (they end with the job), or once none has sent anything for `grace` seconds.
+    `on_broken` (set by shoalrun) is called once when its stdout or stderr is gone."""
 
     def __init__(self, remote):
         self._secret = secrets.token_hex(16).encode()
-        self._server = socket.create_server(("" if remote else "127.0.0.1", 0))
+        self._server = socket.create_server(("" if remote else "127.0.0.1", 0), backlog=1024)
         self._server.setblocking(False)
         addresses = ",".join(_addresses()) if remote else ""
         self.spec = f"{os.uname().nodename};{addresses};{self._server.getsockname()[1]};{self._secret.decode()}"
@@ -84,37 +95,52 @@ class Collector:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._server, selectors.EVENT_READ)
         self._sel.register(self._wake_r, selectors.EVENT_READ)
-        self._deadline = None
+        self._grace = None
+        self.on_broken, self._broke = None, False
         self._thread = threading.Thread(target=self._serve, name="shoalrun-output", daemon=True)
         self._thread.start()
 
     def close(self, grace=5.0):
-        if self._deadline is not None:
+        if self._grace is not None:
             return
-        self._deadline = time.monotonic() + grace
+        self._grace = grace
         self._wake_w.send(b"x")
-        self._thread.join(grace + 1.0)
+        self._thread.join()
+
+    def _broken(self):
+        if not self._broke:
+            self._broke = True
+            if self.on_broken:
+                self.on_broken()
+
+    def _accept(self, conns):
+        """Accept one waiting connection; False if none waits."""
+        try:
+            conn, _ = self._server.accept()
+        except OSError:  # BlockingIOError: none waits
+            return False
+        conn.setblocking(False)
+        conns[conn] = _Connection(self._secret, self._broken)
+        self._sel.register(conn, selectors.EVENT_READ)
+        return True
 
     def _serve(self):
-        conns = {}
-        while self._deadline is None or (conns and time.monotonic() < self._deadline):
-            timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-            for key, _ in self._sel.select(timeout):
+        conns, busy = {}, time.monotonic()
+        # Closing: on while any connection still sends (however slowly stdout drains).
+        while self._grace is None or (conns and time.monotonic() - busy < self._grace):
+            events = self._sel.select(None if self._grace is None else 0.1)
+            for key, _ in events:
                 sock = key.fileobj
                 if sock is self._wake_r:
                     sock.recv(16)
-                    if self._server is not None:  # closing: no new connections
+                    if self._server is not None:  # closing: take what waits to be accepted, then no more
+                        while self._accept(conns):
+                            pass
                         self._sel.unregister(self._server)
                         self._server.close()
                         self._server = None
                 elif sock is self._server:
-                    try:
-                        conn, _ = sock.accept()
-                    except OSError:
-                        continue
-                    conn.setblocking(False)
-                    conns[conn] = _Connection(self._secret)
-                    self._sel.register(conn, selectors.EVENT_READ)
+                    self._accept(conns)
                 else:
                     try:
                         data = sock.recv(1 << 16)
@@ -126,6 +152,8 @@ class Collector:
                         self._sel.unregister(sock)
                         sock.close()
                         del conns[sock]
+            if events:
+                busy = time.monotonic()
         for sock in conns:
             sock.close()
         if self._server is not None:

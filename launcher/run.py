@@ -278,7 +278,9 @@ def build_command(args, mpiexec, flavor, env, forwarded):
                 else ["-launcher", "ssh", "-launcher-exec", args.ssh_wrapper])
     cmd += shlex.split(args.mpi_args)
     for k in forwarded:
-        if k in env:
+        if k == COLLECTOR_ENV:  # by name only: its secret stays off the command line (ps)
+            cmd += ["-x", k] if flavor == "openmpi" else ["-genvlist", k]
+        elif k in env:
             cmd += pass_var(k, env[k])
     return cmd + args.command
 
@@ -391,6 +393,8 @@ def run_job(args, mpiexec, env, forwarded, collector):
             if args.dry_run:
                 return 0
         proc = subprocess.Popen(cmd, env=env)
+        if collector:  # our stdout closed (| head): the job ends, as when mpiexec wrote there
+            collector.on_broken = proc.terminate
         try:
             rc = wait_job(proc, status_dir)
         except KeyboardInterrupt:

@@ -216,6 +216,64 @@ def test_collector_writes_records_whole_and_only_from_its_job(capfd):
     assert rank_wrapper.collector_write("not a spec") is None
 
 
+def test_collector_drains_what_keeps_coming_and_drops_the_silent(capfd):
+    import socket
+    import threading
+
+    from shoal.launcher.output import Collector
+    col = Collector(remote=False)
+    write = rank_wrapper.collector_write(col.spec)
+    silent = socket.create_connection(("127.0.0.1", int(col.spec.split(";")[2])))
+    silent.sendall(col.spec.split(";")[3].encode())  # trusted, then nothing: must not hold close() up
+
+    def slow():  # records keep coming for 1.5 s after close() began, each 0.1 s apart
+        for k in range(15):
+            time.sleep(0.1)
+            write(1, f"late {k}\n".encode())
+    sender = threading.Thread(target=slow)
+    sender.start()
+    start = time.monotonic()
+    col.close(grace=0.5)  # returns once the sender is silent for 0.5 s
+    secs = time.monotonic() - start
+    sender.join()
+    out, _ = capfd.readouterr()
+    assert out == "".join(f"late {k}\n" for k in range(15)), out
+    assert 1.5 < secs < 10, secs
+
+
+NONBLOCKING_READER = r'''
+import fcntl, os, subprocess, sys, time
+r, w = os.pipe()
+fcntl.fcntl(w, fcntl.F_SETFL, fcntl.fcntl(w, fcntl.F_GETFL) | os.O_NONBLOCK)
+p = subprocess.Popen(sys.argv[1:], stdout=w)
+os.close(w)
+got = bytearray()
+while True:
+    data = os.read(r, 65536)
+    if not data:
+        break
+    got += data
+    if len(got) < 300000:
+        time.sleep(0.2)  # slow at first: the pipe fills, writes to it would block
+print(p.wait(), got.count(b"\n"), len(set(bytes(got).splitlines())), flush=True)
+'''
+
+
+def test_output_through_a_slow_nonblocking_pipe_and_a_closed_one():
+    # A non-blocking stdout (shared with another process) that fills: nothing lost or cut.
+    lines = "import os; r = os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))\n" \
+            "for i in range(3000): print(f'{r} {i} ' + 'z' * 200)\n"
+    out = _run([sys.executable, "-c", NONBLOCKING_READER, *shoalrun_cmd(4, sys.executable, "-c", lines)])
+    assert out.stdout.split() == ["0", "12000", "12000"], out.stdout + out.stderr[-2000:]
+    # A reader that leaves (| head -1) ends the job, as when the MPI launcher wrote there.
+    forever = "import itertools\nfor i in itertools.count(): print(i, flush=True)\n"
+    proc = subprocess.Popen(shoalrun_cmd(2, sys.executable, "-c", forever), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=60) != 0
+
+
 # -- status records ------------------------------------------------------------------------------
 def test_status_records_are_atomic_lines_and_the_earliest_is_named(tmp_path):
     path = rank_wrapper.write_status(str(tmp_path), 2, 1, "raised ValueError: bad\n  input")

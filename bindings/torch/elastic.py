@@ -6,11 +6,12 @@ Horovod's do when no rank joins or leaves (the Keras form: shoal.keras.elastic).
   leaving rank ends the job; reset callbacks are kept but never called).
 * `TorchState(model=None, optimizer=None, **kwargs)`: `save()`/`restore()` (in-memory copies
   of the model's and the optimizer's state_dict and of the attributes given as kwargs,
-  e.g. epoch=0, batch=0, or an `ElasticSampler`), `commit()` (= save: there are no host
-  updates to check), `sync()` (rank 0's parameters, buffers, optimizer state and
-  attributes on every rank; samplers take the union of every rank's processed indices, as
-  Horovod's; then save), `register_reset_callbacks`, `on_reset`. `ObjectState(**kwargs)`:
-  the same for attributes only.
+  e.g. epoch=0, batch=0, another module or optimizer, an `ElasticSampler`), `commit()`
+  (= save: there are no host updates to check), `sync()` (rank 0's parameters, buffers,
+  optimizer state and attributes on every rank, modules and optimizers in place; samplers
+  take the union of every rank's processed indices, as Horovod's; then save),
+  `register_reset_callbacks`, `on_reset`. `ObjectState(**kwargs)`: the same without the
+  two named arguments.
 * `ElasticSampler(dataset, shuffle=True, seed=0)`: this rank's share of the dataset's
   indices not processed yet in the epoch (`record_batch`/`record_indices` mark them; the
   share is recomputed by `set_epoch` and `reset`), padded so every rank has as many; the
@@ -30,9 +31,24 @@ from . import utility
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler"]
 
 
+def _kind(value):
+    """How an attribute is saved, restored and synced: in place for what holds state others
+    refer to (modules, optimizers, samplers), by value for the rest (as Horovod's handlers)."""
+    if isinstance(value, torch.nn.Module):
+        return "module"
+    if isinstance(value, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(value, ElasticSampler):
+        return "sampler"
+    return "value"
+
+
 class ObjectState(State):
-    """Attributes given as keyword arguments, synced from rank 0 (broadcast_object); an
-    `ElasticSampler` among them syncs its processed indices instead."""
+    """Attributes given as keyword arguments. Modules, optimizers (Shoal's distributed ones
+    too) and `ElasticSampler`s keep their identity: saved as state_dict copies, restored
+    into, synced in place (broadcast_parameters, broadcast_optimizer_state, the samplers'
+    union of processed indices); other values are copied, restored by assignment and
+    synced with broadcast_object from rank 0 (they must pickle)."""
 
     def __init__(self, **kwargs):
         super().__init__()
@@ -41,59 +57,44 @@ class ObjectState(State):
             setattr(self, k, v)
         self.save()
 
-    def _plain(self):
-        return [k for k in self._attrs if not isinstance(getattr(self, k), ElasticSampler)]
+    def _items(self):
+        return [(k, getattr(self, k)) for k in self._attrs if getattr(self, k) is not None]
 
     def save(self):
-        self._saved = {k: (v.state_dict() if isinstance(v, ElasticSampler) else v)
-                       for k, v in ((k, getattr(self, k)) for k in self._attrs)}
-        self._saved = copy.deepcopy(self._saved)
+        self._saved = {k: copy.deepcopy(v.state_dict() if _kind(v) != "value" else v) for k, v in self._items()}
 
     def restore(self):
-        for k, v in copy.deepcopy(self._saved).items():
-            if isinstance(getattr(self, k), ElasticSampler):
-                getattr(self, k).load_state_dict(v)
-            else:
-                setattr(self, k, v)
+        for k, v in self._items():
+            if k in self._saved:
+                saved = copy.deepcopy(self._saved[k])
+                if _kind(v) == "value":
+                    setattr(self, k, saved)
+                else:
+                    v.load_state_dict(saved)
 
     def sync(self):
-        values = utility.broadcast_object({k: getattr(self, k) for k in self._plain()}, 0,
-                                          name="elastic.state")
-        for k, v in values.items():
+        values = {}
+        for k, v in self._items():  # in the same order on every rank
+            kind = _kind(v)
+            if kind == "module":
+                utility.broadcast_parameters(v.state_dict(), root_rank=0)
+            elif kind == "optimizer":
+                utility.broadcast_optimizer_state(v, root_rank=0)
+            elif kind == "sampler":
+                v.sync(name=f"elastic.sampler.{k}")
+            else:
+                values[k] = v
+        for k, v in utility.broadcast_object(values, 0, name="elastic.state").items():
             setattr(self, k, v)
-        for k in self._attrs:
-            sampler = getattr(self, k)
-            if isinstance(sampler, ElasticSampler):
-                sampler.sync(name=f"elastic.sampler.{k}")
         self.save()
 
 
 class TorchState(ObjectState):
     """A model's and an optimizer's state (either may be None) and attributes; see the
-    module docstring."""
+    module docstring and `ObjectState`."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
-        self.model, self.optimizer = model, optimizer
-        super().__init__(**kwargs)
-
-    def save(self):
-        self._saved_model = copy.deepcopy(self.model.state_dict()) if self.model is not None else None
-        self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
-        super().save()
-
-    def restore(self):
-        if self.model is not None:
-            self.model.load_state_dict(self._saved_model)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(self._saved_optimizer)
-        super().restore()
-
-    def sync(self):
-        if self.model is not None:
-            utility.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.optimizer is not None:
-            utility.broadcast_optimizer_state(self.optimizer, root_rank=0)
-        super().sync()
+        super().__init__(model=model, optimizer=optimizer, **kwargs)
 
 
 class ElasticSampler(torch.utils.data.Sampler):

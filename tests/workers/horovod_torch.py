@@ -468,7 +468,9 @@ def elastic_state_and_sampler_for_a_fixed_set_of_ranks():
     data = list(range(10 * N + 3))
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=5)
     sampler.record_indices([R])  # each rank processed one index: the union (0..N-1) is done
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, batch=0, epoch=R)
+    torch.manual_seed(R)
+    aux = torch.nn.Linear(2, 1)  # another module, given by keyword: synced in place (Horovod's handlers)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, aux=aux, batch=0, epoch=R)
 
     @hvd.elastic.run
     def train(state):
@@ -477,6 +479,8 @@ def elastic_state_and_sampler_for_a_fixed_set_of_ranks():
     epoch, mine = train(state)
     assert epoch == 0 and optimizer.param_groups[0]["lr"] == LR, (epoch, optimizer.param_groups[0]["lr"])
     same_on_all_ranks(model, "elastic")
+    assert state.aux is aux and state.model is model
+    same_on_all_ranks(aux, "elastic.aux")
     left = [i for i in data if i >= N]
     every = hvd.allgather_object(mine, name="elastic.shares")
     assert all(len(s) == len(mine) == -(-len(left) // N) for s in every), [len(s) for s in every]
