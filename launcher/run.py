@@ -94,6 +94,11 @@ def parse_args(argv):
     p.add_argument("--output-filename", help="also write each rank's output to DIR/rank.R/stdout and stderr")
     p.add_argument("--network-interface", help="network interface(s) for MPI and NCCL, e.g. eth0 (comma-separated)")
     p.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
+    # horovodrun's elastic flags: a Shoal job has a fixed set of ranks (hvd.elastic scripts
+    # run on it unchanged), so -np ranks run when it lies within [--min-np, --max-np].
+    p.add_argument("--min-np", type=int, help="horovodrun's elastic minimum: -np must not be below it")
+    p.add_argument("--max-np", type=int, help="horovodrun's elastic maximum: -np must not exceed it")
+    p.add_argument("--host-discovery-script", help="horovodrun's elastic host discovery: not supported (pass -H)")
     p.add_argument("--tag-output", action="store_true",
                    help="prefix every output line with its rank: [R]<stdout>: or [R]<stderr>:")
     p.add_argument("--check-build", action="store_true",
@@ -107,6 +112,14 @@ def parse_args(argv):
             p.error("a command to run is required")
         if not args.np or args.np < 1:
             p.error("-np N (N >= 1) is required")
+        if args.host_discovery_script:
+            p.error("--host-discovery-script: elastic jobs are not supported (a Shoal job has a fixed set of "
+                    "ranks); give the hosts with -H or --hostfile")
+        if not (args.min_np or 1) <= args.np <= (args.max_np or args.np):
+            p.error(f"-np {args.np} is outside [--min-np, --max-np]")
+        if args.min_np or args.max_np:
+            print(f"shoalrun: a fixed set of {args.np} ranks (no elastic resizing; hvd.elastic scripts run "
+                  "unchanged on it)", file=sys.stderr, flush=True)
     return args
 
 

@@ -3,6 +3,7 @@ whole lines, --tag-output and status records."""
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -268,10 +269,15 @@ def test_output_through_a_slow_nonblocking_pipe_and_a_closed_one():
     # A reader that leaves (| head -1) ends the job, as when the MPI launcher wrote there.
     forever = "import itertools\nfor i in itertools.count(): print(i, flush=True)\n"
     proc = subprocess.Popen(shoalrun_cmd(2, sys.executable, "-c", forever), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    proc.stdout.readline()
-    proc.stdout.close()
-    assert proc.wait(timeout=60) != 0
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        proc.stdout.readline()
+        proc.stdout.close()
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:  # the job outlived its reader: leave nothing running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 # -- status records ------------------------------------------------------------------------------

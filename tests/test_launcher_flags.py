@@ -87,3 +87,15 @@ def test_ranks_get_the_launching_path_a_forwarded_path_included():
     # rank.py puts it first on the ranks' PATH (Open MPI's mpirun may prepend its own bin/)
     assert passed(dry_run())["SHOAL_LAUNCH_PATH"] == os.environ["PATH"]
     assert passed(dry_run("-x", "PATH=/custom/bin:/usr/bin"))["SHOAL_LAUNCH_PATH"] == "/custom/bin:/usr/bin"
+
+
+def test_elastic_flags_run_a_fixed_set_of_ranks_or_say_why_not(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", "--min-np", "1", "--max-np", "4",
+                          sys.executable, "-c", "print('ran')"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.count("ran") == 2, out.stdout + out.stderr
+    assert "a fixed set of 2 ranks" in out.stderr, out.stderr
+    for flags, why in ((["--min-np", "3"], "outside [--min-np, --max-np]"),
+                       (["--host-discovery-script", "d.sh"], "elastic jobs are not supported")):
+        out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", *flags, "python", "x.py"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and why in out.stderr, out.stderr

@@ -68,13 +68,11 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     // One rank refused the call: the ranks that submitted it, or will, get its error. Ranks
     // that refused the same call too may already wait in the name's next step: that stays.
     const std::string error = req.reject + " (raised at the call on rank " + std::to_string(World(rank)) + ")";
-    auto later = pending_.find(req.name);
-    if (later != pending_.end()) {
-      auto q = std::find_if(later->second.req.begin(), later->second.req.end(),
-                            [](const Request& x) { return !x.name.empty(); });
-      if (q != later->second.req.end() && q->step == req.step) later = pending_.end();
-    }
-    Response r = later == pending_.end() ? Abort(req.name, error) : Response{};
+    auto it = pending_.find(req.name);
+    const bool later = it != pending_.end() && std::any_of(it->second.req.begin(), it->second.req.end(), [&](auto& x) {
+      return !x.name.empty() && x.step != req.step;
+    });
+    Response r = later ? Response{} : Abort(req.name, error);
     r.names = {req.name};
     r.error = error;
     r.kind = Response::REJECTED;
