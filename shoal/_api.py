@@ -272,8 +272,9 @@ def build_api(adapter):
         the machine: y = (self_weight·S_self + Σ_m w_m·S_m) / local_size(), S = machine sums.
         The result is one per machine: the weights of the machine's local rank 0 are the
         ones used (BlueFog combines on each rank with that rank's own), so give every rank
-        of a machine the same weights; others' are not checked against them. Floating dtypes. Needs a homogeneous job (ValueError otherwise); RuntimeError in
-        static mode without a machine topology. One op of the core: its stages (machine
+        of a machine the same weights; others' are not checked against them. Floating
+        dtypes. Needs a homogeneous job (ValueError otherwise); RuntimeError in static
+        mode without a machine topology. One op of the core: its stages (machine
         sum, exchange between the machines' local rank 0, share within the machine) run
         as ops named "<name>.machine_sum", ".exchange", ".share"; a stage that fails on a
         rank fails the op on every rank waiting for it (ShoalError).

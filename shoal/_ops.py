@@ -464,8 +464,9 @@ def synchronize(handle):
     """Wait (GIL released) for `handle` and return the op's output.
 
     Raises ShoalError if the op failed on this rank (mismatch, stall, dead peer,
-    shutdown, also for a handle that was still pending at `shutdown()`) and ValueError for an unknown handle. A KeyboardInterrupt leaves the op
-    running and its handle valid (synchronize it again, or let shutdown fail it).
+    shutdown, also for a handle that was still pending at `shutdown()`) and ValueError
+    for an unknown handle. A KeyboardInterrupt leaves the op running and its handle valid
+    (synchronize it again, or let shutdown fail it).
     """
     with STATE.lock:
         if handle not in STATE.pending:

@@ -226,8 +226,9 @@ def set_machine_topology(topology, is_weighted=False):
 
     Args: a `networkx.DiGraph` over 0..machine_size()-1 or a mixing matrix; is_weighted as
     in `set_topology`. Collective (checked like `set_topology`). Returns True.
-    Raises: ValueError for None and for ranks not placed homogeneously; TopologySizeError (ValueError and TypeError) for a wrong
-    node count; TypeError for other types.
+    Raises: ValueError for None and for ranks not placed homogeneously; TopologySizeError
+    (ValueError and TypeError) for a wrong node count; TypeError for other types. An
+    argument error on one rank is raised on every rank (the peers learn it in the call).
     """
     _require_init()
     if not is_homogeneous():  # known alike on every rank: each raises it

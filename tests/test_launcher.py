@@ -87,9 +87,9 @@ def test_usage_errors():
 
 
 # -- whole lines and --tag-output --------------------------------------------------------------
-# Each rank writes a 200,000-byte line (longer than PIPE_BUF and than what Hydra reads at once) first, then LINES lines in four
-# small writes each (unbuffered: four write calls), even ones to stdout, odd ones to stderr,
-# and a last line without a newline.
+# Each rank writes a 200,000-byte line (longer than PIPE_BUF and than what Hydra reads at
+# once) first, then LINES lines in four small writes each (unbuffered: four write calls),
+# even ones to stdout, odd ones to stderr, and a last line without a newline.
 LINES = 2000
 WRITER = r'''
 import os, sys
