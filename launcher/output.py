@@ -24,7 +24,8 @@ import socket
 import threading
 import time
 
-HEADER = 5  # bytes before a record's data: the stream (1 or 2), then its length (4 bytes, big-endian)
+from .rank import RECORD_HEADER as HEADER  # the wire format is rank.record's
+
 MAX_RECORD = 4 << 20  # rank.py sends lines in records of at most MAX_LINE plus one read
 
 

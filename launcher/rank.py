@@ -47,6 +47,12 @@ MAX_LINE = 1 << 20     # a longer "line" is forwarded in pieces (bounds memory, 
 READ_SIZE = 1 << 16
 EXIT_GRACE = 1.0       # s to wait for EOF once the child has exited (its own children may hold the pipes)
 COLLECTOR_ENV = "SHOAL_OUTPUT_COLLECTOR"  # where shoalrun's collector of output is (output.py)
+RECORD_HEADER = 5  # a record to the collector: stream (1 or 2), data length (4 bytes, big-endian), data
+
+
+def record(fd, data):
+    """One record of the collector's wire format (output.py reads it)."""
+    return bytes([fd]) + len(data).to_bytes(RECORD_HEADER - 1, "big") + bytes(data)
 
 
 def status_path(status_dir, rank):
@@ -344,7 +350,7 @@ def collector_write(spec, fallback=os.write):
     def write(fd, data):
         if state[0] is not None:
             try:
-                state[0].sendall(bytes([fd]) + len(data).to_bytes(4, "big") + bytes(data))
+                state[0].sendall(record(fd, data))
                 return len(data)
             except OSError:
                 state[0] = None
