@@ -4,7 +4,7 @@ MPI launchers forward a rank's output in the pieces they happen to read: Hydra (
 to 64 KiB at a time; Open MPI's mpirun a few hundred bytes to 4 KiB, stdout through a
 pseudo-terminal. With several ranks writing, a line can be cut and another rank's text land
 inside it. So each rank's wrapper (rank.py, `collector_write`) sends its whole lines over a
-TCP connection to the `Collector` here, in records (stream: 1 or 2, length, bytes), and
+TCP connection (a Unix socket for emulated machines) to the `Collector` here, in records (stream: 1 or 2, length, bytes), and
 shoalrun writes each record to its own stdout or stderr in one piece. A wrapper that cannot
 connect (a host that cannot reach shoalrun's) forwards through the MPI launcher as before.
 
@@ -18,6 +18,8 @@ stops waiting once no connection has sent anything for `grace` seconds.
 import hmac
 import os
 import secrets
+import shutil
+import tempfile
 import select
 import selectors
 import socket
@@ -86,12 +88,21 @@ class Collector:
     ended (they end with the job), or once none has sent anything for `grace` seconds.
     `on_broken` (set by shoalrun) is called once when its stdout or stderr is gone."""
 
-    def __init__(self, remote):
+    def __init__(self, remote, unix=False):
         self._secret = secrets.token_hex(16).encode()
-        self._server = socket.create_server(("" if remote else "127.0.0.1", 0), backlog=1024)
+        self._dir = None
+        if unix:  # ranks in other network namespaces of this host (emulated machines)
+            self._dir = tempfile.mkdtemp(prefix="shoalrun-output-")
+            path = os.path.join(self._dir, "collector")
+            self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._server.bind(path)
+            self._server.listen(1024)
+            addresses, port = f"unix:{path}", 0
+        else:
+            self._server = socket.create_server(("" if remote else "127.0.0.1", 0), backlog=1024)
+            addresses, port = ",".join(_addresses()) if remote else "", self._server.getsockname()[1]
         self._server.setblocking(False)
-        addresses = ",".join(_addresses()) if remote else ""
-        self.spec = f"{os.uname().nodename};{addresses};{self._server.getsockname()[1]};{self._secret.decode()}"
+        self.spec = f"{os.uname().nodename};{addresses};{port};{self._secret.decode()}"
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._server, selectors.EVENT_READ)
@@ -160,3 +171,5 @@ class Collector:
         if self._server is not None:
             self._server.close()
         self._sel.close()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)

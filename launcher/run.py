@@ -18,6 +18,7 @@ non-zero, naming the rank that failed first and how.
 import argparse
 import fnmatch
 import importlib.metadata
+import json
 import os
 import shlex
 import shutil
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 
+from . import cluster
 from .output import Collector
 from .rank import COLLECTOR_ENV, read_status
 
@@ -99,6 +101,17 @@ def parse_args(argv):
     p.add_argument("--min-np", type=int, help="horovodrun's elastic minimum: -np must not be below it")
     p.add_argument("--max-np", type=int, help="horovodrun's elastic maximum: -np must not exceed it")
     p.add_argument("--host-discovery-script", help="horovodrun's elastic host discovery: not supported (pass -H)")
+    # The emulated cluster (cluster.py): M machines on this host, links shaped to a rate.
+    p.add_argument("--machines", type=int,
+                   help="run on M emulated machines on this host (network namespaces; needs root): "
+                        "ranks placed in blocks, MPI over TCP between machines, shared memory within one")
+    p.add_argument("--link", help="with --machines: each machine's link rate, each way (tc units: 1gbit, "
+                                  "200mbit); default unshaped")
+    p.add_argument("--straggler", type=float, metavar="FRACTION",
+                   help="with --machines: the last machine's ranks get FRACTION (0 < F <= 1) of a fair "
+                        "share of the CPU (cores / machines)")
+    p.add_argument("--link-report", metavar="FILE",
+                   help="with --machines: also write what each link carried to FILE (JSON)")
     p.add_argument("--tag-output", action="store_true",
                    help="prefix every output line with its rank: [R]<stdout>: or [R]<stderr>:")
     p.add_argument("--check-build", action="store_true",
@@ -117,10 +130,30 @@ def parse_args(argv):
                     "ranks); give the hosts with -H or --hostfile")
         if not (args.min_np or 1) <= args.np <= (args.max_np or args.np):
             p.error(f"-np {args.np} is outside [--min-np, --max-np]")
+        check_cluster_args(p, args)
         if args.min_np or args.max_np:
             print(f"shoalrun: a fixed set of {args.np} ranks (no elastic resizing; hvd.elastic scripts run "
                   "unchanged on it)", file=sys.stderr, flush=True)
     return args
+
+
+def check_cluster_args(p, args):
+    if args.machines is None:
+        for flag in ("link", "straggler", "link_report"):
+            if getattr(args, flag) is not None:
+                p.error(f"--{flag.replace('_', '-')} needs --machines")
+        return
+    if args.machines < 1 or args.machines > args.np:
+        p.error(f"--machines {args.machines}: must be between 1 and -np ({args.np})")
+    if args.hosts or args.hostfile:
+        p.error("--machines emulates the hosts on this one: it excludes -H and --hostfile")
+    if args.link is not None:
+        try:
+            args.link = cluster.parse_rate(args.link)
+        except ValueError as exc:
+            p.error(f"--link: {exc}")
+    if args.straggler is not None and not 0 < args.straggler <= 1:
+        p.error(f"--straggler {args.straggler}: a CPU fraction in (0, 1]")
 
 
 def denied(key):
@@ -240,9 +273,9 @@ def end_ranks(status_dir, sig):
             pass  # gone already, or a record cut short
 
 
-def wait_job(proc, status_dir, grace=FAILURE_GRACE):
-    """Exit status of the MPI launcher `proc`; ends the job (ranks on this host, then the
-    launcher) when it outlives the first failure record by `grace` seconds."""
+def wait_job(proc, status_dir, grace=FAILURE_GRACE, end=None):
+    """Exit status of the MPI launcher `proc`; ends the job (`end()`, by default the ranks on
+    this host; then the launcher) when it outlives the first failure record by `grace` seconds."""
     failed_at = None
     while True:
         try:
@@ -255,7 +288,7 @@ def wait_job(proc, status_dir, grace=FAILURE_GRACE):
         elif time.monotonic() - failed_at > grace:
             print(f"shoalrun: the job still runs {grace:.0f} s after a rank failed; ending it",
                   file=sys.stderr, flush=True)
-            end_ranks(status_dir, signal.SIGKILL)
+            end() if end else end_ranks(status_dir, signal.SIGKILL)
             try:
                 rc = proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -280,6 +313,9 @@ def build_command(args, mpiexec, flavor, env, forwarded):
         cmd.append("--oversubscribe")
     if args.hosts:
         cmd += [hosts_flag, args.hosts]
+    if args.machines:  # Hydra on machine 0 reaches the others through the cluster's script
+        cmd += [hosts_flag, args.emulated.hosts(), "-launcher", "ssh", "-launcher-exec", args.emulated.script,
+                "-localhost", args.emulated.address(0)]
     if args.hostfile:
         cmd += [hostfile_flag, args.hostfile]
     if args.network_interface:
@@ -295,7 +331,8 @@ def build_command(args, mpiexec, flavor, env, forwarded):
             cmd += ["-x", k] if flavor == "openmpi" else ["-genvlist", k]
         elif k in env:
             cmd += pass_var(k, env[k])
-    return cmd + args.command
+    cmd += args.command
+    return args.emulated.command(0, cmd) if args.machines else cmd
 
 
 def wrap(command, status_dir, tag_output=False):
@@ -375,13 +412,23 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.check_build:
         return check_build()
-    if not args.hosts and not args.hostfile:
+    if not args.hosts and not args.hostfile and not args.machines:
         args.hosts = slurm_hosts()
     hosts = host_names(args)
     check_ssh(hosts, args.ssh_port)
     mpiexec = find_mpiexec()
+    if args.machines and mpi_flavor(mpiexec) != "mpich":
+        sys.exit("shoalrun: --machines drives MPICH's Hydra launcher; this Shoal was built with Open MPI")
     env, forwarded = worker_env(args)
-    collector = None if args.dry_run else Collector(remote=bool(set(hosts) - local_names()))
+    if args.machines:  # MPI by TCP over the links; -x VAR keeps the user's value
+        explicit = {item.partition("=")[0] for item in args.env}
+        for key, value in cluster.Cluster.env().items():
+            if key not in explicit:
+                env[key] = value
+            forwarded.append(key)
+    # Ranks on emulated machines cannot reach the host's loopback: a Unix socket they can.
+    collector = None if args.dry_run else Collector(remote=bool(set(hosts) - local_names()),
+                                                    unix=bool(args.machines))
     if collector:
         env[COLLECTOR_ENV] = collector.spec
         forwarded.append(COLLECTOR_ENV)
@@ -400,31 +447,67 @@ def run_job(args, mpiexec, env, forwarded, collector):
             with open(args.ssh_wrapper, "w") as f:
                 f.write(f'#!/bin/sh\nexec ssh -p {args.ssh_port} "$@"\n')
             os.chmod(args.ssh_wrapper, 0o755)
+        args.emulated = None
+        if args.machines:
+            args.emulated = cluster.Cluster(cluster.placement(args.np, args.machines), args.link,
+                                            args.straggler, workdir=status_dir)
         cmd = build_command(args, mpiexec, mpi_flavor(mpiexec), env, forwarded)
         if args.dry_run or args.verbose:
             print(shlex.join(cmd), flush=True)  # copy-pasteable: quoted where needed
             if args.dry_run:
                 return 0
-        proc = subprocess.Popen(cmd, env=env)
-        if collector:  # our stdout closed (| head): the job ends, as when mpiexec wrote there
-            collector.on_broken = proc.terminate
+        if args.emulated is None:
+            return run_launcher(args, cmd, env, status_dir, collector)
         try:
-            rc = wait_job(proc, status_dir)
-        except KeyboardInterrupt:
-            proc.terminate()
-            try:
-                rc = proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = 130
-        if collector:
-            collector.close()  # every rank's output is out before shoalrun's last word
-        failed = first_failure(status_dir)
-        if rc != 0:
-            print(f"shoalrun: job failed (exit status {rc})" + (f"; first failure: {failed}" if failed else ""),
-                  file=sys.stderr, flush=True)
-            return rc
-        return 0
+            args.emulated.check()
+            args.emulated.up()
+        except cluster.ClusterError as exc:
+            print(f"shoalrun: {exc}", file=sys.stderr, flush=True)
+            return 1
+        try:
+            return run_launcher(args, cmd, env, status_dir, collector, end=args.emulated.end_processes)
+        finally:
+            report(args)
+            args.emulated.down()
+
+
+def report(args):
+    """Print what each emulated link carried (and write it to --link-report)."""
+    try:
+        text, record = args.emulated.report()
+    except (cluster.ClusterError, ValueError) as exc:
+        print(f"shoalrun: no link report ({exc})", file=sys.stderr, flush=True)
+        return
+    print(text, file=sys.stderr, flush=True)
+    if args.link_report:
+        with open(args.link_report, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def run_launcher(args, cmd, env, status_dir, collector, end=None):
+    proc = subprocess.Popen(cmd, env=env)
+    if collector:  # our stdout closed (| head): the job ends, as when mpiexec wrote there
+        collector.on_broken = proc.terminate
+    try:
+        rc = wait_job(proc, status_dir, end=end)
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:  # emulated machines: the set-up's teardown ends what is left, so wait less
+            rc = proc.wait(timeout=2 if end else 10)
+        except subprocess.TimeoutExpired:
+            if end:
+                end()
+            proc.kill()
+            proc.wait()
+            rc = 130
+    if collector:
+        collector.close()  # every rank's output is out before shoalrun's last word
+    failed = first_failure(status_dir)
+    if rc != 0:
+        print(f"shoalrun: job failed (exit status {rc})" + (f"; first failure: {failed}" if failed else ""),
+              file=sys.stderr, flush=True)
+        return rc
+    return 0
 
 
 if __name__ == "__main__":

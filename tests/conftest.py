@@ -35,18 +35,19 @@ def _outside_source_tree(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-def shoalrun_cmd(np_, *command):
-    return [sys.executable, "-m", "shoal.launcher.run", "-np", str(np_), *command]
+def shoalrun_cmd(np_, *command, launch=()):
+    """shoalrun's command line; `launch`: its own flags (e.g. --machines 4)."""
+    return [sys.executable, "-m", "shoal.launcher.run", "-np", str(np_), *launch, *command]
 
 
-def _run(np_, script, args, env, timeout):
+def _run(np_, script, args, env, timeout, launch=()):
     """(exit status, or None when the job hung and was killed; output; seconds).
 
     The whole job runs in its own process group, killed on timeout, and also when pytest
     interrupts the wait (pytest-timeout, Ctrl-C): no job outlives its test."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    cmd = shoalrun_cmd(np_, sys.executable, str(WORKERS / script), *map(str, args))
+    cmd = shoalrun_cmd(np_, sys.executable, str(WORKERS / script), *map(str, args), launch=launch)
     # A module-scoped fixture runs before _outside_source_tree: not in the checkout either.
     cwd = tempfile.gettempdir() if Path.cwd().is_relative_to(WORKERS.parent.parent) else None
     start = time.monotonic()
@@ -122,8 +123,8 @@ BUNDLES = [
      for ranks, backend in [(2, "nccl"), (4, "nccl"), (8, "nccl"), (4, "mpi")]]
 
 
-def _key(np_, script, args, env):
-    return np_, script, tuple(map(str, args)), tuple(sorted(env.items()))
+def _key(np_, script, args, env, launch=()):
+    return np_, script, tuple(map(str, args)), tuple(sorted(env.items())), tuple(launch)
 
 
 _BUNDLE_OF = {_key(np_, script, args, env): bundle for bundle in BUNDLES
@@ -208,10 +209,12 @@ class Job:
     per session, when the first item that needs it asks (with the other parts of its
     bundle, if it is in one)."""
 
-    def __init__(self, np_, script, *args, env=None, timeout=120):
+    def __init__(self, np_, script, *args, env=None, timeout=120, launch=()):
         self.np, self.script, self.args, self.env, self.timeout = np_, script, args, dict(env or {}), timeout
-        self.key = _key(np_, script, args, self.env)
-        self.title = f"{script} {' '.join(map(str, args))}".rstrip() + f" on {np_} ranks"
+        self.launch = tuple(launch)
+        self.key = _key(np_, script, args, self.env, self.launch)
+        self.title = f"{script} {' '.join(map(str, args))}".rstrip() + f" on {np_} ranks" + \
+            (f" (shoalrun {' '.join(self.launch)})" if self.launch else "")
         if self.key in _BUNDLE_OF:
             self.title += " (a part of one job with " + ", ".join(
                 " ".join(part) for part in _BUNDLE_OF[self.key][3] if part != (script, *self.args)) + ")"
@@ -223,7 +226,7 @@ class Job:
             _run_bundle(_BUNDLE_OF[self.key])
         if self.key not in _outputs:
             try:
-                rc, out, _ = _run(self.np, self.script, self.args, self.env, self.timeout)
+                rc, out, _ = _run(self.np, self.script, self.args, self.env, self.timeout, self.launch)
             except BaseException as exc:  # interrupted: the job's other items fail at once
                 _outputs[self.key] = None, "", f"its run was interrupted ({type(exc).__name__}: {exc})"
                 raise
