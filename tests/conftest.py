@@ -116,9 +116,9 @@ BUNDLES = [
     (4, {}, 400, [("ops_torch.py",), ("windows.py",), ("optimizer_compat.py",)]),
     (4, _RPM2, 500, [("horovod_keras.py",), ("coll_tf.py",), ("a2a_grouped_tf.py",)]),  # first: it sets TF's threads
     (4, _RPM2, 500, [("optimizers.py",), ("coll_torch.py",), ("a2a_grouped_torch.py",), ("horovod_torch.py",),
-                     ("coll_numpy.py",), ("a2a_grouped_numpy.py",)]),
+                     ("horovod_grads.py",), ("coll_numpy.py",), ("a2a_grouped_numpy.py",)]),
     (2, {}, 500, [("ops_torch.py",), ("coll_torch.py",), ("a2a_grouped_torch.py",), ("windows.py",),
-                  ("horovod_torch.py",), ("coll_numpy.py",), ("a2a_grouped_numpy.py",)]),
+                  ("horovod_torch.py",), ("horovod_grads.py",), ("coll_numpy.py",), ("a2a_grouped_numpy.py",)]),
 ] + [(ranks, fake_device_env(ranks, backend), 400, [("ops_cuda.py",), ("neighbor_device.py",)])
      for ranks, backend in [(2, "nccl"), (4, "nccl"), (8, "nccl"), (4, "mpi")]]
 

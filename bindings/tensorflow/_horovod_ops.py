@@ -105,8 +105,9 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=_horovod.global_process_set):
     """Horovod's `grouped_allgather`: every tensor of the list concatenated along dim 0 over
-    the ranks (first dims may differ), negotiated as one unit, as a list. Differentiable:
-    each member's gradient is its rows of the summed gradients (as `allgather`'s).
+    the ranks (first dims may differ), negotiated as one unit, as a list. Differentiable,
+    as Horovod's: each member's gradient is its rows of the average of the ranks' gradients
+    (as `allgather`'s).
     `process_set` (a `ProcessSet`): over its members, in ascending order."""
     what = "grouped_allgather"
     ps = process_sets.id_of(process_set, what)
@@ -120,8 +121,8 @@ def grouped_reducescatter(tensors, device_dense="", compression=_horovod.Compres
     """Horovod's `grouped_reducescatter` (its positional order; `name` is Shoal's): every
     tensor of the list reduced (op Average, the default, or Sum) and split along dim 0 as
     `reducescatter`, negotiated as one unit, as a list. compression, prescale/postscale
-    and the integer average as in `reducescatter`. Differentiable: each gradient is the
-    allgather of the gradients (divided by size() for Average). `process_set` (a
+    and the integer average as in `reducescatter`. Differentiable, as Horovod's: each
+    gradient is the allgather of the gradients (times the set's size for Sum). `process_set` (a
     `ProcessSet`): over its members (size(): the set's)."""
     what = "grouped_reducescatter"
     ps = process_sets.id_of(process_set, what)
@@ -152,8 +153,8 @@ def _grouped_allreduce_grad(op, *grads):
 @tf.RegisterGradient("ShoalGroupedAllgather")
 def _grouped_allgather_grad(op, *grads):
     name, ps = _grad_name(op), op.get_attr("process_set")
-    totals = _lib.shoal_grouped_allreduce(_filled(op, grads), op_name=name, reduce_op=Sum.code, scope=_ops.WORLD,
-                                          process_set=ps)
+    totals = _lib.shoal_grouped_allreduce(_filled(op, grads), op_name=name, reduce_op=_gradients.GATHER_GRAD_OP,
+                                          scope=_ops.WORLD, process_set=ps)
     rows = [tf.shape(x, out_type=tf.int64)[:1] for x in op.inputs]
     every = _lib.shoal_grouped_allgather(rows, op_name=name + ".rows" if name else "", process_set=ps)
     me = process_sets.layout(ps)[1]

@@ -131,7 +131,9 @@ def broadcast(tensor, root_rank, name=None, is_hierarchical_local=False, *,
               process_set=_horovod.global_process_set):
     """`root_rank`'s tensor on every rank; semantics of `shoal.broadcast`. `process_set`
     (Horovod's keyword, a `ProcessSet`): only its members call it; root_rank is a world
-    rank of the set."""
+    rank of the set. Differentiable, as Horovod's (BlueFog's sums): the root's gradient is
+    the average of the ranks' gradients (over the set, or this machine's ranks), the
+    others' zero (shoal/_gradients.py)."""
     ps = process_sets.id_of(process_set, "broadcast")
     return _run("broadcast", lambda: _lib.shoal_broadcast(
         tf.convert_to_tensor(tensor), op_name=_name("broadcast", name, ps), root_rank=int(root_rank),
@@ -141,7 +143,8 @@ def broadcast(tensor, root_rank, name=None, is_hierarchical_local=False, *,
 def allgather(tensor, name=None, *, process_set=_horovod.global_process_set):
     """Concatenation along dim 0 of every rank's tensor (first dims may differ).
     `process_set` (Horovod's keyword, a `ProcessSet`): its members' tensors, in their
-    rank order."""
+    rank order. Differentiable, as Horovod's (BlueFog's sums): the gradient is this rank's
+    rows of the average of the ranks' gradients (over the set; shoal/_gradients.py)."""
     ps = process_sets.id_of(process_set, "allgather")
     return _run("allgather", lambda: _lib.shoal_allgather(tf.convert_to_tensor(tensor),
                                                           op_name=_name("allgather", name, ps), process_set=ps))
@@ -154,13 +157,13 @@ def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none
     shape and dtype everywhere) reduced element-wise, op=Average (default) or Sum, and
     split along dim 0: rank r gets rows [start_r, start_r + n_r), n_r = d0 // size() plus
     one for the first d0 % size() ranks (semantics of `shoal.reducescatter`).
-    Differentiable: the gradient is the allgather of the gradients (divided by size() for
-    Average). compression, prescale_factor/postscale_factor and the integer average
-    (truncated toward zero) as in `allreduce`; device_dense and ignore_name_scope change
-    nothing; process_set (a `ProcessSet`): over its members (size(): the set's). Raises
-    ValueError for a 0-d tensor, bool tensors or an op other than Average/Sum;
-    NotImplementedError for Adasum; ShoalError (eagerly) when ranks disagree on shape,
-    dtype or op."""
+    Differentiable, as Horovod's: the gradient is the allgather of the gradients (times the
+    set's size for Sum, times the scaling factors). compression,
+    prescale_factor/postscale_factor and the integer average (truncated toward zero) as in
+    `allreduce`; device_dense and ignore_name_scope change nothing; process_set (a
+    `ProcessSet`): over its members (size(): the set's). Raises ValueError for a 0-d
+    tensor, bool tensors or an op other than Average/Sum; NotImplementedError for Adasum;
+    ShoalError (eagerly) when ranks disagree on shape, dtype or op."""
     ps = process_sets.id_of(process_set, "reducescatter")
     _horovod.check_op(op, "reducescatter")
     compression = _horovod.check_compression(compression, "reducescatter")
@@ -259,8 +262,8 @@ def allreduce_grad(x, y, grad, forward, scope, name, ps=0):
 
 @tf.RegisterGradient("ShoalBroadcast")
 def _broadcast_grad(op, grad):
-    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=op.get_attr("scope"),
-                                 process_set=op.get_attr("process_set"))
+    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=_gradients.GATHER_GRAD_OP,
+                                 scope=op.get_attr("scope"), process_set=op.get_attr("process_set"))
     keeps = _gradients.broadcast_keeps(op.get_attr("root_rank"), op.get_attr("scope"))
     return total if keeps else tf.zeros_like(total)
 
@@ -268,7 +271,8 @@ def _broadcast_grad(op, grad):
 @tf.RegisterGradient("ShoalAllgather")
 def _allgather_grad(op, grad):
     ps = op.get_attr("process_set")
-    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=Sum.code, scope=_ops.WORLD, process_set=ps)
+    total = _lib.shoal_allreduce(grad, op_name=_grad_name(op), reduce_op=_gradients.GATHER_GRAD_OP, scope=_ops.WORLD,
+                                 process_set=ps)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
     every = _lib.shoal_allgather(rows, op_name=_grad_name(op) + ".rows", process_set=ps)
     start = _gradients.allgather_start(every, tf.reduce_sum, process_sets.layout(ps)[1])

@@ -250,8 +250,10 @@ allreduce.__doc__ = f"""Blocking allreduce; BlueFog's and Horovod's `allreduce`.
 
     Result: sum over ranks, or sum divided by size() (op=Average, the default; BlueFog's
     `average=`), or the element-wise minimum, maximum or product (op=Min/Max/Product),
-    same shape and dtype; differentiable (the gradient is the same allreduce
-    of the gradient). Horovod's keywords: compression (hvd.Compression.fp16: floating
+    same shape and dtype; differentiable for floating tensors: for Sum and Average the
+    gradient is the same allreduce (op, scaling factors, set) of the gradient, as Horovod's;
+    for Min/Max/Product the derivative of the op (shoal/_gradients.py; Horovod reduces the
+    gradients with the forward's op). Horovod's keywords: compression (hvd.Compression.fp16: floating
     tensors travel as float16), prescale_factor/postscale_factor, process_set (a
     `ProcessSet`: over its members), op=Adasum (NotImplementedError); op=Average on
     integers as in `allreduce_async`.
@@ -295,7 +297,9 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
-    """Blocking broadcast of `root_rank`'s tensor (BlueFog's and Horovod's; differentiable)."""
+    """Blocking broadcast of `root_rank`'s tensor (BlueFog's and Horovod's). Differentiable,
+    as Horovod's (BlueFog's torch op has no gradient): the root's gradient is the average of
+    the ranks' gradients over `process_set`, the other ranks' zero."""
     return _torch_ops.broadcast(tensor, root_rank, name, **_in_set(process_set))
 
 
@@ -311,7 +315,9 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Blocking allgather along dim 0 (first dims may differ), in rank order (of the set's
-    ranks in `process_set`); BlueFog's and Horovod's (differentiable)."""
+    ranks in `process_set`); BlueFog's and Horovod's. Differentiable, as Horovod's (BlueFog's
+    torch op has no gradient): the gradient is this rank's rows of the average of the ranks'
+    gradients over `process_set`."""
     return _torch_ops.allgather(tensor, name, **_in_set(process_set))
 
 
@@ -341,8 +347,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     (same shape and dtype everywhere) reduced element-wise, op=Average (default) or Sum,
     and split along dim 0: rank r gets rows [start_r, start_r + n_r), n_r = d0 // size()
     plus one for the first d0 % size() ranks, as a new [n_r, ...] tensor (`shoal.reducescatter`).
-    Differentiable for floating tensors (the gradient is the allgather of the gradients,
-    divided by size() for Average, as in Horovod). compression
+    Differentiable for floating tensors, as Horovod's: the gradient is the allgather of the
+    gradients (over `process_set`), times the set's size for Sum, times the scaling factors.
+    compression
     (Compression.fp16/bf16), prescale_factor/postscale_factor and the integer average
     (truncated toward zero) as in `allreduce_async`. `process_set` (a ProcessSet): over
     its members (size(): the set's). Raises ValueError for a 0-d tensor, bool tensors or

@@ -117,7 +117,8 @@ def _grouped_allgather_setup(ctx, inputs, output):
 
 def _grouped_allgather_backward(ctx, grads):
     name = grad_name(ctx.name)
-    totals = torch.ops.shoal.grouped_allreduce([g.contiguous() for g in grads], Sum.code, False, name, ctx.ps)
+    totals = torch.ops.shoal.grouped_allreduce([g.contiguous() for g in grads], _gradients.GATHER_GRAD_OP, False,
+                                               name, ctx.ps)
     every = torch.ops.shoal.grouped_allgather([torch.tensor([r], dtype=torch.int64) for r in ctx.rows],
                                               name + ".rows" if name else "", ctx.ps)
     me = process_sets.layout(ctx.ps)[1]
@@ -293,8 +294,8 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Horovod's `grouped_allgather`: every tensor of the list gathered along dim 0 (first
     dims may differ between ranks), negotiated as one unit (`shoal.grouped_allgather`), as a
-    list. Differentiable: each member's gradient is its rows of the summed gradients (as
-    `allgather`'s)."""
+    list. Differentiable, as Horovod's: each member's gradient is its rows of the average of
+    the ranks' gradients (over `process_set`), as `allgather`'s."""
     tensors = _tensors(tensors, "grouped_allgather")
     ps = process_sets.id_of(process_set, "grouped_allgather")
     return torch.ops.shoal.grouped_allgather(tensors, _ops.op_name(name), ps)
@@ -328,8 +329,8 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     reduced (op Average, the default, or Sum) and split along dim 0 as `reducescatter`,
     negotiated as one unit (`shoal.grouped_reducescatter`), as a list. compression,
     prescale/postscale_factor and the integer average as in `reducescatter`.
-    Differentiable for floating tensors: each gradient is the allgather of the gradients
-    (divided by size() for Average), as `reducescatter`'s."""
+    Differentiable for floating tensors, as Horovod's: each gradient is the allgather of the
+    gradients (times the set's size for Sum), as `reducescatter`'s."""
     what = "grouped_reducescatter"
     tensors = _tensors(tensors, what)
     compression = check_compression(compression, what)

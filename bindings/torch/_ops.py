@@ -249,7 +249,9 @@ def make_broadcast(fallback, doc, module, torch):
 @_native(_ops.BROADCAST, make_broadcast)
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """Blocking broadcast of `root_rank`'s tensor; semantics as `shoal.broadcast` (in
-    `process_set` if given: root_rank is a world rank of the set)."""
+    `process_set` if given: root_rank is a world rank of the set). Differentiable, as
+    Horovod's: the root's gradient is the average of the ranks' gradients (over the set),
+    the others' zero (shoal/_gradients.py)."""
     ADAPTER._check(tensor, "broadcast")
     # Typed here: the registered op's int argument would take a bool, and refuse an int
     # beyond int64 with a RuntimeError the peers never hear of; the op checks the range.
@@ -262,7 +264,8 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
 @_told(_ops.ALLGATHER, _numpy_api.allgather, _NUMPY_DTYPES)
 def allgather(tensor, name=None, process_set=None):
     """Blocking allgather along dim 0 (first dims may differ); as `shoal.allgather` (of
-    `process_set`'s members if given)."""
+    `process_set`'s members if given). Differentiable, as Horovod's: the gradient is this
+    rank's rows of the average of the ranks' gradients (over the set; shoal/_gradients.py)."""
     ADAPTER._check(tensor, "allgather")
     return torch.ops.shoal.allgather(tensor, _ops.op_name(name), process_sets.id_of(process_set, "allgather"))
 
@@ -270,8 +273,8 @@ def allgather(tensor, name=None, process_set=None):
 @_told(_ops.REDUCESCATTER, _numpy_api.reducescatter, _NUMPY_DTYPES)
 def reducescatter(tensor, op=None, name=None, process_set=None):
     """Blocking reducescatter along dim 0 (op Average or Sum); as `shoal.reducescatter`
-    (over `process_set`'s members if given). Differentiable: the gradient is the allgather
-    of the gradients (divided by the number of ranks for Average)."""
+    (over `process_set`'s members if given). Differentiable, as Horovod's: the gradient is
+    the allgather of the gradients, times the number of ranks for Sum (shoal/_gradients.py)."""
     ADAPTER._check(tensor, "reducescatter")
     rop = _ops.Average if op is None else _ops.reduce_op(None, op)
     return torch.ops.shoal.reducescatter(tensor, rop.code, _ops.op_name(name),
@@ -335,7 +338,8 @@ def _broadcast_setup(ctx, inputs, output):
 
 
 def _broadcast_backward(ctx, grad):
-    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name), ctx.process_set)
+    total = torch.ops.shoal.allreduce(grad.contiguous(), _gradients.GATHER_GRAD_OP, False, grad_name(ctx.name),
+                                      ctx.process_set)
     return (total if _gradients.broadcast_keeps(ctx.root, _ops.WORLD) else torch.zeros_like(total)), None, None, None
 
 
@@ -345,7 +349,7 @@ def _allgather_setup(ctx, inputs, output):
 
 def _allgather_backward(ctx, grad):
     ps = ctx.process_set
-    total = torch.ops.shoal.allreduce(grad.contiguous(), _ops.Sum.code, False, grad_name(ctx.name), ps)
+    total = torch.ops.shoal.allreduce(grad.contiguous(), _gradients.GATHER_GRAD_OP, False, grad_name(ctx.name), ps)
     rows = torch.ops.shoal.allgather(torch.tensor([ctx.rows], dtype=torch.int64),
                                      grad_name(ctx.name) + ".rows" if ctx.name else "", ps)
     start = int(_gradients.allgather_start(rows, torch.sum, process_sets.layout(ps)[1]))

@@ -199,8 +199,8 @@ def grouped_allgather_and_reducescatter_with_gradients():
     assert torch.equal(ga.detach(), torch.cat([torch.arange((q + 1) * 2, dtype=torch.float64).reshape(q + 1, 2) + 10 * q
                                                 for q in range(N)])), ga
     assert torch.equal(gb.detach(), torch.cat([torch.full((2 - q % 2,), float(q)) for q in range(N)])), gb
-    ((R + 1) * ga.sum() + (R + 1) * gb.sum()).backward()  # each row's gradient: Σ_k (k + 1)
-    assert torch.equal(a.grad, torch.full_like(a, N * (N + 1) / 2)) and torch.equal(b.grad, torch.full_like(b, N * (N + 1) / 2))
+    ((R + 1) * ga.sum() + (R + 1) * gb.sum()).backward()  # each row's gradient: the mean of the k + 1 (Horovod's)
+    assert torch.equal(a.grad, torch.full_like(a, (N + 1) / 2)) and torch.equal(b.grad, torch.full_like(b, (N + 1) / 2))
     got = hvd.synchronize(hvd.grouped_allgather_async([torch.full((1,), R)], name="t.g.ag.async"))
     assert torch.equal(got[0], torch.arange(N)), got
     d0 = 2 * N + 1
@@ -209,8 +209,8 @@ def grouped_allgather_and_reducescatter_with_gradients():
     (y,) = hvd.grouped_reducescatter([x], name="t.g.rs")  # Average
     total = torch.arange(d0 * 2, dtype=torch.float64).reshape(d0, 2) * (N * (N + 1) / 2)
     assert torch.equal(y.detach(), (total / N)[start:start + n]), y
-    y.sum().backward()  # the allgather of every rank's ones, / N
-    assert torch.equal(x.grad, torch.full_like(x, 1.0 / N)), x.grad
+    y.sum().backward()  # the allgather of every rank's ones (Horovod's, for Average)
+    assert torch.equal(x.grad, torch.ones_like(x)), x.grad
     got = hvd.grouped_reducescatter([torch.full((N, 2), R, dtype=torch.int32)], op=hvd.Average, name="t.g.rs.int")
     assert torch.equal(got[0], torch.full((1, 2), (N * (N - 1) // 2) // N, dtype=torch.int32)), got
     got = hvd.synchronize(hvd.grouped_reducescatter_async([torch.full((N,), float(R))], op=hvd.Sum,

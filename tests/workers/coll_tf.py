@@ -120,7 +120,7 @@ def reducescatter_eager_and_in_tf_function():
 def reducescatter_gradient_is_allgather():
     d0 = 2 * N + 1
     owner = np.array([next(q for q in range(N) if rows_of(q, d0)[0] <= i < sum(rows_of(q, d0))) for i in range(d0)])
-    for op, scale in ((hvd.Average, 1.0 / N), (hvd.Sum, 1.0)):
+    for op, scale in ((hvd.Average, 1.0), (hvd.Sum, float(N))):  # Horovod's: times size() for Sum
         x = tf.Variable(tf.ones([d0, 2], tf.float64))
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(hvd.reducescatter(x, op=op, name=f"tf.rs.grad.{op.name}") * (R + 1))

@@ -137,11 +137,11 @@ def reducescatter_every_dtype_and_horovod_forms():
 @check
 def reducescatter_gradient_is_allgather():
     # Rank r weighs its rows by r + 1: every rank's gradient is the rows' weights of
-    # their owners, divided by size() for Average.
+    # their owners, times size() for Sum (Horovod's).
     d0 = 2 * N + 1
     owner = torch.tensor([next(q for q in range(N) if rows_of(q, d0)[0] <= i < sum(rows_of(q, d0)))
                           for i in range(d0)], dtype=torch.float64)
-    for op, scale in ((hvd.Average, 1.0 / N), (hvd.Sum, 1.0)):
+    for op, scale in ((hvd.Average, 1.0), (hvd.Sum, float(N))):
         x = torch.ones(d0, 2, dtype=torch.float64, requires_grad=True)
         y = hvd.reducescatter(x, name=f"t.rs.grad.{op.name}", op=op)
         (y * (R + 1)).sum().backward()

@@ -443,9 +443,9 @@ def gradients_in_a_set():
         t = torch.full((R + 1, 2), 1.0, requires_grad=True)
         y = hvd.allgather(t, name="g.ag", process_set=MINE)
         (y * torch.arange(y.shape[0], dtype=y.dtype)[:, None]).sum().backward()
-        rows = np.arange(mates[0] + 1 + mates[1] + 1)  # each member's rows weighted by their index, summed
+        rows = np.arange(mates[0] + 1 + mates[1] + 1)  # each member's rows weighted by their index, averaged
         mine = rows[:R + 1] if MINE.rank() == 0 else rows[mates[0] + 1:]
-        assert torch.equal(t.grad, torch.tensor(2.0 * mine, dtype=torch.float32)[:, None].expand(-1, 2)), t.grad
+        assert torch.equal(t.grad, torch.tensor(1.0 * mine, dtype=torch.float32)[:, None].expand(-1, 2)), t.grad
         return
     t = tf.Variable(tf.fill((3,), float(R)))
     with tf.GradientTape() as tape:
