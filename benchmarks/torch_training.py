@@ -46,6 +46,11 @@ def mlp25m():
                          nn.Linear(4096, 1000))
 
 
+def mlp11m():  # 11.5M parameters (44 MiB): communication-heavy at a small compute cost
+    return nn.Sequential(nn.Linear(1024, 3072), nn.ReLU(), nn.Linear(3072, 2048), nn.ReLU(),
+                         nn.Linear(2048, 1000))
+
+
 class Block(nn.Module):
     def __init__(self, cin, cout, stride):
         super().__init__()
@@ -87,7 +92,7 @@ def tiny160():
     return nn.Sequential(*layers, nn.Linear(16, 16))
 
 
-MODELS = {"mlp25m": (mlp25m, (1024,), 1000), "resnet": (ResNet, (3, 32, 32), 10), "tiny160": (tiny160, (16,), 16)}
+MODELS = {"mlp25m": (mlp25m, (1024,), 1000), "mlp11m": (mlp11m, (1024,), 1000), "resnet": (ResNet, (3, 32, 32), 10), "tiny160": (tiny160, (16,), 16)}
 
 
 def train_step(model, opt, data, target, before_forward=None):

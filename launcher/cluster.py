@@ -29,6 +29,7 @@ NETNS_DIR = "/run/netns"
 PREFIX = "shoal-"
 SUBNET = "198.18.0.0/15"  # RFC 2544: set aside for benchmarking network devices
 TOOLS = ("ip", "tc", "nsenter", "unshare")
+DONE = b"done"  # what shoalrun tells its reaper once it has removed the set-up itself
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
           "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 
@@ -168,7 +169,10 @@ case $host in
 *) echo "emulated cluster: no machine $host" >&2; exit 255;;
 esac
 [ -n "$cg" ] && echo $$ > "$cg/cgroup.procs"
-exec nsenter --net=%s/$ns unshare --uts sh -c 'hostname "$0" && exec sh -c "$*"' "$name" "$@"
+# A mount namespace of its own, where the cluster's hosts file covers /etc/hosts (the host's
+# file is untouched): the machines' names resolve, as a cluster's DNS would have them.
+exec nsenter --net=%s/$ns unshare --uts --mount --propagation private sh -c \
+  'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec sh -c "exec $*"' "$name" %s "$@"
 """
 
 
@@ -186,8 +190,15 @@ class Cluster:
         self.machines = len(self.ranks)
         self.prefix = f"{PREFIX}{os.getpid()}.{_start_time(os.getpid())}"
         self.script = os.path.join(workdir or ".", "machine")  # written by up()
+        self.folders = []  # shoalrun's temporary folders, removed by the reaper if shoalrun dies
         self._reaper = None
         self._started = None
+
+    def fair_cores(self, i):
+        """Cores machine i's ranks get on a fair share of this host: one per rank, or fewer
+        when the ranks outnumber the cores this process may run on."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return self.ranks[i] * min(1.0, cores / sum(self.ranks))
 
     def namespace(self, i):
         return f"{self.prefix}-m{i}"
@@ -219,6 +230,10 @@ class Cluster:
                                "are privileged); run shoalrun as root")
         if not os.path.exists("/proc/self/ns/net") or not os.path.exists("/proc/self/ns/uts"):
             raise ClusterError("--machines needs a kernel with network and UTS namespaces")
+        probe = _run("unshare", "--net", "--uts", "--mount", "true", check=False)
+        if probe.returncode != 0:
+            raise ClusterError("--machines needs to create network, UTS and mount namespaces (root with "
+                               f"CAP_NET_ADMIN and CAP_SYS_ADMIN): {probe.stderr.strip()}")
         if self.straggler is not None and _cgroup_root() is None:
             raise ClusterError("--straggler needs the cgroup cpu controller (cgroup v1 'cpu' or v2 with "
                                "cpu delegated at /sys/fs/cgroup) and write access to it")
@@ -256,11 +271,15 @@ class Cluster:
                     self._shape(where, dev)
             if self.cgroup(i):
                 os.mkdir(self.cgroup(i))
-                _set_cpu_limit(self.cgroup(i), self.straggler * (os.cpu_count() or 1) / self.machines)
+                _set_cpu_limit(self.cgroup(i), self.straggler * self.fair_cores(i))
         cases = "\n".join(f"{self.address(i)}|{self.hostname(i)}) ns={self.namespace(i)} "
                           f"name={self.hostname(i)} cg={self.cgroup(i)};;" for i in range(self.machines))
+        hosts = os.path.join(os.path.dirname(self.script), "hosts")
+        with open(hosts, "w") as f:
+            f.write("127.0.0.1 localhost\n" + "".join(f"{self.address(i)} {self.hostname(i)}\n"
+                                                     for i in range(self.machines)))
         with open(self.script, "w") as f:
-            f.write(MACHINE_SCRIPT % (cases, NETNS_DIR))
+            f.write(MACHINE_SCRIPT % (cases, NETNS_DIR, shlex.quote(hosts)))
         os.chmod(self.script, 0o755)
 
     def _shape(self, ns, dev):
@@ -276,14 +295,15 @@ class Cluster:
         """A process in a session of its own that tears the set-up down once shoalrun is gone
         (it reads the end of a pipe only shoalrun holds)."""
         read_end, self._reaper = os.pipe()
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reap", self.prefix],
+        subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reap", self.prefix, *self.folders],
                          stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
         os.close(read_end)
 
     def down(self):
         teardown(self.prefix)
-        if self._reaper is not None:
+        if self._reaper is not None:  # done: the reaper leaves shoalrun's folders to shoalrun
+            os.write(self._reaper, DONE)
             os.close(self._reaper)
             self._reaper = None
 
@@ -347,16 +367,24 @@ class Cluster:
         return "\n".join(lines), record
 
 
-def _reap(prefix):
+def _reap(prefix, folders):
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    said = b""
     try:
-        while os.read(0, 4096):
-            pass
+        while True:
+            data = os.read(0, 4096)
+            if not data:
+                break
+            said += data
     except OSError:
         pass
+    if said == DONE:  # shoalrun tore the set-up down itself
+        return
     teardown(prefix)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:
-    _reap(sys.argv[2])
+    _reap(sys.argv[2], sys.argv[3:])

@@ -90,9 +90,9 @@ class Collector:
 
     def __init__(self, remote, unix=False):
         self._secret = secrets.token_hex(16).encode()
-        self._dir = None
+        self._dir = self.folder = None
         if unix:  # ranks in other network namespaces of this host (emulated machines)
-            self._dir = tempfile.mkdtemp(prefix="shoalrun-output-")
+            self._dir = self.folder = tempfile.mkdtemp(prefix="shoalrun-output-")
             path = os.path.join(self._dir, "collector")
             self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._server.bind(path)

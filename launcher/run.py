@@ -38,6 +38,10 @@ from .rank import COLLECTOR_ENV, read_status
 # others blocked in MPI. Ranks that see a peer fail exit within seconds (a lost peer is an
 # error in the runtime), so a job still running after this is stuck.
 FAILURE_GRACE = 10.0
+# On emulated machines Hydra does not stop the other machines' ranks when one fails (a rank
+# blocked on a dead TCP peer is not told either), and shoalrun ends every process of the job
+# itself: a shorter wait.
+CLUSTER_FAILURE_GRACE = 3.0
 
 # Never forwarded to the ranks: per-shell state, the terminal's session, and anything
 # that looks like a secret. CUDA_VISIBLE_DEVICES is forwarded when the user set it;
@@ -422,7 +426,8 @@ def main(argv=None):
     env, forwarded = worker_env(args)
     if args.machines:  # MPI by TCP over the links; -x VAR keeps the user's value
         explicit = {item.partition("=")[0] for item in args.env}
-        for key, value in cluster.Cluster.env().items():
+        # torch.distributed's env:// rendezvous at machine 0, as a cluster launcher sets it.
+        for key, value in {**cluster.Cluster.env(), "MASTER_ADDR": cluster.Cluster.address(0)}.items():
             if key not in explicit:
                 env[key] = value
             forwarded.append(key)
@@ -458,17 +463,24 @@ def run_job(args, mpiexec, env, forwarded, collector):
                 return 0
         if args.emulated is None:
             return run_launcher(args, cmd, env, status_dir, collector)
+        args.emulated.folders = [status_dir] + ([collector.folder] if collector and collector.folder else [])
         try:
             args.emulated.check()
             args.emulated.up()
         except cluster.ClusterError as exc:
             print(f"shoalrun: {exc}", file=sys.stderr, flush=True)
             return 1
+        # SIGTERM / SIGHUP (a scheduler's cancel, a closed terminal) end the job as Ctrl-C does,
+        # so the set-up is removed here and the report printed.
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.default_int_handler)
         try:
             return run_launcher(args, cmd, env, status_dir, collector, end=args.emulated.end_processes)
         finally:
-            report(args)
-            args.emulated.down()
+            try:
+                report(args)
+            finally:
+                args.emulated.down()
 
 
 def report(args):
@@ -480,8 +492,11 @@ def report(args):
         return
     print(text, file=sys.stderr, flush=True)
     if args.link_report:
-        with open(args.link_report, "w") as f:
-            json.dump(record, f, indent=1)
+        try:
+            with open(args.link_report, "w") as f:
+                json.dump(record, f, indent=1)
+        except OSError as exc:
+            print(f"shoalrun: cannot write --link-report: {exc}", file=sys.stderr, flush=True)
 
 
 def run_launcher(args, cmd, env, status_dir, collector, end=None):
@@ -489,7 +504,7 @@ def run_launcher(args, cmd, env, status_dir, collector, end=None):
     if collector:  # our stdout closed (| head): the job ends, as when mpiexec wrote there
         collector.on_broken = proc.terminate
     try:
-        rc = wait_job(proc, status_dir, end=end)
+        rc = wait_job(proc, status_dir, CLUSTER_FAILURE_GRACE if end else FAILURE_GRACE, end=end)
     except KeyboardInterrupt:
         proc.terminate()
         try:  # emulated machines: the set-up's teardown ends what is left, so wait less

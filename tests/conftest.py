@@ -279,7 +279,8 @@ class Job:
 SAME_WORKER = [("test_torch_training.py", "test_collectives.py", "test_alltoall_grouped.py", "test_ops.py",
                 "test_windows.py", "test_horovod_keras.py", "test_horovod_torch.py"),
                ("test_tensorflow.py", "test_process_sets.py")]
-LONGEST_FIRST = [*SAME_WORKER[0], "test_core_cpp.py", *SAME_WORKER[1], "gpu/test_fake_device.py", "test_exits.py",
+LONGEST_FIRST = [*SAME_WORKER[0], "test_core_cpp.py", *SAME_WORKER[1], "gpu/test_fake_device.py", "test_cluster.py",
+                 "test_exits.py",
                  "test_digits_example.py", "test_join.py", "gpu/test_gpu_paths.py", "test_launcher.py",
                  "test_loop_orders.py"]
 

@@ -17,7 +17,8 @@ import pytest
 from conftest import WORKERS, Job, shoalrun_cmd, worker_checks
 from shoal.launcher import cluster
 
-CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS)
+CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS) and subprocess.run(
+    ["unshare", "--net", "--uts", "--mount", "true"], capture_output=True).returncode == 0
 needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason="needs root and iproute2/util-linux "
                                                           "(network namespaces) to emulate machines")
 MACHINES4 = ("--machines", "4", "--link", "1gbit")
@@ -83,11 +84,13 @@ SLEEPER = ("import os, shoal, sys, time, numpy as np; shoal.init(); shoal.allred
            "while time.monotonic() < end: shoal.allreduce(np.ones(1), name='beat'); time.sleep(0.05)")
 
 
-def _start(np_, seconds, token, *launch):
+def _start(np_, seconds, token, tmp=None):
+    """A job on 2 machines; `tmp`: its TMPDIR (where shoalrun's temporary folders go)."""
     cmd = shoalrun_cmd(np_, sys.executable, "-c", SLEEPER, str(seconds), token,
-                       launch=("--machines", "2", "--link", "100mbit", *launch))
+                       launch=("--machines", "2", "--link", "100mbit"))
+    env = dict(os.environ, **({"TMPDIR": str(tmp)} if tmp else {}))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def _wait_started(proc, np_):
@@ -102,12 +105,12 @@ def _wait_started(proc, np_):
 
 
 @needs_netns
-def test_20_jobs_however_they_end_leave_nothing_behind():
+def test_20_jobs_however_they_end_leave_nothing_behind(tmp_path):
     before = _cluster_state()
     ends = ["normal"] * 8 + ["ctrl-c"] * 4 + ["kill a rank"] * 4 + ["kill shoalrun"] * 4
     for i, how in enumerate(ends):
         token = f"shoal-test-{uuid.uuid4().hex}"
-        proc = _start(2, 0 if how == "normal" else 60, token)
+        proc = _start(2, 0 if how == "normal" else 60, token, tmp_path)
         try:
             if how != "normal":
                 started = _wait_started(proc, 2)
@@ -129,6 +132,8 @@ def test_20_jobs_however_they_end_leave_nothing_behind():
         # Killed shoalrun: its reaper removes the set-up once shoalrun is gone.
         assert _wait_until(lambda: _cluster_state() == before), (how, i, _cluster_state(), before)
         assert _wait_until(lambda: not _processes(token), 10), (how, i, _processes(token))
+        # shoalrun's folders (the machine script, the output socket) go too, by the reaper if need be.
+        assert _wait_until(lambda: not os.listdir(tmp_path), 10), (how, i, os.listdir(tmp_path))
 
 
 @needs_netns
@@ -182,14 +187,13 @@ SPIN = ("import os, time, shoal, numpy as np; shoal.init(); shoal.allreduce(np.o
 @needs_netns
 def test_straggler_gets_its_cpu_fraction():
     """--straggler 0.25 on 2 machines of a 2-core host: the last machine's rank gets a quarter
-    of its core (cgroup cpu quota), so its CPU-bound loop takes >= 3x its CPU time in wall time."""
+    of its core (cgroup cpu quota), so its CPU-bound loop takes about 4x its CPU time in wall time."""
     cmd = shoalrun_cmd(2, sys.executable, "-c", SPIN, launch=("--machines", "2", "--straggler", "0.25"))
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     ratio = {int(r): float(v) for r, v in re.findall(r"ratio (\d) ([\d.]+)", out.stdout)}
-    # One rank per machine, fair share cores/2: the quota is 0.25 * cores/2 of a core.
-    assert ratio[1] >= 0.8 / min(1.0, 0.25 * os.cpu_count() / 2), ratio
-    assert ratio[1] > ratio[0], ratio
+    # One rank on the machine, at most one core of fair share: a quota of a quarter core.
+    assert ratio[1] >= 3.2, ratio
     assert "machine 1 a straggler at 0.25 of its CPU share" in out.stderr, out.stderr
 
 

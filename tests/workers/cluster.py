@@ -57,7 +57,7 @@ def link_carries_its_rate():
     pair = {0: per, per: 0}
     mine = pair.get(shoal.rank())
     x = np.full(3 << 20, float(shoal.rank()))  # 24 MiB of float64
-    # Warm up the connection (TCP slow start, UCX wire-up) with a small exchange first.
+    # Warm up the connection (TCP slow start, connection set-up) with a small exchange first.
     for size, name in ((1024, "link.warm"), (x.size, "link.timed")):
         shoal.barrier()
         t0, (s0, r0) = time.perf_counter(), eth0_bytes()
