@@ -16,6 +16,7 @@ line per run): test accuracy and Ξ against the step.
 """
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 import shoal.torch as bf
 from digits_data import split, summary
 from shoal import topology
+
+REFERENCE_BATCH = 64  # the global batch --lr is given for: 4 ranks x 16
 
 
 def parse_args():
@@ -44,7 +47,14 @@ def parse_args():
                    help="keep the consensus distance at or below this (first half of training)")
     p.add_argument("--epochs", type=int, default=15, help="passes over the shards")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (cosine-annealed to 0)")
+    p.add_argument("--lr", type=float, default=0.05,
+                   help=f"SGD learning rate at a global batch of {REFERENCE_BATCH} (4 ranks x 16); scaled with the "
+                        "global batch (--lr-scaling), cosine-annealed to 0")
+    p.add_argument("--lr-scaling", default="linear", choices=["linear", "none"],
+                   help="linear: the learning rate times global batch / 64 (Goyal et al.'s rule: n ranks take "
+                        "n/4 times fewer steps per epoch), reached by a linear warm-up when it grows")
+    p.add_argument("--warmup-epochs", type=float, default=3,
+                   help="epochs of linear warm-up from --lr to the scaled rate (only when scaled up)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation, split and batch order")
     p.add_argument("--out-dir", default="digits_runs", help="histories (JSON) and the plot (PNG)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
@@ -80,6 +90,24 @@ class Schedule:
         if self.steps is not None:
             send, _, self_w, src = next(self.steps)
             opt.self_weight, opt.src_weights, opt.dst_weights = self_w, src, send
+
+
+def lr_schedule(args, opt, n, steps_per_epoch):
+    """Cosine annealing to 0 over the run, of a rate scaled with the global batch (linear
+    scaling rule, Goyal et al. 2017, "Accurate, Large Minibatch SGD"): a fixed number of
+    epochs over n shards is n times fewer steps, each averaging n times more samples, so
+    each step may move n times farther. A scaled-up rate is reached by a linear warm-up from
+    --lr over --warmup-epochs. At the reference batch the schedule is the plain cosine."""
+    total = steps_per_epoch * args.epochs
+    scale = n * args.batch_size / REFERENCE_BATCH if args.lr_scaling == "linear" else 1.0
+    if scale == 1.0:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, total)
+    warm = max(1, round(args.warmup_epochs * steps_per_epoch)) if scale > 1 else 0
+
+    def factor(step):
+        ramp = 1 + (scale - 1) * min(1.0, step / warm) if warm else scale
+        return ramp * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def make_optimizer(args, model, steps_total):
@@ -155,7 +183,7 @@ def main():
                                        op=bf.Average, name="steps_per_epoch").item())
     steps_per_epoch = max(1, steps_per_epoch)  # equal on every rank: the ops must line up
     opt = make_optimizer(args, model, steps_per_epoch * args.epochs)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps_per_epoch * args.epochs)
+    sched = lr_schedule(args, opt, n, steps_per_epoch)
     schedule = Schedule(args.topology, args.base_k)
     gen = torch.Generator().manual_seed(args.seed * 1000 + r)
 

@@ -81,3 +81,45 @@ def test_timeline_of_the_main_job(tmp_path_factory, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "neighbor_allreduce" in res.stdout, res.stdout + res.stderr
     assert len(json.loads(merged.read_text())["traceEvents"]) > 100
+
+
+def test_learning_rate_scales_linearly_with_the_global_batch_after_a_warm_up():
+    """Goyal et al.'s rule in the main job: at 16 ranks x 16 the rate is 4x --lr, reached
+    linearly over --warmup-epochs, then cosine-annealed; at the reference 4 x 16 it is the
+    plain cosine schedule (the README's 4-rank figures), and --lr-scaling none keeps it."""
+    import argparse
+    import importlib.util
+    import math
+
+    import torch
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("torch_digits", EXAMPLE)
+        digits = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(digits)
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+
+    def rates(n, scaling="linear", steps=10, epochs=15):
+        args = argparse.Namespace(lr=0.05, batch_size=16, epochs=epochs, lr_scaling=scaling, warmup_epochs=3)
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
+        sched = digits.lr_schedule(args, opt, n, steps)
+        out = []
+        for _ in range(steps * epochs):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return sched, out
+
+    sched, four = rates(4)
+    assert isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR)
+    total = 150
+    cosine = lambda t: 0.5 * (1 + math.cos(math.pi * t / total))  # noqa: E731
+    _, sixteen = rates(16)
+    assert sixteen[0] == pytest.approx(0.05)
+    assert sixteen[15] == pytest.approx(0.05 * (1 + 3 * 15 / 30) * cosine(15))
+    assert sixteen[30] == pytest.approx(0.2 * cosine(30)) and sixteen[100] == pytest.approx(0.2 * cosine(100))
+    _, two = rates(2)  # scaled down, without warm-up
+    assert two[0] == pytest.approx(0.025) and two[75] == pytest.approx(0.025 * cosine(75))
+    _, unscaled = rates(16, "none")
+    assert unscaled == pytest.approx(four)
