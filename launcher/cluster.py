@@ -327,10 +327,16 @@ class Cluster:
     @staticmethod
     def env():
         """Settings that make MPI cross machines by TCP over the links and keep it inside a
-        machine by MPICH's shared memory. libfabric's tcp provider, not UCX: UCX would find
-        shared memory across namespaces, and over TCP its rendezvous protocol ran at half
-        the link rate in one exchange of two (24 MiB Sendrecv, 1 Gbit/s)."""
-        return {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0",
+        machine by MPICH's shared memory: UCX restricted to tcp (it would otherwise find
+        shared memory across namespaces), eager for every size (its rendezvous protocol over
+        TCP ran at half the link rate in one 24 MiB exchange of two at 1 Gbit/s). Not
+        libfabric's tcp provider: there an Isend to a peer that had already finalized blocked
+        inside MPI_Isend (a leaving rank's notices; one shutdown in five hung)."""
+        return {"MPIR_CVAR_CH4_NETMOD": "ucx", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0",
+                "UCX_RNDV_THRESH": "inf", "UCX_WARN_UNUSED_ENV_VARS": "n",
+                # A rank that leaves tells every peer; peers leaving too finalize without
+                # reading it, and UCX warns of each such message ("not matched").
+                "UCX_LOG_LEVEL": "error",
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
 
     def counters(self):
