@@ -158,6 +158,10 @@ def check_cluster_args(p, args):
             p.error(f"--link: {exc}")
     if args.straggler is not None and not 0 < args.straggler <= 1:
         p.error(f"--straggler {args.straggler}: a CPU fraction in (0, 1]")
+    if args.link_report is not None:
+        folder = os.path.dirname(os.path.abspath(args.link_report))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--link-report {args.link_report}: cannot write in {folder}")
 
 
 def denied(key):

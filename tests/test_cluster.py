@@ -228,7 +228,8 @@ def test_cluster_flags_are_checked():
                            (["--machines", "3"], "--machines 3: must be between 1 and -np (2)"),
                            (["--machines", "2", "--link", "fast"], "--link: link rate 'fast'"),
                            (["--machines", "2", "--straggler", "0"], "--straggler 0.0: a CPU fraction"),
-                           (["--machines", "2", "-H", "a:1,b:1"], "excludes -H and --hostfile")]:
+                           (["--machines", "2", "-H", "a:1,b:1"], "excludes -H and --hostfile"),
+                           (["--machines", "2", "--link-report", "/nonexistent/links.json"], "cannot write in")]:
         out = subprocess.run(shoalrun_cmd(2, "true", launch=flags), capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and message in out.stderr, (flags, out.stderr)
 
