@@ -28,7 +28,7 @@ import time
 NETNS_DIR = "/run/netns"
 PREFIX = "shoal-"
 SUBNET = "198.18.0.0/15"  # RFC 2544: set aside for benchmarking network devices
-TOOLS = ("ip", "tc", "nsenter", "unshare")
+TOOLS = ("ip", "tc", "nsenter", "unshare", "hostname", "mount")
 DONE = b"done"  # what shoalrun tells its reaper once it has removed the set-up itself
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
           "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
@@ -224,7 +224,7 @@ class Cluster:
         """Raise ClusterError naming what this host lacks, before anything is created."""
         missing = [t for t in TOOLS if not shutil.which(t)]
         if missing:
-            raise ClusterError(f"--machines needs {', '.join(missing)} (iproute2 and util-linux) on PATH")
+            raise ClusterError(f"--machines needs {', '.join(missing)} (iproute2, util-linux, hostname) on PATH")
         if os.geteuid() != 0:
             raise ClusterError("--machines needs root (network namespaces, veth links and tc shaping "
                                "are privileged); run shoalrun as root")

@@ -48,17 +48,19 @@ def layout_is_the_hosts():
 
 @check
 def link_carries_its_rate():
-    """Machine 0's first rank and machine 1's first rank swap 24 MiB both ways at once (a
-    two-rank neighbor exchange): each direction's bytes arrive at the set rate, within 15 %."""
+    """Machine 0's first rank and machine 1's first rank swap 12 MiB both ways at once (a
+    two-rank neighbor exchange): each direction's bytes arrive at the set rate, within 15 %,
+    in the better of two exchanges (a rank starved of CPU by other jobs cannot fill its link)."""
     if OPTS.rate is None:
         raise checks.Skip("no --rate given")
     n, m = shoal.size(), OPTS.machines
     per = n // m
     pair = {0: per, per: 0}
     mine = pair.get(shoal.rank())
-    x = np.full(3 << 20, float(shoal.rank()))  # 24 MiB of float64
+    x = np.full(3 << 19, float(shoal.rank()))  # 12 MiB of float64
+    rates = []
     # Warm up the connection (TCP slow start, connection set-up) with a small exchange first.
-    for size, name in ((1024, "link.warm"), (x.size, "link.timed")):
+    for size, name in ((1024, "link.warm"), (x.size, "link.timed"), (x.size, "link.timed")):
         shoal.barrier()
         t0, (s0, r0) = time.perf_counter(), eth0_bytes()
         if mine is None:
@@ -68,16 +70,18 @@ def link_carries_its_rate():
                                            dst_weights=[mine], name=name)
         seconds = time.perf_counter() - t0
         s1, r1 = eth0_bytes()
+        if mine is not None and size == x.size:
+            assert np.array_equal(got, np.full(x.size, float(mine)))
+            rates.append(x.nbytes * 8 / seconds)
+            # What crossed the link is the payload plus TCP/IP headers, not more. (Received: a
+            # send completes once its last bytes are in the kernel, before they are counted.)
+            assert x.nbytes <= r1 - r0 <= 1.1 * x.nbytes, (r1 - r0, x.nbytes)
+            assert s1 - s0 <= 1.1 * x.nbytes, (s1 - s0, x.nbytes)
     if mine is not None:
-        assert np.array_equal(got, np.full(x.size, float(mine)))
-        rate = x.nbytes * 8 / seconds
-        print(f"[rank {shoal.rank()}] link rate {rate / 1e6:.1f} Mbit/s over {seconds:.3f} s; "
-              f"eth0 sent {(s1 - s0) / 2**20:.2f} MiB received {(r1 - r0) / 2**20:.2f} MiB", flush=True)
+        rate = max(rates)
+        print(f"[rank {shoal.rank()}] link rate {rate / 1e6:.1f} Mbit/s (best of "
+              f"{', '.join(f'{r / 1e6:.1f}' for r in rates)})", flush=True)
         assert abs(rate / OPTS.rate - 1) <= 0.15, f"{rate / 1e6:.1f} Mbit/s against {OPTS.rate / 1e6:.1f} set"
-        # What crossed the link is the payload plus TCP/IP headers, not more. (Received: a
-        # send completes once its last bytes are in the kernel, before they are counted.)
-        assert x.nbytes <= r1 - r0 <= 1.1 * x.nbytes, (r1 - r0, x.nbytes)
-        assert s1 - s0 <= 1.1 * x.nbytes, (s1 - s0, x.nbytes)
 
 
 shoal.init()
