@@ -1,7 +1,7 @@
 """BlueFog's and Horovod's environment variables, mapped onto Shoal's SHOAL_* settings.
 
 A BlueFog script (or its job file) may set `BLUEFOG_TIMELINE`, `BLUEFOG_LOG_LEVEL`, ...;
-the core reads only SHOAL_* variables, once, at `init()` (core/src/config.cc). `init()`
+the core reads only SHOAL_* variables, once, at `init()` (core/src/common/config.cc). `init()`
 calls `apply_bluefog_env()` just before starting the core: each BLUEFOG_X that is set
 gives its SHOAL_X, unless SHOAL_X is set too (the Shoal name wins). Values are read the
 way BlueFog read them (it never rejected a malformed number or log level), so a job that

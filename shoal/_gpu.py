@@ -1,4 +1,4 @@
-"""ctypes view of the CUDA plugin's function table (core/src/cuda/cuda_api.h), for the GPU
+"""ctypes view of the CUDA plugin's function table (core/cuda_plugin/cuda_api.h), for the GPU
 tests and benchmarks/gpu_kernels.py, which call its entries directly, and for the torch
 adapter's test-only fake-device switch. The field order and types follow the header;
 `_core` exports the header's field offsets and size (`CUDA_API_FIELDS`, `CUDA_API_SIZE`,
@@ -69,7 +69,7 @@ def _verify(struct, offsets, size=None):
     mine = {name: getattr(struct, name).offset for name, _ in struct._fields_}
     if mine != dict(offsets) or (size is not None and ctypes.sizeof(struct) != size):
         differ = sorted(n for n in set(mine) | set(offsets) if mine.get(n) != offsets.get(n))
-        raise ImportError(f"shoal._gpu: {struct.__name__} does not match core/src/cuda/cuda_api.h "
+        raise ImportError(f"shoal._gpu: {struct.__name__} does not match core/cuda_plugin/cuda_api.h "
                           f"(fields {differ}); update its _fields_")
 
 

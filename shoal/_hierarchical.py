@@ -6,7 +6,7 @@ tensors of machine m's ranks and L ranks per machine,
 (uniform: (S_self + Σ_m S_m) / (L·(n_in + 1))), the same on every rank of a machine.
 
 The op is one op of the core (SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE, one handle), which
-runs its stages (core/src/runtime_stages.cc); this module only resolves the machine weights,
+runs its stages (core/src/ops/stages.cc); this module only resolves the machine weights,
 as `neighbor_allreduce` resolves rank weights, for every binding.
 """
 from . import _ops, _process

@@ -1,6 +1,6 @@
 """Horovod's process sets: `ProcessSet`, `add_process_set`, `remove_process_set`,
 `global_process_set` (semantics of Horovod 0.28 `horovod/common/process_sets.py`, dynamic
-process sets), over the core's (core/src/process_sets.h).
+process sets), over the core's (core/src/process_sets/process_sets.h).
 
 A process set is a sub-communicator over some of the ranks. Every rank calls
 `add_process_set` and `remove_process_set` with the same arguments and in the same order

@@ -97,7 +97,7 @@ NAMED = textwrap.dedent("""
 @pytest.mark.parametrize("limit", [1024, 16384])
 def test_fresh_op_names_keep_the_name_tables_bounded(limit):
     """A script that names each op after its step (6 x SHOAL_NAME_LIMIT fresh names, at a
-    small limit and at the default): the core retires idle names (core/src/runtime_names.cc),
+    small limit and at the default): the core retires idle names (core/src/negotiation/names.cc),
     so its per-name tables and memory stay flat."""
     env = dict(os.environ, SHOAL_NAME_LIMIT=str(limit))
     out = subprocess.run([sys.executable, "-c", NAMED], capture_output=True, text=True, timeout=600, env=env)

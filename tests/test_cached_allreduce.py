@@ -1,4 +1,4 @@
-"""Cached allreduces (core/src/runtime_cache.cc): each check of tests/workers/cached.py is
+"""Cached allreduces (core/src/negotiation/response_cache.cc): each check of tests/workers/cached.py is
 its own item, at 2 and 4 ranks (4: with fusion off, so every name is its own batch)."""
 import pytest
 

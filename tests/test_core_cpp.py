@@ -1,7 +1,7 @@
 """C++ unit tests, built with CMake without MPI under ThreadSanitizer (one build, module
 scope): test_core (the negotiation state machine with N fake ranks as threads, the wire
 format, the dtype math) and test_runtime (the Runtime itself over the fake backend,
-core/tests/fake_backend.h: neighbor exchange in random orders with and without fusion,
+core/testing/fake_backend.h: neighbor exchange in random orders with and without fusion,
 mismatches, stalls, a dead peer, dynamic weights, at 2, 4 and 8 ranks) and test_join
 (Horovod's join in the Runtime: uneven steps, zeros in fused and cached allreduces, the
 last rank returned, the ops that fail while ranks are joined, a rank that leaves, the

@@ -1,4 +1,4 @@
-"""Horovod's join under shoalrun (core/src/runtime_join.cc): each check of
+"""Horovod's join under shoalrun (core/src/ops/join.cc): each check of
 tests/workers/join.py is its own item, at 2 and 4 ranks (fusion off, every name its own
 batch, is covered by core/tests/test_join.cc); and a Horovod-style PyTorch training script with uneven data per
 rank ending in hvd.join() (tests/workers/horovod_join_train.py) at 2 and 4 ranks."""

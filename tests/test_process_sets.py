@@ -1,4 +1,4 @@
-"""Process sets (Horovod's `add_process_set`, `process_set=`; core/src/process_sets.h) at 4
+"""Process sets (Horovod's `add_process_set`, `process_set=`; core/src/process_sets/process_sets.h) at 4
 ranks for numpy, torch and TensorFlow, with the sets {0, 2} and {1, 3}: each check of
 tests/workers/psets.py is its own item, one job per framework. The core's side (a set whose
 members stall, a member that leaves or dies, negotiation at each set's leader) is also

@@ -1,4 +1,4 @@
-// Unit tests of alltoall (runtime_alltoall.cc) and of grouped ops (runtime_group.cc,
+// Unit tests of alltoall (ops/alltoall.cc) and of grouped ops (ops/groups.cc,
 // Coordinator::ValidateGroup) in the Runtime, with N ranks as threads over the fake backend
 // (fake_backend.h), at 2, 4 and 8 ranks: exact values for even, uneven and empty splits and
 // several dtypes; the splits each rank receives; mismatched dtypes or trailing dimensions
@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime.h"
-#include "runtime_harness.h"
+#include "runtime/runtime.h"
+#include "testing/runtime_harness.h"
 
 using namespace shoal;
 using namespace shoal::testing;

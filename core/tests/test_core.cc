@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator.h"
-#include "reduce.h"
-#include "topology.h"
+#include "negotiation/coordinator.h"
+#include "common/reduce.h"
+#include "neighbor/topology.h"
 
 using namespace shoal;
 
@@ -263,7 +263,7 @@ static void TestSum() {
   CHECK(std::signbit(z[0]));
 }
 
-// Which batches the coordinator caches on a channel (runtime_cache.cc): repeats only,
+// Which batches the coordinator caches on a channel (negotiation/response_cache.cc): repeats only,
 // of cacheable signatures, while channels are free; and how probes of a cached round's
 // stall behave: they name the missing ranks, and go away when the round is over.
 static void TestCachingAndProbes() {
@@ -441,7 +441,7 @@ static void TestAlltoallAndGroups() {
                             "ranks 0, 1; [3] on rank 2") == 0);
 }
 
-// Retiring names (runtime_names.cc) at the coordinator: once both ranks propose name n at
+// Retiring names (negotiation/names.cc) at the coordinator: once both ranks propose name n at
 // the same count, the answer asks for a vote; a vote is never reported as stalled (every
 // driver sends one without a user call), so a late one lands in its own round; the vote's
 // response retires the names every rank voted for, and none that a rank voted to keep.

@@ -1,4 +1,4 @@
-// Unit tests of Horovod's join in the Runtime (runtime_join.cc) with N ranks as threads over
+// Unit tests of Horovod's join in the Runtime (ops/join.cc) with N ranks as threads over
 // the fake backend (fake_backend.h), at 2, 4 and 8 ranks: uneven steps per rank with the
 // joined ranks contributing zeros to fused and cached allreduces, the last rank to join
 // returned everywhere, a second join in the same job, the ops that fail while ranks are
@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime_harness.h"
-#include "runtime.h"
+#include "testing/runtime_harness.h"
+#include "runtime/runtime.h"
 
 using namespace shoal;
 

@@ -1,4 +1,4 @@
-// Unit tests of bounded per-name state (runtime_names.cc) with N ranks as threads over the
+// Unit tests of bounded per-name state (negotiation/names.cc) with N ranks as threads over the
 // fake backend, at 2, 4 and 8 ranks and a name limit of a few dozen: a run of fresh names
 // keeps the tables bounded with exact results, every rank retires the same number of names,
 // retired names work again (from step 0 everywhere); calls of names being retired, submitted
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime_harness.h"
+#include "testing/runtime_harness.h"
 
 using namespace shoal;
 using namespace shoal::testing;

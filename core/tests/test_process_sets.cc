@@ -1,4 +1,4 @@
-// Unit tests of process sets (process_sets.h) in the Runtime over the fake backend, 4 ranks
+// Unit tests of process sets (process_sets/process_sets.h) in the Runtime over the fake backend, 4 ranks
 // as threads: sets made and removed by every rank, ops in disjoint sets that never wait for
 // each other (one set's members stall while the other's complete), negotiation at each
 // set's own leader, cached batches per set, the same error on every rank for mismatched
@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime_harness.h"
+#include "testing/runtime_harness.h"
 
 using namespace shoal;
 using namespace shoal::testing;

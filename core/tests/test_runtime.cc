@@ -14,9 +14,9 @@
 #include <thread>
 #include <vector>
 
-#include "runtime_harness.h"
-#include "reduce.h"
-#include "runtime.h"
+#include "testing/runtime_harness.h"
+#include "common/reduce.h"
+#include "runtime/runtime.h"
 
 using namespace shoal;
 
@@ -202,7 +202,7 @@ static void TestDynamicWeights(int n) {
   });
 }
 
-// Allreduces that repeat run cached (runtime_cache.cc): ranks submit six named ops in
+// Allreduces that repeat run cached (negotiation/response_cache.cc): ranks submit six named ops in
 // their own random orders and wait in others, five times. Every sum is exact, and once
 // the batches are cached (the third time) no rank asks the coordinator again.
 static void TestCachedAllreduce(int n, int64_t fusion) {

@@ -1,5 +1,5 @@
 // Unit tests of the multi-stage op of the Runtime, hierarchical_neighbor_allreduce
-// (runtime_stages.cc), with N ranks as threads over the fake backend in machines of L
+// (ops/stages.cc), with N ranks as threads over the fake backend in machines of L
 // ranks: exact results in static-like and weighted modes with ranks submitting several
 // ops in different orders, a call refused on one rank failing every rank the same way
 // (and the name usable again), a dead rank failing the others instead of hanging.
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime_harness.h"
+#include "testing/runtime_harness.h"
 
 using namespace shoal;
 using namespace shoal::testing;

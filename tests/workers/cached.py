@@ -1,4 +1,4 @@
-"""Allreduces that repeat run cached, without the coordinator (core/src/runtime_cache.cc):
+"""Allreduces that repeat run cached, without the coordinator (core/src/negotiation/response_cache.cc):
 exact results, no coordinator round in steady state, and every way the cache must give way
 (a name reused with another shape, a mismatch, ranks submitting in different orders, a
 wait on part of a fused batch, a call refused on one rank) ending as it does uncached."""
@@ -139,7 +139,7 @@ def torch_tensors_take_the_same_cache():
 @check
 def fresh_names_are_retired_alike_on_every_rank():
     """Past SHOAL_NAME_LIMIT names (a step number in each name; 512 in this job), idle names
-    are retired on every rank at one agreed point (core/src/runtime_names.cc): exact results
+    are retired on every rank at one agreed point (core/src/negotiation/names.cc): exact results
     throughout, names reused after their retirement pair up again, every rank retired as many."""
     x = np.arange(3.0) + R
     before = shoal.stats()["names_retired"]

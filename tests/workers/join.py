@@ -1,4 +1,4 @@
-"""Horovod's join (core/src/runtime_join.cc) under shoalrun: ranks run different numbers of
+"""Horovod's join (core/src/ops/join.cc) under shoalrun: ranks run different numbers of
 steps; a joined rank contributes zeros to the others' allreduces (Average divides by
 size(), Horovod's divisor) and reducescatters, the identity to their Min/Max/Product
 allreduces; join returns the rank that joined last on every rank; the ops Horovod refuses

@@ -1,0 +1,489 @@
+// The C ABI over the one Runtime of this process.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include "engines/backend.h"
+#include "gpu/staging.h"
+#include "runtime/runtime.h"
+
+using shoal::Runtime;
+using shoal::Status;
+
+namespace {
+
+std::mutex g_mu;                    // guards init/shutdown
+std::shared_ptr<Runtime> g_runtime;  // the one runtime object
+
+std::shared_ptr<Runtime> Current() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_runtime;
+}
+
+int Report(const Status& st, char* err, size_t len) {
+  if (err && len) {
+    size_t n = std::min(len - 1, st.message.size());
+    std::memcpy(err, st.message.data(), n);
+    err[n] = 0;
+  }
+  return st.code;
+}
+
+Status NotInitialized() {
+  return Status::Error(SHOAL_NOT_INITIALIZED, "Shoal is not initialized; call shoal.init() first");
+}
+
+// Set in a child forked after init. Its copy of the runtime has no threads and shares
+// the parent's MPI connections: it is kept (never destroyed) and never used to communicate.
+std::atomic<bool> g_forked{false};
+pid_t g_parent_pid = 0;
+
+void OnForkInChild() {
+  if (!g_runtime) return;
+  g_forked = true;
+  new std::shared_ptr<Runtime>(g_runtime);  // leaked on purpose: its destructor would join threads
+}
+
+Status Forked() {
+  return Status::Error(SHOAL_ABORTED, "Shoal cannot communicate from a process forked after shoal.init() "
+                       "(this is pid " + std::to_string(getpid()) + ", a fork of pid " + std::to_string(g_parent_pid) +
+                       ", rank " + std::to_string(g_runtime ? g_runtime->world().rank : -1) + "): its MPI state belongs to the parent. Communicate "
+                       "from the parent (e.g. not in DataLoader workers), or start children with the "
+                       "'spawn' method");
+}
+
+// The runtime for a call that communicates; null (and *st set) if there is none to use.
+std::shared_ptr<Runtime> Usable(Status* st) {
+  if (g_forked) {
+    *st = Forked();
+    return nullptr;
+  }
+  auto rt = Current();
+  if (!rt) *st = NotInitialized();
+  return rt;
+}
+
+template <typename F> int WorldField(F f) {
+  auto rt = Current();
+  return rt ? f(rt->world()) : -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+int shoal_init(char* err, size_t len) {
+  if (g_forked) return Report(Forked(), err, len);
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_runtime) return SHOAL_OK;
+  static bool at_fork = (pthread_atfork(nullptr, nullptr, OnForkInChild), true);
+  (void)at_fork;
+  g_parent_pid = getpid();
+  try {
+    shoal::Config cfg = shoal::Config::FromEnvironment();
+    Status st;
+    auto backend = shoal::CreateMpiBackend(cfg, &st);
+    if (!st.ok()) return Report(st, err, len);
+    shoal::SetLogContext(backend->world().rank, cfg.log_level);
+    shoal::Log(shoal::LOG_DEBUG, "configuration: " + cfg.ToString());
+    if (!backend->world().threads_multiple)
+      shoal::Log(shoal::LOG_WARNING, "MPI was initialised without MPI_THREAD_MULTIPLE; do not call MPI from other threads while Shoal runs");
+    g_runtime = std::make_shared<Runtime>(cfg, std::move(backend));
+    auto* stats = &g_runtime->stats();
+    g_runtime->AttachWindows(std::make_unique<shoal::WindowQueue>(
+        [&](const std::atomic<bool>* stop) { return shoal::CreateMpiWindows(cfg, stats, stop); }));
+    Runtime* rt = g_runtime.get();
+    g_runtime->windows()->SetGone([rt] { return rt->departures().Message(); });
+  } catch (const std::exception& ex) {
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_shutdown(void) {
+  if (g_forked) return SHOAL_OK;
+  std::shared_ptr<Runtime> rt;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    rt.swap(g_runtime);
+  }
+  if (rt) rt->Stop();  // wakes waiters with an error; they drop their references
+  return SHOAL_OK;
+}
+
+int shoal_is_initialized(void) { return Current() ? 1 : 0; }
+void shoal_finalize_mpi(void) {
+  if (g_forked) return;
+  shoal_shutdown();
+  shoal::FinalizeMpiIfOwned();
+}
+
+void shoal_abort(int exit_code) {
+  if (g_forked) _exit(exit_code);  // the parent's job is not the child's to end
+  shoal::AbortJob(exit_code);
+}
+
+void shoal_leave(void) {
+  if (g_forked) return;
+  if (auto rt = Current()) rt->Leave();
+}
+
+void shoal_reject(int op, const char* name, int code, const char* message, int32_t process_set) {
+  if (g_forked) return;
+  if (auto rt = Current()) rt->Reject(op, name, code, message ? message : "", process_set);
+}
+
+int shoal_add_process_set(const int32_t* ranks, int32_t n, const char* refusal, int32_t* id, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  std::string why = refusal ? refusal : "";
+  if (why.empty() && (n < 0 || (n > 0 && !ranks))) why = "add_process_set: missing rank list";
+  try {
+    *id = rt->AddProcessSet(why.empty() ? std::vector<int>(ranks, ranks + n) : std::vector<int>{}, why);
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_remove_process_set(int32_t id, const char* refusal, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  try {
+    rt->RemoveProcessSet(id, refusal ? refusal : "");
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_process_set_ranks(int32_t id, int32_t* ranks, int32_t capacity) {
+  auto rt = Current();
+  if (!rt) return -1;
+  std::vector<int> all;
+  if (id == 0) {
+    for (int r = 0; r < rt->world().size; ++r) all.push_back(r);
+  } else if (auto s = rt->FindSet(id)) {
+    all = s->ranks;
+  } else {
+    return -1;
+  }
+  for (int32_t i = 0; i < capacity && i < static_cast<int32_t>(all.size()); ++i) ranks[i] = all[i];
+  return static_cast<int>(all.size());
+}
+
+int shoal_forked(void) { return g_forked ? 1 : 0; }
+
+int shoal_rank(void) { return WorldField([](auto& w) { return w.rank; }); }
+int shoal_size(void) { return WorldField([](auto& w) { return w.size; }); }
+int shoal_local_rank(void) { return WorldField([](auto& w) { return w.local_rank; }); }
+int shoal_local_size(void) { return WorldField([](auto& w) { return w.local_size; }); }
+int shoal_machine_rank(void) { return WorldField([](auto& w) { return w.machine_rank; }); }
+int shoal_machine_size(void) { return WorldField([](auto& w) { return w.machine_size; }); }
+int shoal_is_homogeneous(void) { return WorldField([](auto& w) { return w.homogeneous ? 1 : 0; }); }
+int shoal_mpi_threads_supported(void) { return WorldField([](auto& w) { return w.threads_multiple ? 1 : 0; }); }
+
+void shoal_mpi_library_version(char* buf, size_t len) {
+  Report(Status::Error(0, shoal::MpiLibraryVersion()), buf, len);
+}
+
+int shoal_set_topology(int graph, int32_t n_nodes, int64_t n_edges, const int32_t* src, const int32_t* dst,
+                       const double* weights, int weighted, int64_t* version, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), err, len);
+  const shoal::WorldInfo& w = rt->world();
+  const bool machines = graph == SHOAL_GRAPH_MACHINES;
+  if (graph != SHOAL_GRAPH_RANKS && !machines)
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "topology: unknown graph " + std::to_string(graph)), err, len);
+  const int nodes = machines ? w.machine_size : w.size;
+  if (n_nodes != nodes || n_edges < 0 || (n_edges > 0 && (!src || !dst || !weights)))
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "topology: a graph over " + std::to_string(n_nodes) +
+                                " nodes, but there are " + std::to_string(nodes) + (machines ? " machines" : " ranks")),
+                  err, len);
+  try {
+    auto plan = shoal::PlanOf(nodes, {src, src + n_edges}, {dst, dst + n_edges}, {weights, weights + n_edges},
+                              machines ? w.machine_rank : w.rank, weighted != 0);
+    *version = rt->topologies().Set(graph, std::move(plan));
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_topology_plan(int graph, int32_t capacity, int32_t* recv, double* recv_weights, int32_t* send,
+                        shoal_topology_info* info, char* err, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), err, len);
+  if (graph != SHOAL_GRAPH_RANKS && graph != SHOAL_GRAPH_MACHINES)
+    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "topology: unknown graph " + std::to_string(graph)), err, len);
+  const shoal::TopologyPlan p = rt->topologies().Get(graph);
+  *info = shoal_topology_info{p.version, p.weighted ? 1 : 0, static_cast<int32_t>(p.recv.size()),
+                              static_cast<int32_t>(p.send.size()), p.self_weight};
+  for (int32_t k = 0; k < std::min<int32_t>(capacity, info->n_recv); ++k) {
+    recv[k] = p.recv[k];
+    recv_weights[k] = p.recv_weights[k];
+  }
+  for (int32_t k = 0; k < std::min<int32_t>(capacity, info->n_send); ++k) send[k] = p.send[k];
+  return SHOAL_OK;
+}
+
+int shoal_enqueue_with_callback(const shoal_op_desc* desc, shoal_callback callback, void* arg,
+                                int64_t* handle, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  try {
+    *handle = rt->Enqueue(*desc, callback, arg);
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_enqueue(const shoal_op_desc* desc, int64_t* handle, char* err, size_t len) {
+  return shoal_enqueue_with_callback(desc, nullptr, nullptr, handle, err, len);
+}
+
+int shoal_enqueue_group(const char* name, const shoal_op_desc* descs, int32_t n, shoal_callback callback,
+                        void* const* args, int64_t* handles, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  try {
+    std::vector<int64_t> h = rt->EnqueueGroup(name, descs, n, callback, args);
+    std::copy(h.begin(), h.end(), handles);
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_enqueue_join(int64_t* handle, char* err, size_t len) {
+  shoal_op_desc d{};
+  d.op = shoal::kOpJoin;
+  return shoal_enqueue(&d, handle, err, len);
+}
+
+int shoal_poll(int64_t handle) {
+  auto rt = Current();
+  return rt ? rt->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_in_use(int64_t handle) {
+  auto rt = Current();
+  return rt ? rt->InUse(handle) : -SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  return Report(rt->Wait(handle, timeout_ms), err, len);
+}
+
+int shoal_wait(int64_t handle, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  return Report(rt->Wait(handle), err, len);
+}
+
+int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape) {
+  auto rt = Current();
+  auto e = rt ? rt->Find(handle) : nullptr;
+  if (!e || !e->done) return SHOAL_UNKNOWN_HANDLE;
+  *data = e->result;
+  *nbytes = e->result_nbytes;
+  *ndim = static_cast<int32_t>(e->result_shape.size());
+  std::copy(e->result_shape.begin(), e->result_shape.end(), shape);
+  e->result = nullptr;
+  return SHOAL_OK;
+}
+
+void shoal_free_buffer(void* data) { std::free(data); }
+
+int shoal_received_splits(int64_t handle, int64_t* splits, int32_t capacity, int32_t* n) {
+  auto rt = Current();
+  auto e = rt ? rt->Find(handle) : nullptr;
+  if (!e || !e->done) return SHOAL_UNKNOWN_HANDLE;
+  *n = static_cast<int32_t>(e->recv_splits.size());
+  for (int32_t i = 0; i < *n && i < capacity; ++i) splits[i] = e->recv_splits[i];
+  return SHOAL_OK;
+}
+
+int shoal_release(int64_t handle) {
+  auto rt = Current();
+  return rt && rt->Release(handle) ? SHOAL_OK : SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_timeline_start_activity(const char* tensor_name, const char* activity) {
+  auto rt = Current();
+  if (!rt || !rt->timeline().enabled()) return 0;
+  rt->timeline().Begin(tensor_name, activity);
+  return 1;
+}
+
+int shoal_timeline_end_activity(const char* tensor_name) {
+  auto rt = Current();
+  if (!rt || !rt->timeline().enabled()) return 0;
+  rt->timeline().End(tensor_name);
+  return 1;
+}
+
+int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  if (!rt->windows()) return Report(NotInitialized(), err, len);
+  shoal::WinArgs a;
+  a.name = d->name ? d->name : "";
+  a.data = d->tensor.data;
+  a.dtype = d->tensor.dtype;
+  a.shape.assign(d->tensor.shape, d->tensor.shape + std::max(d->tensor.ndim, 0));
+  const int size = rt->world().size;
+  for (int i = 0; i < d->n; ++i) {
+    if (d->ranks[i] < 0 || d->ranks[i] >= size)
+      return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "window op: rank " + std::to_string(d->ranks[i]) +
+                                  " is outside [0, " + std::to_string(size) + ")"), err, len);
+    a.ranks.push_back(d->ranks[i]);
+    a.weights.push_back(d->weights ? d->weights[i] : 1.0);
+  }
+  a.send.assign(d->send_ranks, d->send_ranks + std::max(d->n_send, 0));
+  a.self_weight = d->self_weight;
+  a.uniform = d->uniform;
+  a.zero_init = d->zero_init;
+  a.require_mutex = d->require_mutex;
+  a.reset = d->reset;
+  a.with_p = d->with_p;
+  a.for_self = d->for_self;
+  a.clone = d->clone;
+  if (d->refused) {
+    a.refused = d->refused;
+    a.refused_code = d->refused_code == SHOAL_INVALID_TYPE ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT;
+  }
+  static const char* kDtypes = "float16, bfloat16, float32, float64, int32, int64";
+  if (d->op != SHOAL_WIN_FREE && d->op != SHOAL_WIN_LOCK && d->op != SHOAL_WIN_UNLOCK && d->op != SHOAL_WIN_GET &&
+      a.refused.empty() &&
+      (a.dtype < SHOAL_FLOAT16 || a.dtype > SHOAL_INT64 || a.dtype == SHOAL_INT8 || a.dtype == SHOAL_UINT8 || a.dtype == SHOAL_INT16)) {
+    const std::string why = std::string(d->op == SHOAL_WIN_CREATE ? "win_create: " : "") + "window ops support " + kDtypes;
+    // win_create is collective: the peers waiting in it hear of the refusal.
+    if (d->op != SHOAL_WIN_CREATE) return Report(Status::Error(SHOAL_INVALID_ARGUMENT, why), err, len);
+    a.refused = why;
+    a.refused_code = SHOAL_INVALID_ARGUMENT;
+  }
+  std::function<Status(shoal::WindowEngine&)> job;
+  switch (d->op) {
+    case SHOAL_WIN_CREATE: job = [a](shoal::WindowEngine& w) { return w.Create(a); }; break;
+    case SHOAL_WIN_FREE: job = [a](shoal::WindowEngine& w) { return w.Free(a.name); }; break;
+    case SHOAL_WIN_PUT: job = [a](shoal::WindowEngine& w) { return w.Put(a, false); }; break;
+    case SHOAL_WIN_ACCUMULATE: job = [a](shoal::WindowEngine& w) { return w.Put(a, true); }; break;
+    case SHOAL_WIN_GET: job = [a](shoal::WindowEngine& w) { return w.Get(a); }; break;
+    case SHOAL_WIN_UPDATE: job = [a](shoal::WindowEngine& w) { return w.Update(a); }; break;
+    case SHOAL_WIN_LOCK: job = [a](shoal::WindowEngine& w) { return w.Mutex(a, true); }; break;
+    case SHOAL_WIN_UNLOCK: job = [a](shoal::WindowEngine& w) { return w.Mutex(a, false); }; break;
+    default: return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "unknown window op " + std::to_string(d->op)), err, len);
+  }
+  try {
+    // Puts, gets and updates without mutexes never wait on another rank's choices.
+    const bool quick = !a.require_mutex && (d->op == SHOAL_WIN_PUT || d->op == SHOAL_WIN_ACCUMULATE ||
+                                            d->op == SHOAL_WIN_GET || d->op == SHOAL_WIN_UPDATE);
+    *handle = rt->windows()->Submit(std::move(job), quick, d->op == SHOAL_WIN_CREATE);
+  } catch (const shoal::ArgumentError& ex) {
+    return Report(Status::Error(ex.code, ex.what()), err, len);
+  }
+  return SHOAL_OK;
+}
+
+int shoal_win_poll(int64_t handle) {
+  auto rt = Current();
+  return rt && rt->windows() ? rt->windows()->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_win_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  if (!rt->windows()) return Report(NotInitialized(), err, len);
+  return Report(rt->windows()->Wait(handle, timeout_ms), err, len);
+}
+
+int shoal_win_release(int64_t handle) {
+  auto rt = Current();
+  return rt && rt->windows() && rt->windows()->Release(handle) ? SHOAL_OK : SHOAL_UNKNOWN_HANDLE;
+}
+
+int shoal_win_versions(const char* name, int32_t* ranks, int64_t* versions, int32_t cap, int32_t* n,
+                       char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  if (!rt->windows()) return Report(NotInitialized(), err, len);
+  std::vector<int> r;
+  std::vector<int64_t> v;
+  std::string nm = name;
+  st = rt->windows()->Run([&](shoal::WindowEngine& w) { return w.Versions(nm, &r, &v); });
+  if (!st.ok()) return Report(st, err, len);
+  *n = static_cast<int32_t>(r.size());
+  for (size_t i = 0; i < r.size() && static_cast<int32_t>(i) < cap; ++i) {
+    ranks[i] = r[i];
+    versions[i] = v[i];
+  }
+  return SHOAL_OK;
+}
+
+int shoal_win_associated_p(const char* name, double* p, char* err, size_t len) {
+  Status st;
+  auto rt = Usable(&st);
+  if (!rt) return Report(st, err, len);
+  if (!rt->windows()) return Report(NotInitialized(), err, len);
+  std::string nm = name;
+  return Report(rt->windows()->Run([&](shoal::WindowEngine& w) { return w.AssociatedP(nm, p); }), err, len);
+}
+
+int shoal_win_names(char* buf, size_t len) {
+  Status st0;
+  auto rt = Usable(&st0);
+  if (!rt) return -Report(st0, buf, len);
+  if (!rt->windows()) return -Report(NotInitialized(), buf, len);
+  std::vector<std::string> names;
+  Status st = rt->windows()->Run([&](shoal::WindowEngine& w) {
+    names = w.Names();
+    return Status::Ok();
+  });
+  if (!st.ok()) return -Report(st, buf, len);
+  std::string out;
+  for (auto& n : names) out += n + "\n";
+  Report(Status::Error(0, out), buf, len);
+  return static_cast<int>(out.size() + 1);  // bytes needed, with the terminator
+}
+
+int shoal_stats(char* buf, size_t len) {
+  auto rt = Current();
+  if (!rt) return Report(NotInitialized(), buf, len);
+  return Report(Status::Error(0, rt->stats().ToString()), buf, len);
+}
+
+int shoal_gpu_support(char* buf, size_t len) {
+  std::string why;
+  const shoal_cuda_api* api = shoal::CudaPlugin(&why);
+  Report(Status::Error(0, api ? api->build : why), buf, len);
+  return api ? 1 : 0;
+}
+
+int shoal_gpu_plugin_path(char* buf, size_t len) {
+  const std::string path = shoal::CudaPluginPath();
+  Report(Status::Error(0, path), buf, len);
+  return static_cast<int>(path.size() + 1);
+}
+
+void shoal_reset_stats(void) {
+  if (auto rt = Current()) rt->stats().Reset();
+}
+
+}  // extern "C"

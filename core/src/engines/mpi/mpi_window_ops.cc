@@ -1,0 +1,277 @@
+// MPI windows, part 2 of 2: the one-sided ops (win_put / win_accumulate / win_get /
+// win_update, versions, associated p) and the window mutexes, a distributed spin lock on
+// the ctrl window (class in mpi_windows.h; creation and freeing are in mpi_windows.cc).
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <numeric>
+#include <thread>
+
+#include "common/reduce.h"
+#include "engines/mpi/mpi_windows.h"
+
+namespace shoal {
+namespace mpiwin {
+namespace {
+
+MPI_Datatype SumType(int dtype) {
+  switch (dtype) {
+    case SHOAL_FLOAT32: return MPI_FLOAT;
+    case SHOAL_FLOAT64: return MPI_DOUBLE;
+    case SHOAL_INT32: return MPI_INT32_T;
+    case SHOAL_INT64: return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;  // half types: get, add, put
+}
+
+}  // namespace
+
+Status MpiWindows::Put(const WinArgs& a, bool accumulate) {
+  const char* op = accumulate ? "win_accumulate" : "win_put";
+  return Guard(op, a.name, [&] {
+    Window* w = Find(a, op);
+    std::vector<int> at(a.ranks.size());
+    for (size_t i = 0; i < a.ranks.size(); ++i) {
+      auto it = std::find(w->send.begin(), w->send.end(), a.ranks[i]);
+      if (it == w->send.end())
+        throw ArgumentError(SHOAL_INVALID_ARGUMENT, std::string(op) + ": rank " + std::to_string(a.ranks[i]) +
+                            " is not an out-neighbour of rank " + std::to_string(rank_) + " for window '" + a.name + "'");
+      at[i] = static_cast<int>(it - w->send.begin());
+    }
+    // Nearest clockwise destination first: spreads the traffic over the ring.
+    std::vector<size_t> order(a.ranks.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+      return (a.ranks[x] - rank_ + size_) % size_ < (a.ranks[y] - rank_ + size_) % size_;
+    });
+    const double p_self = a.with_p ? LocalP(w) : 0.0;
+    ByteVec scaled(w->nbytes), old;
+    for (size_t i : order) {
+      const int dst = a.ranks[i], k = w->slot_at_dst[at[i]], deg = w->degree[dst];
+      const double wt = a.weights[i];
+      const void* src = a.data;
+      if (wt != 1.0) {
+        Scale(a.data, scaled.data(), w->dtype, w->count, wt);
+        src = scaled.data();
+      }
+      if (a.require_mutex) Lock(w, dst, k, true);
+      const MPI_Aint disp = static_cast<MPI_Aint>((1 + k) * w->nbytes);
+      {
+        // Data and control in one access epoch: the owner's win_update (exclusive on
+        // both) sees a value and its version and p together or not at all.
+        Epoch ed(w->data, dst, MPI_LOCK_SHARED), ec(w->ctrl, dst, MPI_LOCK_SHARED);
+        MPI_Datatype sum = SumType(w->dtype);
+        if (!accumulate) {
+          Check(MPI_Put(src, Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Put");
+        } else if (sum != MPI_DATATYPE_NULL) {
+          Check(MPI_Accumulate(src, Count(w->count), sum, dst, disp, Count(w->count), sum, MPI_SUM, w->data), "MPI_Accumulate");
+        } else {  // no MPI sum for half types: read, add in float32, write back
+          old.resize(w->nbytes);
+          Check(MPI_Get(old.data(), Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Get");
+          Check(MPI_Win_flush(dst, w->data), "MPI_Win_flush");
+          Combine(old.data(), {src}, old.data(), w->dtype, w->count, false, 1.0, {1.0});
+          Check(MPI_Put(old.data(), Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Put");
+        }
+        // The data lands (and its lock is really held) before version and p move: MPI
+        // may take locks lazily, and the ctrl epoch closes first.
+        Check(MPI_Win_flush(dst, w->data), "MPI_Win_flush");
+        const int64_t one = 1;
+        if (!accumulate)
+          Check(MPI_Accumulate(&one, 1, MPI_INT64_T, dst, w->VersionAt(k), 1, MPI_INT64_T, MPI_SUM, w->ctrl), "MPI_Accumulate");
+        const double p = p_self * wt;
+        if (a.with_p)
+          Check(MPI_Accumulate(&p, 1, MPI_DOUBLE, dst, Window::PAt(k, deg), 1, MPI_DOUBLE,
+                               accumulate ? MPI_SUM : MPI_REPLACE, w->ctrl), "MPI_Accumulate");
+      }
+      if (a.require_mutex) Lock(w, dst, k, false);
+      (accumulate ? stats_->win_accumulates : stats_->win_puts) += 1;
+      stats_->bytes_sent += w->nbytes;
+    }
+    if (a.self_weight != 1.0) Scale(a.data, a.data, w->dtype, w->count, a.self_weight);
+    Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
+    std::memcpy(w->base, a.data, w->nbytes);  // publish the new local value
+    if (a.with_p) w->OwnP() *= a.self_weight;
+    return Status::Ok();
+  });
+}
+
+Status MpiWindows::Get(const WinArgs& a) {
+  return Guard("win_get", a.name, [&] {
+    Window* w = Find(a, "win_get");
+    std::vector<int> slots = Slots(w, a.ranks, "win_get");
+    ByteVec buf(w->nbytes);
+    for (size_t i = 0; i < a.ranks.size(); ++i) {
+      const int src = a.ranks[i], k = slots[i];
+      if (a.require_mutex) Lock(w, rank_, k, true);
+      double p = 0;
+      {
+        // Value and p from one state of the source: its update is exclusive on both.
+        Epoch ed(w->data, src, MPI_LOCK_SHARED);
+        Check(MPI_Get(buf.data(), Count(w->nbytes), MPI_BYTE, src, 0, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Get");
+        Check(MPI_Win_flush(src, w->data), "MPI_Win_flush");
+        if (a.with_p) {
+          Epoch ec(w->ctrl, src, MPI_LOCK_SHARED);
+          Check(MPI_Get(&p, 1, MPI_DOUBLE, src, OwnPOffset(w, src), 1, MPI_DOUBLE, w->ctrl), "MPI_Get");
+        }
+      }
+      if (a.weights[i] != 1.0) Scale(buf.data(), buf.data(), w->dtype, w->count, a.weights[i]);
+      {
+        Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
+        std::memcpy(w->base + (1 + k) * w->nbytes, buf.data(), w->nbytes);
+        w->words[w->VersionAt(k)] += 1;
+        if (a.with_p) w->SlotP(k) = p * a.weights[i];
+      }
+      if (a.require_mutex) Lock(w, rank_, k, false);
+      stats_->win_gets += 1;
+      stats_->bytes_received += w->nbytes;
+    }
+    return Status::Ok();
+  });
+}
+
+Status MpiWindows::Update(const WinArgs& a) {
+  return Guard("win_update", a.name, [&] {
+    Window* w = Find(a, "win_update");
+    std::vector<int> slots = Slots(w, a.ranks, "win_update");
+    std::vector<int> sorted = slots;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<std::pair<int, int>> own;
+    for (int k : sorted) own.emplace_back(rank_, k);
+    if (a.require_mutex) LockAll(w, own);
+    {
+      Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
+      std::vector<const void*> srcs;
+      for (int k : slots) srcs.push_back(w->base + (1 + k) * w->nbytes);
+      Combine(a.data, srcs, a.data, w->dtype, w->count, a.uniform, a.self_weight, a.weights);
+      double p = a.uniform ? w->OwnP() : a.self_weight * w->OwnP();
+      for (size_t i = 0; i < slots.size(); ++i) p += (a.uniform ? 1.0 : a.weights[i]) * w->SlotP(slots[i]);
+      if (a.uniform) p /= static_cast<double>(slots.size() + 1);
+      if (a.with_p) w->OwnP() = p;
+      for (int k : slots) {
+        w->words[w->VersionAt(k)] = 0;
+        if (a.reset) {
+          std::memset(w->base + (1 + k) * w->nbytes, 0, w->nbytes);
+          w->SlotP(k) = 0.0;
+        }
+      }
+      if (!a.clone) std::memcpy(w->base, a.data, w->nbytes);  // publish
+    }
+    if (a.require_mutex) for (auto it = sorted.rbegin(); it != sorted.rend(); ++it) Lock(w, rank_, *it, false);
+    stats_->win_updates += 1;
+    return Status::Ok();
+  });
+}
+
+Status MpiWindows::Mutex(const WinArgs& a, bool acquire) {
+  return Guard("win_mutex", a.name, [&] {
+    Window* w = Find(a, "win_mutex");
+    // (owner, slot) pairs, taken in one global order so two holders never wait on each other.
+    std::vector<std::pair<int, int>> locks;
+    if (a.for_self) {
+      for (int k : Slots(w, a.ranks, "win_mutex")) locks.emplace_back(rank_, k);
+    } else {
+      for (int d : a.ranks) {
+        auto it = std::find(w->send.begin(), w->send.end(), d);
+        if (it == w->send.end())
+          throw ArgumentError(SHOAL_INVALID_ARGUMENT, "win_mutex: rank " + std::to_string(d) + " is not an out-neighbour");
+        locks.emplace_back(d, w->slot_at_dst[it - w->send.begin()]);
+      }
+    }
+    std::sort(locks.begin(), locks.end());
+    if (acquire) LockAll(w, locks);
+    else for (auto it = locks.rbegin(); it != locks.rend(); ++it) Lock(w, it->first, it->second, false);
+    return Status::Ok();
+  });
+}
+
+Status MpiWindows::Versions(const std::string& name, std::vector<int>* ranks, std::vector<int64_t>* v) {
+  WinArgs a;
+  a.name = name;
+  return Guard("get_win_version", name, [&] {
+    Window* w = Find(a, "get_win_version");
+    Epoch e(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
+    *ranks = w->recv;
+    v->assign(w->words, w->words + w->recv.size());
+    return Status::Ok();
+  });
+}
+
+Status MpiWindows::AssociatedP(const std::string& name, double* p) {
+  WinArgs a;
+  a.name = name;
+  return Guard("win_associated_p", name, [&] {
+    *p = LocalP(Find(a, "win_associated_p"));
+    return Status::Ok();
+  });
+}
+
+double MpiWindows::LocalP(Window* w) {
+  Epoch e(w->ctrl, rank_, MPI_LOCK_SHARED);
+  return w->OwnP();
+}
+
+// Distributed spin lock on (owner, slot): test-and-set (swap in 1; taken when 0 came back),
+// back off, retry. A mutex word only ever holds 0 or 1.
+// Takes every (owner, slot) mutex in order; on failure releases those already taken.
+void MpiWindows::LockAll(Window* w, const std::vector<std::pair<int, int>>& locks) {
+  size_t taken = 0;
+  try {
+    for (; taken < locks.size(); ++taken) Lock(w, locks[taken].first, locks[taken].second, true);
+  } catch (...) {
+    while (taken-- > 0) Lock(w, locks[taken].first, locks[taken].second, false);
+    throw;
+  }
+}
+
+// Reentrant per process: a mutex this process holds is counted, not re-taken, so
+// win_put(require_mutex=True) inside `with win_mutex(...)` does not wait on itself.
+void MpiWindows::Lock(Window* w, int owner, int k, bool acquire) {
+  int& held = w->held[{owner, k}];
+  if (acquire && held++ > 0) return;
+  if (!acquire) {
+    if (held == 0) {
+      w->held.erase({owner, k});
+      throw ArgumentError(SHOAL_INVALID_ARGUMENT, "win_mutex: releasing a mutex this rank does not hold");
+    }
+    if (--held > 0) return;
+    w->held.erase({owner, k});
+  }
+  try {
+    SpinLock(w, owner, k, acquire);
+  } catch (...) {
+    if (acquire) w->held.erase({owner, k});
+    throw;
+  }
+}
+
+void MpiWindows::SpinLock(Window* w, int owner, int k, bool acquire) {
+  const MPI_Aint disp = w->MutexAt(k, w->degree[owner]);
+  const int64_t zero = 0, one = 1;
+  int64_t old = 0;
+  auto start = std::chrono::steady_clock::now();
+  bool warned = false;
+  for (int spin = 0;; ++spin) {
+    {
+      Epoch e(w->ctrl, owner, MPI_LOCK_SHARED);
+      // Test-and-set (an atomic swap) rather than MPI_Compare_and_swap, which crashes Open
+      // MPI 4.1's osc/rdma over shared memory (btl/vader's emulated compare-and-swap).
+      if (acquire) Check(MPI_Fetch_and_op(&one, &old, MPI_INT64_T, owner, disp, MPI_REPLACE, w->ctrl), "MPI_Fetch_and_op");
+      else Check(MPI_Accumulate(&zero, 1, MPI_INT64_T, owner, disp, 1, MPI_INT64_T, MPI_REPLACE, w->ctrl), "MPI_Accumulate");
+    }
+    if (!acquire || old == 0) return;
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (*stop_) throw MpiFailure("Shoal was shut down while waiting for a window mutex");
+    if (cfg_.stall_shutdown_time > 0 && waited > cfg_.stall_shutdown_time)
+      throw Stalled("the mutex of rank " + std::to_string(owner) + " (slot " + std::to_string(k) +
+                    ") stayed taken for more than " + std::to_string(static_cast<int>(waited)) + " s");
+    if (!warned && cfg_.stall_check_time > 0 && waited > cfg_.stall_check_time) {
+      Log(LOG_WARNING, "waiting " + std::to_string(static_cast<int>(waited)) + " s for the mutex of rank " +
+                           std::to_string(owner) + " (slot " + std::to_string(k) + ")");
+      warned = true;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(std::min(spin, 100) + 1));
+  }
+}
+
+}  // namespace mpiwin
+}  // namespace shoal

@@ -1,0 +1,323 @@
+// Cached allreduce batches: the coordinator round trip skipped for collectives that repeat.
+//
+// When the coordinator runs an allreduce batch whose names all ran before with the same
+// signatures, it also gives the batch a collective channel (Response::channel). Every
+// rank applies that response at the same point, so every rank then knows the batch, its
+// members' signatures and its channel. From then on, a rank that has all the batch's
+// members submitted contributes a *round* on that channel: one allreduce of the fused
+// members plus one element that is 1 ("ready") or 0. Each channel carries only its own
+// batch, whose size every rank knows, so rounds always match; ranks may submit batches
+// in any order (channels are independent). The round's last element sums to size() only
+// if every rank was ready: then the result is the op's result. Otherwise the batch is
+// dead on every rank at once (all see the same sum), and its ops go to the coordinator,
+// which validates, reports mismatches and runs them as usual.
+//
+// A rank contributes a 0 round (dooms the batch) when a member comes with another
+// signature (or is refused at the call), when a thread has waited kWaitedMs for a member
+// of a batch that is only partly submitted (its program may need that op before it
+// submits the rest), after the stall warning time, and when a rank leaves the job (every
+// rank dooms every batch; the leaving rank stays until its rounds are through).
+#include <algorithm>
+#include <cstring>
+
+#include "ops/fusion.h"
+#include "runtime/runtime.h"
+
+namespace shoal {
+
+struct Runtime::CachedBatch {
+  int set = 0, size = 0;  // its process set, and how many ranks it has
+  int channel = 0;        // of that set
+  std::vector<std::string> names, keys;  // keys: SetKey(set, name)
+  std::vector<Signature> sigs;
+  int dtype = 0, wire = 0;  // members' dtype; the dtype of the round (half types: float32)
+  bool average = false;
+  int64_t total = 0;               // elements of all members
+  std::vector<EntryPtr> held;      // by member: submitted here, waiting for the round
+  size_t num_held = 0;
+  std::vector<EntryPtr> later;     // submitted while the batch cannot take them: go to the coordinator
+  std::vector<EntryPtr> in_round;  // members whose data is in the running round
+  bool in_flight = false, ready_round = false, dying = false, dead = false, abandoned = false;
+  Clock::time_point since, waited_since, round_start;
+  std::shared_ptr<FusedBuffer> buf;  // the running round's
+};
+
+namespace {
+
+constexpr int kWaitedMs = 50;
+
+int64_t Slot(int set, int channel) { return (static_cast<int64_t>(set) << 32) | static_cast<uint32_t>(channel); }
+
+void PutCount(void* p, int dtype, int v) {
+  switch (dtype) {
+    case SHOAL_FLOAT32: { float f = static_cast<float>(v); std::memcpy(p, &f, sizeof f); break; }
+    case SHOAL_FLOAT64: { double d = v; std::memcpy(p, &d, sizeof d); break; }
+    case SHOAL_INT32: { int32_t i = v; std::memcpy(p, &i, sizeof i); break; }
+    default: { int64_t i = v; std::memcpy(p, &i, sizeof i); break; }
+  }
+}
+
+double GetCount(const void* p, int dtype) {
+  switch (dtype) {
+    case SHOAL_FLOAT32: { float f; std::memcpy(&f, p, sizeof f); return f; }
+    case SHOAL_FLOAT64: { double d; std::memcpy(&d, p, sizeof d); return d; }
+    case SHOAL_INT32: { int32_t i; std::memcpy(&i, p, sizeof i); return i; }
+    default: { int64_t i; std::memcpy(&i, p, sizeof i); return static_cast<double>(i); }
+  }
+}
+
+}  // namespace
+
+void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
+  awaiting_response_[e->key()] = e;
+  Request req{e->name, e->sig, e->step, {}, 0, e->topo_check, {}, {}};
+  req.set = e->set;
+  if (e->topo_check) {
+    req.send = e->send_ranks;
+    req.recv = e->recv_ranks;
+  }
+  req.splits = e->splits;  // alltoall
+  Propose(e, &req);
+  to_coordinator->push_back(std::move(req));
+}
+
+void Runtime::CacheBatch(const Response& r, const std::vector<EntryPtr>& batch) {
+  if (r.channel < 0 || r.channel >= (r.set ? Backend::kSetChannels : Backend::kChannels) || Lost(r.set)) return;
+  auto b = std::make_shared<CachedBatch>();
+  b->set = r.set;
+  b->size = SetSize(r.set);
+  b->channel = r.channel;
+  b->dtype = batch[0]->sig.dtype;
+  b->wire = FusedBuffer::WireDtype(b->dtype);
+  b->average = batch[0]->sig.reduce_op == SHOAL_REDUCE_AVERAGE;
+  for (auto& e : batch) {
+    b->names.push_back(e->name);
+    b->keys.push_back(e->key());
+    b->sigs.push_back(e->sig);
+    b->total += e->count();
+  }
+  b->held.resize(batch.size());
+  // The channel's previous batch died on every rank; its last round may still be running
+  // here (rounds on one channel complete in order).
+  retired_.erase(std::remove_if(retired_.begin(), retired_.end(), [](const CachedPtr& x) { return !x->in_flight; }),
+                 retired_.end());
+  CachedPtr& slot = cached_[Slot(r.set, r.channel)];
+  if (slot && slot->in_flight) retired_.push_back(slot);
+  slot = b;
+  for (size_t i = 0; i < b->keys.size(); ++i) cached_members_[b->keys[i]] = {b, i};
+  // Negotiated before the coordinator heard of a join: a joined rank takes part in no
+  // rounds (ops/join.cc), so the batch must go back to the coordinator.
+  if (joining_ || (!peer_joined_at_.empty() && AnyPeerJoined())) Doom(b);
+}
+
+bool Runtime::RouteCached(const EntryPtr& e) {
+  auto it = cached_members_.find(e->key());
+  if (it == cached_members_.end()) return false;
+  const CachedPtr b = it->second.first;
+  const size_t i = it->second.second;
+  if (!e->reject.empty() || !(e->sig == b->sigs[i])) {
+    Doom(b);  // its members will not all come as cached
+    if (!e->reject.empty()) return false;  // the refusal itself goes to the coordinator
+  }
+  if (b->dying || b->in_flight || b->held[i]) {
+    b->later.push_back(e);
+    return true;
+  }
+  b->held[i] = e;
+  if (b->num_held++ == 0) b->since = Clock::now();
+  if (b->num_held == b->held.size()) Contribute(b, true);
+  return true;
+}
+
+void Runtime::Doom(const CachedPtr& b) {
+  if (b->dead || b->dying) return;
+  b->dying = true;
+  if (!b->in_flight) Contribute(b, false);
+}
+
+void Runtime::Contribute(const CachedPtr& b, bool ready) {
+  b->buf = std::make_shared<FusedBuffer>(*fusion_pool_, b->dtype, b->total, 1);
+  if (ready) {
+    b->buf->Pack(b->held);
+    for (auto& e : b->held) e->t_comm_start = e->t_copy_end;
+    b->in_round = std::move(b->held);
+    b->held.assign(b->in_round.size(), nullptr);
+    b->num_held = 0;
+  }
+  PutCount(b->buf->at_element(b->total), b->wire, ready ? 1 : 0);
+  b->in_flight = true;
+  b->ready_round = ready;
+  b->round_start = Clock::now();
+  b->waited_since = {};
+  ++stats_.global_collectives;
+  if (ready) ++stats_.cache_hits;
+  GroupCollectives* engine = Group(b->set);  // there while the set is (DropSet drops its batches)
+  if (!engine) return OnRound(b, Status::Error(SHOAL_ABORTED, "internal error: a cached batch of a removed process set"));
+  engine->AllreduceOn(b->channel, b->buf->data(), b->total + 1, b->wire, [this, b](const Status& st) { OnRound(b, st); });
+}
+
+void Runtime::OnRound(const CachedPtr& b, const Status& st) {
+  b->in_flight = false;
+  const bool all_ready = st.ok() && GetCount(b->buf->at_element(b->total), b->wire) == b->size;
+  std::vector<EntryPtr> round = std::move(b->in_round);
+  b->in_round.clear();
+  if (all_ready && b->ready_round) {
+    Coordinator* c = CoordinatorOf(b->set);
+    for (size_t k = 0; k < round.size(); ++k) {
+      const EntryPtr& e = round[k];
+      if (c) c->RoundDone(e->name, e->step);
+      e->t_comm_end = Clock::now();
+      if (!b->abandoned) {
+        b->buf->UnpackMember(k, *e, b->average ? b->size : 1);
+        Finish(e, Status::Ok());
+      }
+    }
+    round.clear();
+  }
+  b->buf.reset();
+  if (all_ready && !b->abandoned) {
+    if (b->dying) Contribute(b, false);
+    return;
+  }
+  // Dead on every rank: its ops go to the coordinator (or fail with the channel's error).
+  b->dead = true;
+  for (auto& n : b->keys) {
+    auto it = cached_members_.find(n);
+    if (it != cached_members_.end() && it->second.first == b) cached_members_.erase(it);
+  }
+  if (Coordinator* c = CoordinatorOf(b->set)) {
+    c->ForgetRounds(b->names);
+    auto slot = cached_.find(Slot(b->set, b->channel));
+    if (slot != cached_.end() && slot->second == b) c->ReleaseChannel(b->channel);
+  }
+  std::vector<EntryPtr> rest = std::move(round);
+  for (auto& e : b->held) if (e) rest.push_back(e);
+  for (auto& e : b->later) rest.push_back(e);
+  b->held.clear();
+  b->later.clear();
+  for (auto& e : rest) {
+    if (b->abandoned && e->done) continue;
+    if (!st.ok()) Finish(e, st);
+    else if (!FailIfUnreachable(e)) Ask(e, &late_requests_);
+  }
+}
+
+void Runtime::DoomAllCached(int with_rank) {
+  for (auto& kv : cached_) {
+    const ProcessSet* s = SetOf(kv.second->set);
+    if (with_rank < 0 || !s || s->Has(with_rank)) Doom(kv.second);
+  }
+}
+
+void Runtime::DropCached(int set) {
+  // No op of the set is in flight on any rank (remove_process_set checked): its batches are
+  // idle; a round still running keeps its batch alive until it completes.
+  for (auto c = cached_.begin(); c != cached_.end();) {
+    if (c->second->set != set) {
+      ++c;
+      continue;
+    }
+    for (auto& k : c->second->keys) cached_members_.erase(k);
+    c->second->dead = true;
+    if (c->second->in_flight) retired_.push_back(c->second);
+    c = cached_.erase(c);
+  }
+}
+
+bool Runtime::CachedInFlight() const {
+  for (auto& kv : cached_) if (kv.second->in_flight) return true;
+  return false;
+}
+
+// This rank's ops are in some batch that is not dead (its join waits until they are not).
+bool Runtime::OwnCachedOps() const {
+  auto own = [](const CachedPtr& b) {
+    return !b->dead && (b->num_held > 0 || !b->later.empty() || (!b->in_round.empty() && !b->abandoned));
+  };
+  for (auto& kv : cached_) if (own(kv.second)) return true;
+  for (auto& b : retired_) if (own(b)) return true;
+  return false;
+}
+
+void Runtime::KeepRoundBuffers() {
+  // A round still running at shutdown (a peer never took part) may be completed by MPI
+  // after this runtime is gone, into its buffer: that buffer must outlive the runtime.
+  auto keep = [](const CachedPtr& b) {
+    if (b->in_flight && b->buf) new std::shared_ptr<FusedBuffer>(b->buf);  // deliberately never freed
+  };
+  for (auto& kv : cached_) keep(kv.second);
+  for (auto& b : retired_) keep(b);
+}
+
+void Runtime::CheckCached(Clock::time_point now) {
+  const double warn = cfg_.stall_check_time > 0 ? cfg_.stall_check_time : cfg_.stall_shutdown_time;
+  const double kill = cfg_.stall_shutdown_time;
+  for (auto& kv : cached_) {
+    const CachedPtr& b = kv.second;
+    if (b->dead) continue;
+    if (!b->in_flight && b->num_held > 0 && !b->dying) {
+      // Part of the batch is here. Waiting for the rest is right while the program goes
+      // on submitting (a backward pass); not when it waits for one of these ops first.
+      bool waited = false;
+      for (auto& e : b->held) waited |= e && e->waited.load(std::memory_order_relaxed);
+      if (waited && b->waited_since == Clock::time_point{}) b->waited_since = now;
+      const bool long_wait = waited && now - b->waited_since > std::chrono::milliseconds(kWaitedMs);
+      if (long_wait || (warn > 0 && std::chrono::duration<double>(now - b->since).count() > warn)) Doom(b);
+      continue;
+    }
+    if (!b->in_flight || b->abandoned) continue;
+    const double waited = std::chrono::duration<double>(now - b->round_start).count();
+    // Its ops wait for the other ranks (in this round, or behind a dying batch's last
+    // round): after a while, tell the coordinator, whose stall check then names the
+    // missing ranks and fails the op everywhere (FailCached) as for an op it negotiates.
+    const double probe_after = std::min(warn > 0 ? warn : kill, kill > 0 ? kill : warn) / 4;
+    if (probe_after > 0 && waited >= probe_after) {
+      for (auto* list : {&b->in_round, &b->held, &b->later})
+        for (auto& e : *list) {
+          if (!e || e->probed) continue;
+          e->probed = true;
+          Request req{e->name, e->sig, e->step, {}, 0, false, {}, {}};
+          req.probe = true;
+          req.set = b->set;
+          late_requests_.push_back(std::move(req));
+        }
+    }
+    if (!b->ready_round) continue;
+    const std::string what = "allreduce '" + b->names[0] + "'" + (b->names.size() > 1 ? " (and its fused batch)" : "") +
+                             " waited " + std::to_string(static_cast<int>(waited)) +
+                             " s for the other ranks to submit it (the coordinator did not answer)";
+    if (kill > 0 && waited >= 2 * kill) {  // only if the coordinator's stall check did not
+      ++stats_.stalls;
+      b->abandoned = true;  // the round may still complete: it no longer touches these ops
+      for (auto& e : b->in_round) Finish(e, Status::Error(SHOAL_ABORTED, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME)"));
+    }
+  }
+}
+
+// The coordinator failed `name` at `step` on every rank: a stall of a round (`fail_round`:
+// the ops in it fail now; the missing ranks doom the batch when they hear of it), or a call
+// refused on some rank (the batch is doomed; its ops go to the coordinator, which refuses
+// that one and runs the others).
+void Runtime::FailCached(const std::string& name, int64_t step, const Status& st, bool fail_round) {
+  auto it = cached_members_.find(name);
+  if (it == cached_members_.end()) return;
+  const CachedPtr b = it->second.first;
+  auto matches = [&](const EntryPtr& e) { return e && e->key() == name && (step < 0 || e->step == step); };
+  if (fail_round) {
+    if (!b->abandoned && std::any_of(b->in_round.begin(), b->in_round.end(), matches)) {
+      b->abandoned = true;
+      for (auto& e : b->in_round) Finish(e, st);
+    }
+    for (auto& e : b->held)
+      if (matches(e)) {
+        Finish(e, st);
+        e = nullptr;
+        --b->num_held;
+      }
+    for (auto& e : b->later) if (matches(e)) Finish(e, st);
+    b->later.erase(std::remove_if(b->later.begin(), b->later.end(), matches), b->later.end());
+  }
+  Doom(b);
+}
+
+}  // namespace shoal

@@ -1,0 +1,108 @@
+// Multi-stage ops: hierarchical_neighbor_allreduce as one op of the core (BlueFog's
+// semantics, reference/bluefog-semantics.md §1.6). Its stages are ops of their own, named
+// after it ("<name>.machine_sum", ".exchange", ".share"), so ranks match, negotiate, fuse
+// and cache them like any op; each is queued when the one before completes, and the op's
+// one handle completes after the last, with the division by local_size().
+#include "common/reduce.h"
+#include "runtime/runtime.h"
+
+namespace shoal {
+
+struct Stages {
+  EntryPtr op;                 // what the caller holds
+  std::vector<EntryPtr> rest;  // stages not queued yet, in order
+};
+
+EntryPtr Runtime::StartStages(const EntryPtr& e) {
+  const WorldInfo& w = world();
+  auto stages = std::make_shared<Stages>();
+  stages->op = e;
+  for (auto& [op, suffix] : kHierarchicalStages) {
+    auto s = std::make_shared<Entry>();
+    s->sig = e->sig;
+    s->sig.op = op;
+    s->name = e->name + suffix;
+    s->input = s->output = e->output;  // in place, after the machine sum
+    stages->rest.push_back(std::move(s));
+  }
+  Entry& sum = *stages->rest[0];
+  sum.input = e->input;
+  sum.sig.reduce_op = SHOAL_REDUCE_SUM;
+  sum.sig.scope = SHOAL_SCOPE_MACHINE;
+  sum.gpu = std::move(e->gpu);  // the producer's point on the caller's stream, taken at the call
+  Entry& exchange = *stages->rest[1];
+  exchange.topo_check = e->topo_check;
+  if (w.local_rank == 0) {  // machine m's local rank 0 is rank m * local_size()
+    for (int m : e->recv_ranks) exchange.recv_ranks.push_back(m * w.local_size);
+    for (int m : e->send_ranks) exchange.send_ranks.push_back(m * w.local_size);
+    exchange.recv_weights = e->recv_weights;
+    exchange.send_weights = e->send_weights;
+    exchange.self_weight = e->self_weight;
+    exchange.uniform = e->uniform;
+  }  // else no peers: it only takes part in the exchange's negotiation
+  stages->rest[2]->sig.scope = SHOAL_SCOPE_MACHINE;  // share: broadcast from local rank 0
+  EntryPtr first = stages->rest.front();
+  stages->rest.erase(stages->rest.begin());
+  first->stages = std::move(stages);
+  return first;
+}
+
+void Runtime::NextStage(const EntryPtr& s, const Status& st_in) {
+  std::shared_ptr<Stages> stages = std::move(s->stages);
+  const EntryPtr op = stages->op;
+  Status st = st_in;
+  EntryPtr next;
+  if (st.ok() && !stages->rest.empty()) {
+    next = stages->rest.front();
+    stages->rest.erase(stages->rest.begin());
+    if (op->sig.device_type == SHOAL_DEVICE_CUDA) {
+      // After the stage before: its completion ordered the caller's stream after its result.
+      shoal_op_desc d{};
+      d.op = next->sig.op;
+      d.input = {op->output.data, op->sig.dtype, 0, nullptr, op->output.device_type, op->output.device_id,
+                 op->output.stream, nullptr};
+      d.output = d.input;
+      try {
+        next->gpu = CaptureGpuOp(d, next->nbytes());
+      } catch (const ArgumentError& ex) {
+        st = Status::Error(SHOAL_ABORTED, OpError(next->sig.op, next->name, ex.what()));
+        stages->rest.insert(stages->rest.begin(), next);
+        next = nullptr;
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    handles_.erase(s->handle);
+    if (next) {
+      next->stages = std::move(stages);
+      QueueLocked(next);
+      if (!driving_) work_cv_.notify_one();
+      return;
+    }
+    if (!st.ok() && !stop_ && !left_) {
+      // The ranks waiting for this op's later stages fail with it instead of waiting.
+      const std::string why = OpError(op->sig.op, op->name, "an earlier stage failed on rank " +
+                              std::to_string(world().rank) + ": " + st.message);
+      for (auto& later : stages->rest) RejectLocked(later->sig.op, later->name, SHOAL_ABORTED, why);
+      if (!driving_) work_cv_.notify_one();
+    }
+  }
+  Finish(op, st.ok() ? DivideResult(*op, world().local_size) : st);
+}
+
+Status Runtime::DivideResult(const Entry& e, int divisor) {
+  if (e.sig.device_type != SHOAL_DEVICE_CUDA) {
+    Divide(e.output.data, e.output.data, e.sig.dtype, e.count(), divisor);
+    return Status::Ok();
+  }
+  // On the caller's stream, which the last stage's completion ordered after the result.
+  std::string why;
+  const shoal_cuda_api* api = CudaPlugin(&why);
+  const char* err = api ? api->set_device(e.output.device_id) : why.c_str();
+  if (!err) err = api->scale(e.output.data, e.output.data, divisor, 1, e.sig.dtype, e.count(), e.output.stream);
+  if (!err) return Status::Ok();
+  return Status::Error(SHOAL_ABORTED, OpError(e.sig.op, e.name, std::string("CUDA: ") + err));
+}
+
+}  // namespace shoal

@@ -1,0 +1,569 @@
+#include "runtime/runtime.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "common/reduce.h"
+
+namespace shoal {
+namespace {
+
+// Handles are unique for the whole process, across init/shutdown cycles.
+std::atomic<int64_t> g_next_handle{1};
+// Runtimes created in this process; the same sequence on every rank (init is collective).
+std::atomic<uint64_t> g_generations{0};
+
+}  // namespace
+
+Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation)
+    : cfg_(cfg), backend_(std::move(backend)), generation_(generation ? generation : ++g_generations),
+      device_plane_(backend_.get(), &stats_),
+      neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()),
+      departures_(backend_->world().size), stalls_(cfg_, &stats_) {
+  if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold, Backend::kChannels);
+  if (!cfg_.timeline.empty()) {
+    std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
+    if (!timeline_.Open(path, world().rank)) Log(LOG_ERROR, "cannot write the timeline " + path);
+  }
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Runtime::Stop() {
+  if (!stop_) Leave();
+  if (windows_) windows_->Stop();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    stop_ = true;
+    work_cv_.notify_all();
+    done_cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+  {
+    // A waiting user thread may be in the middle of a cycle; MPI may be finalized next.
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return !driving_; });
+  }
+  FailAll("Shoal was shut down before the op completed");
+  KeepRoundBuffers();
+  device_plane_.Stop();
+  for (auto& kv : nccl_) kv.second->Stop();
+  timeline_.Close();
+}
+
+double Runtime::Now() const {
+  return std::chrono::duration<double>(Clock::now() - start_).count();
+}
+
+int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
+  if (!IsOpCode(d.op) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
+  // A call in no set of this rank's is refused before the try: nobody waits for it.
+  const ProcessSetPtr pset = CallSet(d);
+  EntryPtr e;
+  try {
+    e = Describe(d, pset);
+  } catch (const ArgumentError& ex) {
+    Reject(d.op, d.name, ex.code, ex.what(), d.process_set);
+    throw;
+  }
+  // Last, after validation: marks the point the producer reached on the caller's stream.
+  if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
+  std::unique_lock<std::mutex> lock(mu_);
+  Admissible(d.op);
+  if (d.op == kOpJoin && !sets_.empty())
+    throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
+                                                "exist (remove_process_set them first)");
+  if (d.op == kOpJoin) join_in_flight_ = true;
+  e->name = NameLocked(d.op, d.name, e->set);
+  if (e->set) e->set_key = SetKey(e->set, e->name);
+  NameState& ns = names_[e->key()];
+  if (ns.in_flight) throw Duplicate(d.op, e->name);
+  ns.in_flight = true;
+  ns.last_use = ++uses_;
+  if (d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) ns.staged = true;
+  Register(e, cb, cb_arg);
+  if (ns.frozen) {
+    held_.push_back(e);  // numbered at the commit of the vote that froze its name
+  } else {
+    e->step = ns.calls++;
+    Push(e);
+  }
+  const int64_t handle = e->handle;
+  Start(lock, cb != nullptr);
+  return handle;
+}
+
+void Runtime::Admissible(int op) const {
+  if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
+  if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
+  if (join_in_flight_)  // its peers run its part of their ops: it has no more data
+    throw ArgumentError(op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
+                        std::string(OpName(op)) + ": this rank called join(), which is still in flight; it takes "
+                                                  "part in no new ops until every rank has joined");
+}
+
+ArgumentError Runtime::Duplicate(int op, const std::string& name) {
+  return ArgumentError(SHOAL_DUPLICATE_NAME, std::string(OpName(op)) + ": an op named '" + name +
+                                                 "' is already in flight on this rank; wait for it or use another name");
+}
+
+void Runtime::Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
+  Register(e, cb, cb_arg);
+  Push(e);
+}
+
+void Runtime::Register(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
+  e->callback = cb;
+  e->callback_arg = cb_arg;
+  e->handle = g_next_handle++;
+  handles_[e->handle] = e;
+}
+
+void Runtime::Push(const EntryPtr& e) {
+  if (e->sig.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
+    QueueLocked(StartStages(e));  // the op completes after its last stage
+  } else {
+    queue_.push_back(e);
+    queued_ = queue_.size();
+  }
+}
+
+void Runtime::Start(std::unique_lock<std::mutex>& lock, bool callback) {
+  if (driving_) return;  // the driver takes it next cycle
+  if (waiters_ > 0) {
+    done_cv_.notify_all();  // a waiter between cycles drives it
+  } else if (callback) {
+    work_cv_.notify_one();  // nobody will wait: the background thread runs it
+  } else {
+    // Start it here (send to peers, or ask the coordinator) without waking a thread;
+    // whoever waits for it drives the rest, else the background thread within a cycle time.
+    Drive(lock, nullptr, nullptr);
+    // A thread that came to wait while this one drove slept on done_cv_: hand it the
+    // token (only here: waiters hand over on leaving Wait, and waking every waiter after
+    // every cycle would make them chase each other).
+    if (waiters_ > 0) done_cv_.notify_all();
+  }
+}
+
+void Runtime::Reject(int op, const char* name, int code, const std::string& error, int set) {
+  // A grouped op's refusal (SHOAL_GROUPED | op) names the group.
+  if (!IsOpCode((op & SHOAL_GROUPED) ? op & ~SHOAL_GROUPED : op) || world().size == 1) return;
+  ProcessSetPtr pset = set ? FindSet(set) : nullptr;
+  if (set && (!pset || pset->index < 0 || pset->size() == 1)) return;  // nobody waits for this rank's call
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stop_ || left_) return;
+  const std::string full = NameLocked(op, name, set);
+  if (op != SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
+    if (!RejectLocked(op, full, code, error, pset)) return;
+  } else {
+    NameState& ns = names_[full];
+    if (ns.in_flight) return;
+    ns.staged = true;  // its stages' names are retired with it
+    ns.last_use = ++uses_;
+    ++(ns.frozen ? ns.held_calls : ns.calls);  // the stages' refusals below carry the steps
+    for (auto& [stage, suffix] : kHierarchicalStages) {
+      RejectLocked(stage, full + suffix, code, error);
+      names_[full + suffix].stage = true;
+    }
+  }
+  if (driving_) return;
+  if (waiters_ > 0) done_cv_.notify_all();
+  else Drive(lock, nullptr, nullptr);
+}
+
+bool Runtime::RejectLocked(int op, const std::string& name, int code, const std::string& error,
+                           const ProcessSetPtr& pset) {
+  auto e = std::make_shared<Entry>();
+  e->sig.op = op;
+  e->name = name;
+  if (pset) {
+    e->set = pset->id;
+    e->pset = pset;
+    e->set_key = SetKey(e->set, name);
+  }
+  NameState& ns = names_[e->key()];
+  if (ns.in_flight) return false;  // the call is refused as a duplicate: it is not this step's
+  e->reject = error;
+  // A refusal at the call is a ValueError or TypeError everywhere; a failed earlier stage
+  // of a multi-stage op is a runtime failure (ShoalError) on the ranks waiting in later ones.
+  e->reject_code = code == SHOAL_INVALID_TYPE || code == SHOAL_ABORTED ? code : SHOAL_INVALID_ARGUMENT;
+  e->done = true;
+  ns.last_use = ++uses_;
+  if (ns.frozen) {
+    held_.push_back(e);
+    return true;
+  }
+  e->step = ns.calls++;
+  queue_.push_back(e);
+  queued_ = queue_.size();
+  return true;
+}
+
+void Runtime::QueueLocked(const EntryPtr& e) {
+  NameState& ns = names_[e->name];
+  ns.in_flight = true;
+  ns.stage = true;  // retired with its op's name only
+  e->step = ns.calls++;
+  e->handle = g_next_handle++;
+  handles_[e->handle] = e;
+  queue_.push_back(e);
+  queued_ = queue_.size();
+}
+
+Status Runtime::OnDriver(std::function<Status()> job) {
+  auto e = std::make_shared<Entry>();
+  e->sig.op = kOpSetControl;
+  e->name = "process_sets.control";
+  int64_t handle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ || left_) return Status::Error(SHOAL_ABORTED, "Shoal is shutting down");
+    e->handle = handle = g_next_handle++;
+    handles_[handle] = e;
+    set_jobs_[handle] = std::move(job);
+    queue_.push_back(e);
+    queued_ = queue_.size();
+  }
+  work_cv_.notify_one();
+  Status st = Wait(handle);  // drives the cycle that runs it, unless another thread does
+  Release(handle);
+  return st;
+}
+
+void Runtime::Leave() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (left_) return;
+  left_ = true;
+  leaving_ = true;  // drivers step aside after their cycle (they do not notify when they do)
+  while (driving_) done_cv_.wait_for(lock, std::chrono::milliseconds(1));
+  driving_ = true;  // the backend is this thread's alone now
+  lock.unlock();
+  auto pending = std::make_shared<std::atomic<int>>(0);
+  try {
+    // Queued requests (a refusal, say) reach the coordinator, and the coordinator's
+    // answers its peers, before they learn that this rank left.
+    SafeCycle(false);
+    DoomAllCached();  // every rank dooms them when it hears of this; this rank's rounds first
+    const WorldInfo& w = world();
+    for (int r = 0; r < w.size; ++r) {
+      if (r == w.rank || departures_.Left(r)) continue;
+      ++*pending;
+      backend_->Send(r, NeighborExchange::kTag, NeighborExchange::LeaveNotice(generation_),
+                     [pending](const Status&) { --*pending; });
+    }
+    // Small messages complete at once; a peer that is gone must not hold this rank here.
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    while ((*pending > 0 || CachedInFlight()) && Clock::now() < deadline) {
+      if (!backend_->Progress()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  } catch (const std::exception& ex) {
+    Log(LOG_WARNING, std::string("could not tell the peers that this rank leaves: ") + ex.what());
+  }
+  lock.lock();
+  driving_ = false;
+  leaving_ = false;
+  done_cv_.notify_all();
+}
+
+EntryPtr Runtime::Find(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  return it == handles_.end() ? nullptr : it->second;
+}
+
+int Runtime::Poll(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return -SHOAL_UNKNOWN_HANDLE;
+  return it->second->done ? 1 : 0;
+}
+
+int Runtime::InUse(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return -SHOAL_UNKNOWN_HANDLE;
+  const Entry& e = *it->second;
+  return !e.done || (e.direct_sends && e.sends_pending > 0) ? 1 : 0;
+}
+
+Status Runtime::Wait(int64_t handle, int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return Status::Error(SHOAL_UNKNOWN_HANDLE, "unknown handle " + std::to_string(handle));
+  EntryPtr e = it->second;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? int64_t{1} << 40 : timeout_ms);
+  // Drive progress here rather than hand the op to the background thread and be woken
+  // again: on busy cores each thread switch costs tens of microseconds.
+  ++waiters_;
+  e->waited = true;
+  Pacer pace(cfg_.cycle_time_ms, CycleTime());
+  bool busy = false;
+  const auto longest = CycleTime();
+  auto wait = std::chrono::microseconds(0);
+  // Like MPI_Sendrecv, stay until this op's own sends are through too (receivers of large
+  // messages need the sender's progress), unless they stopped moving or others drive.
+  auto finished = [&] {
+    return e->done && (e->sends_pending == 0 || wait >= longest || driving_ || stop_);
+  };
+  while (!finished() && Clock::now() < deadline) {
+    if (driving_ || stop_ || leaving_) {
+      done_cv_.wait_until(lock, leaving_ ? std::min(deadline, Clock::now() + CycleTime()) : deadline);
+      continue;
+    }
+    wait = Drive(lock, &pace, &busy, e.get());
+    if (wait.count() > 0 && !finished()) done_cv_.wait_until(lock, std::min(deadline, Clock::now() + wait));
+  }
+  --waiters_;
+  // Hand progress on: to another waiter, else to the background thread if work is left.
+  if (waiters_ > 0 || stop_) done_cv_.notify_all();
+  else if (busy || !queue_.empty()) work_cv_.notify_one();
+  if (!e->done) return Status::Error(SHOAL_TIMEOUT, "still running");
+  return e->status;
+}
+
+std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy,
+                                         const Entry* waited) {
+  driving_ = true;
+  lock.unlock();
+  // The driver may be a user thread: leave its current CUDA device as it was.
+  const int device = gpu_ ? gpu_->CurrentDevice() : -1;
+  bool progressed = SafeCycle(pace == nullptr);
+  if (device >= 0) gpu_->RestoreDevice(device);
+  auto wait = std::chrono::microseconds(0);
+  if (pace) {
+    *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
+            (gpu_ && !gpu_->Idle()) || NcclBusy() || !device_plane_.Idle();
+    wait = pace->Next(progressed, *busy);
+    // A waiter whose op is not done yields even after progress (its own send, say): on a
+    // shared core the rank it waits for may be the one ready to run.
+    if (wait.count() == 0 && (!progressed || (waited && !waited->done))) std::this_thread::yield();
+  }
+  lock.lock();
+  driving_ = false;
+  if (stop_) done_cv_.notify_all();  // Stop() waits for the driver to leave
+  return wait;
+}
+
+std::chrono::microseconds Pacer::Next(bool progressed, bool busy) {
+  const auto now = Clock::now();
+  if (progressed) {
+    idle_ = std::chrono::microseconds(0);
+    last_progress_ = now;
+    return idle_;
+  }
+  // Peers usually answer within microseconds: poll (yielding the core) for a short
+  // window after the last progress, then back off. With nothing in flight there is
+  // nothing to poll for (new ops start where they are enqueued, or notify): sleep the
+  // longest at once rather than wake a thread on busy cores every few microseconds.
+  if (busy && now - last_progress_ < poll_) return std::chrono::microseconds(0);
+  idle_ = busy ? std::min(longest_, std::max(std::chrono::microseconds(20), idle_ * 2)) : longest_;
+  return idle_;
+}
+
+bool Runtime::Release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return handles_.erase(handle) > 0;
+}
+
+void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
+  if (e->gpu && e->gpu->direct && !st_in.ok() && gpu_) {
+    // Sends of this entry may still be queued on the device plane's streams.
+    const char* err = nullptr;
+    if (void* s = gpu_->Stream(e->gpu->device, &err)) device_plane_.Fence(*e, s);
+  }
+  const Status st = e->gpu ? CompleteGpu(*e, st_in) : st_in;
+  if (st.ok()) {
+    switch (e->sig.op) {
+      case SHOAL_OP_ALLREDUCE: ++stats_.allreduce; break;
+      case SHOAL_OP_BROADCAST: ++stats_.broadcast; break;
+      case SHOAL_OP_ALLGATHER: ++stats_.allgather; break;
+      case SHOAL_OP_BARRIER: ++stats_.barrier; break;
+      case SHOAL_OP_NEIGHBOR_ALLREDUCE: ++stats_.neighbor_allreduce; break;
+      case SHOAL_OP_NEIGHBOR_ALLGATHER: ++stats_.neighbor_allgather; break;
+      case SHOAL_OP_REDUCESCATTER: ++stats_.reducescatter; break;
+      case SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE: ++stats_.hierarchical_neighbor_allreduce; break;
+      case SHOAL_OP_ALLTOALL: ++stats_.alltoall; break;
+    }
+  } else {
+    ++stats_.errors;
+    Log(LOG_DEBUG, "op failed: " + st.message);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (e->done) return;
+    e->done = true;
+    e->status = st;
+    auto ns = names_.find(e->key());
+    if (ns != names_.end()) ns->second.in_flight = false;
+    if (!e->group.empty()) {  // the group's name is free once every member is done
+      auto gs = names_.find(e->group);
+      if (gs != names_.end() && --gs->second.members_left <= 0) gs->second.in_flight = false;
+    }
+    if (e->sig.op == kOpJoin) join_in_flight_ = false;
+  }
+  auto t_callback = Clock::now();
+  done_cv_.notify_all();
+  if (e->callback) e->callback(e->handle, st.code, st.message.c_str(), e->callback_arg);
+  if (timeline_.enabled()) Trace(*e, st, t_callback);
+  if (e->stages) NextStage(e, st);
+}
+
+void Runtime::Trace(const Entry& e, const Status& st, Clock::time_point t_callback) {
+  const Clock::time_point unset{}, now = Clock::now();
+  std::string args = "\"bytes\": " + std::to_string(e.nbytes());
+  if (!st.ok()) args += ", \"error\": \"" + JsonEscape(st.message) + "\"";
+  timeline_.Span(e.name, OpName(e.sig.op), e.enqueued, now, args);
+  auto span = [&](const char* phase, Clock::time_point a, Clock::time_point b) {
+    if (a != unset && b != unset) timeline_.Span(e.name, phase, a, b);
+  };
+  span("NEGOTIATE", e.t_negotiated != unset ? e.enqueued : unset, e.t_negotiated);
+  span("FUSION_COPY", e.t_copy_start, e.t_copy_end);
+  const bool neighbor = e.sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e.sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  span(neighbor ? "WAIT_FOR_PEERS" : "COMMUNICATE", e.t_comm_start, neighbor ? e.t_peers_ready : e.t_comm_end);
+  span("REDUCE", e.t_reduce_start, e.t_reduce_end);
+  span("CALLBACK", t_callback, now);
+}
+
+void Runtime::FailAll(const std::string& why) {
+  std::vector<EntryPtr> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : handles_) if (!kv.second->done) pending.push_back(kv.second);
+    for (auto& e : queue_) if (!e->done) pending.push_back(e);
+    queue_.clear();
+    queued_ = 0;
+  }
+  for (auto& e : pending)
+    Finish(e, Status::Error(SHOAL_ABORTED, OpError(e->sig.op, e->name, why)));
+}
+
+bool Runtime::SafeCycle(bool start_only) {
+  try {
+    return Cycle(start_only);
+  } catch (const std::exception& ex) {
+    // Unrecoverable (MPI failure, corrupt message): fail everything and stop
+    // touching any op's memory; later enqueues are refused.
+    Log(LOG_ERROR, std::string("runtime loop failed: ") + ex.what());
+    awaiting_response_.clear();
+    groups_.clear();
+    neighbor_ready_.clear();
+    fresh_.clear();
+    neighbors_.TakeAll();
+    stop_ = true;
+    FailAll(std::string("Shoal's runtime failed: ") + ex.what());
+    return false;
+  }
+}
+
+void Runtime::Loop() {
+  SetLogContext(world().rank, cfg_.log_level);
+  const auto longest = CycleTime();
+  Pacer pace(cfg_.cycle_time_ms, std::chrono::microseconds(100));
+  bool busy = false;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (driving_ || waiters_ > 0 || leaving_) {  // a waiting user thread drives; stay off its cores
+      work_cv_.wait_for(lock, longest);
+      continue;
+    }
+    auto wait = Drive(lock, &pace, &busy);
+    if (waiters_ > 0) done_cv_.notify_all();  // a user thread came to wait: let it drive
+    // Sleep, but wake at once for new work.
+    else if (wait.count() > 0) work_cv_.wait_for(lock, wait, [&] { return stop_ || !queue_.empty(); });
+  }
+}
+
+bool Runtime::Cycle(bool start_only) {
+  bool progressed = false;
+  // Swapped with queue_ and cleared after use: both keep their capacity.
+  std::vector<EntryPtr>& fresh = fresh_;
+  if (queued_ > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fresh.swap(queue_);
+    queued_ = 0;
+  }
+  std::vector<Request> to_coordinator;
+  for (auto& e : fresh) {
+    if (e->gpu) StageGpu(e, &to_coordinator);
+    else Route(e, &to_coordinator);
+  }
+  progressed |= !fresh.empty();
+  fresh.clear();
+  if (!late_requests_.empty()) {
+    to_coordinator.insert(to_coordinator.end(), late_requests_.begin(), late_requests_.end());
+    late_requests_.clear();
+  }
+  progressed |= PollGpu(&to_coordinator);
+  if (joining_ && !join_sent_) SendJoin(&to_coordinator);  // after the rank's own requests
+
+  if (!to_coordinator.empty()) {
+    ++stats_.coordinator_rounds;
+    SendRequests(&to_coordinator);
+  }
+  // Every arrived message. The control tag is probed first: that probe also runs MPI's
+  // progress, so neighbor data that just arrived is matched by the next probe in this same
+  // cycle (probing neighbor data first, or MPI_ANY_TAG, left small messages unseen for up
+  // to hundreds of microseconds with the MPICH wheel).
+  static const std::vector<int> kCoordinatorTags = {kRequestTag, NeighborExchange::kTag},
+                                kWorkerTags = {kResponseTag, NeighborExchange::kTag},
+                                kLeaderTags = {kRequestTag, kResponseTag, NeighborExchange::kTag};  // of a process set
+  Status st;
+  int src = -1, tag = -1;
+  while (!start_only) {
+    if (!spare_) spare_ = recv_pool_->Get(0);
+    if (!backend_->Receive(coordinator_ ? kCoordinatorTags : set_leader_ ? kLeaderTags : kWorkerTags, &tag, &src,
+                           spare_.get(), &st))
+      break;
+    if (!st.ok()) throw std::runtime_error(st.message);
+    progressed = true;
+    Bytes msg = std::move(spare_);
+    if (tag == NeighborExchange::kTag) {
+      uint64_t generation = 0;
+      int64_t join_epoch = 0;
+      if (DevicePlane::IsLinkMessage(*msg)) device_plane_.OnLinkMessage(src, *msg);
+      else if (IsJoinNotice(*msg, &generation, &join_epoch)) { if (generation == generation_) OnJoinNotice(src, join_epoch); }
+      else if (!NeighborExchange::IsLeaveNotice(*msg, &generation)) neighbors_.Accept(src, std::move(msg));
+      else if (generation == generation_) OnLeave(src);  // else: from a runtime before a shutdown
+    } else if (tag == kRequestTag) {
+      OnRequests(src, *msg);
+    } else if (tag == kResponseTag && !coordinator_) {
+      for (auto& r : DecodeResponses(msg->data(), msg->size())) Apply(r);
+    } else {
+      throw std::runtime_error("unexpected message with tag " + std::to_string(tag) + " from rank " + std::to_string(src));
+    }
+  }
+  if (!st.ok()) throw std::runtime_error(st.message);
+  if (coordinator_ && !start_only) {
+    std::vector<Response> resps = coordinator_->TakeResponses();
+    if (!resps.empty()) {
+      Respond(nullptr, std::move(resps));
+      progressed = true;
+    }
+    if (!set_leader_) stats_.negotiations = coordinator_->negotiations();
+  }
+  if (set_leader_ && !start_only) progressed |= RespondForSets();  // (and counts every coordinator's negotiations)
+
+  if (!neighbor_ready_.empty()) {
+    neighbors_.Start(neighbor_ready_);
+    neighbor_ready_.clear();
+    progressed = true;
+  }
+  if (start_only) return progressed;
+  progressed |= backend_->Progress();  // first: sends and separate data that completed
+  for (auto& done : neighbors_.Complete()) {
+    Finish(done.first, done.second);
+    progressed = true;
+  }
+  if (!cached_.empty()) CheckCached(Clock::now());
+  CheckStalls();
+  if (timeline_.enabled() && Clock::now() - last_flush_ > std::chrono::milliseconds(100)) {
+    timeline_.Flush();  // keep the file readable while the job runs
+    last_flush_ = Clock::now();
+  }
+  return progressed;
+}
+
+}  // namespace shoal

@@ -1,0 +1,344 @@
+// The one runtime object of a process: queue, handles, progress.
+//
+// User threads enqueue ops and wait on handles. One thread at a time, the driver,
+// runs the communication cycle; each cycle it (1) reports newly submitted ops that
+// need agreement to the coordinator (rank 0) and applies the coordinator's ordered
+// responses: collectives always, neighbor ops the first time a name is seen;
+// (2) sends and receives neighbor data directly between neighbours (no global step);
+// (3) progresses in-flight MPI requests; (4) checks for stalls.
+// The driver is a user thread blocked in Wait, or the enqueuing thread for one cycle,
+// else the background thread (ops with callbacks, ops nobody waits for yet). Handing a
+// small op to another thread and being woken back cost more than the op itself on
+// busy cores, so a waiter drives rather than sleeps. "Driver only" state below is
+// touched only by the thread holding the `driving_` token.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "engines/backend.h"
+#include "common/buffer_pool.h"
+#include "negotiation/coordinator.h"
+#include "negotiation/stall_inspector.h"
+#include "neighbor/device_plane.h"
+#include "engines/nccl/nccl_backend.h"
+#include "runtime/departures.h"
+#include "runtime/entry.h"
+#include "process_sets/process_sets.h"
+#include "gpu/staging.h"
+#include "neighbor/neighbor_exchange.h"
+#include "common/stats.h"
+#include "common/timeline.h"
+#include "neighbor/topology.h"
+#include "windows/windows.h"
+
+namespace shoal {
+
+// When a progress driver polls again: at once after progress, after a yield for `poll`
+// after the last progress while ops are in flight, else after a sleep that doubles up to
+// the cycle time (at once the cycle time when nothing is in flight). A user thread blocked
+// in Wait polls for a whole cycle time, as MPI's blocking calls do: a timed sleep wakes
+// tens of microseconds late, longer than a small op. The background thread polls briefly.
+class Pacer {
+ public:
+  Pacer(double cycle_time_ms, std::chrono::microseconds poll)
+      : longest_(static_cast<int64_t>(cycle_time_ms * 1000)), poll_(poll) {}
+  std::chrono::microseconds Next(bool progressed, bool busy);
+
+ private:
+  std::chrono::microseconds longest_, poll_, idle_{0};
+  Clock::time_point last_progress_ = Clock::now();
+};
+
+// The element counts of every rank of an allgather (from the ranks' first dims) or of a
+// reducescatter (Horovod's split of dim 0); each also sets the entry's result shape and
+// allocates its result (host memory).
+std::vector<int64_t> GatherCounts(Entry& e, const std::vector<int64_t>& first_dims);
+std::vector<int64_t> ScatterCounts(Entry& e, int size, int rank);  // over `size` ranks, this one `rank`
+// Horovod's alltoall (ops/alltoall.cc), from the response's table of splits
+// (first_dims[q][r]: rows rank q sends to rank r; ranks: indices in the op's process set of
+// `size` ranks, this one `rank`): the elements this rank sends to and receives from each rank;
+// sets the entry's received splits and result shape and allocates its result. Returns "" or
+// why the table does not fit the entry; *any: whether any rank moves data (if none does, no
+// rank calls the collective).
+std::string AlltoallCounts(const Response& r, Entry& e, int size, int rank, std::vector<int64_t>* send,
+                           std::vector<int64_t>* recv, bool* any);
+
+class Runtime {
+ public:
+  // `generation`: which start-up of the job this is (leave notices of an earlier one are
+  // ignored); 0: count this process's runtimes (every rank starts and stops them together).
+  Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation = 0);
+  ~Runtime() { Stop(); }
+  // Stops the loop; pending ops fail with SHOAL_ABORTED. Idempotent.
+  void Stop();
+
+  const WorldInfo& world() const { return backend_->world(); }
+  const Config& config() const { return cfg_; }
+  Stats& stats() { return stats_; }
+  size_t NameCount();  // names with per-name state here (bounded: negotiation/names.cc)
+  bool Voting();       // a vote on retiring names is in flight here (tests)
+  Timeline& timeline() { return timeline_; }
+  // The static graphs over ranks and machines (any thread).
+  Topologies& topologies() { return topologies_; }
+  // One-sided window ops run on their own thread (windows/windows.h); null until attached.
+  void AttachWindows(std::unique_ptr<WindowQueue> w) { windows_ = std::move(w); }
+  WindowQueue* windows() { return windows_.get(); }
+
+  // Validates and queues; throws ArgumentError for bad arguments (and tells the peers,
+  // which may be waiting for this call, through Reject).
+  int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
+  // A grouped op (shoal_enqueue_group; ops/groups.cc): its members' handles, in order.
+  std::vector<int64_t> EnqueueGroup(const char* name, const shoal_op_desc* descs, int n, shoal_callback cb,
+                                    void* const* cb_args);
+  // desc.op == kOpJoin: Horovod's join (ops/join.cc); its result is the last rank to join.
+  // A call of `op` named `name` (null: unnamed) refused at the call on this rank with
+  // `error`: its name and step are used up as if it ran, and every rank that submits it
+  // gets the same error instead of waiting for this rank.
+  void Reject(int op, const char* name, int code, const std::string& error, int set = 0);
+  // Horovod's add_process_set / remove_process_set, called by every rank in the same order
+  // (process_sets/process_sets.h; semantics: shoal_add_process_set). `refusal`: this rank refuses the
+  // call (bad arguments above the core): every rank raises it. Throw ArgumentError (the same
+  // on every rank). Blocking.
+  int32_t AddProcessSet(const std::vector<int>& ranks, const std::string& refusal = "");
+  void RemoveProcessSet(int32_t id, const std::string& refusal = "");
+  // Set `id`'s members, or null for a set that does not exist (any thread).
+  ProcessSetPtr FindSet(int32_t id);
+  // This rank takes part in no more ops: tells every peer, so ops that need this rank fail
+  // there instead of waiting. Later enqueues are refused. Idempotent; Stop() calls it.
+  void Leave();
+  // The ranks that left the job (Message(): any thread).
+  const Departures& departures() const { return departures_; }
+  int Poll(int64_t handle);
+  // 1 while the op's tensors may still be read or written (see shoal_in_use).
+  int InUse(int64_t handle);
+  // Blocks until the op completes, or (timeout_ms >= 0) returns SHOAL_TIMEOUT.
+  Status Wait(int64_t handle, int64_t timeout_ms = -1);
+  EntryPtr Find(int64_t handle);
+  bool Release(int64_t handle);
+
+ private:
+  static constexpr int kRequestTag = 1, kResponseTag = 2;  // to and from the coordinator
+  void Loop();
+  // Runs one cycle as the progress driver (mu_ held on entry and exit, released during
+  // the cycle); returns how long to wait before the next. Without a pacer, only starts
+  // what was queued (sends, requests to the coordinator): the enqueuing thread's cycle.
+  std::chrono::microseconds Drive(std::unique_lock<std::mutex>& lock, Pacer* pace, bool* busy,
+                                  const Entry* waited = nullptr);
+  bool SafeCycle(bool start_only);
+  bool Cycle(bool start_only);
+  void Route(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  void Apply(const Response& r);
+  void RunCollective(const Response& r, std::vector<EntryPtr> batch);
+  void RunReduceScatter(const EntryPtr& e, GroupCollectives* engine);
+  GroupCollectives* Group(int set);  // the engine of process set `set` (0: every rank); null if unknown here
+  void RunAlltoall(const Response& r, const EntryPtr& e, GroupCollectives* engine);  // ops/alltoall.cc
+  // Enqueue's parts: the entry of a valid desc (throws ArgumentError), whether this rank
+  // takes new ops (mu_ held; throws), queueing (mu_ held), and starting the queue.
+  // The call's process set (null: global); throws ArgumentError naming `what` (default: d's op).
+  ProcessSetPtr CallSet(const shoal_op_desc& d, const char* what = nullptr);
+  EntryPtr Describe(const shoal_op_desc& d, const ProcessSetPtr& pset);
+  void Admissible(int op) const;
+  static ArgumentError Duplicate(int op, const std::string& name);
+  void Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg);  // Register, then Push
+  void Register(const EntryPtr& e, shoal_callback cb, void* cb_arg);  // its handle (mu_ held)
+  void Push(const EntryPtr& e);  // onto the queue; a hierarchical op as its first stage (mu_ held)
+  void Start(std::unique_lock<std::mutex>& lock, bool callback);
+  // Grouped ops (ops/groups.cc): members wait until all are here, then the group asks
+  // the coordinator once; its response runs every member (RunGroup) or fails them all.
+  void RouteGroupMember(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  void ExpandGroup(const EntryPtr& e, std::vector<EntryPtr>* out);  // a group's leader: all its members
+  void RunGroup(const Response& r, std::vector<EntryPtr> members);
+  void JoinedGroup(const Response& r, std::vector<EntryPtr>* batch);  // takes mu_
+  void Finish(const EntryPtr& e, const Status& st);
+  void Trace(const Entry& e, const Status& st, Clock::time_point t_callback);
+  void CheckStalls();
+  void OnLeave(int rank);
+  bool FailIfUnreachable(const EntryPtr& e);
+  std::string NameLocked(int op, const char* name, int set = 0);  // mu_ held
+  // Uses up `name`'s next step (in process set `pset`, null: every rank's) with a refusal its
+  // peers hear of; false if an op of that name is in flight here (mu_ held).
+  bool RejectLocked(int op, const std::string& name, int code, const std::string& error,
+                    const ProcessSetPtr& pset = nullptr);
+  // Queues an op of the runtime's own (a stage) under a handle of its own (mu_ held).
+  void QueueLocked(const EntryPtr& e);
+  // Makes the stages of hierarchical op `e` (named, on its handle); returns the first (mu_ held).
+  EntryPtr StartStages(const EntryPtr& e);
+  // Stage `s` finished with `st`: queue the next stage, or finish the op.
+  void NextStage(const EntryPtr& s, const Status& st);
+  Status DivideResult(const Entry& e, int divisor);
+  void FollowUnnamed(int op, const std::string& name);  // an unnamed op ran here without a call; mu_ held
+  // Bounded per-name state (negotiation/names.cc): past cfg_.name_limit names, idle names
+  // every rank agrees on are retired (propose with a request, vote, commit).
+  void Propose(const EntryPtr& e, Request* req);  // takes mu_
+  void Vote(const Response& r);    // the names every rank proposed (takes mu_)
+  void Commit(const Response& r);  // the vote's outcome (takes mu_)
+  // Thaws set `set`'s frozen names, forgets those in `gone`, runs its held calls (mu_ held).
+  void Thaw(int set, const std::set<std::string>& gone);
+  void ThawIfLost(int left_rank);  // a vote's coordinator left (takes mu_)
+  void Later();  // nothing retired: propose again only after more names (mu_ held)
+  void ForgetSet(int set);  // a removed set's names (driver, mu_ held)
+  void FailAll(const std::string& why);
+  double Now() const;
+  std::chrono::microseconds CycleTime() const {
+    return std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
+  }
+  // CUDA tensors (gpu/staging.cc (and runtime/device_path.cc)): stage to host, route once staged, copy back at completion.
+  void StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  bool PollGpu(std::vector<Request>* to_coordinator);
+  Status CompleteGpu(Entry& e, const Status& st);
+  // A negotiated batch of collectives of CUDA tensors on their device, by NCCL.
+  void RunOnDevice(const Response& r, const std::vector<EntryPtr>& batch);
+  bool NcclBusy() const {
+    for (auto& kv : nccl_) if (kv.second->num_in_flight() > 0) return true;
+    return false;
+  }
+  // Cached allreduce batches (negotiation/response_cache.cc).
+  struct CachedBatch;
+  using CachedPtr = std::shared_ptr<CachedBatch>;
+  bool RouteCached(const EntryPtr& e);
+  void CacheBatch(const Response& r, const std::vector<EntryPtr>& batch);
+  void Doom(const CachedPtr& b);
+  void Contribute(const CachedPtr& b, bool ready);
+  void OnRound(const CachedPtr& b, const Status& st);
+  void DoomAllCached(int with_rank = -1);  // >= 0: only the batches of the sets that have this rank
+  void DropCached(int set);  // set removed: its (idle) batches go
+  bool CachedInFlight() const;
+  void KeepRoundBuffers();
+  void CheckCached(Clock::time_point now);
+  void FailCached(const std::string& name, int64_t step, const Status& st, bool fail_round);
+  void Ask(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  // Process sets (process_sets/process_sets.cc).
+  struct SetState {
+    ProcessSetPtr info;
+    std::unique_ptr<Coordinator> coordinator;  // at the set's leader only
+  };
+  // The allgather through which every rank's add/remove calls agree: every rank's vote.
+  std::vector<SetVote> Agree(const SetVote& mine, const std::string& what);
+  Status OnDriver(std::function<Status()> job);  // runs `job` on the progress driver; waits
+  void RunControl(const EntryPtr& e);
+  Status MakeSet(int32_t id, const std::vector<int>& ranks);  // driver
+  void DropSet(int32_t id);                                   // driver
+  Coordinator* CoordinatorOf(int set);                        // driver: null if not this rank's
+  const ProcessSet* SetOf(int set) const;                     // driver: null for set 0 and unknown sets
+  int IndexIn(int set, int world_rank) const;                 // driver
+  int SetSize(int set) const { const ProcessSet* s = SetOf(set); return s ? s->size() : world().size; }
+  bool Lost(int set) const;  // driver: a member of `set` left the job
+  void SendRequests(std::vector<Request>* reqs);
+  void OnRequests(int src, const ByteVec& msg);
+  bool RespondForSets();     // the set coordinators' responses of this cycle
+  void Respond(const ProcessSet* set, std::vector<Response> resps);
+  void LeaveSets(int rank);  // `rank` left: the sets it is in
+  // Fails, with `code` and "<op> '<name>': <why>", the ops waiting for a coordinator that `which` picks.
+  void FailAwaiting(const std::function<bool(const Entry&)>& which, int code, const std::string& why);
+  // Join (ops/join.cc).
+  void RouteJoin(const EntryPtr& e);
+  void SendJoin(std::vector<Request>* to_coordinator);
+  bool OwnCachedOps() const;
+  void OnJoinNotice(int rank, int64_t epoch);
+  bool PeerJoined(int rank) const {
+    return rank < static_cast<int>(peer_joined_at_.size()) && peer_joined_at_[rank] == join_epoch_;
+  }
+  bool AnyPeerJoined() const;
+  EntryPtr JoinedEntry(const Response& r, size_t i);
+  // This rank's call of `name` that it runs on the identity of `sig`'s reduction (takes mu_).
+  EntryPtr IdentityEntry(const std::string& name, const Signature& sig);
+  void FinishJoin(const Response& r, const std::vector<EntryPtr>& batch);
+  static bool IsJoinNotice(const ByteVec& msg, uint64_t* generation, int64_t* epoch);
+
+  Config cfg_;
+  std::unique_ptr<Backend> backend_;
+  uint64_t generation_;
+  Stats stats_;
+  Timeline timeline_;
+  Topologies topologies_;
+  DevicePlane device_plane_;  // neighbor data of CUDA tensors from device memory (driver only)
+  std::map<int, std::unique_ptr<NcclBackend>> nccl_;  // by device: collectives of CUDA tensors (driver only)
+  std::shared_ptr<BufferPool> fusion_pool_ = BufferPool::Create(4);
+  Clock::time_point last_flush_ = Clock::now();
+  std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
+  NeighborExchange neighbors_;
+  std::shared_ptr<BufferPool> recv_pool_ = BufferPool::Create();
+  Bytes spare_;  // receive buffer of the next probe (driver only)
+  std::vector<EntryPtr> fresh_;  // the queue taken this cycle (driver only)
+
+  // Shared with user threads.
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::vector<EntryPtr> queue_;
+  std::unordered_map<int64_t, EntryPtr> handles_;
+  std::map<std::pair<int, int>, int64_t> noname_counter_;  // by (process set, op)
+  struct NameState {
+    int64_t calls = 0;  // ops submitted so far
+    bool in_flight = false;
+    int members_left = 0;  // a grouped op's name: its members still running
+    int64_t last_use = 0;  // uses_ at its last call
+    int64_t held_calls = 0;  // a hierarchical op's refused calls while proposed
+    bool frozen = false;     // voted to retire: new calls wait in held_ until the commit
+    bool staged = false;     // a hierarchical op's name (its stages' names go with it)
+    bool stage = false;      // a stage's name
+    bool grouped = false;    // a grouped op's or member's name (kept)
+  };
+  std::map<std::string, NameState> names_;
+  int64_t uses_ = 0;  // calls so far (NameState::last_use)
+  std::vector<EntryPtr> held_;  // calls of frozen names, in call order
+  struct Frozen {
+    std::string key, op_key;  // op_key: its own, or a stage's hierarchical op's
+    int set;
+  };
+  std::vector<Frozen> frozen_;
+  std::map<int, std::map<std::string, int64_t>> proposed_;  // by set: the names on file, with counts
+  std::set<int> voting_sets_;  // sets whose vote is in flight
+  size_t next_proposal_at_ = 0;  // names_ size at which to look for idle names again
+  bool driving_ = false;  // a thread is running Cycle()
+  bool left_ = false;     // Leave() ran
+  bool leaving_ = false;  // Leave() waits for the driving token
+  int waiters_ = 0;       // user threads in Wait
+  // Read without the mutex by the loop, so polling never contends with enqueue.
+  std::atomic<bool> stop_{false};
+  std::atomic<size_t> queued_{0};
+
+  // Driver only.
+  std::map<std::string, EntryPtr> awaiting_response_;  // a grouped op: by its name, its first member
+  std::map<std::string, std::vector<EntryPtr>> groups_;  // grouped ops' members, from routing to response
+  std::set<std::string> negotiated_neighbor_names_;
+  Departures departures_;
+  // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
+  std::map<std::string, Response> rejections_;
+  std::vector<EntryPtr> neighbor_ready_;
+  std::map<int64_t, CachedPtr> cached_;  // by (process set << 32 | collective channel)
+  std::vector<CachedPtr> retired_;  // replaced on their channel while their last round ran
+  std::unordered_map<std::string, std::pair<CachedPtr, size_t>> cached_members_;  // name -> (batch, index)
+  std::vector<Request> late_requests_;  // from batches that died, for the next cycle's round
+  std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
+  StallInspector stalls_;
+  Clock::time_point start_ = Clock::now();
+  // Join, driver only: this rank's join until it completes (and whether the coordinator
+  // has it), joins completed, and by peer the join (that count then) it announced.
+  EntryPtr joining_;
+  bool join_sent_ = false;
+  int64_t join_epoch_ = 0;
+  std::vector<int64_t> peer_joined_at_;
+  bool join_in_flight_ = false;  // mu_: this rank's join is in flight (new ops refused)
+  // Process sets other than the global one, by id: written by the driver with mu_ held,
+  // read by the driver and (mu_ held) by user threads. One add/remove at a time per rank
+  // (sets_mu_); the agreement's step numbers the sets.
+  std::map<int, SetState> sets_;
+  bool set_leader_ = false;  // driver: this rank coordinates some process set
+  std::mutex sets_mu_;
+  int64_t set_calls_ = 0;  // sets_mu_: add/remove agreements so far (Vote::calls)
+  std::unordered_map<int64_t, std::function<Status()>> set_jobs_;  // by handle (mu_)
+  std::thread thread_;
+  std::unique_ptr<WindowQueue> windows_;
+};
+
+}  // namespace shoal

@@ -1,0 +1,178 @@
+// The runtime's schedule: routing ops to the coordinator or the neighbors, applying the
+// coordinator's responses, running collectives, and the failure paths (stalls, ranks
+// that left). Driver only, like the rest of the cycle (runtime/runtime.cc).
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "common/reduce.h"
+#include "runtime/runtime.h"
+
+namespace shoal {
+void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
+  if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
+    RouteCached(e);  // a batch of that name will not run as cached
+    Request req{e->name, e->sig, e->step, e->reject, e->reject_code, false, {}, {}};
+    req.set = e->set;
+    if (Coordinator* c = CoordinatorOf(e->set)) c->Add(IndexIn(e->set, world().rank), req, Now());
+    else to_coordinator->push_back(std::move(req));
+    return;
+  }
+  if (e->sig.op == kOpSetControl) return RunControl(e);
+  if (e->set && !SetOf(e->set))
+    return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, OpError(e->sig.op, e->name, e->pset->Describe() + " was removed")));
+  if (!e->group.empty()) return RouteGroupMember(e, to_coordinator);
+  if (FailIfUnreachable(e)) return;
+  if (e->sig.op == kOpJoin) return RouteJoin(e);
+  if (e->sig.op == SHOAL_OP_ALLREDUCE && !cached_members_.empty() && RouteCached(e)) return;
+  const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  if (neighbor && !e->topo_check && negotiated_neighbor_names_.count(e->name)) {
+    ++stats_.cache_hits;
+    neighbor_ready_.push_back(e);
+    return;
+  }
+  Ask(e, to_coordinator);
+}
+
+bool Runtime::FailIfUnreachable(const EntryPtr& e) {
+  if (!rejections_.empty()) {
+    auto it = rejections_.find(e->key());
+    if (it != rejections_.end() && it->second.step == e->step) {
+      const Status st = Status::Error(it->second.code, it->second.error);
+      rejections_.erase(it);
+      Finish(e, st);
+      return true;
+    }
+  }
+  const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
+  if (neighbor && !peer_joined_at_.empty() && AnyPeerJoined()) {
+    std::vector<int> joined;
+    for (auto* list : {&e->recv_ranks, &e->send_ranks})
+      for (int r : *list)
+        if (PeerJoined(r) && std::find(joined.begin(), joined.end(), r) == joined.end()) joined.push_back(r);
+    if (!joined.empty()) {
+      Finish(e, Status::Error(SHOAL_MISMATCH, OpError(e->sig.op, e->name, RanksNamed(joined) +
+                                                          " joined (join()) and takes no part in neighbor ops "
+                                                          "until every rank has joined")));
+      return true;
+    }
+  }
+  if (!departures_.Any()) return false;
+  std::vector<int> gone;
+  if (neighbor && negotiated_neighbor_names_.count(e->name) && !e->topo_check) {
+    // A peer that left may have sent its piece before it left: only a missing one is fatal.
+    for (int r : e->recv_ranks) if (departures_.Left(r) && !neighbors_.HasPiece(r, e->name)) gone.push_back(r);
+    // Nobody takes what is sent to a rank that left (it needs nothing more): skip it.
+    for (size_t k = e->send_ranks.size(); k-- > 0;) {
+      if (!departures_.Left(e->send_ranks[k])) continue;
+      e->send_ranks.erase(e->send_ranks.begin() + k);
+      if (k < e->send_weights.size()) e->send_weights.erase(e->send_weights.begin() + k);
+    }
+  } else {  // every rank (of its process set) takes part in a collective and in a negotiation
+    gone = departures_.Members(*e);
+  }
+  if (gone.empty()) return false;
+  Finish(e, Status::Error(SHOAL_ABORTED, OpError(e->sig.op, e->name, Departures::Describe(gone))));
+  return true;
+}
+
+void Runtime::OnLeave(int rank) {
+  if (!departures_.Record(rank)) return;
+  DoomAllCached(rank);  // its rounds would never complete
+  Log(LOG_DEBUG, "rank " + std::to_string(rank) + " left the job");
+  device_plane_.OnLeave(rank);
+  ThawIfLost(rank);
+  const std::string why = Departures::Describe({rank});
+  for (auto& e : neighbors_.TakeNeeding(rank)) Finish(e, Status::Error(SHOAL_ABORTED, OpError(e->sig.op, e->name, why)));
+  if (coordinator_) {
+    std::vector<Response> resps = coordinator_->Leave(rank);
+    if (!resps.empty()) Respond(nullptr, std::move(resps));
+  } else if (rank == 0) {  // no coordinator any more: nothing waiting for it can complete
+    FailAwaiting([](const Entry& e) { return e.set == 0; }, SHOAL_ABORTED, why);
+  }
+  if (!sets_.empty()) LeaveSets(rank);
+}
+
+void Runtime::Apply(const Response& r) {
+  if (r.op == kOpRetire) return r.names.empty() ? Vote(r) : Commit(r);
+  std::vector<EntryPtr> batch;
+  const auto now = Clock::now();
+  const int code = r.kind == Response::REJECTED ? r.code
+                   : r.kind == Response::LEFT   ? SHOAL_ABORTED
+                                                : SHOAL_MISMATCH;
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    std::string keyed;  // names are scoped per process set
+    const std::string& name = r.set ? (keyed = SetKey(r.set, r.names[i])) : r.names[i];
+    stalls_.Forget(name);
+    auto it = awaiting_response_.find(name);
+    if (it == awaiting_response_.end() ||
+        (r.step >= 0 && (it->second->group.empty() ? it->second->step : it->second->group_step) != r.step)) {
+      if (r.kind == Response::EXECUTE && !r.joined.empty() && r.op != kOpJoin) {
+        // This rank joined: it adds the identity of the reduction.
+        if (r.op & SHOAL_GROUPED) JoinedGroup(r, &batch);
+        else if (EntryPtr z = JoinedEntry(r, i)) batch.push_back(z);
+        continue;
+      }
+      // A stall of a cached batch's round (its probes, negotiation/response_cache.cc), a call refused on
+      // another rank (the batch cannot run), or an abort for an op this rank never sent.
+      if ((r.kind == Response::ERROR || r.kind == Response::REJECTED) && !cached_members_.empty())
+        FailCached(name, r.step, Status::Error(code, r.error), r.kind == Response::ERROR);
+      continue;
+    }
+    it->second->t_negotiated = now;
+    ExpandGroup(it->second, &batch);
+    awaiting_response_.erase(it);
+  }
+  if (r.op == kOpJoin) {
+    if (r.kind == Response::EXECUTE) return FinishJoin(r, batch);
+    joining_ = nullptr;  // failed (a rank left): so is the job
+  }
+  if (r.kind != Response::EXECUTE) {
+    if (r.kind == Response::REJECTED) {
+      for (auto& user_name : r.names) {
+        if (r.set == 0)
+          for (auto& e : neighbors_.TakeNamed(user_name, r.step)) batch.push_back(e);
+        if (!batch.empty()) continue;
+        // Remember it for when this rank submits that step, unless it is past it already.
+        const std::string name = SetKey(r.set, user_name);
+        std::lock_guard<std::mutex> lock(mu_);
+        auto ns = names_.find(name);
+        if ((ns == names_.end() || ns->second.calls <= r.step) && rejections_.size() < 1024)
+          rejections_[name] = r;
+      }
+    }
+    for (auto& e : batch) Finish(e, Status::Error(code, r.error));
+    return;
+  }
+  if (r.op & SHOAL_GROUPED) return RunGroup(r, std::move(batch));
+  if (batch.size() != r.names.size()) {
+    Log(LOG_ERROR, "coordinator scheduled an op this rank does not have: " + r.names[0]);
+    for (auto& e : batch) Finish(e, Status::Error(SHOAL_ABORTED, "internal error: inconsistent schedule"));
+    return;
+  }
+  if (r.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || r.op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
+    for (auto& e : batch) {
+      negotiated_neighbor_names_.insert(e->name);
+      neighbor_ready_.push_back(e);
+    }
+    return;
+  }
+  if (r.channel >= 0 && r.op == SHOAL_OP_ALLREDUCE) CacheBatch(r, batch);
+  RunCollective(r, std::move(batch));
+}
+
+void Runtime::CheckStalls() {
+  const auto now = Clock::now();
+  if (!stalls_.Due(now)) return;
+  auto check = [&](Coordinator* c, const ProcessSet* set) {
+    std::vector<Response> aborts = stalls_.Check(*c, set, Now());
+    if (!aborts.empty()) Respond(set, std::move(aborts));
+  };
+  if (coordinator_) check(coordinator_.get(), nullptr);
+  for (auto& kv : sets_)
+    if (kv.second.coordinator) check(kv.second.coordinator.get(), kv.second.info.get());
+  for (auto& [e, st] : stalls_.Check(neighbors_, now)) Finish(e, st);
+}
+
+}  // namespace shoal

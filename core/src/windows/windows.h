@@ -1,0 +1,104 @@
+// One-sided window ops (BlueFog's win_*; reference/bluefog-semantics.md §1.7).
+//
+// Progress model: window ops never go through the background thread. They run in
+// submission order on one window thread per process (so a nonblocking put overlaps the
+// caller's compute) with MPI passive-target RMA on a communicator of their own: the
+// target of a put/get takes no part, so a window op can never wait on the target's
+// collectives, and the background thread's collectives never wait on window ops.
+// win_create/win_free are collectives on the window communicator; ranks must call them in
+// the same order (checked: a mismatch is the same error on every rank).
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/common.h"
+#include "common/config.h"
+#include "common/stats.h"
+
+namespace shoal {
+
+struct WinArgs {
+  std::string name;
+  void* data = nullptr;  // create/put/accumulate: the local tensor; update: in/out tensor
+  int dtype = 0;
+  std::vector<int64_t> shape;
+  std::vector<int> ranks;       // put/accumulate: destinations; get/update: sources; create: in-neighbours; mutex: ranks
+  std::vector<double> weights;  // one per rank
+  std::vector<int> send;        // create: out-neighbours
+  double self_weight = 1.0;
+  bool uniform = false;  // update: (x + sum of buffers) / (m + 1), sum then divide
+  bool zero_init = false, require_mutex = false, reset = false, with_p = false, for_self = false;
+  bool clone = false;  // update: writes a copy; the published value stays
+  std::string refused;  // create: why this rank refused the call ("": it did not)
+  int refused_code = 0;
+};
+
+// The communication engine of windows (MPI: core/src/engines/mpi/mpi_windows.h).
+// Every call is made from the window thread.
+class WindowEngine {
+ public:
+  virtual ~WindowEngine() = default;
+  virtual Status Create(const WinArgs& a) = 0;
+  virtual Status Free(const std::string& name) = 0;  // "" frees every window
+  virtual Status Put(const WinArgs& a, bool accumulate) = 0;
+  virtual Status Get(const WinArgs& a) = 0;
+  virtual Status Update(const WinArgs& a) = 0;
+  virtual Status Mutex(const WinArgs& a, bool acquire) = 0;
+  virtual Status Versions(const std::string& name, std::vector<int>* ranks, std::vector<int64_t>* v) = 0;
+  virtual Status AssociatedP(const std::string& name, double* p) = 0;
+  virtual std::vector<std::string> Names() const = 0;
+};
+
+std::unique_ptr<WindowEngine> CreateMpiWindows(const Config& cfg, Stats* stats,
+                                               const std::atomic<bool>* stop);
+
+// The window thread: runs submitted jobs one at a time, in order; handles in their own space.
+class WindowQueue {
+ public:
+  // `make` builds the engine; it gets the flag that tells long waits to give up.
+  explicit WindowQueue(const std::function<std::unique_ptr<WindowEngine>(const std::atomic<bool>*)>& make);
+  ~WindowQueue() { Stop(); }
+  void Stop();  // pending jobs fail with SHOAL_ABORTED; idempotent
+  // `inline_ok`: a waiter may run the job itself (it cannot block for long, so the
+  // caller's 200 ms waits, which let Ctrl-C through, keep their rhythm).
+  // `needs_all`: a collective that every rank must join (create): its waiters give up
+  // once `gone` (SetGone) names ranks that left the job. One-sided ops to a rank that left
+  // still complete: it serves its windows until every rank frees them (asynchronous ranks
+  // finish at different times).
+  int64_t Submit(std::function<Status(WindowEngine&)> job, bool inline_ok = false, bool needs_all = false);
+  void SetGone(std::function<std::string()> gone) { gone_ = std::move(gone); }
+  int Poll(int64_t handle);  // 1 done, 0 pending, -SHOAL_UNKNOWN_HANDLE
+  Status Wait(int64_t handle, int64_t timeout_ms = -1);
+  bool Release(int64_t handle);
+  // Submit + Wait + Release.
+  Status Run(std::function<Status(WindowEngine&)> job);
+
+ private:
+  void Loop();
+  void RunFront(std::unique_lock<std::mutex>& lock);
+  struct Job {
+    std::function<Status(WindowEngine&)> fn;
+    bool done = false, inline_ok = false, needs_all = false;
+    Status status;
+  };
+  std::atomic<bool> stop_{false};
+  std::unique_ptr<WindowEngine> engine_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<std::pair<int64_t, std::shared_ptr<Job>>> queue_;
+  std::map<int64_t, std::shared_ptr<Job>> jobs_;
+  int64_t next_ = 1;
+  bool running_ = false;  // a job is running (on the window thread or a waiter)
+  std::function<std::string()> gone_;
+  std::thread thread_;
+};
+
+}  // namespace shoal
