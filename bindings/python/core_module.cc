@@ -1,6 +1,6 @@
 // pybind11 module shoal._core: a thin layer over the C ABI of libshoal.so.
 // Tensors arrive as (address, dtype code, shape); the Python side keeps them alive.
-#include "cuda_api.h"
+#include "cuda_plugin/cuda_api.h"
 #include "module.h"
 #include <algorithm>
 #include <cstring>
