@@ -9,7 +9,6 @@ import atexit
 import contextlib
 import hashlib
 import sys
-import time
 
 import numpy as np
 
