@@ -45,11 +45,12 @@ def main():
         out = torch.empty_like(x)
         w = [1.0 / (a.sources + 1)] * a.sources
         moved = (a.sources + 2) * x.numel() * x.element_size()
-        t_comb = timed(lambda: _gpu.combine(table, out, x, srcs, w, False, w[0] if w else 1.0,
+        # (noqa: each lambda runs inside timed(), before the names are deleted at the end of the loop)
+        t_comb = timed(lambda: _gpu.combine(table, out, x, srcs, w, False, w[0] if w else 1.0,  # noqa: F821
                                             CODES[dtype], stream), a.iters)
         src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        t_copy = timed(lambda: dst.copy_(src), a.iters)
+        t_copy = timed(lambda: dst.copy_(src), a.iters)  # noqa: F821
         ratio = t_copy / t_comb  # same bytes: bandwidth ratio = time ratio
         worst = ratio if worst is None else min(worst, ratio)
         print(f"{str(dtype):15s} combine {moved / t_comb / 1e12:6.2f} TB/s   copy {moved / t_copy / 1e12:6.2f} TB/s"

@@ -92,7 +92,8 @@ def tiny160():
     return nn.Sequential(*layers, nn.Linear(16, 16))
 
 
-MODELS = {"mlp25m": (mlp25m, (1024,), 1000), "mlp11m": (mlp11m, (1024,), 1000), "resnet": (ResNet, (3, 32, 32), 10), "tiny160": (tiny160, (16,), 16)}
+MODELS = {"mlp25m": (mlp25m, (1024,), 1000), "mlp11m": (mlp11m, (1024,), 1000), "resnet": (ResNet, (3, 32, 32), 10),
+          "tiny160": (tiny160, (16,), 16)}
 
 
 def train_step(model, opt, data, target, before_forward=None):

@@ -66,7 +66,8 @@ def main():
     x = images[..., None]
     # Equal batches per epoch on every rank, so every rank averages the same number of times.
     steps = max(1, int(shoal.allreduce(np.array([len(mine) // args.batch_size], np.float64), name="steps")[0]))
-    take = np.random.default_rng(args.seed + r).choice(mine, steps * args.batch_size, replace=len(mine) < steps * args.batch_size)
+    take = np.random.default_rng(args.seed + r).choice(mine, steps * args.batch_size,
+                                                       replace=len(mine) < steps * args.batch_size)
 
     model = keras.Sequential([
         keras.Input((8, 8, 1)),

@@ -476,7 +476,7 @@ def synchronize(handle):
             raise ValueError(f"unknown handle {handle}")
     try:
         _core.wait(handle)
-    except BaseException as exc:
+    except BaseException:
         if not _core.poll(handle):
             raise  # interrupted (Ctrl-C) while the op runs on: it keeps its tensors and handle
         with STATE.lock:
@@ -503,7 +503,7 @@ def _native_synchronize():
     return _core.native_synchronize(synchronize, doc, "shoal", STATE)
 
 
-synchronize = _native_synchronize()
+synchronize = _native_synchronize()  # noqa: F811  (the C form of the function above)
 
 
 def _forget(handle):

@@ -9,7 +9,6 @@ import atexit
 import contextlib
 import hashlib
 import sys
-import time
 
 import numpy as np
 
@@ -153,7 +152,7 @@ def get_skip_negotiate_stage():
 
 def _give_core(graph, is_weighted, which):
     """Hands `graph` to the core, which keeps this rank's plan of it (neighbor lists and
-    receive weights, per version: DESIGN decision 7); returns the plan as the core sees it."""
+    receive weights, per version: docs/design.md §7); returns the plan as the core sees it."""
     edges = list(graph.edges(data="weight", default=1.0))
     code = _core.GRAPHS[which]
     _core.set_topology(code, graph.number_of_nodes(), [int(i) for i, _, _ in edges], [int(j) for _, j, _ in edges],

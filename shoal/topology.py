@@ -1,6 +1,6 @@
 """Framework-neutral topology API: generators, conversions, schedules, analysis.
 
-Convention (BlueFog's; DESIGN.md decision 7): a topology is a weighted ``networkx.DiGraph`` over
+Convention (BlueFog's; docs/design.md §7): a topology is a weighted ``networkx.DiGraph`` over
 ranks 0..n-1.  Edge i -> j with attribute ``weight`` w means rank j weights rank i's value by w when
 it combines; the self loop i -> i carries i's self weight.  The mixing matrix has W[i, j] = weight
 of i -> j, so one gossip step is ``x_new = W.T @ x`` and a receiver's weights form a *column* of W

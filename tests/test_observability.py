@@ -8,8 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import WORKERS, run_ranks, shoalrun_cmd
 
 

@@ -27,7 +27,7 @@ auto* g_remembered = new Remembered();
 constexpr size_t kMaxResolved = 1024;
 
 // torch's API as the torch entry points use it (Shoal is not compiled against torch,
-// DESIGN decision 2): the tensor and Parameter types, {dtype: (core code, numpy dtype or
+// docs/design.md §2): the tensor and Parameter types, {dtype: (core code, numpy dtype or
 // None)}, torch.strided, torch.empty_like, torch.is_grad_enabled and torch.from_numpy;
 // and, where bindings/torch/torch_tensors.cc could be built for the installed torch, its
 // table, which reads and makes plain tensors without the Python API (null: not built).

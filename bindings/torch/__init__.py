@@ -5,7 +5,7 @@
 `torch.library` (namespace `shoal`), so they work eagerly and under `torch.compile`.
 Nothing here is compiled against torch: tensors reach the core as raw pointers.
 """
-import torch
+import torch  # noqa: F401
 
 from shoal import topology  # noqa: F401
 from shoal.topology import BLUEFOG_NAMES as _TOPOLOGY_NAMES

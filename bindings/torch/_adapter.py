@@ -7,7 +7,7 @@ streams must be ordered with the current stream as usual in torch.
 
 Test only: SHOAL_FAKE_DEVICE=1 (with SHOAL_CUDA_PLUGIN=fake) describes CPU tensors as CUDA
 tensors of fake device local_rank % device count, on its legacy default stream, so the
-whole GPU code path runs on CPUs in CI (DESIGN decision 12)."""
+whole GPU code path runs on CPUs in CI (docs/design.md §12)."""
 import functools
 import os
 import types

@@ -8,11 +8,10 @@ import importlib.abc
 import inspect
 import sys
 
-import numpy as np
 import torch
 
 import shoal as _numpy_api
-from shoal import _gradients, _ops, _process, process_sets
+from shoal import _gradients, _ops, process_sets
 from shoal._loader import _core
 from shoal._gradients import grad_name
 

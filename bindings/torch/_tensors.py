@@ -2,7 +2,7 @@
 bucket copies: torch_tensors.cc, compiled against the installed torch once per torch
 version (shoal/_compiled.py).
 
-Shoal's own build does not compile against torch (DESIGN decision 2), so one build serves
+Shoal's own build does not compile against torch (docs/design.md §2), so one build serves
 every torch; this library is the only part that does, built at first import like the
 TensorFlow kernels. Without a C++ compiler it is absent, said once on stderr, and plain
 tensors are read through torch's Python API instead (about 4 us more per op)."""

@@ -1,5 +1,5 @@
-"""The GPU code path on CPUs, through the fake device plugin (SHOAL_CUDA_PLUGIN=fake; DESIGN
-decision 12): the GPU suite (tests/workers/ops_cuda.py, on CPU tensors marked as device
+"""The GPU code path on CPUs, through the fake device plugin (SHOAL_CUDA_PLUGIN=fake;
+docs/design.md §12): the GPU suite (tests/workers/ops_cuda.py, on CPU tensors marked as device
 tensors with SHOAL_FAKE_DEVICE=1) with NCCL at 2, 4 and 8 ranks and the MPI backend at 4; the fake's
 NCCL rules (tests/workers/fake_nccl.py); the CPU neighbor suite (tests/workers/neighbor.py)
 on fake-device tensors with every GPU backend (tests/workers/neighbor_device.py); the fake's

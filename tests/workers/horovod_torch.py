@@ -138,7 +138,7 @@ def compression_none_sum_predivide_and_shoal_form():
         x, y = batch(7, 0, R)
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()
-        ref, probe = model_of(0), model_of(0)
+        ref, _probe = model_of(0), model_of(0)
         per_rank = [rank_gradients(ref, 7, r, 1) for r in range(N)]
         for n, p in model.named_parameters():
             want = sum(g[n].double() for g in per_rank) * scale

@@ -41,7 +41,7 @@ def main():
     from linreg import NOISE, problem
 
     bf.init()
-    R, N = bf.rank(), bf.size()
+    R = bf.rank()
     W_TRUE, X, Y = problem(R)
 
     def make(opt_name, model, k):

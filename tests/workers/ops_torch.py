@@ -222,7 +222,7 @@ def outputs_are_reused_only_when_unobservable():
 
     class Again:
         def __del__(self):
-            inner.append(op(6))
+            inner.append(op(6))  # noqa: F821  (runs before the `del inner` below)
 
     out = op(0)
     out.mark = Again()

@@ -1,7 +1,6 @@
 """shoal.torch optimizers: every wrapper x wrapped optimizer x communication type trains
 linear regression to the noise floor; state broadcast, step counting, misuse errors,
 consensus distance and control."""
-import os
 import sys
 
 import numpy as np
