@@ -1,7 +1,7 @@
 /* Interface between libshoal.so and its optional CUDA plugin, libshoal_cuda.so.
  *
  * libshoal.so dlopens the plugin the first time a CUDA tensor is enqueued, so one build
- * serves CPU-only and GPU machines (DESIGN decision 4): a CPU machine never loads it,
+ * serves CPU-only and GPU machines (docs/design.md §4): a CPU machine never loads it,
  * and a machine without a driver gets a clear error instead of a failed import. The
  * plugin links the CUDA runtime statically (it needs only the driver, libcuda.so.1) and
  * dlopens libnccl.so.2 on first NCCL use. Plain C only: no C++ type crosses. A second

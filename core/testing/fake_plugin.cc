@@ -1,5 +1,5 @@
 // libshoal_cuda_fake.so: the CUDA plugin's table (cuda_api.h) on the CPU, for tests only
-// (DESIGN decision 12): SHOAL_CUDA_PLUGIN=fake makes libshoal.so load it instead of the
+// (docs/design.md §12): SHOAL_CUDA_PLUGIN=fake makes libshoal.so load it instead of the
 // real plugin, so the GPU code path (events, streams, staging, NCCL) runs in CI at many
 // ranks. N fake devices (SHOAL_FAKE_DEVICES, default 8) share host memory; streams run
 // asynchronously (fake_stream.h); the kernels are the core's own CPU loops (common/reduce.h),

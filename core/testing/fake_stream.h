@@ -1,5 +1,5 @@
-// Streams of the fake device plugin (libshoal_cuda_fake.so, tests only; DESIGN decision
-// 12), shared by its runtime part (fake_plugin.cc) and its NCCL part (fake_nccl.cc).
+// Streams of the fake device plugin (libshoal_cuda_fake.so, tests only; docs/design.md
+// §12), shared by its runtime part (fake_plugin.cc) and its NCCL part (fake_nccl.cc).
 #pragma once
 #include <condition_variable>
 #include <cstdint>

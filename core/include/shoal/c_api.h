@@ -170,7 +170,7 @@ int shoal_remove_process_set(int32_t id, const char* refusal, char* err, size_t 
 /* The world ranks of set `id` (ascending) into `ranks` (up to `capacity`); returns how many it
  * has, or -1 for an unknown set (never added, or removed). */
 int shoal_process_set_ranks(int32_t id, int32_t* ranks, int32_t capacity);
-/* The static topologies (DESIGN decision 7; BlueFog's convention: edge i -> j of weight w
+/* The static topologies (docs/design.md §7; BlueFog's convention: edge i -> j of weight w
  * means node j weights node i's value by w when it combines, a self loop gives a node its
  * own weight): a graph over the ranks (set_topology) and one over the machines
  * (set_machine_topology, for the hierarchical op). */

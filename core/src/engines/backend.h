@@ -1,4 +1,4 @@
-// The communication engines the runtime drives (DESIGN decision 12): MPI, NCCL
+// The communication engines the runtime drives (docs/design.md §12): MPI, NCCL
 // (engines/nccl/nccl_backend.h) and the unit tests' fake implement these interfaces. Calls come from one
 // thread at a time (the runtime's progress driver); every operation is asynchronous and
 // completes through a callback from Progress(), so the loop never blocks on a slow peer.

@@ -1,4 +1,4 @@
-// The static topologies (DESIGN decision 7): this rank's view of the graph over ranks
+// The static topologies (docs/design.md §7): this rank's view of the graph over ranks
 // set by set_topology, and of the graph over machines set by set_machine_topology.
 // BlueFog's convention: edge i -> j with weight w means node j weights node i's value by
 // w when it combines; a self loop gives a node its own weight (0 without one).

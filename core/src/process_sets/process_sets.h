@@ -1,4 +1,4 @@
-// Process sets (Horovod's `hvd.add_process_set`; DESIGN decision 14): sub-communicators
+// Process sets (Horovod's `hvd.add_process_set`; docs/design.md §14): sub-communicators
 // over some of the ranks, first-class in the core.
 //
 // Every rank adds and removes sets with the same arguments, in the same order; they agree
