@@ -69,12 +69,12 @@ void Runtime::Propose(const EntryPtr& y, Request* req) {
   const int64_t stale = uses_ - static_cast<int64_t>(cfg_.name_limit);
   for (auto& [key, ns] : names_) {
     if (ns.last_use >= stale || ns.in_flight || ns.frozen || ns.grouped || ns.stage || key == y->key() ||
-        !KeyInSet(key, y->set, &name) || name == kSetsAgreement || cached_members_.count(key) || rejections_.count(key))
+        !KeyInSet(key, y->set, &name) || name == kSetsAgreement || cache_.Has(key) || rejections_.count(key))
       continue;
     bool busy_stage = false;  // a hierarchical op's machine sum runs as a cached allreduce
     if (ns.staged)
       for (auto& stage : kHierarchicalStages)  // (or has a refusal on file)
-        busy_stage |= cached_members_.count(key + stage.suffix) > 0 || rejections_.count(key + stage.suffix) > 0;
+        busy_stage |= cache_.Has(key + stage.suffix) || rejections_.count(key + stage.suffix) > 0;
     if (!busy_stage) idle.push_back({ns.last_use, &key});
   }
   const size_t excess = names_.size() - cfg_.name_limit / 2;

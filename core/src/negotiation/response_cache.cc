@@ -17,15 +17,16 @@
 // of a batch that is only partly submitted (its program may need that op before it
 // submits the rest), after the stall warning time, and when a rank leaves the job (every
 // rank dooms every batch; the leaving rank stays until its rounds are through).
+#include "negotiation/response_cache.h"
+
 #include <algorithm>
 #include <cstring>
 
 #include "ops/fusion.h"
-#include "runtime/runtime.h"
 
 namespace shoal {
 
-struct Runtime::CachedBatch {
+struct ResponseCache::Batch {
   int set = 0, size = 0;  // its process set, and how many ranks it has
   int channel = 0;        // of that set
   std::vector<std::string> names, keys;  // keys: SetKey(set, name)
@@ -68,24 +69,15 @@ double GetCount(const void* p, int dtype) {
 
 }  // namespace
 
-void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
-  awaiting_response_[e->key()] = e;
-  Request req{e->name, e->sig, e->step, {}, 0, e->topo_check, {}, {}};
-  req.set = e->set;
-  if (e->topo_check) {
-    req.send = e->send_ranks;
-    req.recv = e->recv_ranks;
-  }
-  req.splits = e->splits;  // alltoall
-  Propose(e, &req);
-  to_coordinator->push_back(std::move(req));
-}
+ResponseCache::ResponseCache(Host* host, const Config& cfg, Stats* stats, std::shared_ptr<BufferPool> pool)
+    : host_(host), warn_(cfg.stall_check_time > 0 ? cfg.stall_check_time : cfg.stall_shutdown_time),
+      kill_(cfg.stall_shutdown_time), stats_(stats), pool_(std::move(pool)) {}
 
-void Runtime::CacheBatch(const Response& r, const std::vector<EntryPtr>& batch) {
-  if (r.channel < 0 || r.channel >= (r.set ? Backend::kSetChannels : Backend::kChannels) || Lost(r.set)) return;
-  auto b = std::make_shared<CachedBatch>();
+void ResponseCache::Add(const Response& r, const std::vector<EntryPtr>& batch, int set_size, bool doom) {
+  if (r.channel < 0 || r.channel >= (r.set ? Backend::kSetChannels : Backend::kChannels)) return;
+  auto b = std::make_shared<Batch>();
   b->set = r.set;
-  b->size = SetSize(r.set);
+  b->size = set_size;
   b->channel = r.channel;
   b->dtype = batch[0]->sig.dtype;
   b->wire = FusedBuffer::WireDtype(b->dtype);
@@ -99,21 +91,19 @@ void Runtime::CacheBatch(const Response& r, const std::vector<EntryPtr>& batch) 
   b->held.resize(batch.size());
   // The channel's previous batch died on every rank; its last round may still be running
   // here (rounds on one channel complete in order).
-  retired_.erase(std::remove_if(retired_.begin(), retired_.end(), [](const CachedPtr& x) { return !x->in_flight; }),
+  retired_.erase(std::remove_if(retired_.begin(), retired_.end(), [](const BatchPtr& x) { return !x->in_flight; }),
                  retired_.end());
-  CachedPtr& slot = cached_[Slot(r.set, r.channel)];
+  BatchPtr& slot = cached_[Slot(r.set, r.channel)];
   if (slot && slot->in_flight) retired_.push_back(slot);
   slot = b;
-  for (size_t i = 0; i < b->keys.size(); ++i) cached_members_[b->keys[i]] = {b, i};
-  // Negotiated before the coordinator heard of a join: a joined rank takes part in no
-  // rounds (ops/join.cc), so the batch must go back to the coordinator.
-  if (joining_ || (!peer_joined_at_.empty() && AnyPeerJoined())) Doom(b);
+  for (size_t i = 0; i < b->keys.size(); ++i) members_[b->keys[i]] = {b, i};
+  if (doom) Doom(b);
 }
 
-bool Runtime::RouteCached(const EntryPtr& e) {
-  auto it = cached_members_.find(e->key());
-  if (it == cached_members_.end()) return false;
-  const CachedPtr b = it->second.first;
+bool ResponseCache::Route(const EntryPtr& e) {
+  auto it = members_.find(e->key());
+  if (it == members_.end()) return false;
+  const BatchPtr b = it->second.first;
   const size_t i = it->second.second;
   if (!e->reject.empty() || !(e->sig == b->sigs[i])) {
     Doom(b);  // its members will not all come as cached
@@ -129,14 +119,14 @@ bool Runtime::RouteCached(const EntryPtr& e) {
   return true;
 }
 
-void Runtime::Doom(const CachedPtr& b) {
+void ResponseCache::Doom(const BatchPtr& b) {
   if (b->dead || b->dying) return;
   b->dying = true;
   if (!b->in_flight) Contribute(b, false);
 }
 
-void Runtime::Contribute(const CachedPtr& b, bool ready) {
-  b->buf = std::make_shared<FusedBuffer>(*fusion_pool_, b->dtype, b->total, 1);
+void ResponseCache::Contribute(const BatchPtr& b, bool ready) {
+  b->buf = std::make_shared<FusedBuffer>(*pool_, b->dtype, b->total, 1);
   if (ready) {
     b->buf->Pack(b->held);
     for (auto& e : b->held) e->t_comm_start = e->t_copy_end;
@@ -149,27 +139,27 @@ void Runtime::Contribute(const CachedPtr& b, bool ready) {
   b->ready_round = ready;
   b->round_start = Clock::now();
   b->waited_since = {};
-  ++stats_.global_collectives;
-  if (ready) ++stats_.cache_hits;
-  GroupCollectives* engine = Group(b->set);  // there while the set is (DropSet drops its batches)
+  ++stats_->global_collectives;
+  if (ready) ++stats_->cache_hits;
+  GroupCollectives* engine = host_->Group(b->set);  // there while the set is (DropSet drops its batches)
   if (!engine) return OnRound(b, Status::Error(SHOAL_ABORTED, "internal error: a cached batch of a removed process set"));
   engine->AllreduceOn(b->channel, b->buf->data(), b->total + 1, b->wire, [this, b](const Status& st) { OnRound(b, st); });
 }
 
-void Runtime::OnRound(const CachedPtr& b, const Status& st) {
+void ResponseCache::OnRound(const BatchPtr& b, const Status& st) {
   b->in_flight = false;
   const bool all_ready = st.ok() && GetCount(b->buf->at_element(b->total), b->wire) == b->size;
   std::vector<EntryPtr> round = std::move(b->in_round);
   b->in_round.clear();
   if (all_ready && b->ready_round) {
-    Coordinator* c = CoordinatorOf(b->set);
+    Coordinator* c = host_->CoordinatorOf(b->set);
     for (size_t k = 0; k < round.size(); ++k) {
       const EntryPtr& e = round[k];
       if (c) c->RoundDone(e->name, e->step);
       e->t_comm_end = Clock::now();
       if (!b->abandoned) {
         b->buf->UnpackMember(k, *e, b->average ? b->size : 1);
-        Finish(e, Status::Ok());
+        host_->Finish(e, Status::Ok());
       }
     }
     round.clear();
@@ -182,10 +172,10 @@ void Runtime::OnRound(const CachedPtr& b, const Status& st) {
   // Dead on every rank: its ops go to the coordinator (or fail with the channel's error).
   b->dead = true;
   for (auto& n : b->keys) {
-    auto it = cached_members_.find(n);
-    if (it != cached_members_.end() && it->second.first == b) cached_members_.erase(it);
+    auto it = members_.find(n);
+    if (it != members_.end() && it->second.first == b) members_.erase(it);
   }
-  if (Coordinator* c = CoordinatorOf(b->set)) {
+  if (Coordinator* c = host_->CoordinatorOf(b->set)) {
     c->ForgetRounds(b->names);
     auto slot = cached_.find(Slot(b->set, b->channel));
     if (slot != cached_.end() && slot->second == b) c->ReleaseChannel(b->channel);
@@ -197,19 +187,19 @@ void Runtime::OnRound(const CachedPtr& b, const Status& st) {
   b->later.clear();
   for (auto& e : rest) {
     if (b->abandoned && e->done) continue;
-    if (!st.ok()) Finish(e, st);
-    else if (!FailIfUnreachable(e)) Ask(e, &late_requests_);
+    if (!st.ok()) host_->Finish(e, st);
+    else host_->Renegotiate(e);
   }
 }
 
-void Runtime::DoomAllCached(int with_rank) {
+void ResponseCache::DoomAll(int with_rank) {
   for (auto& kv : cached_) {
-    const ProcessSet* s = SetOf(kv.second->set);
+    const ProcessSet* s = host_->SetOf(kv.second->set);
     if (with_rank < 0 || !s || s->Has(with_rank)) Doom(kv.second);
   }
 }
 
-void Runtime::DropCached(int set) {
+void ResponseCache::Drop(int set) {
   // No op of the set is in flight on any rank (remove_process_set checked): its batches are
   // idle; a round still running keeps its batch alive until it completes.
   for (auto c = cached_.begin(); c != cached_.end();) {
@@ -217,21 +207,21 @@ void Runtime::DropCached(int set) {
       ++c;
       continue;
     }
-    for (auto& k : c->second->keys) cached_members_.erase(k);
+    for (auto& k : c->second->keys) members_.erase(k);
     c->second->dead = true;
     if (c->second->in_flight) retired_.push_back(c->second);
     c = cached_.erase(c);
   }
 }
 
-bool Runtime::CachedInFlight() const {
+bool ResponseCache::InFlight() const {
   for (auto& kv : cached_) if (kv.second->in_flight) return true;
   return false;
 }
 
 // This rank's ops are in some batch that is not dead (its join waits until they are not).
-bool Runtime::OwnCachedOps() const {
-  auto own = [](const CachedPtr& b) {
+bool ResponseCache::HoldsOwnOps() const {
+  auto own = [](const BatchPtr& b) {
     return !b->dead && (b->num_held > 0 || !b->later.empty() || (!b->in_round.empty() && !b->abandoned));
   };
   for (auto& kv : cached_) if (own(kv.second)) return true;
@@ -239,21 +229,20 @@ bool Runtime::OwnCachedOps() const {
   return false;
 }
 
-void Runtime::KeepRoundBuffers() {
+void ResponseCache::KeepRoundBuffers() {
   // A round still running at shutdown (a peer never took part) may be completed by MPI
   // after this runtime is gone, into its buffer: that buffer must outlive the runtime.
-  auto keep = [](const CachedPtr& b) {
+  auto keep = [](const BatchPtr& b) {
     if (b->in_flight && b->buf) new std::shared_ptr<FusedBuffer>(b->buf);  // deliberately never freed
   };
   for (auto& kv : cached_) keep(kv.second);
   for (auto& b : retired_) keep(b);
 }
 
-void Runtime::CheckCached(Clock::time_point now) {
-  const double warn = cfg_.stall_check_time > 0 ? cfg_.stall_check_time : cfg_.stall_shutdown_time;
-  const double kill = cfg_.stall_shutdown_time;
+void ResponseCache::Check(Clock::time_point now) {
+  const double warn = warn_, kill = kill_;
   for (auto& kv : cached_) {
-    const CachedPtr& b = kv.second;
+    const BatchPtr& b = kv.second;
     if (b->dead) continue;
     if (!b->in_flight && b->num_held > 0 && !b->dying) {
       // Part of the batch is here. Waiting for the rest is right while the program goes
@@ -279,7 +268,7 @@ void Runtime::CheckCached(Clock::time_point now) {
           Request req{e->name, e->sig, e->step, {}, 0, false, {}, {}};
           req.probe = true;
           req.set = b->set;
-          late_requests_.push_back(std::move(req));
+          host_->SendLater(std::move(req));
         }
     }
     if (!b->ready_round) continue;
@@ -287,9 +276,9 @@ void Runtime::CheckCached(Clock::time_point now) {
                              " waited " + std::to_string(static_cast<int>(waited)) +
                              " s for the other ranks to submit it (the coordinator did not answer)";
     if (kill > 0 && waited >= 2 * kill) {  // only if the coordinator's stall check did not
-      ++stats_.stalls;
+      ++stats_->stalls;
       b->abandoned = true;  // the round may still complete: it no longer touches these ops
-      for (auto& e : b->in_round) Finish(e, Status::Error(SHOAL_ABORTED, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME)"));
+      for (auto& e : b->in_round) host_->Finish(e, Status::Error(SHOAL_ABORTED, "stalled op " + what + " (SHOAL_STALL_SHUTDOWN_TIME)"));
     }
   }
 }
@@ -298,23 +287,23 @@ void Runtime::CheckCached(Clock::time_point now) {
 // the ops in it fail now; the missing ranks doom the batch when they hear of it), or a call
 // refused on some rank (the batch is doomed; its ops go to the coordinator, which refuses
 // that one and runs the others).
-void Runtime::FailCached(const std::string& name, int64_t step, const Status& st, bool fail_round) {
-  auto it = cached_members_.find(name);
-  if (it == cached_members_.end()) return;
-  const CachedPtr b = it->second.first;
+void ResponseCache::Fail(const std::string& name, int64_t step, const Status& st, bool fail_round) {
+  auto it = members_.find(name);
+  if (it == members_.end()) return;
+  const BatchPtr b = it->second.first;
   auto matches = [&](const EntryPtr& e) { return e && e->key() == name && (step < 0 || e->step == step); };
   if (fail_round) {
     if (!b->abandoned && std::any_of(b->in_round.begin(), b->in_round.end(), matches)) {
       b->abandoned = true;
-      for (auto& e : b->in_round) Finish(e, st);
+      for (auto& e : b->in_round) host_->Finish(e, st);
     }
     for (auto& e : b->held)
       if (matches(e)) {
-        Finish(e, st);
+        host_->Finish(e, st);
         e = nullptr;
         --b->num_held;
       }
-    for (auto& e : b->later) if (matches(e)) Finish(e, st);
+    for (auto& e : b->later) if (matches(e)) host_->Finish(e, st);
     b->later.erase(std::remove_if(b->later.begin(), b->later.end(), matches), b->later.end());
   }
   Doom(b);

@@ -54,7 +54,7 @@ bool Runtime::IsJoinNotice(const ByteVec& msg, uint64_t* generation, int64_t* ep
 void Runtime::RouteJoin(const EntryPtr& e) {
   joining_ = e;
   join_sent_ = false;
-  DoomAllCached();
+  cache_.DoomAll();
   const WorldInfo& w = world();
   auto notice = JoinNotice(generation_, join_epoch_);
   for (int r = 0; r < w.size; ++r)
@@ -63,7 +63,7 @@ void Runtime::RouteJoin(const EntryPtr& e) {
 
 void Runtime::SendJoin(std::vector<Request>* to_coordinator) {
   // Doomed batches hand their ops to late_requests_, which this cycle has sent already.
-  if (OwnCachedOps() || (gpu_ && !gpu_->Idle())) return;
+  if (cache_.HoldsOwnOps() || (gpu_ && !gpu_->Idle())) return;
   {
     // Calls held for a vote on retiring names (negotiation/names.cc) are this rank's calls
     // before the join: they reach the coordinator first (queued at the commit, sent the
@@ -85,7 +85,7 @@ void Runtime::OnJoinNotice(int rank, int64_t epoch) {
   if (epoch < join_epoch_) return;  // of a join that completed here already
   if (peer_joined_at_.empty()) peer_joined_at_.assign(world().size, -1);
   peer_joined_at_[rank] = epoch;
-  DoomAllCached();
+  cache_.DoomAll();
   if (epoch != join_epoch_) return;  // the next join: this rank has yet to complete the current one
   for (auto& e : neighbors_.TakeNeeding(rank))
     Finish(e, Status::Error(SHOAL_MISMATCH, OpError(e->sig.op, e->name, "rank " +

@@ -251,7 +251,7 @@ void Runtime::DropSet(int32_t id) {
   auto it = sets_.find(id);
   if (it == sets_.end()) return;
   const ProcessSetPtr s = it->second.info;
-  DropCached(id);
+  cache_.Drop(id);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (voting_sets_.count(id)) Thaw(id, {});  // its coordinator will not answer the vote

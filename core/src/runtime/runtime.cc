@@ -23,7 +23,7 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t g
     : cfg_(cfg), backend_(std::move(backend)), generation_(generation ? generation : ++g_generations),
       device_plane_(backend_.get(), &stats_),
       neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()),
-      departures_(backend_->world().size), stalls_(cfg_, &stats_) {
+      departures_(backend_->world().size), cache_(this, cfg_, &stats_, fusion_pool_), stalls_(cfg_, &stats_) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold, Backend::kChannels);
   if (!cfg_.timeline.empty()) {
     std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
@@ -48,7 +48,7 @@ void Runtime::Stop() {
     done_cv_.wait(lock, [&] { return !driving_; });
   }
   FailAll("Shoal was shut down before the op completed");
-  KeepRoundBuffers();
+  cache_.KeepRoundBuffers();
   device_plane_.Stop();
   for (auto& kv : nccl_) kv.second->Stop();
   timeline_.Close();
@@ -246,7 +246,7 @@ void Runtime::Leave() {
     // Queued requests (a refusal, say) reach the coordinator, and the coordinator's
     // answers its peers, before they learn that this rank left.
     SafeCycle(false);
-    DoomAllCached();  // every rank dooms them when it hears of this; this rank's rounds first
+    cache_.DoomAll();  // every rank dooms them when it hears of this; this rank's rounds first
     const WorldInfo& w = world();
     for (int r = 0; r < w.size; ++r) {
       if (r == w.rank || departures_.Left(r)) continue;
@@ -256,7 +256,7 @@ void Runtime::Leave() {
     }
     // Small messages complete at once; a peer that is gone must not hold this rank here.
     const auto deadline = Clock::now() + std::chrono::seconds(5);
-    while ((*pending > 0 || CachedInFlight()) && Clock::now() < deadline) {
+    while ((*pending > 0 || cache_.InFlight()) && Clock::now() < deadline) {
       if (!backend_->Progress()) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   } catch (const std::exception& ex) {
@@ -557,7 +557,7 @@ bool Runtime::Cycle(bool start_only) {
     Finish(done.first, done.second);
     progressed = true;
   }
-  if (!cached_.empty()) CheckCached(Clock::now());
+  if (!cache_.Empty()) cache_.Check(Clock::now());
   CheckStalls();
   if (timeline_.enabled() && Clock::now() - last_flush_ > std::chrono::milliseconds(100)) {
     timeline_.Flush();  // keep the file readable while the job runs

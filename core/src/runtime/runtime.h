@@ -28,6 +28,7 @@
 #include "engines/backend.h"
 #include "common/buffer_pool.h"
 #include "negotiation/coordinator.h"
+#include "negotiation/response_cache.h"
 #include "negotiation/stall_inspector.h"
 #include "neighbor/device_plane.h"
 #include "engines/nccl/nccl_backend.h"
@@ -73,7 +74,7 @@ std::vector<int64_t> ScatterCounts(Entry& e, int size, int rank);  // over `size
 std::string AlltoallCounts(const Response& r, Entry& e, int size, int rank, std::vector<int64_t>* send,
                            std::vector<int64_t>* recv, bool* any);
 
-class Runtime {
+class Runtime : private ResponseCache::Host {
  public:
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
   // ignored); 0: count this process's runtimes (every rank starts and stops them together).
@@ -140,7 +141,7 @@ class Runtime {
   void Apply(const Response& r);
   void RunCollective(const Response& r, std::vector<EntryPtr> batch);
   void RunReduceScatter(const EntryPtr& e, GroupCollectives* engine);
-  GroupCollectives* Group(int set);  // the engine of process set `set` (0: every rank); null if unknown here
+  GroupCollectives* Group(int set) override;  // the engine of process set `set` (0: every rank); null if unknown here
   void RunAlltoall(const Response& r, const EntryPtr& e, GroupCollectives* engine);  // ops/alltoall.cc
   // Enqueue's parts: the entry of a valid desc (throws ArgumentError), whether this rank
   // takes new ops (mu_ held; throws), queueing (mu_ held), and starting the queue.
@@ -159,7 +160,7 @@ class Runtime {
   void ExpandGroup(const EntryPtr& e, std::vector<EntryPtr>* out);  // a group's leader: all its members
   void RunGroup(const Response& r, std::vector<EntryPtr> members);
   void JoinedGroup(const Response& r, std::vector<EntryPtr>* batch);  // takes mu_
-  void Finish(const EntryPtr& e, const Status& st);
+  void Finish(const EntryPtr& e, const Status& st) override;
   void Trace(const Entry& e, const Status& st, Clock::time_point t_callback);
   void CheckStalls();
   void OnLeave(int rank);
@@ -202,21 +203,11 @@ class Runtime {
     for (auto& kv : nccl_) if (kv.second->num_in_flight() > 0) return true;
     return false;
   }
-  // Cached allreduce batches (negotiation/response_cache.cc).
-  struct CachedBatch;
-  using CachedPtr = std::shared_ptr<CachedBatch>;
-  bool RouteCached(const EntryPtr& e);
-  void CacheBatch(const Response& r, const std::vector<EntryPtr>& batch);
-  void Doom(const CachedPtr& b);
-  void Contribute(const CachedPtr& b, bool ready);
-  void OnRound(const CachedPtr& b, const Status& st);
-  void DoomAllCached(int with_rank = -1);  // >= 0: only the batches of the sets that have this rank
-  void DropCached(int set);  // set removed: its (idle) batches go
-  bool CachedInFlight() const;
-  void KeepRoundBuffers();
-  void CheckCached(Clock::time_point now);
-  void FailCached(const std::string& name, int64_t step, const Status& st, bool fail_round);
+  // Asks `e`'s coordinator to negotiate it; the answer comes to Apply.
   void Ask(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  // ResponseCache::Host.
+  void Renegotiate(const EntryPtr& e) override;
+  void SendLater(Request req) override { late_requests_.push_back(std::move(req)); }
   // Process sets (process_sets/process_sets.cc).
   struct SetState {
     ProcessSetPtr info;
@@ -228,8 +219,8 @@ class Runtime {
   void RunControl(const EntryPtr& e);
   Status MakeSet(int32_t id, const std::vector<int>& ranks);  // driver
   void DropSet(int32_t id);                                   // driver
-  Coordinator* CoordinatorOf(int set);                        // driver: null if not this rank's
-  const ProcessSet* SetOf(int set) const;                     // driver: null for set 0 and unknown sets
+  Coordinator* CoordinatorOf(int set) override;                        // driver: null if not this rank's
+  const ProcessSet* SetOf(int set) const override;                     // driver: null for set 0 and unknown sets
   int IndexIn(int set, int world_rank) const;                 // driver
   int SetSize(int set) const { const ProcessSet* s = SetOf(set); return s ? s->size() : world().size; }
   bool Lost(int set) const;  // driver: a member of `set` left the job
@@ -243,7 +234,6 @@ class Runtime {
   // Join (ops/join.cc).
   void RouteJoin(const EntryPtr& e);
   void SendJoin(std::vector<Request>* to_coordinator);
-  bool OwnCachedOps() const;
   void OnJoinNotice(int rank, int64_t epoch);
   bool PeerJoined(int rank) const {
     return rank < static_cast<int>(peer_joined_at_.size()) && peer_joined_at_[rank] == join_epoch_;
@@ -315,9 +305,7 @@ class Runtime {
   // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
   std::map<std::string, Response> rejections_;
   std::vector<EntryPtr> neighbor_ready_;
-  std::map<int64_t, CachedPtr> cached_;  // by (process set << 32 | collective channel)
-  std::vector<CachedPtr> retired_;  // replaced on their channel while their last round ran
-  std::unordered_map<std::string, std::pair<CachedPtr, size_t>> cached_members_;  // name -> (batch, index)
+  ResponseCache cache_;  // allreduce batches that skip the coordinator
   std::vector<Request> late_requests_;  // from batches that died, for the next cycle's round
   std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
   StallInspector stalls_;

@@ -12,7 +12,7 @@
 namespace shoal {
 void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
-    RouteCached(e);  // a batch of that name will not run as cached
+    cache_.Route(e);  // a batch of that name will not run as cached
     Request req{e->name, e->sig, e->step, e->reject, e->reject_code, false, {}, {}};
     req.set = e->set;
     if (Coordinator* c = CoordinatorOf(e->set)) c->Add(IndexIn(e->set, world().rank), req, Now());
@@ -25,7 +25,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!e->group.empty()) return RouteGroupMember(e, to_coordinator);
   if (FailIfUnreachable(e)) return;
   if (e->sig.op == kOpJoin) return RouteJoin(e);
-  if (e->sig.op == SHOAL_OP_ALLREDUCE && !cached_members_.empty() && RouteCached(e)) return;
+  if (e->sig.op == SHOAL_OP_ALLREDUCE && !cache_.Empty() && cache_.Route(e)) return;
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
   if (neighbor && !e->topo_check && negotiated_neighbor_names_.count(e->name)) {
     ++stats_.cache_hits;
@@ -79,7 +79,7 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
 
 void Runtime::OnLeave(int rank) {
   if (!departures_.Record(rank)) return;
-  DoomAllCached(rank);  // its rounds would never complete
+  cache_.DoomAll(rank);  // its rounds would never complete
   Log(LOG_DEBUG, "rank " + std::to_string(rank) + " left the job");
   device_plane_.OnLeave(rank);
   ThawIfLost(rank);
@@ -116,8 +116,8 @@ void Runtime::Apply(const Response& r) {
       }
       // A stall of a cached batch's round (its probes, negotiation/response_cache.cc), a call refused on
       // another rank (the batch cannot run), or an abort for an op this rank never sent.
-      if ((r.kind == Response::ERROR || r.kind == Response::REJECTED) && !cached_members_.empty())
-        FailCached(name, r.step, Status::Error(code, r.error), r.kind == Response::ERROR);
+      if ((r.kind == Response::ERROR || r.kind == Response::REJECTED) && !cache_.Empty())
+        cache_.Fail(name, r.step, Status::Error(code, r.error), r.kind == Response::ERROR);
       continue;
     }
     it->second->t_negotiated = now;
@@ -158,7 +158,10 @@ void Runtime::Apply(const Response& r) {
     }
     return;
   }
-  if (r.channel >= 0 && r.op == SHOAL_OP_ALLREDUCE) CacheBatch(r, batch);
+  // A batch negotiated before the coordinator heard of a join goes back to it at once: a
+  // joined rank takes part in no rounds (ops/join.cc).
+  if (r.channel >= 0 && r.op == SHOAL_OP_ALLREDUCE && !Lost(r.set))
+    cache_.Add(r, batch, SetSize(r.set), joining_ || (!peer_joined_at_.empty() && AnyPeerJoined()));
   RunCollective(r, std::move(batch));
 }
 
@@ -173,6 +176,23 @@ void Runtime::CheckStalls() {
   for (auto& kv : sets_)
     if (kv.second.coordinator) check(kv.second.coordinator.get(), kv.second.info.get());
   for (auto& [e, st] : stalls_.Check(neighbors_, now)) Finish(e, st);
+}
+
+void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
+  awaiting_response_[e->key()] = e;
+  Request req{e->name, e->sig, e->step, {}, 0, e->topo_check, {}, {}};
+  req.set = e->set;
+  if (e->topo_check) {
+    req.send = e->send_ranks;
+    req.recv = e->recv_ranks;
+  }
+  req.splits = e->splits;  // alltoall
+  Propose(e, &req);
+  to_coordinator->push_back(std::move(req));
+}
+
+void Runtime::Renegotiate(const EntryPtr& e) {
+  if (!FailIfUnreachable(e)) Ask(e, &late_requests_);
 }
 
 }  // namespace shoal

@@ -1,0 +1,75 @@
+// Cached allreduce batches: the coordinator round trip skipped for collectives that
+// repeat (how, and why rounds always match: response_cache.cc). Driver only.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "common/buffer_pool.h"
+#include "common/config.h"
+#include "common/stats.h"
+#include "engines/backend.h"
+#include "negotiation/coordinator.h"
+#include "process_sets/process_sets.h"
+#include "runtime/entry.h"
+
+namespace shoal {
+
+class ResponseCache {
+ public:
+  // What the cache needs of the runtime that runs it.
+  class Host {
+   public:
+    virtual GroupCollectives* Group(int set) = 0;     // the engine of process set `set` (0: every rank)
+    virtual Coordinator* CoordinatorOf(int set) = 0;  // null where this rank does not coordinate `set`
+    virtual const ProcessSet* SetOf(int set) const = 0;
+    virtual void Finish(const EntryPtr& e, const Status& st) = 0;
+    // An op of a batch that died goes to the coordinator after all.
+    virtual void Renegotiate(const EntryPtr& e) = 0;
+    virtual void SendLater(Request req) = 0;  // to the coordinator with the next cycle's requests
+
+   protected:
+    ~Host() = default;
+  };
+
+  ResponseCache(Host* host, const Config& cfg, Stats* stats, std::shared_ptr<BufferPool> pool);
+
+  bool Empty() const { return cached_.empty(); }
+  bool Has(const std::string& key) const { return members_.count(key) > 0; }  // a member's name (SetKey)
+  // Batch `batch`, which response `r` ran and gave a channel, of a set of `set_size` ranks;
+  // `doom`: it must go back to the coordinator at once (a join is under way).
+  void Add(const Response& r, const std::vector<EntryPtr>& batch, int set_size, bool doom);
+  // Takes `e` if it is a member of a cached batch (a refusal only dooms its batch): true if taken.
+  bool Route(const EntryPtr& e);
+  // Every batch (with_rank >= 0: of the sets that have that rank) goes back to the coordinator.
+  void DoomAll(int with_rank = -1);
+  void Drop(int set);  // set removed: its (idle) batches go
+  // The coordinator failed `name` at `step` on every rank (a stall of a round if
+  // `fail_round`, else a call refused on some rank).
+  void Fail(const std::string& name, int64_t step, const Status& st, bool fail_round);
+  void Check(Clock::time_point now);  // waits that doom a batch; probes and stalls of rounds
+  bool InFlight() const;              // a round is running
+  bool HoldsOwnOps() const;           // this rank's ops are in a batch that is not dead
+  void KeepRoundBuffers();            // at shutdown: buffers of running rounds outlive the runtime
+
+ private:
+  struct Batch;
+  using BatchPtr = std::shared_ptr<Batch>;
+  void Doom(const BatchPtr& b);
+  void Contribute(const BatchPtr& b, bool ready);
+  void OnRound(const BatchPtr& b, const Status& st);
+
+  Host* host_;
+  double warn_, kill_;  // stall times (s)
+  Stats* stats_;
+  std::shared_ptr<BufferPool> pool_;
+  std::map<int64_t, BatchPtr> cached_;  // by (process set << 32 | collective channel)
+  std::vector<BatchPtr> retired_;      // replaced on their channel while their last round ran
+  std::unordered_map<std::string, std::pair<BatchPtr, size_t>> members_;  // name -> (batch, index)
+};
+
+}  // namespace shoal
