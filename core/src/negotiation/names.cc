@@ -13,12 +13,12 @@
 //      then numbers and queues the held calls (Thaw).
 // Names of grouped ops and of cached allreduce batches are kept (a script that invents
 // group names still grows the tables).
+#include "negotiation/names.h"
+
 #include <algorithm>
 #include <cstdlib>
-#include <set>
-#include <type_traits>
 
-#include "runtime/runtime.h"
+#include "process_sets/process_sets.h"
 
 namespace shoal {
 namespace {
@@ -28,7 +28,7 @@ const char* const kRetireName = "shoal.retire";
 
 }  // namespace
 
-std::string Runtime::NameLocked(int op, const char* name, int set) {
+std::string NameTable::Name(int op, const char* name, int set) {
   // Unnamed ops cycle through kUnnamed names per op, so caches stay bounded and repeated
   // unnamed neighbor ops hit the negotiated-name cache; one count per process set (only
   // its members run its ops).
@@ -38,54 +38,48 @@ std::string Runtime::NameLocked(int op, const char* name, int set) {
                                                       "' is reserved for the runtime; choose another name");
     return name;
   }
-  return std::string(OpName(op)) + ".noname." + std::to_string(noname_counter_[{set, op}]++ % kUnnamed);
+  return std::string(OpName(op)) + ".noname." + std::to_string(unnamed_[{set, op}]++ % kUnnamed);
 }
 
-void Runtime::FollowUnnamed(int op, const std::string& name) {
+void NameTable::FollowUnnamed(int op, const std::string& name) {
   const std::string prefix = std::string(OpName(op)) + ".noname.";
   if (name.compare(0, prefix.size(), prefix) != 0) return;
-  noname_counter_[{0, op}] = std::strtoll(name.c_str() + prefix.size(), nullptr, 10) + 1;  // the next one's index
+  unnamed_[{0, op}] = std::strtoll(name.c_str() + prefix.size(), nullptr, 10) + 1;  // the next one's index
 }
 
-size_t Runtime::NameCount() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return names_.size();
+NameState* NameTable::Find(const std::string& key) {
+  auto it = names_.find(key);
+  return it == names_.end() ? nullptr : &it->second;
 }
 
-bool Runtime::Voting() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return !voting_sets_.empty();
-}
-
-void Runtime::Propose(const EntryPtr& y, Request* req) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (names_.size() <= cfg_.name_limit || names_.size() < next_proposal_at_ || proposed_.count(y->set) ||
-      voting_sets_.count(y->set))
+void NameTable::Propose(const Entry& y, const std::function<bool(const std::string&)>& busy, Request* req) {
+  if (names_.size() <= limit_ || names_.size() < next_proposal_at_ || proposed_.count(y.set) ||
+      voting_sets_.count(y.set))
     return;
   std::vector<std::pair<int64_t, const std::string*>> idle;  // (last use, key)
   std::string name;
   // Names not called in the last name_limit calls: a script's names used every step stay
   // (as long as there are fewer than the limit).
-  const int64_t stale = uses_ - static_cast<int64_t>(cfg_.name_limit);
+  const int64_t stale = uses_ - static_cast<int64_t>(limit_);
   for (auto& [key, ns] : names_) {
-    if (ns.last_use >= stale || ns.in_flight || ns.frozen || ns.grouped || ns.stage || key == y->key() ||
-        !KeyInSet(key, y->set, &name) || name == kSetsAgreement || cache_.Has(key) || rejections_.count(key))
+    if (ns.last_use >= stale || ns.in_flight || ns.frozen || ns.grouped || ns.stage || key == y.key() ||
+        !KeyInSet(key, y.set, &name) || name == kSetsAgreement || busy(key))
       continue;
     bool busy_stage = false;  // a hierarchical op's machine sum runs as a cached allreduce
     if (ns.staged)
       for (auto& stage : kHierarchicalStages)  // (or has a refusal on file)
-        busy_stage |= cache_.Has(key + stage.suffix) || rejections_.count(key + stage.suffix) > 0;
+        busy_stage |= busy(key + stage.suffix);
     if (!busy_stage) idle.push_back({ns.last_use, &key});
   }
-  const size_t excess = names_.size() - cfg_.name_limit / 2;
+  const size_t excess = names_.size() - limit_ / 2;
   if (idle.size() > excess) {
     std::nth_element(idle.begin(), idle.begin() + excess, idle.end());
     idle.resize(excess);
   }
   if (idle.empty()) return Later();
-  auto& mine = proposed_[y->set];
+  auto& mine = proposed_[y.set];
   for (auto& [last_use, key] : idle) {
-    KeyInSet(*key, y->set, &name);
+    KeyInSet(*key, y.set, &name);
     mine[name] = names_[*key].calls;
   }
   for (auto& [n, calls] : mine) {  // sorted by name: the coordinator intersects the lists
@@ -94,21 +88,21 @@ void Runtime::Propose(const EntryPtr& y, Request* req) {
   }
 }
 
-void Runtime::Vote(const Response& r) {
-  if (r.set && !SetOf(r.set)) return;  // removed meanwhile (DropSet forgot its proposal)
-  Request vote;
-  vote.name = kRetireName;
-  vote.sig.op = kOpRetire;
-  vote.set = r.set;
+bool NameTable::Vote(const Response& r, Request* vote) {
+  vote->name = kRetireName;
+  vote->sig.op = kOpRetire;
+  vote->set = r.set;
   {
-    std::lock_guard<std::mutex> lock(mu_);
     std::map<std::string, int64_t> mine;  // this rank's proposal on file (there is one)
     auto filed = proposed_.find(r.set);
     if (filed != proposed_.end()) {
       mine = std::move(filed->second);
       proposed_.erase(filed);
     }
-    if (r.retired.empty()) return Later();  // no name every rank proposed: no vote
+    if (r.retired.empty()) {  // no name every rank proposed: no vote
+      Later();
+      return false;
+    }
     // Every rank votes, with the names it froze (possibly none): the others wait for it.
     for (auto& n : std::set<std::string>(r.retired.begin(), r.retired.end())) {
       auto calls = mine.find(n);
@@ -126,23 +120,16 @@ void Runtime::Vote(const Response& r) {
           s->second.frozen = true;
           frozen_.push_back({s->first, key, r.set});
         }
-      vote.retire.push_back(n);
-      vote.retire_calls.push_back(calls->second);
+      vote->retire.push_back(n);
+      vote->retire_calls.push_back(calls->second);
     }
     voting_sets_.insert(r.set);
   }
-  late_requests_.push_back(std::move(vote));  // sent next cycle, whatever the user threads do
+  return true;
 }
 
-void Runtime::Commit(const Response& r) {
-  std::set<std::string> gone;
-  if (r.kind == Response::EXECUTE)
-    for (auto& n : r.retired) gone.insert(SetKey(r.set, n));
-  std::lock_guard<std::mutex> lock(mu_);
-  Thaw(r.set, gone);
-}
-
-void Runtime::Thaw(int set, const std::set<std::string>& gone) {
+NameTable::Thawed NameTable::Thaw(int set, const std::set<std::string>& gone) {
+  Thawed out;
   std::vector<Frozen> thawed, still;
   for (auto& f : frozen_) (f.set == set ? thawed : still).push_back(std::move(f));
   frozen_.swap(still);
@@ -153,9 +140,8 @@ void Runtime::Thaw(int set, const std::set<std::string>& gone) {
     s.frozen = false;
     if (gone.count(f.op_key)) {
       s.calls = 0;
-      negotiated_neighbor_names_.erase(f.key);
-      stalls_.Forget(f.key);
-      if (f.key == f.op_key) ++stats_.names_retired;
+      out.retired.push_back(f.key);
+      if (f.key == f.op_key) ++out.ops_retired;
     }
     s.calls += s.held_calls;
     s.held_calls = 0;
@@ -164,14 +150,13 @@ void Runtime::Thaw(int set, const std::set<std::string>& gone) {
   std::vector<EntryPtr> held, other;
   for (auto& e : held_) (e->set == set ? held : other).push_back(e);
   held_.swap(other);
-  stats_.held_calls += static_cast<int64_t>(held.size());
   int64_t group_step = 0;
   for (auto& e : held) {
     if (!e->group.empty() && e->group_index == 0) group_step = names_[e->group].calls++;
     if (!e->group.empty()) e->group_step = group_step;
     e->step = names_[e->key()].calls++;
-    Push(e);
   }
+  out.calls = std::move(held);
   for (auto& f : thawed) {
     auto ns = names_.find(f.key);
     if (ns != names_.end() && gone.count(f.op_key) && ns->second.calls == 0 && !ns->second.in_flight)
@@ -181,37 +166,16 @@ void Runtime::Thaw(int set, const std::set<std::string>& gone) {
   // Every idle name was proposed (or enough to halve the table): look again only after
   // more new names, else each call past the limit would scan the whole table again.
   Later();
+  return out;
 }
 
-void Runtime::Later() {
-  next_proposal_at_ = names_.size() + std::max<size_t>(1, cfg_.name_limit / 16);  // (a scan costs O(names))
-}
+void NameTable::Later() { next_proposal_at_ = names_.size() + std::max<size_t>(1, limit_ / 16); }
 
-void Runtime::ForgetSet(int set) {
+void NameTable::Forget(int set) {
   std::string name;
-  auto key_of = [](const auto& item) -> const std::string& {
-    if constexpr (std::is_same_v<std::decay_t<decltype(item)>, std::string>) return item;
-    else return item.first;
-  };
-  auto forget = [&](auto& table) {  // the entries whose key is of set `set`
-    for (auto it = table.begin(); it != table.end();)
-      it = KeyInSet(key_of(*it), set, &name) ? table.erase(it) : std::next(it);
-  };
-  forget(names_);
-  forget(rejections_);
-  forget(negotiated_neighbor_names_);
-  stalls_.ForgetSet(set);
-  for (auto it = noname_counter_.begin(); it != noname_counter_.end();)
-    it = it->first.first == set ? noname_counter_.erase(it) : std::next(it);
-}
-
-void Runtime::ThawIfLost(int left_rank) {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (int set : std::set<int>(voting_sets_)) {
-    auto s = sets_.find(set);
-    const int leader = set == 0 ? 0 : s == sets_.end() ? left_rank : s->second.info->leader();
-    if (left_rank == leader) Thaw(set, {});  // no coordinator will answer the vote
-  }
+  for (auto it = names_.begin(); it != names_.end();) it = KeyInSet(it->first, set, &name) ? names_.erase(it) : std::next(it);
+  for (auto it = unnamed_.begin(); it != unnamed_.end();) it = it->first.first == set ? unnamed_.erase(it) : std::next(it);
+  proposed_.erase(set);
 }
 
 }  // namespace shoal

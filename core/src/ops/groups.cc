@@ -44,26 +44,26 @@ std::vector<int64_t> Runtime::EnqueueGroup(const char* name, const shoal_op_desc
     if (descs[i].input.device_type == SHOAL_DEVICE_CUDA) members[i]->gpu = CaptureGpuOp(descs[i], members[i]->nbytes());
   std::unique_lock<std::mutex> lock(mu_);
   Admissible(gop);
-  const std::string group = NameLocked(gop, name, set);
+  const std::string group = names_.Name(gop, name, set);
   const std::string group_key = set ? SetKey(set, group) : group;  // in the per-name tables
   NameState& gs = names_[group_key];
   if (gs.in_flight) throw Duplicate(gop, group);
   for (int i = 0; i < n; ++i) {
     members[i]->name = MemberName(group, i);
     if (set) members[i]->set_key = SetKey(set, members[i]->name);
-    auto ns = names_.find(members[i]->key());
-    if (ns != names_.end() && ns->second.in_flight) throw Duplicate(op, members[i]->name);
+    const NameState* ns = names_.Find(members[i]->key());
+    if (ns && ns->in_flight) throw Duplicate(op, members[i]->name);
   }
   // A name frozen for retirement as a single op's (grouped names never are): the whole
   // group waits for the commit (Thaw numbers it then).
   bool hold = gs.frozen;
   for (int i = 0; i < n; ++i) {
-    auto ns = names_.find(members[i]->key());
-    hold |= ns != names_.end() && ns->second.frozen;
+    const NameState* ns = names_.Find(members[i]->key());
+    hold |= ns && ns->frozen;
   }
   gs.in_flight = gs.grouped = true;
   gs.members_left = n;
-  gs.last_use = ++uses_;
+  gs.last_use = names_.Use();
   const int64_t step = hold ? -1 : gs.calls++;
   std::vector<int64_t> handles;
   for (int i = 0; i < n; ++i) {
@@ -75,7 +75,7 @@ std::vector<int64_t> Runtime::EnqueueGroup(const char* name, const shoal_op_desc
     e->group_size = n;
     Register(e, cb, cb_args ? cb_args[i] : nullptr);
     if (hold) {
-      held_.push_back(e);
+      names_.Hold(e);
     } else {
       e->step = ns.calls++;
       e->group_step = step;
@@ -165,7 +165,7 @@ void Runtime::JoinedGroup(const Response& r, std::vector<EntryPtr>* batch) {
   {
     std::lock_guard<std::mutex> lock(mu_);  // the group counts as this rank's call (JoinedEntry)
     ++names_[group].calls;
-    FollowUnnamed(r.op, group);
+    names_.FollowUnnamed(r.op, group);
   }
   for (size_t i = 0; i < r.sigs.size(); ++i) batch->push_back(IdentityEntry(MemberName(group, static_cast<int>(i)), r.sigs[i]));
 }

@@ -69,7 +69,7 @@ void Runtime::SendJoin(std::vector<Request>* to_coordinator) {
     // before the join: they reach the coordinator first (queued at the commit, sent the
     // cycle after).
     std::lock_guard<std::mutex> lock(mu_);
-    if (!held_.empty() || !queue_.empty()) return;
+    if (names_.Holding() || !queue_.empty()) return;
   }
   join_sent_ = true;
   Ask(joining_, to_coordinator);
@@ -110,7 +110,7 @@ EntryPtr Runtime::IdentityEntry(const std::string& name, const Signature& sig) {
     // join pair up again.
     std::lock_guard<std::mutex> lock(mu_);
     e->step = names_[e->name].calls++;
-    FollowUnnamed(e->sig.op, e->name);
+    names_.FollowUnnamed(e->sig.op, e->name);
   }
   // The identity of the reduction (zeros for Sum, Average and reducescatter; the dtype's
   // largest value for Min, its lowest for Max, ones for Product), so the result is the

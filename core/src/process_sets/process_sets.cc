@@ -254,8 +254,7 @@ void Runtime::DropSet(int32_t id) {
   cache_.Drop(id);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (voting_sets_.count(id)) Thaw(id, {});  // its coordinator will not answer the vote
-    proposed_.erase(id);
+    if (names_.Voting(id)) Thaw(id, {});  // its coordinator will not answer the vote
   }
   // Submitted by another thread meanwhile.
   FailAwaiting([id](const Entry& e) { return e.set == id; }, SHOAL_INVALID_ARGUMENT, s->Describe() + " was removed");

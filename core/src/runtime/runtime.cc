@@ -23,7 +23,7 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t g
     : cfg_(cfg), backend_(std::move(backend)), generation_(generation ? generation : ++g_generations),
       device_plane_(backend_.get(), &stats_),
       neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()),
-      departures_(backend_->world().size), cache_(this, cfg_, &stats_, fusion_pool_), stalls_(cfg_, &stats_) {
+      names_(cfg_.name_limit), departures_(backend_->world().size), cache_(this, cfg_, &stats_, fusion_pool_), stalls_(cfg_, &stats_) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold, Backend::kChannels);
   if (!cfg_.timeline.empty()) {
     std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
@@ -77,16 +77,16 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
                                                 "exist (remove_process_set them first)");
   if (d.op == kOpJoin) join_in_flight_ = true;
-  e->name = NameLocked(d.op, d.name, e->set);
+  e->name = names_.Name(d.op, d.name, e->set);
   if (e->set) e->set_key = SetKey(e->set, e->name);
   NameState& ns = names_[e->key()];
   if (ns.in_flight) throw Duplicate(d.op, e->name);
   ns.in_flight = true;
-  ns.last_use = ++uses_;
+  ns.last_use = names_.Use();
   if (d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) ns.staged = true;
   Register(e, cb, cb_arg);
   if (ns.frozen) {
-    held_.push_back(e);  // numbered at the commit of the vote that froze its name
+    names_.Hold(e);  // numbered at the commit of the vote that froze its name
   } else {
     e->step = ns.calls++;
     Push(e);
@@ -155,14 +155,14 @@ void Runtime::Reject(int op, const char* name, int code, const std::string& erro
   if (set && (!pset || pset->index < 0 || pset->size() == 1)) return;  // nobody waits for this rank's call
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_ || left_) return;
-  const std::string full = NameLocked(op, name, set);
+  const std::string full = names_.Name(op, name, set);
   if (op != SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
     if (!RejectLocked(op, full, code, error, pset)) return;
   } else {
     NameState& ns = names_[full];
     if (ns.in_flight) return;
     ns.staged = true;  // its stages' names are retired with it
-    ns.last_use = ++uses_;
+    ns.last_use = names_.Use();
     ++(ns.frozen ? ns.held_calls : ns.calls);  // the stages' refusals below carry the steps
     for (auto& [stage, suffix] : kHierarchicalStages) {
       RejectLocked(stage, full + suffix, code, error);
@@ -191,9 +191,9 @@ bool Runtime::RejectLocked(int op, const std::string& name, int code, const std:
   // of a multi-stage op is a runtime failure (ShoalError) on the ranks waiting in later ones.
   e->reject_code = code == SHOAL_INVALID_TYPE || code == SHOAL_ABORTED ? code : SHOAL_INVALID_ARGUMENT;
   e->done = true;
-  ns.last_use = ++uses_;
+  ns.last_use = names_.Use();
   if (ns.frozen) {
-    held_.push_back(e);
+    names_.Hold(e);
     return true;
   }
   e->step = ns.calls++;
@@ -396,11 +396,10 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
     if (e->done) return;
     e->done = true;
     e->status = st;
-    auto ns = names_.find(e->key());
-    if (ns != names_.end()) ns->second.in_flight = false;
+    if (NameState* ns = names_.Find(e->key())) ns->in_flight = false;
     if (!e->group.empty()) {  // the group's name is free once every member is done
-      auto gs = names_.find(e->group);
-      if (gs != names_.end() && --gs->second.members_left <= 0) gs->second.in_flight = false;
+      NameState* gs = names_.Find(e->group);
+      if (gs && --gs->members_left <= 0) gs->in_flight = false;
     }
     if (e->sig.op == kOpJoin) join_in_flight_ = false;
   }

@@ -28,6 +28,7 @@
 #include "engines/backend.h"
 #include "common/buffer_pool.h"
 #include "negotiation/coordinator.h"
+#include "negotiation/names.h"
 #include "negotiation/response_cache.h"
 #include "negotiation/stall_inspector.h"
 #include "neighbor/device_plane.h"
@@ -165,7 +166,6 @@ class Runtime : private ResponseCache::Host {
   void CheckStalls();
   void OnLeave(int rank);
   bool FailIfUnreachable(const EntryPtr& e);
-  std::string NameLocked(int op, const char* name, int set = 0);  // mu_ held
   // Uses up `name`'s next step (in process set `pset`, null: every rank's) with a refusal its
   // peers hear of; false if an op of that name is in flight here (mu_ held).
   bool RejectLocked(int op, const std::string& name, int code, const std::string& error,
@@ -177,16 +177,13 @@ class Runtime : private ResponseCache::Host {
   // Stage `s` finished with `st`: queue the next stage, or finish the op.
   void NextStage(const EntryPtr& s, const Status& st);
   Status DivideResult(const Entry& e, int divisor);
-  void FollowUnnamed(int op, const std::string& name);  // an unnamed op ran here without a call; mu_ held
   // Bounded per-name state (negotiation/names.cc): past cfg_.name_limit names, idle names
   // every rank agrees on are retired (propose with a request, vote, commit).
-  void Propose(const EntryPtr& e, Request* req);  // takes mu_
   void Vote(const Response& r);    // the names every rank proposed (takes mu_)
   void Commit(const Response& r);  // the vote's outcome (takes mu_)
   // Thaws set `set`'s frozen names, forgets those in `gone`, runs its held calls (mu_ held).
   void Thaw(int set, const std::set<std::string>& gone);
   void ThawIfLost(int left_rank);  // a vote's coordinator left (takes mu_)
-  void Later();  // nothing retired: propose again only after more names (mu_ held)
   void ForgetSet(int set);  // a removed set's names (driver, mu_ held)
   void FailAll(const std::string& why);
   double Now() const;
@@ -266,29 +263,7 @@ class Runtime : private ResponseCache::Host {
   std::condition_variable work_cv_, done_cv_;
   std::vector<EntryPtr> queue_;
   std::unordered_map<int64_t, EntryPtr> handles_;
-  std::map<std::pair<int, int>, int64_t> noname_counter_;  // by (process set, op)
-  struct NameState {
-    int64_t calls = 0;  // ops submitted so far
-    bool in_flight = false;
-    int members_left = 0;  // a grouped op's name: its members still running
-    int64_t last_use = 0;  // uses_ at its last call
-    int64_t held_calls = 0;  // a hierarchical op's refused calls while proposed
-    bool frozen = false;     // voted to retire: new calls wait in held_ until the commit
-    bool staged = false;     // a hierarchical op's name (its stages' names go with it)
-    bool stage = false;      // a stage's name
-    bool grouped = false;    // a grouped op's or member's name (kept)
-  };
-  std::map<std::string, NameState> names_;
-  int64_t uses_ = 0;  // calls so far (NameState::last_use)
-  std::vector<EntryPtr> held_;  // calls of frozen names, in call order
-  struct Frozen {
-    std::string key, op_key;  // op_key: its own, or a stage's hierarchical op's
-    int set;
-  };
-  std::vector<Frozen> frozen_;
-  std::map<int, std::map<std::string, int64_t>> proposed_;  // by set: the names on file, with counts
-  std::set<int> voting_sets_;  // sets whose vote is in flight
-  size_t next_proposal_at_ = 0;  // names_ size at which to look for idle names again
+  NameTable names_;  // op names and their per-name state
   bool driving_ = false;  // a thread is running Cycle()
   bool left_ = false;     // Leave() ran
   bool leaving_ = false;  // Leave() waits for the driving token

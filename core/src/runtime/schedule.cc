@@ -137,8 +137,8 @@ void Runtime::Apply(const Response& r) {
         // Remember it for when this rank submits that step, unless it is past it already.
         const std::string name = SetKey(r.set, user_name);
         std::lock_guard<std::mutex> lock(mu_);
-        auto ns = names_.find(name);
-        if ((ns == names_.end() || ns->second.calls <= r.step) && rejections_.size() < 1024)
+        const NameState* ns = names_.Find(name);
+        if ((!ns || ns->calls <= r.step) && rejections_.size() < 1024)
           rejections_[name] = r;
       }
     }
@@ -187,12 +187,75 @@ void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     req.recv = e->recv_ranks;
   }
   req.splits = e->splits;  // alltoall
-  Propose(e, &req);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    names_.Propose(*e, [this](const std::string& key) { return cache_.Has(key) || rejections_.count(key) > 0; }, &req);
+  }
   to_coordinator->push_back(std::move(req));
 }
 
 void Runtime::Renegotiate(const EntryPtr& e) {
   if (!FailIfUnreachable(e)) Ask(e, &late_requests_);
+}
+
+// Retiring idle names (negotiation/names.cc): the table decides; the runtime sends the
+// vote, runs the held calls and forgets the retired names' negotiated state.
+void Runtime::Vote(const Response& r) {
+  if (r.set && !SetOf(r.set)) return;  // removed meanwhile (DropSet forgot its proposal)
+  Request vote;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!names_.Vote(r, &vote)) return;
+  }
+  late_requests_.push_back(std::move(vote));  // sent next cycle, whatever the user threads do
+}
+
+void Runtime::Commit(const Response& r) {
+  std::set<std::string> gone;
+  if (r.kind == Response::EXECUTE)
+    for (auto& n : r.retired) gone.insert(SetKey(r.set, n));
+  std::lock_guard<std::mutex> lock(mu_);
+  Thaw(r.set, gone);
+}
+
+void Runtime::Thaw(int set, const std::set<std::string>& gone) {
+  NameTable::Thawed out = names_.Thaw(set, gone);
+  for (auto& key : out.retired) {
+    negotiated_neighbor_names_.erase(key);
+    stalls_.Forget(key);
+  }
+  stats_.names_retired += out.ops_retired;
+  stats_.held_calls += static_cast<int64_t>(out.calls.size());
+  for (auto& e : out.calls) Push(e);
+}
+
+void Runtime::ThawIfLost(int left_rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int set : names_.VotingSets()) {
+    auto s = sets_.find(set);
+    const int leader = set == 0 ? 0 : s == sets_.end() ? left_rank : s->second.info->leader();
+    if (left_rank == leader) Thaw(set, {});  // no coordinator will answer the vote
+  }
+}
+
+void Runtime::ForgetSet(int set) {
+  names_.Forget(set);
+  std::string name;
+  for (auto it = rejections_.begin(); it != rejections_.end();)
+    it = KeyInSet(it->first, set, &name) ? rejections_.erase(it) : std::next(it);
+  for (auto it = negotiated_neighbor_names_.begin(); it != negotiated_neighbor_names_.end();)
+    it = KeyInSet(*it, set, &name) ? negotiated_neighbor_names_.erase(it) : std::next(it);
+  stalls_.ForgetSet(set);
+}
+
+size_t Runtime::NameCount() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return names_.size();
+}
+
+bool Runtime::Voting() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return names_.Voting();
 }
 
 }  // namespace shoal
