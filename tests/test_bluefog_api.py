@@ -331,6 +331,7 @@ WORKER_ITEMS = [
     "allreduce_inplace_returns_tensor", "nonblocking_handles_poll_wait", "broadcast_forms",
     "allgather_variable_first_dim", "neighbor_allgather_static_and_dynamic",
     "neighbor_allreduce_static", "neighbor_allreduce_dynamic_dst_weights",
+    "neighbor_allreduce_dynamic_pattern_mismatch_is_value_error",
     "neighbor_allreduce_deprecated_kwargs", "one_peer_dynamic_loop_with_bluefog_keywords",
     "hierarchical_neighbor_allreduce", "pair_gossip", "infer_ranks",
     "win_create_names_and_set_topology_refused", "win_aliases_are_the_same_functions",
