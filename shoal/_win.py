@@ -12,10 +12,14 @@ thread's collectives, nor it for them. `win_create`/`win_free` are collectives: 
 rank calls them, in the same order (a disagreement is the same error on every rank).
 `set_topology` refuses while windows exist.
 
+Associated p follows BlueFog's arithmetic exactly: p starts at 1 and every p slot at 0
+(with `zero_init` or not); put/accumulate set/add p·w in the destination's slot and then
+multiply p by `self_weight`; `win_get` leaves p slots alone; `win_update` combines p and
+the slots with the data's weights, and its `reset` zeroes the slots only while p is on.
+
 Differences from BlueFog: `win_get` reads the owner's value as of its last window op on
-that name (create, put, accumulate, update), not its live memory; p slots start at 1
-when the buffers start with the local value (0 with `zero_init`), so buffer/p pairs stay
-consistent; errors raise instead of returning False.
+that name (create, put, accumulate, update), not its live memory; errors raise instead of
+returning False.
 """
 import contextlib
 import math
@@ -219,7 +223,8 @@ def build_win_api(adapter):
 
     def win_get_nonblocking(name, src_weights=None, require_mutex=False):
         """Start fetching each source's published value into this rank's buffer for it,
-        scaled by its weight; bumps this rank's version for that source. src_weights:
+        scaled by its weight; bumps this rank's version for that source; p slots are left
+        as they are (BlueFog: only put/accumulate move p). src_weights:
         {rank: w} or [ranks] ⊆ in-neighbours; default every in-neighbour with 1.0."""
         _check_name(name)
         _registered(name, "win_get")
@@ -252,7 +257,7 @@ def build_win_api(adapter):
         with neither: the topology's weights if it is weighted, else uniform
             x ← (x + Σ_j buf_j) / (in_degree + 1)   (sum then divide).
         With associated p on, p follows the same weights. `reset` zeroes the combined
-        buffers (and their p); `clone` writes into a copy and leaves the registered tensor
+        buffers (and, with p on, their p slots); `clone` writes into a copy and leaves the registered tensor
         alone. Versions of the combined neighbours return to 0. require_mutex: hold this
         rank's mutexes for those buffers. Raises ValueError (one weight argument without
         the other, non-neighbour ranks, unknown name).

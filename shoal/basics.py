@@ -21,6 +21,7 @@ from ._process import (STATE, in_neighbor_ranks, is_homogeneous, local_rank, loc
                        machine_size, out_neighbor_ranks, rank, require_init as _require_init, size)
 
 ShoalError = _core.ShoalError
+NeighborPatternError = _core.NeighborPatternError  # ShoalError and ValueError
 
 
 class TopologySizeError(ValueError, TypeError):
@@ -314,7 +315,7 @@ def mpi_library_version():
     return _core.mpi_library_version()
 
 
-__all__ = ["ShoalError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
+__all__ = ["ShoalError", "NeighborPatternError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "machine_rank", "machine_size", "is_homogeneous",
            "mpi_threads_supported", "unified_mpi_window_model_supported", "nccl_built",
            "suspend", "resume", "is_suspended", "set_skip_negotiate_stage",

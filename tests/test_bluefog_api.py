@@ -331,6 +331,7 @@ WORKER_ITEMS = [
     "allreduce_inplace_returns_tensor", "nonblocking_handles_poll_wait", "broadcast_forms",
     "allgather_variable_first_dim", "neighbor_allgather_static_and_dynamic",
     "neighbor_allreduce_static", "neighbor_allreduce_dynamic_dst_weights",
+    "neighbor_allreduce_dynamic_pattern_mismatch_is_value_error",
     "neighbor_allreduce_deprecated_kwargs", "one_peer_dynamic_loop_with_bluefog_keywords",
     "hierarchical_neighbor_allreduce", "pair_gossip", "infer_ranks",
     "win_create_names_and_set_topology_refused", "win_aliases_are_the_same_functions",
@@ -373,6 +374,41 @@ def test_multi_rank_timeline_files(job):
     for r in range(RANKS):
         text = (tmp / f"timeline{r}.json").read_text()
         assert "USER_SPAN" in text and "CONTEXT_SPAN" in text, (r, text[-500:])
+
+
+# BlueFog's activity names (v0.3.0: bluefog/torch/mpi_ops.cc and mpi_win_ops.cc write
+# ENQUEUE_<OP> around the whole op, bluefog/common/operations.cc PROC_<OP> or WIN_<OP> while
+# it runs, mpi_controller.cc COMMUNICATE and COMPUTE_AVERAGE inside; its test/timeline_test.py
+# and docs/timeline.rst read MPI_<OP>, the name before its 2020 rename), next to Shoal's own.
+BLUEFOG_TRACKS = {
+    "bfapi.nar_dst": ["neighbor_allreduce", "WAIT_FOR_PEERS", "REDUCE", "ENQUEUE_NEIGHBOR_ALLREDUCE",
+                      "PROC_NEIGHBOR_ALLREDUCE", "MPI_NEIGHBOR_ALLREDUCE", "COMMUNICATE", "COMPUTE_AVERAGE"],
+    "bfapi.nag": ["neighbor_allgather", "WAIT_FOR_PEERS", "ENQUEUE_NEIGHBOR_ALLGATHER",
+                  "PROC_NEIGHBOR_ALLGATHER", "MPI_NEIGHBOR_ALLGATHER", "COMMUNICATE"],
+    "bfapi.w": ["ENQUEUE_WIN_PUT", "WIN_PUT", "MPI_WIN_PUT"],
+    "bfapi.g": ["ENQUEUE_WIN_GET", "WIN_GET", "MPI_WIN_GET",
+                "ENQUEUE_WIN_ACCUMULATE", "WIN_ACCUMULATE", "MPI_WIN_ACCUMULATE"],
+}
+
+
+def test_multi_rank_timeline_has_bluefog_activity_names(job):
+    from shoal import timeline
+    job[0].output()
+    for r in range(RANKS):
+        events = [e for e in timeline.load(job[1] / f"timeline{r}.json") if e.get("ph") == "X"]
+        for track, want in BLUEFOG_TRACKS.items():
+            spans = [e for e in events if e["args"].get("tensor") == track]
+            names = {e["name"] for e in spans}
+            assert set(want) <= names, (r, track, sorted(set(want) - names), sorted(names))
+        # Each op's BlueFog spans nest as BlueFog's do: ENQUEUE_ holds PROC_, which holds COMMUNICATE.
+        spans = [e for e in events if e["args"].get("tensor") == "bfapi.nar_dst"]
+        first = {n: next(e for e in spans if e["name"] == n)
+                 for n in ("ENQUEUE_NEIGHBOR_ALLREDUCE", "PROC_NEIGHBOR_ALLREDUCE", "COMMUNICATE")}
+        for outer, inner in (("ENQUEUE_NEIGHBOR_ALLREDUCE", "PROC_NEIGHBOR_ALLREDUCE"),
+                             ("PROC_NEIGHBOR_ALLREDUCE", "COMMUNICATE")):
+            o, i = first[outer], first[inner]
+            # (a few µs of slack: each timestamp maps the monotonic clock to wall time on its own)
+            assert o["ts"] <= i["ts"] + 5 and i["ts"] + i["dur"] <= o["ts"] + o["dur"] + 5, (r, o, i)
 
 
 def test_every_worker_item_has_a_test_id():

@@ -9,6 +9,7 @@
 namespace shoal_py {
 
 py::object g_shoal_error;
+py::object g_neighbor_pattern_error;  // ShoalError and ValueError
 
 [[noreturn]] void Raise(int code, const char* msg) {
   switch (code) {
@@ -19,6 +20,9 @@ py::object g_shoal_error;
       throw py::value_error(msg);
     case SHOAL_INVALID_TYPE:
       throw py::type_error(msg);
+    case SHOAL_NEIGHBOR_MISMATCH:
+      PyErr_SetString(g_neighbor_pattern_error.ptr(), msg);
+      throw py::error_already_set();
     default:
       PyErr_SetString(g_shoal_error.ptr(), msg);
       throw py::error_already_set();
@@ -293,6 +297,16 @@ PYBIND11_MODULE(_core, m) {
   m.attr("ShoalError").attr("__doc__") =
       "A runtime failure of a Shoal op: ranks disagree (shape, dtype, op, root), a peer "
       "stalled or died, or Shoal was shut down. Subclass of RuntimeError.";
+  {
+    py::tuple bases = py::make_tuple(g_shoal_error, py::handle(PyExc_ValueError));
+    g_neighbor_pattern_error = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
+        "shoal._core.NeighborPatternError",
+        "A dynamic neighbor op whose send and receive ranks disagree (enable_topo_check), on "
+        "every rank: a ShoalError, and a ValueError as BlueFog raised it.",
+        bases.ptr(), nullptr));
+    if (!g_neighbor_pattern_error) throw py::error_already_set();
+    m.attr("NeighborPatternError") = g_neighbor_pattern_error;
+  }
 
   m.def("init", [] {
     char err[kErrLen];

@@ -3,8 +3,10 @@ runtime as `shoal` and `shoal.torch`), usable eagerly and inside `tf.function`, 
 gradients; plus DistributedGradientTape, broadcast_variables and consensus_distance.
 
 Names and semantics are those of `shoal` (BlueFog's; reference/bluefog-semantics.md §1).
-In eager mode a runtime failure raises `shoal.ShoalError`; inside a graph TensorFlow
-raises `tf.errors.AbortedError` whose message starts with "ShoalError:". The kernels are
+In eager mode a runtime failure raises `shoal.ShoalError` (`shoal.NeighborPatternError`,
+also a ValueError, when a dynamic neighbor op's send and receive ranks disagree); inside a
+graph TensorFlow raises `tf.errors.AbortedError` whose message starts with "ShoalError:"
+("ShoalError: NeighborPatternError:" for that one). The kernels are
 compiled against the installed TensorFlow on first import (see `_build.py`). XLA
 (`jit_compile=True`) has no Shoal kernels: calling an op there raises ValueError.
 Inside a `tf.while_loop`/`tf.range` loop, iterations may run concurrently and would submit

@@ -46,13 +46,17 @@ def _no_xla(op):
 
 
 def _run(op, fn):
-    """Run a kernel; eagerly, turn the runtime's Aborted error into ShoalError."""
+    """Run a kernel; eagerly, turn the runtime's Aborted error into ShoalError (a
+    NeighborPatternError, also a ValueError, for send and receive ranks that disagree)."""
     _no_xla(op)
     try:
         return fn()
     except tf.errors.AbortedError as e:
         if tf.executing_eagerly() and "ShoalError" in e.message:
-            raise shoal.ShoalError(e.message.split("ShoalError: ", 1)[-1]) from None
+            msg = e.message.split("ShoalError: ", 1)[-1]
+            if msg.startswith("NeighborPatternError: "):
+                raise shoal.NeighborPatternError(msg[len("NeighborPatternError: "):]) from None
+            raise shoal.ShoalError(msg) from None
         raise
     except tf.errors.InvalidArgumentError as e:
         if tf.executing_eagerly():

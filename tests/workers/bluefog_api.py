@@ -229,6 +229,42 @@ def neighbor_allreduce_dynamic_dst_weights():
 
 
 @check
+def neighbor_allreduce_dynamic_pattern_mismatch_is_value_error():
+    # BlueFog's own case (test/torch_ops_test.py, test_neighbor_allreduce_dynamic_topo_check):
+    # receive from R-1, send to R+2. BlueFog's check (mpi_controller.cc,
+    # CheckNeighborSendRecvPattern: an allgather of every rank's pattern) fails the op with
+    # Status::InvalidArgument on every rank, a ValueError at the wait. Shoal raises
+    # NeighborPatternError there, a ValueError and a ShoalError.
+    x = x_of(R)
+    kw = dict(self_weight=0.0, src_weights={(R - 1) % N: 1.0}, dst_weights=[(R + 2) % N])
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        for blocking in (True, False):
+            try:
+                if blocking:
+                    bf.neighbor_allreduce(x.to(dtype), name="bfapi.topo_check", **kw)
+                else:
+                    h = bf.neighbor_allreduce_nonblocking(x.to(dtype), name="bfapi.topo_check", **kw)
+                    bf.synchronize(h)  # the call itself returned a handle; the wait raises
+            except ValueError as e:
+                assert isinstance(e, bf.ShoalError) and type(e) is bf.NeighborPatternError, type(e).__mro__
+                assert "neighbor_allreduce 'bfapi.topo_check': send and receive ranks disagree" in str(e), e
+                assert f"rank {R} sends to rank {(R + 2) % N}, which does not receive from it" in str(e), e
+            else:
+                raise AssertionError(f"no ValueError ({dtype}, blocking={blocking})")
+    # The name works again with a pattern that agrees.
+    y = bf.neighbor_allreduce(x, self_weight=0.0, src_weights={(R - 1) % N: 1.0}, dst_weights=[(R + 1) % N],
+                              name="bfapi.topo_check")
+    assert torch.equal(y, x_of((R - 1) % N)), y
+    # neighbor_allgather's check (BlueFog: the same allgather of patterns) raises the same.
+    try:
+        bf.neighbor_allgather(x, src_ranks=[(R - 1) % N], dst_ranks=[(R + 2) % N], name="bfapi.topo_check_ag")
+    except bf.NeighborPatternError as e:
+        assert "neighbor_allgather 'bfapi.topo_check_ag': send and receive ranks disagree" in str(e), e
+    else:
+        raise AssertionError("no NeighborPatternError from neighbor_allgather")
+
+
+@check
 def neighbor_allreduce_deprecated_kwargs():
     raises(TypeError, bf.neighbor_allreduce, x_of(R), neighbor_weights={})
     raises(TypeError, bf.neighbor_allreduce, x_of(R), send_neighbors=[])

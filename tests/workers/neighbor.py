@@ -374,11 +374,12 @@ def steady_state_has_no_global_collective():
         print(f"steady state over 200 neighbor ops: {st}", flush=True)
 
 
-def expect_error(fn, *needles):
+def expect_error(fn, *needles, kind=shoal.ShoalError):
     start = time.monotonic()
     try:
         fn()
     except shoal.ShoalError as e:
+        assert type(e) is kind, type(e)
         assert time.monotonic() - start < 10
         for n in needles:
             assert n in str(e), (n, str(e))
@@ -394,7 +395,7 @@ def mismatched_dynamic_topology_names_the_edge():
     dst = [1] if R == 0 else []
     expect_error(lambda: shoal.neighbor_allreduce(data(R), self_weight=1.0, src_weights={}, dst_weights=dst,
                                                   name="badtopo"),
-                 "rank 0 sends to rank 1, which does not receive from it")
+                 "rank 0 sends to rank 1, which does not receive from it", kind=shoal.NeighborPatternError)
 
 
 @check
@@ -406,7 +407,7 @@ def unchecked_mismatch_is_an_error_not_mixing():
     shoal.neighbor_allreduce(data(R), src_weights={}, dst_weights=[1] if R == 0 else [], **kw)
     if R == 1:
         expect_error(lambda: shoal.neighbor_allreduce(data(R), src_weights={0: 0.5}, dst_weights=[], **kw),
-                     "rank 0 sent to this rank at its step 0", "at step 1")
+                     "rank 0 sent to this rank at its step 0", "at step 1", kind=shoal.NeighborPatternError)
     else:
         shoal.neighbor_allreduce(data(R), src_weights={}, dst_weights=[1] if R == 0 else [], **kw)
     shoal.barrier()

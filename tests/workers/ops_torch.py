@@ -5,8 +5,9 @@ import sys
 import numpy as np
 import torch
 
+import shoal
 import shoal.torch as bf
-from checks import check, run_all
+from checks import check, raises, run_all
 
 bf.init()
 R, N = bf.rank(), bf.size()
@@ -132,6 +133,25 @@ def compiled_fullgraph():
 
     out = step(torch.full((4,), float(R)))
     assert torch.equal(out, torch.full((4,), float(N * (N - 1) + N * N + 1))), out
+
+
+@check
+def integer_average_per_api():
+    # README, Dtypes: which calls truncate an integer average toward zero (Horovod's, exact:
+    # the sum, then integer division) and which refuse it with ValueError.
+    x = torch.tensor([3 * R + 1, -(3 * R + 1)], dtype=torch.int32)
+    s = sum(3 * r + 1 for r in range(N))  # 22 on 4 ranks: 5.5 -> [5, -5]; 5 on 2: [2, -2]
+    want = torch.tensor([s // N, -(s // N)], dtype=torch.int32)
+    assert torch.equal(bf.allreduce(x, name="t.intavg.a"), want)
+    assert torch.equal(bf.allreduce(x, op=bf.Average, name="t.intavg.b"), want)
+    assert torch.equal(bf.synchronize(bf.allreduce_async(x, name="t.intavg.c")), want)
+    assert torch.equal(bf.grouped_allreduce([x], name="t.intavg.d")[0], want)
+    raises(ValueError, bf.allreduce_nonblocking, x, name="t.intavg.e")
+    compiled = torch.compile(lambda t: bf.allreduce(t, name="t.intavg.f"), fullgraph=True, backend="aot_eager")
+    raises(ValueError, compiled, x)
+    raises(ValueError, shoal.allreduce, x.numpy(), name="t.intavg.g")
+    raises(ValueError, bf.neighbor_allreduce, x, name="t.intavg.h")
+    assert torch.equal(bf.allreduce(x, op=bf.Sum, name="t.intavg.i"), torch.tensor([s, -s], dtype=torch.int32))
 
 
 @check

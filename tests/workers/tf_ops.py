@@ -152,6 +152,15 @@ def errors_are_clear():
             assert "mismatched shapes" in str(e)
         else:
             raise AssertionError("mismatch not raised")
+    if N > 2:  # receive from R-1, send to R+2: the pattern check fails on every rank
+        try:
+            st.neighbor_allreduce(tf.ones([2]), self_weight=0.5, src_weights={(R - 1) % N: 0.5},
+                                  dst_weights=[(R + 2) % N], name="tf.pattern")
+        except ValueError as e:
+            assert isinstance(e, shoal.NeighborPatternError) and isinstance(e, shoal.ShoalError), type(e)
+            assert "send and receive ranks disagree" in str(e), e
+        else:
+            raise AssertionError("pattern mismatch not raised")
     try:
         tf.function(lambda x: st.allreduce(x, name="xla"), jit_compile=True)(tf.ones(2))
     except ValueError as e:

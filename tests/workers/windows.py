@@ -154,6 +154,102 @@ def associated_p_follows_the_weights():
 
 
 @check
+def associated_p_bluefog_ring_values():
+    # BlueFog's own case (test/torch_win_ops_test.py, test_asscoicated_with_p): ring, buffers
+    # start with the local value (no zero_init), p on; one sender accumulates to its two ring
+    # neighbours with 0.5 each and keeps self_weight 0.5; everyone collects. BlueFog's p
+    # slots start at 0 whatever zero_init says (mpi_context.cc, InitializePWin), so p is
+    # exactly 0.5 at the sender, 1.5 at its neighbours and 1.0 elsewhere.
+    if N < 3:
+        raise Skip("needs 3 or more ranks (two distinct ring neighbours)")
+    shoal.turn_on_win_ops_with_associated_p()
+    try:
+        for sender in range(N):
+            x = fresh("pring", "float32", graph=T.ring_graph(N))
+            left, right = (sender - 1) % N, (sender + 1) % N
+            if R == sender:
+                shoal.win_accumulate(x, "pring", self_weight=0.5, dst_weights={left: 0.5, right: 0.5})
+                assert shoal.win_associated_p("pring") == 0.5
+            shoal.barrier()
+            shoal.win_update_then_collect("pring")
+            want = 0.5 if R == sender else 1.5 if R in (left, right) else 1.0
+            assert shoal.win_associated_p("pring") == want, (sender, shoal.win_associated_p("pring"), want)
+            shoal.barrier()
+    finally:
+        shoal.turn_off_win_ops_with_associated_p()
+        shoal.win_free()
+
+
+@check
+def associated_p_put_then_default_update():
+    # win_put sets the destination's slot to p*w (mpi_controller.cc, WinPut: an MPI_Put of
+    # p*weight); slots nobody wrote stay 0; the default (uniform) win_update sums p and the
+    # slots of every in-neighbour, then divides by in-degree + 1 (mpi_win_ops.cc, DoWinSync).
+    if N < 2:
+        raise Skip("needs 2 or more ranks")
+    shoal.turn_on_win_ops_with_associated_p()
+    try:
+        x = fresh("pput", "float64")
+        outs0 = T.out_neighbors(shoal.load_topology(), 0)
+        if R == 0:
+            shoal.win_put(x, "pput", self_weight=0.5, dst_weights={d: 0.5 for d in outs0})
+            assert shoal.win_associated_p("pput") == 0.5
+        shoal.barrier()
+        shoal.win_update("pput")
+        deg = len(shoal.in_neighbor_ranks())
+        own = 0.5 if R == 0 else 1.0
+        want = (own + (0.5 if R in outs0 else 0.0)) / (deg + 1)
+        assert shoal.win_associated_p("pput") == want, (shoal.win_associated_p("pput"), want)
+        if N == 4:  # exp-2 graph, in-degree 2: the numbers themselves
+            assert want == {0: 0.5 / 3, 1: 0.5, 2: 0.5, 3: 1 / 3}[R], want
+        shoal.barrier()
+        # A second put replaces the slot (MPI_Put), an accumulate adds to it.
+        if R == 0:
+            shoal.win_put(x, "pput", dst_weights={d: 0.25 for d in outs0})
+            shoal.win_put(x, "pput", dst_weights={d: 0.5 for d in outs0})
+            shoal.win_accumulate(x, "pput", dst_weights={d: 0.25 for d in outs0})
+        shoal.barrier()
+        p0 = 0.5 / (len(T.in_neighbors(shoal.load_topology(), 0)) + 1)  # rank 0's p now
+        before = shoal.win_associated_p("pput")
+        shoal.win_update_then_collect("pput")
+        want = before + (0.75 * p0 if R in outs0 else 0.0)
+        assert shoal.win_associated_p("pput") == want, (shoal.win_associated_p("pput"), want)
+        shoal.barrier()
+    finally:
+        shoal.turn_off_win_ops_with_associated_p()
+        shoal.win_free()
+
+
+@check
+def associated_p_untouched_by_get_and_by_reset_with_p_off():
+    # BlueFog's win_get moves values only (mpi_controller.cc, WinGet: no p), and win_update's
+    # reset zeroes the p slots only while p is on (mpi_win_ops.cc, ResetNeighborTensor).
+    if N < 2:
+        raise Skip("needs 2 or more ranks")
+    shoal.turn_on_win_ops_with_associated_p()
+    try:
+        x = fresh("pget", "float64")
+        ins = shoal.in_neighbor_ranks()
+        shoal.win_get("pget", {j: 0.5 for j in ins})
+        shoal.win_update_then_collect("pget")
+        assert shoal.win_associated_p("pget") == 1.0, shoal.win_associated_p("pget")
+        shoal.barrier()
+        x = fresh("preset", "float64", zero_init=True)
+        shoal.win_accumulate(x, "preset")  # p slots: 1.0 from every in-neighbour
+        shoal.barrier()
+        shoal.turn_off_win_ops_with_associated_p()
+        shoal.win_update("preset", 1.0, {j: 1.0 for j in ins}, reset=True)  # data zeroed, p slots kept
+        assert shoal.win_associated_p("preset") == 1.0
+        shoal.turn_on_win_ops_with_associated_p()
+        shoal.win_update_then_collect("preset")
+        assert shoal.win_associated_p("preset") == 1.0 + len(ins), shoal.win_associated_p("preset")
+        shoal.barrier()
+    finally:
+        shoal.turn_off_win_ops_with_associated_p()
+        shoal.win_free()
+
+
+@check
 def nonblocking_forms_and_poll():
     x = fresh("nb", "float32")
     h = shoal.win_put_nonblocking(x, "nb")

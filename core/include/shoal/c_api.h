@@ -23,7 +23,9 @@ typedef enum {
   SHOAL_UNKNOWN_HANDLE = 5,
   SHOAL_DUPLICATE_NAME = 6,   /* a second in-flight op with the same name: ValueError */
   SHOAL_TIMEOUT = 7,          /* shoal_wait_for: not complete yet */
-  SHOAL_INVALID_TYPE = 8      /* an argument of the wrong type at the call: TypeError */
+  SHOAL_INVALID_TYPE = 8,     /* an argument of the wrong type at the call: TypeError */
+  SHOAL_NEIGHBOR_MISMATCH = 9 /* a neighbor op's send and receive ranks disagree: a ShoalError that is also a
+                                 ValueError (BlueFog's), shoal.NeighborPatternError */
 } shoal_status;
 
 typedef enum {

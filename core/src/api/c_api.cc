@@ -389,6 +389,22 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
     case SHOAL_WIN_UNLOCK: job = [a](shoal::WindowEngine& w) { return w.Mutex(a, false); }; break;
     default: return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "unknown window op " + std::to_string(d->op)), err, len);
   }
+  if (rt->timeline().enabled() && (d->op == SHOAL_WIN_PUT || d->op == SHOAL_WIN_ACCUMULATE || d->op == SHOAL_WIN_GET)) {
+    // BlueFog's activity names: ENQUEUE_WIN_<OP> from the call to the end, WIN_<OP> while it
+    // runs (MPI_WIN_<OP> before BlueFog's 2020 rename, what its timeline test reads).
+    const char* what = d->op == SHOAL_WIN_PUT ? "WIN_PUT" : d->op == SHOAL_WIN_GET ? "WIN_GET" : "WIN_ACCUMULATE";
+    shoal::Timeline* tl = &rt->timeline();
+    auto submitted = std::chrono::steady_clock::now();
+    job = [inner = std::move(job), tl, what, submitted, name = a.name](shoal::WindowEngine& w) {
+      auto start = std::chrono::steady_clock::now();
+      Status s = inner(w);
+      auto end = std::chrono::steady_clock::now();
+      tl->Span(name, ("ENQUEUE_" + std::string(what)).c_str(), submitted, end);
+      tl->Span(name, what, start, end);
+      tl->Span(name, ("MPI_" + std::string(what)).c_str(), start, end);
+      return s;
+    };
+  }
   try {
     // Puts, gets and updates without mutexes never wait on another rank's choices.
     const bool quick = !a.require_mutex && (d->op == SHOAL_WIN_PUT || d->op == SHOAL_WIN_ACCUMULATE ||

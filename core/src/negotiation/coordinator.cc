@@ -345,6 +345,7 @@ Response Coordinator::ValidateOne(const std::string& name, const std::vector<Req
   if (!edges.empty()) {
     resp.kind = Response::ERROR;
     resp.error = OpError(op, name, "send and receive ranks disagree: " + edges);
+    resp.code = SHOAL_NEIGHBOR_MISMATCH;
     return resp;
   }
   if (op == SHOAL_OP_ALLGATHER) {

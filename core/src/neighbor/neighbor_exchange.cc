@@ -259,7 +259,7 @@ Status NeighborExchange::Finish(const EntryPtr& ep, std::vector<Piece>& got, boo
   for (size_t k = 0; k < got.size(); ++k) {
     const int src = e.recv_ranks[k];
     if (got[k].step != e.step)
-      return Status::Error(SHOAL_MISMATCH, op() + "send and receive ranks disagree: rank " + std::to_string(src) +
+      return Status::Error(SHOAL_NEIGHBOR_MISMATCH, op() + "send and receive ranks disagree: rank " + std::to_string(src) +
           " sent to this rank at its step " + std::to_string(got[k].step) + " but this rank receives from rank " +
           std::to_string(src) + " at step " + std::to_string(e.step));
     if (!got[k].sig.CompatibleForNeighbors(e.sig))

@@ -424,6 +424,24 @@ void Runtime::Trace(const Entry& e, const Status& st, Clock::time_point t_callba
   span(neighbor ? "WAIT_FOR_PEERS" : "COMMUNICATE", e.t_comm_start, neighbor ? e.t_peers_ready : e.t_comm_end);
   span("REDUCE", e.t_reduce_start, e.t_reduce_end);
   span("CALLBACK", t_callback, now);
+  // BlueFog's activity names for its neighbor ops, on the same track, for the scripts and
+  // viewers that look for them: ENQUEUE_<OP> (the whole op, as BlueFog's caller-side span),
+  // PROC_<OP> (its processing, as its background thread's; MPI_<OP> before its 2020
+  // rename, still what its timeline test and docs read), COMMUNICATE, COMPUTE_AVERAGE.
+  const int base = e.sig.op & ~SHOAL_GROUPED;
+  const char* bf = base == SHOAL_OP_NEIGHBOR_ALLGATHER ? "NEIGHBOR_ALLGATHER"
+                   : base == SHOAL_OP_NEIGHBOR_ALLREDUCE || base == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE
+                       ? "NEIGHBOR_ALLREDUCE" : nullptr;
+  if (!bf) return;
+  Clock::time_point proc = unset;
+  for (auto t : {e.t_negotiated, e.t_copy_start, e.t_comm_start, e.t_reduce_start})
+    if (t != unset && (proc == unset || t < proc)) proc = t;
+  if (proc == unset) proc = e.enqueued;
+  timeline_.Span(e.name, (std::string("ENQUEUE_") + bf).c_str(), e.enqueued, now);
+  timeline_.Span(e.name, (std::string("PROC_") + bf).c_str(), proc, now);
+  timeline_.Span(e.name, (std::string("MPI_") + bf).c_str(), proc, now);
+  span("COMMUNICATE", e.t_comm_start, e.t_peers_ready);
+  if (base != SHOAL_OP_NEIGHBOR_ALLGATHER) span("COMPUTE_AVERAGE", e.t_reduce_start, e.t_reduce_end);
 }
 
 void Runtime::FailAll(const std::string& why) {

@@ -100,6 +100,7 @@ void Runtime::Apply(const Response& r) {
   const auto now = Clock::now();
   const int code = r.kind == Response::REJECTED ? r.code
                    : r.kind == Response::LEFT   ? SHOAL_ABORTED
+                   : r.code                     ? r.code  // e.g. SHOAL_NEIGHBOR_MISMATCH
                                                 : SHOAL_MISMATCH;
   for (size_t i = 0; i < r.names.size(); ++i) {
     std::string keyed;  // names are scoped per process set

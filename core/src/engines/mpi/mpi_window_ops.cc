@@ -103,23 +103,17 @@ Status MpiWindows::Get(const WinArgs& a) {
     for (size_t i = 0; i < a.ranks.size(); ++i) {
       const int src = a.ranks[i], k = slots[i];
       if (a.require_mutex) Lock(w, rank_, k, true);
-      double p = 0;
       {
-        // Value and p from one state of the source: its update is exclusive on both.
+        // The value only: p slots are moved by put/accumulate alone (BlueFog's win_get leaves them).
         Epoch ed(w->data, src, MPI_LOCK_SHARED);
         Check(MPI_Get(buf.data(), Count(w->nbytes), MPI_BYTE, src, 0, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Get");
         Check(MPI_Win_flush(src, w->data), "MPI_Win_flush");
-        if (a.with_p) {
-          Epoch ec(w->ctrl, src, MPI_LOCK_SHARED);
-          Check(MPI_Get(&p, 1, MPI_DOUBLE, src, OwnPOffset(w, src), 1, MPI_DOUBLE, w->ctrl), "MPI_Get");
-        }
       }
       if (a.weights[i] != 1.0) Scale(buf.data(), buf.data(), w->dtype, w->count, a.weights[i]);
       {
         Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
         std::memcpy(w->base + (1 + k) * w->nbytes, buf.data(), w->nbytes);
         w->words[w->VersionAt(k)] += 1;
-        if (a.with_p) w->SlotP(k) = p * a.weights[i];
       }
       if (a.require_mutex) Lock(w, rank_, k, false);
       stats_->win_gets += 1;
@@ -151,7 +145,7 @@ Status MpiWindows::Update(const WinArgs& a) {
         w->words[w->VersionAt(k)] = 0;
         if (a.reset) {
           std::memset(w->base + (1 + k) * w->nbytes, 0, w->nbytes);
-          w->SlotP(k) = 0.0;
+          if (a.with_p) w->SlotP(k) = 0.0;  // BlueFog: p slots are reset only with p on
         }
       }
       if (!a.clone) std::memcpy(w->base, a.data, w->nbytes);  // publish

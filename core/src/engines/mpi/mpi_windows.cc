@@ -131,7 +131,8 @@ Status MpiWindows::Create(const WinArgs& a) {
         else std::memset(slot, 0, nbytes);
       }
       std::fill(w->words, w->words + 2 * deg, 0);
-      for (size_t k = 0; k < deg; ++k) w->SlotP(k) = a.zero_init ? 0.0 : 1.0;
+      // p slots start at 0, with zero_init or not (BlueFog: its p window is 1 at the owner, 0 elsewhere).
+      for (size_t k = 0; k < deg; ++k) w->SlotP(k) = 0.0;
       w->OwnP() = 1.0;
     }
     // Nobody may put before every buffer is initialised.

@@ -123,9 +123,6 @@ class MpiWindows : public WindowEngine {
   std::vector<int> Slots(Window* w, const std::vector<int>& ranks, const char* op);
   double LocalP(Window* w);
 
-  // A rank's own p follows its 3 * in-degree control words.
-  static MPI_Aint OwnPOffset(Window* w, int src) { return 3 * static_cast<MPI_Aint>(w->degree[src]); }
-
   // The window mutexes (mpi_window_ops.cc).
   void LockAll(Window* w, const std::vector<std::pair<int, int>>& locks);
   void Lock(Window* w, int owner, int k, bool acquire);
