@@ -1,5 +1,5 @@
 // libshoal_cuda.so: CUDA runtime calls behind the C table of cuda_api.h. libshoal.so
-// loads this library only when a CUDA tensor arrives (see core/src/gpu/staging.cc (and runtime/device_path.cc)).
+// loads this library only when a CUDA tensor arrives (see core/src/gpu/staging.cc and device_path.cc).
 #include <dlfcn.h>
 #include <cuda_runtime_api.h>
 

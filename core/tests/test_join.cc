@@ -32,7 +32,7 @@ struct AllreduceOp : Op {
 };
 
 // Joins, returns the last rank to join (-1 on failure, with the error in *st).
-static int Join(Runtime& rt, Status* st) {
+static int RunJoin(Runtime& rt, Status* st) {
   shoal_op_desc d{};
   d.op = kOpJoin;
   const int64_t h = rt.Enqueue(d);
@@ -97,11 +97,11 @@ static void TestUneven(int n, int64_t fusion) {
     epoch(r, rt, 0, steps(r), [&](int q, int s) { return s < steps(q); });
     CHECK(rt.stats().cache_hits > 0, "rank %d: no batch ran cached before the joins", r);
     Status st;
-    const int got = Join(rt, &st);
+    const int got = RunJoin(rt, &st);
     CHECK(st.ok() && got == last, "rank %d: join returned %d (%s), want %d", r, got, st.message.c_str(), last);
     epoch(r, rt, 100, 3, [](int, int) { return true; });  // back to normal
     if (r == 0) epoch(r, rt, 200, 3, [](int q, int) { return q == 0; });
-    const int again = Join(rt, &st);
+    const int again = RunJoin(rt, &st);
     CHECK(st.ok() && again == 0, "rank %d: second join returned %d (%s)", r, again, st.message.c_str());
   });
 }
@@ -131,7 +131,7 @@ static void TestFreshNames(int n) {
     };
     for (int s = 0; s < steps(r); ++s) run(s, [&](int q) { return s < steps(q); });
     Status st;
-    CHECK(Join(rt, &st) == n - 1 && st.ok(), "rank %d: join: %s", r, st.message.c_str());
+    CHECK(RunJoin(rt, &st) == n - 1 && st.ok(), "rank %d: join: %s", r, st.message.c_str());
     for (int s = 1000; s < 1040; ++s) run(s, [](int) { return true; });
     CHECK(job.Settle([&] { return RetiredAlike(job); }), "rank %d: the ranks' retired names never agreed", r);
     retired[r] = rt.stats().names_retired;
@@ -236,7 +236,7 @@ static void TestWhileJoined(int n) {
       for (size_t i = 0; exact && i < a.x.size(); ++i) exact = a.out[i] == a.x[i];
       CHECK(exact, "rank %d: %s", r, st.ok() ? "not its own values" : st.message.c_str());
     }
-    const int got = Join(rt, &st);
+    const int got = RunJoin(rt, &st);
     CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
   });
   for (int r = 1; r < half; ++r) {
@@ -270,7 +270,7 @@ static void TestCachedAndLeave(int n) {
     Status st;
     if (r == last) {
       x.Enqueue(rt);
-      const int got = Join(rt, &st);
+      const int got = RunJoin(rt, &st);
       CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
     } else {
       y.Enqueue(rt);
@@ -294,7 +294,7 @@ static void TestCachedAndLeave(int n) {
     CHECK(exact, "rank %d: x: %s", r, st.ok() ? "not the sum over every rank" : st.message.c_str());
     if (r != last) {
       if (r == 0) AwaitOthersJoined(rt, r, "cl.others_joined");
-      const int got = Join(rt, &st);
+      const int got = RunJoin(rt, &st);
       CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
     }
   });
@@ -304,7 +304,7 @@ static void TestCachedAndLeave(int n) {
       return rt.Leave();
     }
     Status st;
-    Join(rt, &st);
+    RunJoin(rt, &st);
     CHECK(!st.ok() && st.message.find("rank " + std::to_string(last) + " left") != std::string::npos, "rank %d: %s", r,
           st.message.c_str());
   });
@@ -323,7 +323,7 @@ static void TestIdentities(int n) {
   job.Run([&](int r, Runtime& rt) {
     Status st;
     if (r >= half) {
-      const int got = Join(rt, &st);
+      const int got = RunJoin(rt, &st);
       CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
       return;
     }
@@ -411,7 +411,7 @@ static void TestIdentities(int n) {
       st = WaitTake(rt, rt.Enqueue(d));
       CHECK(st.ok(), "rank 0: %s", st.message.c_str());
     }
-    const int got = Join(rt, &st);
+    const int got = RunJoin(rt, &st);
     CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
   });
   for (int r = 1; r < half; ++r) CHECK(a2a[r] == a2a[0], "rank %d: %s vs %s", r, a2a[r].c_str(), a2a[0].c_str());
@@ -446,7 +446,7 @@ static void TestHeldThenJoin(int n) {
       pool.x = Data(r, round, 3);
       pool.Enqueue(rt);
       Status st;
-      CHECK(Join(rt, &st) >= 0 && st.ok(), "rank %d round %d: join: %s", r, round, st.message.c_str());
+      CHECK(RunJoin(rt, &st) >= 0 && st.ok(), "rank %d round %d: join: %s", r, round, st.message.c_str());
       Status ps = pool.Wait(rt);
       std::vector<double> want(3, 0.0);
       for (int q = 0; q < n; ++q)

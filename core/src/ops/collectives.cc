@@ -44,7 +44,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   ++stats_.global_collectives;
   const auto t0 = Clock::now();
   for (auto& e : batch) e->t_comm_start = t0;
-  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return RunOnDevice(r, batch);
+  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return devices_.Run(r, batch);
   // The engine of its group: every rank's, or its process set's.
   GroupCollectives* engine = Group(batch[0]->set);
   if (!engine) {

@@ -19,29 +19,22 @@
 // the coordinator only after this rank's ops held by cached batches went there: its
 // requests must arrive before its join, or the coordinator would run them without it.
 // The notice also lets neighbor ops that need a joined rank fail at once.
+#include "ops/join.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
 #include "common/reduce.h"
-#include "runtime/runtime.h"
 
 namespace shoal {
 namespace {
 
 constexpr uint32_t kJoinMagic = 0x4a4f494eu;  // "JOIN"
 
-Bytes JoinNotice(uint64_t generation, int64_t epoch) {
-  auto msg = std::make_shared<ByteVec>(sizeof(kJoinMagic) + sizeof(generation) + sizeof(epoch));
-  std::memcpy(msg->data(), &kJoinMagic, sizeof(kJoinMagic));
-  std::memcpy(msg->data() + sizeof(kJoinMagic), &generation, sizeof(generation));
-  std::memcpy(msg->data() + sizeof(kJoinMagic) + sizeof(generation), &epoch, sizeof(epoch));
-  return msg;
-}
-
 }  // namespace
 
-bool Runtime::IsJoinNotice(const ByteVec& msg, uint64_t* generation, int64_t* epoch) {
+bool Join::IsNotice(const ByteVec& msg, uint64_t* generation, int64_t* epoch) {
   uint32_t magic = 0;
   if (msg.size() != sizeof(magic) + sizeof(*generation) + sizeof(*epoch)) return false;
   std::memcpy(&magic, msg.data(), sizeof(magic));
@@ -51,67 +44,32 @@ bool Runtime::IsJoinNotice(const ByteVec& msg, uint64_t* generation, int64_t* ep
   return true;
 }
 
-void Runtime::RouteJoin(const EntryPtr& e) {
+Bytes Join::Start(const EntryPtr& e, uint64_t generation) {
   joining_ = e;
-  join_sent_ = false;
-  cache_.DoomAll();
-  const WorldInfo& w = world();
-  auto notice = JoinNotice(generation_, join_epoch_);
-  for (int r = 0; r < w.size; ++r)
-    if (r != w.rank && !departures_.Left(r)) backend_->Send(r, NeighborExchange::kTag, notice, [](const Status&) {});
+  sent_ = false;
+  auto msg = std::make_shared<ByteVec>(sizeof(kJoinMagic) + sizeof(generation) + sizeof(epoch_));
+  std::memcpy(msg->data(), &kJoinMagic, sizeof(kJoinMagic));
+  std::memcpy(msg->data() + sizeof(kJoinMagic), &generation, sizeof(generation));
+  std::memcpy(msg->data() + sizeof(kJoinMagic) + sizeof(generation), &epoch_, sizeof(epoch_));
+  return msg;
 }
 
-void Runtime::SendJoin(std::vector<Request>* to_coordinator) {
-  // Doomed batches hand their ops to late_requests_, which this cycle has sent already.
-  if (cache_.HoldsOwnOps() || (gpu_ && !gpu_->Idle())) return;
-  {
-    // Calls held for a vote on retiring names (negotiation/names.cc) are this rank's calls
-    // before the join: they reach the coordinator first (queued at the commit, sent the
-    // cycle after).
-    std::lock_guard<std::mutex> lock(mu_);
-    if (names_.Holding() || !queue_.empty()) return;
-  }
-  join_sent_ = true;
-  Ask(joining_, to_coordinator);
+bool Join::AnyPeerJoinedNow() const {
+  return std::any_of(peer_joined_at_.begin(), peer_joined_at_.end(), [this](int64_t at) { return at == epoch_; });
 }
 
-bool Runtime::AnyPeerJoined() const {
-  for (size_t r = 0; r < peer_joined_at_.size(); ++r)
-    if (PeerJoined(static_cast<int>(r))) return true;
-  return false;
-}
-
-void Runtime::OnJoinNotice(int rank, int64_t epoch) {
-  if (epoch < join_epoch_) return;  // of a join that completed here already
-  if (peer_joined_at_.empty()) peer_joined_at_.assign(world().size, -1);
+bool Join::OnNotice(int rank, int64_t epoch) {
+  if (epoch < epoch_) return false;  // of a join that completed here already
   peer_joined_at_[rank] = epoch;
-  cache_.DoomAll();
-  if (epoch != join_epoch_) return;  // the next join: this rank has yet to complete the current one
-  for (auto& e : neighbors_.TakeNeeding(rank))
-    Finish(e, Status::Error(SHOAL_MISMATCH, OpError(e->sig.op, e->name, "rank " +
-                                                        std::to_string(rank) +
-                                                        " joined (join()) and takes no part in neighbor ops until "
-                                                        "every rank has joined")));
+  any_notice_ = true;
+  return true;
 }
 
-EntryPtr Runtime::JoinedEntry(const Response& r, size_t i) {
-  if (i >= r.sigs.size() || std::find(r.joined.begin(), r.joined.end(), world().rank) == r.joined.end())
-    return nullptr;
-  return IdentityEntry(r.names[i], r.sigs[i]);
-}
-
-EntryPtr Runtime::IdentityEntry(const std::string& name, const Signature& sig) {
+EntryPtr Join::IdentityEntry(const std::string& name, const Signature& sig, int64_t step) {
   auto e = std::make_shared<Entry>();
   e->name = name;
   e->sig = sig;
-  {
-    // The op counts as this rank's call of the name: its step, and for an unnamed op the
-    // generated-name counter, stay those of the ranks that ran it, so the ops after the
-    // join pair up again.
-    std::lock_guard<std::mutex> lock(mu_);
-    e->step = names_[e->name].calls++;
-    names_.FollowUnnamed(e->sig.op, e->name);
-  }
+  e->step = step;
   // The identity of the reduction (zeros for Sum, Average and reducescatter; the dtype's
   // largest value for Min, its lowest for Max, ones for Product), so the result is the
   // reduction over the ranks still running.
@@ -121,17 +79,16 @@ EntryPtr Runtime::IdentityEntry(const std::string& name, const Signature& sig) {
   return e;
 }
 
-void Runtime::FinishJoin(const Response& r, const std::vector<EntryPtr>& batch) {
+void Join::Complete(const Response& r, const std::vector<EntryPtr>& batch) {
   joining_ = nullptr;
-  join_sent_ = false;
-  ++join_epoch_;  // every peer's join of this count is over
+  sent_ = false;
+  ++epoch_;  // every peer's join of this count is over
   const int32_t last = r.joined.empty() ? -1 : r.joined[0];
   for (auto& e : batch) {
     e->result = std::malloc(sizeof(last));
     std::memcpy(e->result, &last, sizeof(last));
     e->result_nbytes = sizeof(last);
     e->result_shape.clear();
-    Finish(e, Status::Ok());
   }
 }
 

@@ -21,9 +21,10 @@ std::atomic<uint64_t> g_generations{0};
 
 Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation)
     : cfg_(cfg), backend_(std::move(backend)), generation_(generation ? generation : ++g_generations),
-      device_plane_(backend_.get(), &stats_),
-      neighbors_(backend_.get(), &device_plane_, cfg.fusion_threshold, &stats_, !cfg.timeline.empty()),
-      names_(cfg_.name_limit), departures_(backend_->world().size), cache_(this, cfg_, &stats_, fusion_pool_), stalls_(cfg_, &stats_) {
+      devices_(this, cfg_, backend_.get(), &stats_),
+      neighbors_(backend_.get(), devices_.plane(), cfg.fusion_threshold, &stats_, !cfg.timeline.empty()),
+      names_(cfg_.name_limit), departures_(backend_->world().size), cache_(this, cfg_, &stats_, fusion_pool_), stalls_(cfg_, &stats_),
+      join_(backend_->world().size) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold, Backend::kChannels);
   if (!cfg_.timeline.empty()) {
     std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
@@ -49,8 +50,7 @@ void Runtime::Stop() {
   }
   FailAll("Shoal was shut down before the op completed");
   cache_.KeepRoundBuffers();
-  device_plane_.Stop();
-  for (auto& kv : nccl_) kv.second->Stop();
+  devices_.Stop();
   timeline_.Close();
 }
 
@@ -76,7 +76,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   if (d.op == kOpJoin && !sets_.empty())
     throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
                                                 "exist (remove_process_set them first)");
-  if (d.op == kOpJoin) join_in_flight_ = true;
+  if (d.op == kOpJoin) join_.SetInFlight(true);
   e->name = names_.Name(d.op, d.name, e->set);
   if (e->set) e->set_key = SetKey(e->set, e->name);
   NameState& ns = names_[e->key()];
@@ -99,7 +99,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
 void Runtime::Admissible(int op) const {
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
   if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
-  if (join_in_flight_)  // its peers run its part of their ops: it has no more data
+  if (join_.InFlight())  // its peers run its part of their ops: it has no more data
     throw ArgumentError(op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
                         std::string(OpName(op)) + ": this rank called join(), which is still in flight; it takes "
                                                   "part in no new ops until every rank has joined");
@@ -329,13 +329,13 @@ std::chrono::microseconds Runtime::Drive(std::unique_lock<std::mutex>& lock, Pac
   driving_ = true;
   lock.unlock();
   // The driver may be a user thread: leave its current CUDA device as it was.
-  const int device = gpu_ ? gpu_->CurrentDevice() : -1;
+  const int device = devices_.CurrentDevice();
   bool progressed = SafeCycle(pace == nullptr);
-  if (device >= 0) gpu_->RestoreDevice(device);
+  devices_.RestoreDevice(device);
   auto wait = std::chrono::microseconds(0);
   if (pace) {
     *busy = !awaiting_response_.empty() || !neighbors_.Idle() || backend_->num_in_flight() > 0 ||
-            (gpu_ && !gpu_->Idle()) || NcclBusy() || !device_plane_.Idle();
+            devices_.Busy();
     wait = pace->Next(progressed, *busy);
     // A waiter whose op is not done yields even after progress (its own send, say): on a
     // shared core the rank it waits for may be the one ready to run.
@@ -369,12 +369,7 @@ bool Runtime::Release(int64_t handle) {
 }
 
 void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
-  if (e->gpu && e->gpu->direct && !st_in.ok() && gpu_) {
-    // Sends of this entry may still be queued on the device plane's streams.
-    const char* err = nullptr;
-    if (void* s = gpu_->Stream(e->gpu->device, &err)) device_plane_.Fence(*e, s);
-  }
-  const Status st = e->gpu ? CompleteGpu(*e, st_in) : st_in;
+  const Status st = e->gpu ? devices_.Complete(*e, st_in) : st_in;
   if (st.ok()) {
     switch (e->sig.op) {
       case SHOAL_OP_ALLREDUCE: ++stats_.allreduce; break;
@@ -401,7 +396,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
       NameState* gs = names_.Find(e->group);
       if (gs && --gs->members_left <= 0) gs->in_flight = false;
     }
-    if (e->sig.op == kOpJoin) join_in_flight_ = false;
+    if (e->sig.op == kOpJoin) join_.SetInFlight(false);
   }
   auto t_callback = Clock::now();
   done_cv_.notify_all();
@@ -504,7 +499,7 @@ bool Runtime::Cycle(bool start_only) {
   }
   std::vector<Request> to_coordinator;
   for (auto& e : fresh) {
-    if (e->gpu) StageGpu(e, &to_coordinator);
+    if (e->gpu) devices_.Stage(e, &to_coordinator);
     else Route(e, &to_coordinator);
   }
   progressed |= !fresh.empty();
@@ -513,8 +508,8 @@ bool Runtime::Cycle(bool start_only) {
     to_coordinator.insert(to_coordinator.end(), late_requests_.begin(), late_requests_.end());
     late_requests_.clear();
   }
-  progressed |= PollGpu(&to_coordinator);
-  if (joining_ && !join_sent_) SendJoin(&to_coordinator);  // after the rank's own requests
+  progressed |= devices_.Poll(&to_coordinator);
+  if (join_.RequestDue()) SendJoin(&to_coordinator);  // after the rank's own requests
 
   if (!to_coordinator.empty()) {
     ++stats_.coordinator_rounds;
@@ -540,8 +535,8 @@ bool Runtime::Cycle(bool start_only) {
     if (tag == NeighborExchange::kTag) {
       uint64_t generation = 0;
       int64_t join_epoch = 0;
-      if (DevicePlane::IsLinkMessage(*msg)) device_plane_.OnLinkMessage(src, *msg);
-      else if (IsJoinNotice(*msg, &generation, &join_epoch)) { if (generation == generation_) OnJoinNotice(src, join_epoch); }
+      if (DevicePlane::IsLinkMessage(*msg)) devices_.plane()->OnLinkMessage(src, *msg);
+      else if (Join::IsNotice(*msg, &generation, &join_epoch)) { if (generation == generation_) OnJoinNotice(src, join_epoch); }
       else if (!NeighborExchange::IsLeaveNotice(*msg, &generation)) neighbors_.Accept(src, std::move(msg));
       else if (generation == generation_) OnLeave(src);  // else: from a runtime before a shutdown
     } else if (tag == kRequestTag) {

@@ -33,11 +33,14 @@
 #include "negotiation/stall_inspector.h"
 #include "neighbor/device_plane.h"
 #include "engines/nccl/nccl_backend.h"
+#include "gpu/device_path.h"
+#include "ops/collectives.h"
 #include "runtime/departures.h"
 #include "runtime/entry.h"
 #include "process_sets/process_sets.h"
 #include "gpu/staging.h"
 #include "neighbor/neighbor_exchange.h"
+#include "ops/join.h"
 #include "common/stats.h"
 #include "common/timeline.h"
 #include "neighbor/topology.h"
@@ -61,21 +64,7 @@ class Pacer {
   Clock::time_point last_progress_ = Clock::now();
 };
 
-// The element counts of every rank of an allgather (from the ranks' first dims) or of a
-// reducescatter (Horovod's split of dim 0); each also sets the entry's result shape and
-// allocates its result (host memory).
-std::vector<int64_t> GatherCounts(Entry& e, const std::vector<int64_t>& first_dims);
-std::vector<int64_t> ScatterCounts(Entry& e, int size, int rank);  // over `size` ranks, this one `rank`
-// Horovod's alltoall (ops/alltoall.cc), from the response's table of splits
-// (first_dims[q][r]: rows rank q sends to rank r; ranks: indices in the op's process set of
-// `size` ranks, this one `rank`): the elements this rank sends to and receives from each rank;
-// sets the entry's received splits and result shape and allocates its result. Returns "" or
-// why the table does not fit the entry; *any: whether any rank moves data (if none does, no
-// rank calls the collective).
-std::string AlltoallCounts(const Response& r, Entry& e, int size, int rank, std::vector<int64_t>* send,
-                           std::vector<int64_t>* recv, bool* any);
-
-class Runtime : private ResponseCache::Host {
+class Runtime : private ResponseCache::Host, private DevicePath::Host {
  public:
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
   // ignored); 0: count this process's runtimes (every rank starts and stops them together).
@@ -138,7 +127,7 @@ class Runtime : private ResponseCache::Host {
                                   const Entry* waited = nullptr);
   bool SafeCycle(bool start_only);
   bool Cycle(bool start_only);
-  void Route(const EntryPtr& e, std::vector<Request>* to_coordinator);
+  void Route(const EntryPtr& e, std::vector<Request>* to_coordinator) override;
   void Apply(const Response& r);
   void RunCollective(const Response& r, std::vector<EntryPtr> batch);
   void RunReduceScatter(const EntryPtr& e, GroupCollectives* engine);
@@ -190,16 +179,6 @@ class Runtime : private ResponseCache::Host {
   std::chrono::microseconds CycleTime() const {
     return std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));
   }
-  // CUDA tensors (gpu/staging.cc (and runtime/device_path.cc)): stage to host, route once staged, copy back at completion.
-  void StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator);
-  bool PollGpu(std::vector<Request>* to_coordinator);
-  Status CompleteGpu(Entry& e, const Status& st);
-  // A negotiated batch of collectives of CUDA tensors on their device, by NCCL.
-  void RunOnDevice(const Response& r, const std::vector<EntryPtr>& batch);
-  bool NcclBusy() const {
-    for (auto& kv : nccl_) if (kv.second->num_in_flight() > 0) return true;
-    return false;
-  }
   // Asks `e`'s coordinator to negotiate it; the answer comes to Apply.
   void Ask(const EntryPtr& e, std::vector<Request>* to_coordinator);
   // ResponseCache::Host.
@@ -232,15 +211,10 @@ class Runtime : private ResponseCache::Host {
   void RouteJoin(const EntryPtr& e);
   void SendJoin(std::vector<Request>* to_coordinator);
   void OnJoinNotice(int rank, int64_t epoch);
-  bool PeerJoined(int rank) const {
-    return rank < static_cast<int>(peer_joined_at_.size()) && peer_joined_at_[rank] == join_epoch_;
-  }
-  bool AnyPeerJoined() const;
   EntryPtr JoinedEntry(const Response& r, size_t i);
   // This rank's call of `name` that it runs on the identity of `sig`'s reduction (takes mu_).
   EntryPtr IdentityEntry(const std::string& name, const Signature& sig);
   void FinishJoin(const Response& r, const std::vector<EntryPtr>& batch);
-  static bool IsJoinNotice(const ByteVec& msg, uint64_t* generation, int64_t* epoch);
 
   Config cfg_;
   std::unique_ptr<Backend> backend_;
@@ -248,8 +222,7 @@ class Runtime : private ResponseCache::Host {
   Stats stats_;
   Timeline timeline_;
   Topologies topologies_;
-  DevicePlane device_plane_;  // neighbor data of CUDA tensors from device memory (driver only)
-  std::map<int, std::unique_ptr<NcclBackend>> nccl_;  // by device: collectives of CUDA tensors (driver only)
+  DevicePath devices_;  // CUDA tensors: staging, the device data plane, NCCL (driver only)
   std::shared_ptr<BufferPool> fusion_pool_ = BufferPool::Create(4);
   Clock::time_point last_flush_ = Clock::now();
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
@@ -282,16 +255,11 @@ class Runtime : private ResponseCache::Host {
   std::vector<EntryPtr> neighbor_ready_;
   ResponseCache cache_;  // allreduce batches that skip the coordinator
   std::vector<Request> late_requests_;  // from batches that died, for the next cycle's round
-  std::unique_ptr<GpuStaging> gpu_;  // created at the first CUDA tensor
   StallInspector stalls_;
   Clock::time_point start_ = Clock::now();
   // Join, driver only: this rank's join until it completes (and whether the coordinator
   // has it), joins completed, and by peer the join (that count then) it announced.
-  EntryPtr joining_;
-  bool join_sent_ = false;
-  int64_t join_epoch_ = 0;
-  std::vector<int64_t> peer_joined_at_;
-  bool join_in_flight_ = false;  // mu_: this rank's join is in flight (new ops refused)
+  Join join_;  // Horovod's join: this rank's, and its peers'
   // Process sets other than the global one, by id: written by the driver with mu_ held,
   // read by the driver and (mu_ held) by user threads. One add/remove at a time per rank
   // (sets_mu_); the agreement's step numbers the sets.

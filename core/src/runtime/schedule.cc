@@ -46,11 +46,11 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
     }
   }
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
-  if (neighbor && !peer_joined_at_.empty() && AnyPeerJoined()) {
+  if (neighbor && join_.AnyPeerJoined()) {
     std::vector<int> joined;
     for (auto* list : {&e->recv_ranks, &e->send_ranks})
       for (int r : *list)
-        if (PeerJoined(r) && std::find(joined.begin(), joined.end(), r) == joined.end()) joined.push_back(r);
+        if (join_.PeerJoined(r) && std::find(joined.begin(), joined.end(), r) == joined.end()) joined.push_back(r);
     if (!joined.empty()) {
       Finish(e, Status::Error(SHOAL_MISMATCH, OpError(e->sig.op, e->name, RanksNamed(joined) +
                                                           " joined (join()) and takes no part in neighbor ops "
@@ -81,7 +81,7 @@ void Runtime::OnLeave(int rank) {
   if (!departures_.Record(rank)) return;
   cache_.DoomAll(rank);  // its rounds would never complete
   Log(LOG_DEBUG, "rank " + std::to_string(rank) + " left the job");
-  device_plane_.OnLeave(rank);
+  devices_.plane()->OnLeave(rank);
   ThawIfLost(rank);
   const std::string why = Departures::Describe({rank});
   for (auto& e : neighbors_.TakeNeeding(rank)) Finish(e, Status::Error(SHOAL_ABORTED, OpError(e->sig.op, e->name, why)));
@@ -127,7 +127,7 @@ void Runtime::Apply(const Response& r) {
   }
   if (r.op == kOpJoin) {
     if (r.kind == Response::EXECUTE) return FinishJoin(r, batch);
-    joining_ = nullptr;  // failed (a rank left): so is the job
+    join_.Abandon();  // failed (a rank left): so is the job
   }
   if (r.kind != Response::EXECUTE) {
     if (r.kind == Response::REJECTED) {
@@ -162,7 +162,7 @@ void Runtime::Apply(const Response& r) {
   // A batch negotiated before the coordinator heard of a join goes back to it at once: a
   // joined rank takes part in no rounds (ops/join.cc).
   if (r.channel >= 0 && r.op == SHOAL_OP_ALLREDUCE && !Lost(r.set))
-    cache_.Add(r, batch, SetSize(r.set), joining_ || (!peer_joined_at_.empty() && AnyPeerJoined()));
+    cache_.Add(r, batch, SetSize(r.set), join_.Active());
   RunCollective(r, std::move(batch));
 }
 

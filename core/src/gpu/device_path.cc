@@ -1,14 +1,13 @@
-// The runtime's path for CUDA tensors: stage to host (gpu/staging.h) and route once staged,
-// or run a negotiated batch on the device by NCCL; copy back at completion.
+#include "gpu/device_path.h"
+
 #include <algorithm>
 #include <cstring>
 
-#include "gpu/staging.h"
-#include "runtime/runtime.h"
+#include "ops/collectives.h"
 
 namespace shoal {
 
-void Runtime::StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator) {
+void DevicePath::Stage(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!gpu_) gpu_ = std::make_unique<GpuStaging>(e->gpu->api);
   GpuOp& g = *e->gpu;
   const int op = e->sig.op, dt = e->sig.dtype;
@@ -28,48 +27,67 @@ void Runtime::StageGpu(const EntryPtr& e, std::vector<Request>* to_coordinator) 
   }
   if (std::string(g.api->build).rfind("fake", 0) == 0) e->sig.path |= kFakePlugin;
   std::string why;
-  if (g.direct && !device_plane_.Bind(g.api, g.device, gpu_.get(), &why)) {
+  if (g.direct && !plane_.Bind(g.api, g.device, gpu_.get(), &why)) {
     // Refused like a bad argument at the call: the peers get the same error.
     e->reject = std::string(OpName(op)) + ": " + why;
     e->reject_code = SHOAL_INVALID_ARGUMENT;
     g.direct = false;
-    Route(e, to_coordinator);
-    return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, e->reject));
+    host_->Route(e, to_coordinator);
+    return host_->Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, e->reject));
   }
   Status st = gpu_->Start(e);
-  if (!st.ok()) Finish(e, st);
+  if (!st.ok()) host_->Finish(e, st);
 }
 
-bool Runtime::PollGpu(std::vector<Request>* to_coordinator) {
+bool DevicePath::Poll(std::vector<Request>* to_coordinator) {
   if (!gpu_) return false;
   std::vector<std::pair<EntryPtr, Status>> failed;
   auto ready = gpu_->Ready(&failed);
-  for (auto& e : ready) Route(e, to_coordinator);
-  for (auto& f : failed) Finish(f.first, f.second);
+  for (auto& e : ready) host_->Route(e, to_coordinator);
+  for (auto& f : failed) host_->Finish(f.first, f.second);
   bool nccl_done = false;
   for (auto& kv : nccl_) nccl_done |= kv.second->Progress();
   std::vector<std::pair<EntryPtr, Status>> device_done;
-  bool device = device_plane_.Poll(&device_done);
-  for (auto& d : device_done) Finish(d.first, d.second);
+  bool device = plane_.Poll(&device_done);
+  for (auto& d : device_done) host_->Finish(d.first, d.second);
   gpu_->Retire();
   return !ready.empty() || !failed.empty() || nccl_done || device;
 }
 
-Status Runtime::CompleteGpu(Entry& e, const Status& st) { return gpu_ ? gpu_->Complete(e, st) : st; }
+Status DevicePath::Complete(Entry& e, const Status& st) {
+  if (e.gpu->direct && !st.ok() && gpu_) {
+    // Sends of this entry may still be queued on the device plane's streams.
+    const char* err = nullptr;
+    if (void* s = gpu_->Stream(e.gpu->device, &err)) plane_.Fence(e, s);
+  }
+  return gpu_ ? gpu_->Complete(e, st) : st;
+}
 
-void Runtime::RunOnDevice(const Response& r, const std::vector<EntryPtr>& batch) {
-  const WorldInfo& w = world();
+bool DevicePath::Busy() const {
+  if (gpu_ && !gpu_->Idle()) return true;
+  for (auto& kv : nccl_)
+    if (kv.second->num_in_flight() > 0) return true;
+  return !plane_.Idle();
+}
+
+void DevicePath::Stop() {
+  plane_.Stop();
+  for (auto& kv : nccl_) kv.second->Stop();
+}
+
+void DevicePath::Run(const Response& r, const std::vector<EntryPtr>& batch) {
+  const WorldInfo& w = backend_->world();
   const int device = batch[0]->gpu->device;
   auto& engine = nccl_[device];
-  if (!engine) engine = std::make_unique<NcclBackend>(backend_.get(), gpu_.get(), batch[0]->gpu->api, device);
+  if (!engine) engine = std::make_unique<NcclBackend>(backend_, gpu_.get(), batch[0]->gpu->api, device);
   const char* err = nullptr;
   void* stream = gpu_->Stream(device, &err);
   for (const EntryPtr& e : batch) {
     const GpuOp& g = *e->gpu;
     auto done = [this, e](const Status& st) {
       e->t_comm_end = Clock::now();
-      if (st.ok()) return Finish(e, st);
-      Finish(e, Status::Error(st.code, OpError(e->sig.op, e->name, st.message)));
+      if (st.ok()) return host_->Finish(e, st);
+      host_->Finish(e, Status::Error(st.code, OpError(e->sig.op, e->name, st.message)));
     };
     if (err) {
       done(Status::Error(SHOAL_ABORTED, std::string("CUDA: ") + err));
