@@ -101,4 +101,14 @@ void Log(int level, const std::string& msg) {
   std::fflush(stderr);
 }
 
+std::string Config::CudaPlugin() {
+  const char* v = Env("SHOAL_CUDA_PLUGIN");
+  return v ? v : "";
+}
+
+std::string Config::StatusDir() {
+  const char* v = Env("SHOAL_STATUS_DIR");
+  return v ? v : "";
+}
+
 }  // namespace shoal

@@ -20,6 +20,10 @@ struct Config {
   size_t name_limit = 16384;           // SHOAL_NAME_LIMIT: op names kept before idle ones are retired (negotiation/names.cc)
 
   static Config FromEnvironment();  // throws std::invalid_argument on a malformed value
+  // Read where no Config is at hand: the CUDA plugin loads once per process, maybe before
+  // init(); MPI_Abort may come before init() or after shutdown().
+  static std::string CudaPlugin();  // SHOAL_CUDA_PLUGIN: "", "real", "fake" or a plugin's path
+  static std::string StatusDir();   // SHOAL_STATUS_DIR: where shoalrun collects how ranks ended
   std::string ToString() const;
 };
 

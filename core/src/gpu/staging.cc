@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "common/config.h"
 
 namespace shoal {
 namespace {
@@ -20,8 +21,7 @@ struct Loaded {
 // $SHOAL_CUDA_PLUGIN: unset or "real", libshoal_cuda.so beside libshoal.so; "fake", the
 // fake device plugin beside it (tests only); else the path of a plugin.
 std::string CudaPluginPath() {
-  const char* env = std::getenv("SHOAL_CUDA_PLUGIN");
-  const std::string choice = env ? env : "";
+  const std::string choice = Config::CudaPlugin();
   if (!choice.empty() && choice != "real" && choice != "fake") return choice;
   const char* name = choice == "fake" ? "libshoal_cuda_fake.so" : "libshoal_cuda.so";
   Dl_info info{};
@@ -69,8 +69,8 @@ const shoal_cuda_api* CudaPlugin(std::string* why) {
     void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h) {
       const char* e = dlerror();
-      const char* chosen = std::getenv("SHOAL_CUDA_PLUGIN");
-      if (chosen && *chosen && std::string(chosen) != "real")
+      const std::string chosen = Config::CudaPlugin();
+      if (!chosen.empty() && chosen != "real")
         loaded.why = "the CUDA plugin " + path + " (SHOAL_CUDA_PLUGIN) does not load: " + (e ? e : "not found");
       else
         loaded.why = "this build has no CUDA support (" + path + ": " + (e ? e : "not found") +

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 
+#include "common/config.h"
 #include "engines/backend.h"
 
 namespace shoal {
@@ -447,7 +448,8 @@ std::string MpiLibraryVersion() {
 // before the rank's wrapper can see how it ended. Same record as launcher/rank.py's
 // write_status; an existing record (the exception hook's) is kept.
 extern "C" __attribute__((visibility("default"))) int MPI_Abort(MPI_Comm comm, int errorcode) {
-  const char* dir = std::getenv("SHOAL_STATUS_DIR");
+  const std::string status_dir = shoal::Config::StatusDir();
+  const char* dir = status_dir.c_str();
   int rank = -1, inited = 0, finalized = 0;
   MPI_Initialized(&inited);
   MPI_Finalized(&finalized);
