@@ -45,6 +45,9 @@ Max = ReduceOp("Max", _core.REDUCE_OPS["max"])
 Product = ReduceOp("Product", _core.REDUCE_OPS["product"])
 REDUCE_OP_CODES = {o: o.code for o in (Sum, Average, Min, Max, Product)}  # the native entries read it
 REDUCE_OPS_BY_CODE = {o.code: o for o in REDUCE_OP_CODES}
+# The same ops as a tuple, for membership tests: torch.compile of torch 2.2 and 2.4 cannot trace
+# a dict lookup keyed by a ReduceOp (torch.compile traces reduce_op below).
+_REDUCE_OPS = tuple(REDUCE_OP_CODES)
 
 
 def reduce_op(average, op):
@@ -62,7 +65,7 @@ def reduce_op(average, op):
         if isinstance(op, ReduceOp) and op.code is None:
             raise NotImplementedError(f"op={op.name} is not implemented in Shoal; use Sum, Average, Min, Max "
                                       "or Product")
-        if not isinstance(op, ReduceOp) or op not in REDUCE_OP_CODES:
+        if not isinstance(op, ReduceOp) or op not in _REDUCE_OPS:
             raise ValueError(f"op must be shoal.Sum, Average, Min, Max or Product, got {op!r}")
         if average is not None:
             if op is not Sum and op is not Average:

@@ -285,11 +285,69 @@ LONGEST_FIRST = [*SAME_WORKER[0], "test_core_cpp.py", *SAME_WORKER[1], "gpu/test
                  "test_loop_orders.py"]
 
 
-def pytest_collection_modifyitems(items):
-    """Files in LONGEST_FIRST order, then the rest in their own order (the sort is stable)."""
+# The subset that CI runs again on the other versions it verifies (.ci/run: the oldest torch
+# with the oldest TensorFlow, and the newest torch; README, "Versions"), selected by
+# `pytest -m versions`: (file, test function, parameters its items must have; None: any). What
+# differs between versions, in few jobs: the torch binding's BlueFog surface (one process, and
+# one 4-rank job), the tensor access compiled against the installed torch and its Python
+# fallback, the optimizers with Horovod's torch API, the gradients of the registered ops and
+# torch.compile's tracing of them (one 4-rank job: tests/conftest.py's BUNDLES), the digits
+# example; TensorFlow's ops and gradients with the Horovod Keras script (one 4-rank job) and
+# the Keras example (Keras 3 optimizers).
+VERSIONS = [
+    ("test_bluefog_api.py", None, None),
+    ("test_ops.py", "test_torch_ops_exact_without_a_compiler", None),
+    ("test_torch_training.py", "test_optimizers_and_consensus", None),
+    ("test_torch_training.py", "test_bluefog_optimizer_names_are_exported", None),
+    ("test_horovod_torch.py", "test_horovod_script_check", {"ranks": 4}),
+    ("test_horovod_torch.py", "test_horovod_script_job", {"ranks": 4}),
+    ("test_horovod_torch.py", "test_horovod_gradients", {"ranks": 4}),
+    ("test_horovod_torch.py", "test_horovod_gradients_job", {"ranks": 4}),
+    ("test_collectives.py", "test_torch", {"ranks": 4}),
+    ("test_alltoall_grouped.py", "test_torch", {"ranks": 4}),
+    ("test_digits_example.py", "test_digits_trains", {"args": ["--optimizer", "awc"]}),
+    ("test_horovod_keras.py", None, {"ranks": 4}),
+    ("test_collectives.py", "test_tensorflow", None),
+    ("test_alltoall_grouped.py", "test_tensorflow", None),
+    ("test_tensorflow.py", "test_keras_digits_reaches_95_percent", None),
+]
+
+
+def _versions_entry(item, file):
+    """The index in VERSIONS of the entry that selects `item` (of tests/`file`), or None."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    for i, (name, function, want) in enumerate(VERSIONS):
+        if name == file and function in (None, item.originalname) and \
+                all(params.get(k) == v for k, v in (want or {}).items()):
+            return i
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "versions: the subset CI runs on the other torch and TensorFlow "
+                                       "versions it verifies (tests/conftest.py, VERSIONS)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: every item of a file is here
+def pytest_collection_modifyitems(config, items):
+    """Files in LONGEST_FIRST order, then the rest in their own order (the sort is stable);
+    the items that VERSIONS names are marked `versions`."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     here = Path(__file__).parent
-    items.sort(key=lambda item: rank.get(item.path.relative_to(here).as_posix(), len(rank)))
+    files = {item: item.path.relative_to(here).as_posix() for item in items}
+    items.sort(key=lambda item: rank.get(files[item], len(rank)))
+    used = set()
+    for item in items:
+        entry = _versions_entry(item, files[item])
+        if entry is not None:
+            item.add_marker(pytest.mark.versions)
+            used.add(entry)
+    # An entry that selects nothing (a test renamed) would shrink the subset unseen; checked
+    # where whole files were collected (not for node ids given on the command line).
+    if not any("::" in arg for arg in config.args):
+        stale = [e for i, e in enumerate(VERSIONS) if i not in used and e[0] in files.values()]
+        if stale:
+            raise pytest.UsageError(f"tests/conftest.py: VERSIONS entries that select no item: {stale}")
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
