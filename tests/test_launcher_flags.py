@@ -59,7 +59,8 @@ def test_network_interface_and_ssh_port():
     words = dry_run("--network-interface", "eth7", "-p", "2222")
     assert passed(words)["NCCL_SOCKET_IFNAME"] == "eth7"
     if open_mpi():
-        assert value_after(words, "btl_tcp_if_include") == "eth7" and value_after(words, "plm_rsh_args") == "-p 2222"
+        assert value_after(words, "btl_tcp_if_include") == "eth7" and value_after(words, "oob_tcp_if_include") == "eth7"
+        assert value_after(words, "plm_ssh_args") == "-p 2222"
     else:
         assert value_after(words, "-iface") == "eth7"
         wrapper = value_after(words, "-launcher-exec")
