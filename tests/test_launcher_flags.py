@@ -100,3 +100,28 @@ def test_elastic_flags_run_a_fixed_set_of_ranks_or_say_why_not(tmp_path):
         out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", *flags, "python", "x.py"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("version", ["mpirun (Open MPI) 5.0.11", "HYDRA build details:\n    Version: 5.0.2"])
+def test_a_launcher_of_another_mpi_is_a_clear_error(tmp_path, version):
+    from shoal.launcher import run
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\necho '{version}'\n")
+    fake.chmod(0o755)
+    built, library = run.core_flavor()
+    if (run.mpi_flavor(str(fake)) == built):
+        assert run.mpi_check(str(fake)) == built
+        return
+    with pytest.raises(SystemExit) as exc:
+        run.mpi_check(str(fake))
+    assert f"Shoal was built with {library}, but {fake} is " in str(exc.value), exc.value
+    assert "cannot start it" in str(exc.value)
+
+
+def test_emulated_machines_under_open_mpi_say_what_they_need():
+    from conftest import installed_mpi
+    if installed_mpi() != "openmpi":
+        pytest.skip("MPICH drives --machines (tests/test_cluster.py)")
+    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", "--machines", "2", "--dry-run",
+                          "python", "x.py"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--machines drives MPICH's Hydra launcher" in out.stderr, out.stderr
