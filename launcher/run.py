@@ -21,7 +21,6 @@ import importlib.metadata
 import json
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -349,12 +348,13 @@ LAUNCHER_FLAGS = {
 }
 
 
-# Open MPI's mpirun for a single node as Hydra runs it: ranks may outnumber cores (CI runs 8
-# ranks on 2), no binding (Hydra binds none, and the runtime's threads need more than one core),
-# point-to-point by ob1 over shared memory (sm) and tcp, one-sided not by UCX (with ob1 its
-# component only prints an error at each window's creation). `--mpi-args` come later and win.
-OPENMPI_DEFAULTS = ["--oversubscribe", "--bind-to", "none", "--mca", "pml", "ob1", "--mca", "btl", "sm,tcp,self",
-                    "--mca", "osc", "^ucx"]
+# Open MPI's mpirun as Hydra runs: ranks may outnumber cores (CI runs 8 ranks on 2), no
+# binding (Hydra binds none, and the runtime's threads need more than one core).
+OPENMPI_DEFAULTS = ["--oversubscribe", "--bind-to", "none"]
+# On one host: point-to-point by ob1 over shared memory (sm), one-sided not by UCX (with ob1
+# its component prints an error at each window's creation). Across hosts Open MPI picks its
+# own transports (UCX on InfiniBand, say). `--mpi-args` come later and win.
+OPENMPI_ONE_HOST = ["--mca", "pml", "ob1", "--mca", "btl", "sm,tcp,self", "--mca", "osc", "^ucx"]
 
 
 def build_command(args, mpiexec, flavor, env, forwarded):
@@ -364,6 +364,8 @@ def build_command(args, mpiexec, flavor, env, forwarded):
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd += OPENMPI_DEFAULTS
+        if not set(host_names(args)) - local_names():
+            cmd += OPENMPI_ONE_HOST
     if args.hosts:
         cmd += [hosts_flag, args.hosts]
     if args.machines:  # Hydra on machine 0 reaches the others through the cluster's script

@@ -125,3 +125,15 @@ def test_emulated_machines_under_open_mpi_say_what_they_need():
     out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", "--machines", "2", "--dry-run",
                           "python", "x.py"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--machines drives MPICH's Hydra launcher" in out.stderr, out.stderr
+
+
+def test_open_mpi_transports_are_chosen_on_one_host_only(tmp_path):
+    from shoal.launcher import run
+    command = ["python", "x.py"]
+    for hosts, one_host in ((None, True), ("localhost:2", True), ("node7:1,node8:1", False)):
+        args = run.parse_args(["-np", "2", *(["-H", hosts] if hosts else []), *command])
+        args.machines = None
+        words = run.build_command(args, "mpirun", "openmpi", {}, [])
+        assert words[:3] == ["mpirun", "-np", "2"] and words[-2:] == command
+        assert all(w in words for w in run.OPENMPI_DEFAULTS)  # --oversubscribe, --bind-to none
+        assert ("ob1" in words and "sm,tcp,self" in words) == one_host, (hosts, words)
