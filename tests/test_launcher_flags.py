@@ -59,7 +59,8 @@ def test_network_interface_and_ssh_port():
     words = dry_run("--network-interface", "eth7", "-p", "2222")
     assert passed(words)["NCCL_SOCKET_IFNAME"] == "eth7"
     if open_mpi():
-        assert value_after(words, "btl_tcp_if_include") == "eth7" and value_after(words, "plm_rsh_args") == "-p 2222"
+        assert value_after(words, "btl_tcp_if_include") == "eth7" and value_after(words, "oob_tcp_if_include") == "eth7"
+        assert value_after(words, "plm_ssh_args") == "-p 2222"
     else:
         assert value_after(words, "-iface") == "eth7"
         wrapper = value_after(words, "-launcher-exec")
@@ -99,3 +100,40 @@ def test_elastic_flags_run_a_fixed_set_of_ranks_or_say_why_not(tmp_path):
         out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", *flags, "python", "x.py"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("version", ["mpirun (Open MPI) 5.0.11", "HYDRA build details:\n    Version: 5.0.2"])
+def test_a_launcher_of_another_mpi_is_a_clear_error(tmp_path, version):
+    from shoal.launcher import run
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\necho '{version}'\n")
+    fake.chmod(0o755)
+    built, library = run.core_flavor()
+    if (run.mpi_flavor(str(fake)) == built):
+        assert run.mpi_check(str(fake)) == built
+        return
+    with pytest.raises(SystemExit) as exc:
+        run.mpi_check(str(fake))
+    assert f"Shoal was built with {library}, but {fake} is " in str(exc.value), exc.value
+    assert "cannot start it" in str(exc.value)
+
+
+def test_emulated_machines_under_open_mpi_say_what_they_need():
+    from conftest import installed_mpi
+    if installed_mpi() != "openmpi":
+        pytest.skip("MPICH drives --machines (tests/test_cluster.py)")
+    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", "--machines", "2", "--dry-run",
+                          "python", "x.py"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--machines drives MPICH's Hydra launcher" in out.stderr, out.stderr
+
+
+def test_open_mpi_transports_are_chosen_on_one_host_only(tmp_path):
+    from shoal.launcher import run
+    command = ["python", "x.py"]
+    for hosts, one_host in ((None, True), ("localhost:2", True), ("node7:1,node8:1", False)):
+        args = run.parse_args(["-np", "2", *(["-H", hosts] if hosts else []), *command])
+        args.machines = None
+        words = run.build_command(args, "mpirun", "openmpi", {}, [])
+        assert words[:3] == ["mpirun", "-np", "2"] and words[-2:] == command
+        assert all(w in words for w in run.OPENMPI_DEFAULTS)  # --oversubscribe, --bind-to none
+        assert ("ob1" in words and "sm,tcp,self" in words) == one_host, (hosts, words)
