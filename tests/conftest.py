@@ -39,6 +39,8 @@ def installed_mpi():
 def pytest_configure(config):
     config.addinivalue_line("markers", "mpich_only(reason): needs MPICH (skipped where Shoal is built "
                                        "with Open MPI)")
+    config.addinivalue_line("markers", "versions: the subset CI runs on the other torch and TensorFlow "
+                                       "versions it verifies (tests/conftest.py, VERSIONS)")
     # CI names the MPI it built against (SHOAL_TEST_MPI=openmpi|mpich), so a run that picked
     # up the other build fails here instead of silently testing it twice.
     wanted = os.environ.get("SHOAL_TEST_MPI")
@@ -346,11 +348,6 @@ def _versions_entry(item, file):
                 all(params.get(k) == v for k, v in (want or {}).items()):
             return i
     return None
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "versions: the subset CI runs on the other torch and TensorFlow "
-                                       "versions it verifies (tests/conftest.py, VERSIONS)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: every item of a file is here
