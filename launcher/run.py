@@ -17,6 +17,7 @@ non-zero, naming the rank that failed first and how.
 """
 import argparse
 import fnmatch
+import functools
 import importlib.metadata
 import json
 import os
@@ -79,18 +80,14 @@ def find_mpiexec():
     sys.exit(f"shoalrun: the {wheel} wheel has no {' or '.join(candidates)}")
 
 
-_flavors = {}
-
-
+@functools.lru_cache(maxsize=None)
 def mpi_flavor(mpiexec):
     """"openmpi" or "mpich" (Hydra, also Intel MPI's and others'), from `mpiexec --version`."""
-    if mpiexec not in _flavors:
-        try:
-            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            out = ""
-        _flavors[mpiexec] = "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
-    return _flavors[mpiexec]
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
 
 
 def core_flavor():

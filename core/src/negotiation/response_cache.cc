@@ -128,8 +128,9 @@ void ResponseCache::Doom(const BatchPtr& b) {
 void ResponseCache::Contribute(const BatchPtr& b, bool ready) {
   b->buf = std::make_shared<FusedBuffer>(*pool_, b->dtype, b->total, 1);
   if (ready) {
+    const auto now = Clock::now();  // as on the negotiated path, COMMUNICATE holds the copy
+    for (auto& e : b->held) e->t_comm_start = now;
     b->buf->Pack(b->held);
-    for (auto& e : b->held) e->t_comm_start = e->t_copy_end;
     b->in_round = std::move(b->held);
     b->held.assign(b->in_round.size(), nullptr);
     b->num_held = 0;
