@@ -82,9 +82,11 @@ def _wait_until(fn, seconds=15):
 
 
 # Ranks that stay in touch (an allreduce every 50 ms) until argv[1] seconds have passed.
+# Every rank runs the same number of beats: the loop goes on while every rank is within its time
+# (an average of 1), so no rank leaves while another still calls one.
 SLEEPER = ("import os, shoal, sys, time, numpy as np; shoal.init(); shoal.allreduce(np.ones(1), name='up')\n"
            "print('started', shoal.rank(), os.getpid(), flush=True); end = time.monotonic() + float(sys.argv[1])\n"
-           "while time.monotonic() < end: shoal.allreduce(np.ones(1), name='beat'); time.sleep(0.05)")
+           "while shoal.allreduce(np.array([float(time.monotonic() < end)]), name='beat')[0] == 1.0: time.sleep(0.05)")
 
 
 def _start(np_, seconds, token, tmp=None):
