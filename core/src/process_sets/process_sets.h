@@ -12,9 +12,14 @@
 // fails only the ops of the sets it is in.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
+
+#include "common/common.h"
+#include "negotiation/coordinator.h"
 
 namespace shoal {
 
@@ -30,13 +35,79 @@ struct ProcessSet {
   std::string Describe() const;                 // "process set 1 (ranks [0, 2])"
 };
 using ProcessSetPtr = std::shared_ptr<const ProcessSet>;
-struct SetVote;  // one rank's add/remove call (process_sets/process_sets.cc)
+// One rank's add/remove call, as every rank sees it once they agree.
+struct SetVote {
+  static constexpr int32_t kAdd = 1, kRemove = 2;
+  int32_t kind = 0;
+  int32_t code = 0;         // a refusal's status code (0: none)
+  std::string refusal;
+  std::vector<int> ranks;   // add: the ranks asked for, ascending (duplicates kept, to be reported)
+  int32_t id = 0;           // remove: the set
+  int32_t busy = 0;         // remove: ops of that set in flight on the rank
+  int64_t calls = 0;        // the rank's earlier agreements: the next id is above every rank's
+
+  template <typename IO, typename V> static void Fields(IO& io, V& v) {
+    io.Field(v.kind);
+    io.Field(v.code);
+    io.Field(v.refusal);
+    io.Field(v.ranks);
+    io.Field(v.id);
+    io.Field(v.busy);
+    io.Field(v.calls);
+  }
+  std::string Call() const;  // "add_process_set([0, 2])"
+};
+
+ByteVec EncodeVote(const SetVote& v);
+std::vector<SetVote> DecodeVotes(const char* data, size_t size);  // every rank's, in rank order
+// The first refusal, then calls that differ: the same ArgumentError on every rank (all see
+// the same votes).
+void JudgeSetCalls(const std::vector<SetVote>& votes);
+extern const char* const kSetRule;  // what every rank must do, for messages
 
 // The key of op name `name` in process set `set` in the runtime's per-name tables: names are
 // scoped per set. The name itself in the global set (user names have no NUL character).
 inline std::string SetKey(int set, const std::string& name) {
   return set == 0 ? name : name + '\0' + std::to_string(set);
 }
+
+// The process sets other than the global one, by id, with the coordinator of each set this
+// rank leads. Written only on the progress driver (sets are made and dropped there), under
+// the table's mutex; read by the driver without it and by other threads with it.
+class ProcessSets {
+ public:
+  // Any thread.
+  ProcessSetPtr Find(int32_t id) const;
+  bool Empty() const;
+  ProcessSetPtr WithRanks(const std::vector<int>& ranks) const;  // a set of exactly these ranks
+
+  // Driver only.
+  const ProcessSet* Of(int set) const;        // null for the global set (0) and unknown ids
+  Coordinator* CoordinatorOf(int set) const;  // of a set (not 0) this rank leads, else null
+  bool Leader() const { return leader_; }     // this rank coordinates some set
+  void Add(ProcessSetPtr set, std::unique_ptr<Coordinator> coordinator);
+  void Remove(int32_t id);
+  template <typename F> void ForEach(F&& f) const {  // f(const ProcessSet&, Coordinator* or null)
+    for (auto& kv : sets_) f(*kv.second.info, kv.second.coordinator.get());
+  }
+
+  // Add/remove calls agree one at a time per rank (the returned lock), numbered so that
+  // every rank's next agreement is above every rank's last (its id: that number).
+  std::unique_lock<std::mutex> BeginAgreement() { return std::unique_lock<std::mutex>(agreement_mu_); }
+  int64_t NextCall() { return calls_++; }
+  void Agreed(int64_t top) { calls_ = top + 1; }
+
+ private:
+  struct State {
+    ProcessSetPtr info;
+    std::unique_ptr<Coordinator> coordinator;  // at the set's leader only
+  };
+  mutable std::mutex mu_;
+  std::map<int, State> sets_;
+  bool leader_ = false;
+  std::mutex agreement_mu_;
+  int64_t calls_ = 0;  // agreement_mu_: add/remove agreements so far
+};
 
 // Whether per-name table key `key` is of process set `set`, and its name there.
 bool KeyInSet(const std::string& key, int set, std::string* name);

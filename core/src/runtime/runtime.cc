@@ -73,7 +73,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
   std::unique_lock<std::mutex> lock(mu_);
   Admissible(d.op);
-  if (d.op == kOpJoin && !sets_.empty())
+  if (d.op == kOpJoin && !sets_.Empty())
     throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
                                                 "exist (remove_process_set them first)");
   if (d.op == kOpJoin) join_.SetInFlight(true);
@@ -526,7 +526,7 @@ bool Runtime::Cycle(bool start_only) {
   int src = -1, tag = -1;
   while (!start_only) {
     if (!spare_) spare_ = recv_pool_->Get(0);
-    if (!backend_->Receive(coordinator_ ? kCoordinatorTags : set_leader_ ? kLeaderTags : kWorkerTags, &tag, &src,
+    if (!backend_->Receive(coordinator_ ? kCoordinatorTags : sets_.Leader() ? kLeaderTags : kWorkerTags, &tag, &src,
                            spare_.get(), &st))
       break;
     if (!st.ok()) throw std::runtime_error(st.message);
@@ -554,9 +554,9 @@ bool Runtime::Cycle(bool start_only) {
       Respond(nullptr, std::move(resps));
       progressed = true;
     }
-    if (!set_leader_) stats_.negotiations = coordinator_->negotiations();
+    if (!sets_.Leader()) stats_.negotiations = coordinator_->negotiations();
   }
-  if (set_leader_ && !start_only) progressed |= RespondForSets();  // (and counts every coordinator's negotiations)
+  if (sets_.Leader() && !start_only) progressed |= RespondForSets();  // (and counts every coordinator's negotiations)
 
   if (!neighbor_ready_.empty()) {
     neighbors_.Start(neighbor_ready_);

@@ -185,10 +185,6 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   void Renegotiate(const EntryPtr& e) override;
   void SendLater(Request req) override { late_requests_.push_back(std::move(req)); }
   // Process sets (process_sets/process_sets.cc).
-  struct SetState {
-    ProcessSetPtr info;
-    std::unique_ptr<Coordinator> coordinator;  // at the set's leader only
-  };
   // The allgather through which every rank's add/remove calls agree: every rank's vote.
   std::vector<SetVote> Agree(const SetVote& mine, const std::string& what);
   Status OnDriver(std::function<Status()> job);  // runs `job` on the progress driver; waits
@@ -257,16 +253,8 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   std::vector<Request> late_requests_;  // from batches that died, for the next cycle's round
   StallInspector stalls_;
   Clock::time_point start_ = Clock::now();
-  // Join, driver only: this rank's join until it completes (and whether the coordinator
-  // has it), joins completed, and by peer the join (that count then) it announced.
   Join join_;  // Horovod's join: this rank's, and its peers'
-  // Process sets other than the global one, by id: written by the driver with mu_ held,
-  // read by the driver and (mu_ held) by user threads. One add/remove at a time per rank
-  // (sets_mu_); the agreement's step numbers the sets.
-  std::map<int, SetState> sets_;
-  bool set_leader_ = false;  // driver: this rank coordinates some process set
-  std::mutex sets_mu_;
-  int64_t set_calls_ = 0;  // sets_mu_: add/remove agreements so far (Vote::calls)
+  ProcessSets sets_;  // the process sets other than the global one
   std::unordered_map<int64_t, std::function<Status()>> set_jobs_;  // by handle (mu_)
   std::thread thread_;
   std::unique_ptr<WindowQueue> windows_;

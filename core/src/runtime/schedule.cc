@@ -91,7 +91,7 @@ void Runtime::OnLeave(int rank) {
   } else if (rank == 0) {  // no coordinator any more: nothing waiting for it can complete
     FailAwaiting([](const Entry& e) { return e.set == 0; }, SHOAL_ABORTED, why);
   }
-  if (!sets_.empty()) LeaveSets(rank);
+  if (!sets_.Empty()) LeaveSets(rank);
 }
 
 void Runtime::Apply(const Response& r) {
@@ -174,8 +174,9 @@ void Runtime::CheckStalls() {
     if (!aborts.empty()) Respond(set, std::move(aborts));
   };
   if (coordinator_) check(coordinator_.get(), nullptr);
-  for (auto& kv : sets_)
-    if (kv.second.coordinator) check(kv.second.coordinator.get(), kv.second.info.get());
+  sets_.ForEach([&](const ProcessSet& s, Coordinator* c) {
+    if (c) check(c, &s);
+  });
   for (auto& [e, st] : stalls_.Check(neighbors_, now)) Finish(e, st);
 }
 
@@ -233,8 +234,8 @@ void Runtime::Thaw(int set, const std::set<std::string>& gone) {
 void Runtime::ThawIfLost(int left_rank) {
   std::lock_guard<std::mutex> lock(mu_);
   for (int set : names_.VotingSets()) {
-    auto s = sets_.find(set);
-    const int leader = set == 0 ? 0 : s == sets_.end() ? left_rank : s->second.info->leader();
+    const ProcessSet* s = sets_.Of(set);
+    const int leader = set == 0 ? 0 : !s ? left_rank : s->leader();
     if (left_rank == leader) Thaw(set, {});  // no coordinator will answer the vote
   }
 }
@@ -257,6 +258,94 @@ size_t Runtime::NameCount() {
 bool Runtime::Voting() {
   std::lock_guard<std::mutex> lock(mu_);
   return names_.Voting();
+}
+
+// Requests to the coordinators (the global one at rank 0, each process set's at its first
+// rank) and their responses to every rank of the set.
+void Runtime::SendRequests(std::vector<Request>* reqs) {
+  const int me = world().rank;
+  auto send = [this](int leader, const std::vector<Request>& to) {
+    auto msg = std::make_shared<ByteVec>(EncodeRequests(to));
+    backend_->Send(leader, kRequestTag, msg, [this, leader](const Status& st) {
+      if (st.ok()) return;
+      if (leader == 0) return FailAll("cannot reach the coordinator (rank 0): " + st.message);
+      // Only the sets it leads lose their coordinator.
+      FailAwaiting([leader](const Entry& e) { return e.pset && e.pset->leader() == leader; }, SHOAL_ABORTED,
+                   "cannot reach rank " + std::to_string(leader) + ", the coordinator of its process set: " + st.message);
+    });
+  };
+  if (std::all_of(reqs->begin(), reqs->end(), [](const Request& r) { return r.set == 0; })) {  // the common case
+    if (!coordinator_) return send(0, *reqs);
+    for (auto& r : *reqs) coordinator_->Add(0, r, Now());
+    return;
+  }
+  std::map<int, std::vector<Request>> by_leader;
+  for (auto& r : *reqs) {
+    if (Coordinator* c = CoordinatorOf(r.set)) {
+      c->Add(IndexIn(r.set, me), r, Now());
+      continue;
+    }
+    const ProcessSet* s = SetOf(r.set);
+    if (r.set != 0 && !s) continue;  // removed meanwhile: its ops failed (DropSet)
+    by_leader[s ? s->leader() : 0].push_back(std::move(r));
+  }
+  for (auto& kv : by_leader) send(kv.first, kv.second);
+}
+
+void Runtime::OnRequests(int src, const ByteVec& msg) {
+  for (auto& r : DecodeRequests(msg.data(), msg.size())) {
+    Coordinator* c = CoordinatorOf(r.set);
+    const int index = IndexIn(r.set, src);
+    if (!c && r.set == 0) throw std::runtime_error("unexpected request from rank " + std::to_string(src));
+    if (!c || index < 0) {  // of a set removed meanwhile (its ops failed there too)
+      Log(LOG_DEBUG, "dropped a request for process set " + std::to_string(r.set) + " from rank " + std::to_string(src));
+      continue;
+    }
+    c->Add(index, r, Now());
+  }
+}
+
+void Runtime::Respond(const ProcessSet* set, std::vector<Response> resps) {
+  const int id = set ? set->id : 0, me = world().rank;
+  for (auto& r : resps) r.set = id;
+  auto msg = std::make_shared<ByteVec>(EncodeResponses(resps));
+  auto send = [&](int q) {
+    if (q != me && !departures_.Left(q)) backend_->Send(q, kResponseTag, msg, [](const Status&) {});
+  };
+  if (set) {
+    for (int q : set->ranks) send(q);
+  } else {
+    for (int q = 0; q < world().size; ++q) send(q);
+  }
+  for (auto& r : resps) Apply(r);
+}
+
+bool Runtime::RespondForSets() {
+  bool any = false;
+  int64_t negotiations = coordinator_ ? coordinator_->negotiations() : 0;
+  sets_.ForEach([&](const ProcessSet& s, Coordinator* c) {
+    if (!c) return;
+    std::vector<Response> resps = c->TakeResponses();
+    negotiations += c->negotiations();  // with this cycle's, before their ops can complete
+    if (resps.empty()) return;
+    Respond(&s, std::move(resps));
+    any = true;
+  });
+  stats_.negotiations = negotiations;
+  return any;
+}
+
+void Runtime::FailAwaiting(const std::function<bool(const Entry&)>& which, int code, const std::string& why) {
+  std::vector<EntryPtr> lost;
+  for (auto a = awaiting_response_.begin(); a != awaiting_response_.end();) {
+    if (which(*a->second)) {
+      ExpandGroup(a->second, &lost);  // a group waits as its first member: all of them
+      a = awaiting_response_.erase(a);
+    } else {
+      ++a;
+    }
+  }
+  for (auto& e : lost) Finish(e, Status::Error(code, OpError(e->sig.op, e->name, why)));
 }
 
 }  // namespace shoal
