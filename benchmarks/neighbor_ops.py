@@ -58,7 +58,7 @@ def main():
             k = 2 ** (step["t"] % tau)
             step["t"] += 1
             shoal.neighbor_allreduce(x, self_weight=0.5, src_weights={(r - k) % n: 0.5},
-                                     dst_weights=[(r + k) % n], enable_topo_check=False, name="onepeer")
+                                     dst_weights=[(r + k) % n], name="onepeer")
 
         buf = np.empty_like(x)
         bufs = [np.empty_like(x) for _ in ins]

@@ -6,8 +6,8 @@ Three 4 KiB exchanges, each through every entry point and through a hand-written
 reference on the same ranks in the same run:
 
   * one-peer neighbor_allreduce: blocking, named, dynamic weights (0.5 self, 0.5 from
-    rank r - 2^t, sent to r + 2^t, t cycling over log2(n)); the reference is Sendrecv plus
-    a numpy combine;
+    rank r - 2^t, sent to r + 2^t, t cycling over log2(n)), with the default topology
+    check (and, numpy only, without it); the reference is Sendrecv plus a numpy combine;
   * allreduce (average); the reference is Allreduce plus a divide; also as
     allreduce_nonblocking_ + synchronize (an optimizer hook's form);
   * broadcast from the last rank; the reference is Bcast into a new array.
@@ -53,19 +53,17 @@ def main():
         t["step"] += 1
         return (r - k) % n, (r + k) % n
 
-    def nar_numpy():
+    def nar_numpy(**check):  # the default topology check, or `enable_topo_check=False`
         src, dst = peer()
         shoal.neighbor_allreduce(x_np, self_weight=0.5, src_weights={src: 0.5}, dst_weights=[dst],
-                                 enable_topo_check=False, name="small.nar")
+                                 name="small.nar" + str(check), **check)
 
     def nar_torch(fn=bf.neighbor_allreduce):
         src, dst = peer()
-        fn(x_t, self_weight=0.5, src_weights={src: 0.5}, dst_weights=[dst], enable_topo_check=False,
-           name="small.nar")
+        fn(x_t, self_weight=0.5, src_weights={src: 0.5}, dst_weights=[dst], name="small.nar")
 
     compiled_nar = torch.compile(lambda x, s, d: bf.neighbor_allreduce(
-        x, self_weight=0.5, src_weights={s: 0.5}, dst_weights=[d], enable_topo_check=False, name="small.nar"),
-        dynamic=False)
+        x, self_weight=0.5, src_weights={s: 0.5}, dst_weights=[d], name="small.nar"), dynamic=False)
 
     def nar_compiled():
         src, dst = peer()
@@ -90,6 +88,7 @@ def main():
 
     cases = [
         ("neighbor_allreduce", "numpy", nar_numpy, nar_ref),
+        ("neighbor_allreduce", "numpy, no check", lambda: nar_numpy(enable_topo_check=False), nar_ref),
         ("neighbor_allreduce", "torch eager", nar_torch, nar_ref),
         ("neighbor_allreduce", "torch compiled", nar_compiled, nar_ref),
         ("allreduce", "numpy", lambda: shoal.allreduce(x_np, name="small.ar"), ar_ref),

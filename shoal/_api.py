@@ -229,8 +229,14 @@ def build_api(adapter):
         Tensor: floating dtype (float16, bfloat16, float32, float64), same shape and dtype
             on every rank; the result has that shape and dtype.
         Semantics: BlueFog `neighbor_allreduce` (reference/bluefog-semantics.md §1.5).
+        `enable_topo_check` (dynamic mode): the send and receive ranks must pair up.
+            Checked with every rank through the coordinator until a round in which every
+            rank's own pattern had been checked before (a one-peer schedule's round log2(n));
+            from then on the name's calls go straight to the neighbors, and the data
+            headers check each send against its receiver's step (docs/design.md §18).
         Raises ValueError for bad weights/ranks; ShoalError (at synchronize) when ranks
-        disagree on shape, dtype or op.
+        disagree on shape, dtype or op; NeighborPatternError when sends and receives do
+        not pair up.
         """
         return _ops.neighbor_allreduce(adapter, tensor, self_weight, src_weights, dst_weights,
                                        enable_topo_check, name)
@@ -250,8 +256,9 @@ def build_api(adapter):
         ascending order, destinations = `out_neighbor_ranks()`. Dynamic mode: both lists
         given; the result follows `src_ranks` in the order given. First dimensions may
         differ per rank; trailing dims and dtype must match (ShoalError otherwise).
-        `enable_topo_check` (dynamic mode) has the coordinator check that sends and
-        receives pair up, naming the edge otherwise. Any dtype incl. bool.
+        `enable_topo_check` (dynamic mode): sends and receives must pair up, as for
+        `neighbor_allreduce_nonblocking` (NeighborPatternError naming the edge otherwise).
+        Any dtype incl. bool.
         Semantics: BlueFog `neighbor_allgather` (reference/bluefog-semantics.md §1.4).
         """
         return _ops.neighbor_allgather(adapter, tensor, src_ranks, dst_ranks, enable_topo_check, name)

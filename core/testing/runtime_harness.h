@@ -118,7 +118,7 @@ struct Op {
   std::vector<int32_t> recv, send;
   std::vector<double> recv_w, send_w;
   double self_w = 1.0;
-  bool uniform = true;
+  bool uniform = true, topo_check = false;
   int reduce_op = SHOAL_REDUCE_SUM, root = 0;
   int64_t handle = 0;
 
@@ -138,6 +138,7 @@ struct Op {
     d.recv_weights = recv_w.empty() ? nullptr : recv_w.data();
     d.self_weight = self_w;
     d.uniform = uniform;
+    d.topo_check = topo_check;
     d.n_send = static_cast<int32_t>(send.size());
     d.send_ranks = send.data();
     d.send_weights = send_w.empty() ? nullptr : send_w.data();

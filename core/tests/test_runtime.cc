@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -200,6 +201,62 @@ static void TestDynamicWeights(int n) {
     }
     CHECK(exact, "rank %d: not the exact average after the schedule", r);
   });
+}
+
+// A checked one-peer schedule (the default enable_topo_check): checked by the coordinator
+// until a round in which every rank's pattern was checked before (step tau), then no
+// coordinator round. Then rank 1 runs one step ahead of its schedule: the ranks whose
+// sender sends elsewhere fail with a NeighborPatternError, all with the same message
+// (one rank's dispute, through the coordinator), and the others complete exactly.
+static void TestCheckedSchedule(int n) {
+  g_case = "checked one-peer schedule n=" + std::to_string(n);
+  int tau = 0;
+  while ((1 << tau) < n) ++tau;
+  const int steps = 3 * tau + 1;  // + the step rank 1 runs ahead
+  std::mutex mu;
+  std::vector<std::string> errors(n);
+  auto shift = [&](int r, int t) { return 1 << ((t + (r == 1 && t == steps - 1 ? 1 : 0)) % tau); };
+  Job job(n, NoStallConfig(8 << 20), 29, 100);
+  job.Run([&](int r, Runtime& rt) {
+    int64_t rounds = 0;
+    for (int t = 0; t < steps; ++t) {
+      Op a;
+      a.name = "checked";
+      a.x = Data(r, t, 5);
+      a.topo_check = true;
+      a.send = {(r + shift(r, t)) % n};
+      a.recv = {(r - shift(r, t) + n) % n};
+      a.Enqueue(rt);
+      Status st = a.Wait(rt);
+      if (t == tau + 1) rounds = rt.stats().coordinator_rounds;
+      if (t == steps - 2)
+        CHECK(rt.stats().coordinator_rounds == rounds, "rank %d: %lld coordinator rounds after the schedule was trusted",
+              r, static_cast<long long>(rt.stats().coordinator_rounds - rounds));
+      if (t < steps - 1) {
+        CHECK(st.ok(), "rank %d step %d: %s", r, t, st.message.c_str());
+        continue;
+      }
+      const int src = a.recv[0];
+      const bool fed = (src + shift(src, t)) % n == r;  // its sender sends to it
+      if (st.ok()) {
+        CHECK(fed, "rank %d: completed without its sender's data", r);
+        const std::vector<double> mine = Data(r, t, 5), theirs = Data(src, t, 5);
+        for (size_t i = 0; i < mine.size(); ++i)
+          CHECK(a.out[i] == (mine[i] + theirs[i]) / 2, "rank %d: element %zu is %g", r, i, a.out[i]);
+        continue;
+      }
+      CHECK(st.code == SHOAL_NEIGHBOR_MISMATCH, "rank %d: %s (code %d)", r, st.message.c_str(), st.code);
+      std::lock_guard<std::mutex> lock(mu);
+      errors[r] = st.message;
+    }
+  });
+  std::string first;
+  for (int r = 0; r < n; ++r) {
+    if (errors[r].empty()) continue;
+    if (first.empty()) first = errors[r];
+    CHECK(errors[r] == first, "rank %d's error differs: '%s' / '%s'", r, errors[r].c_str(), first.c_str());
+  }
+  CHECK(n <= 2 || first.find("send and receive ranks disagree") != std::string::npos, "error: '%s'", first.c_str());
 }
 
 // Allreduces that repeat run cached (negotiation/response_cache.cc): ranks submit six named ops in
@@ -503,6 +560,7 @@ int main() {
     TestStall(n);
     TestDeadPeer(n, 300);
     TestDynamicWeights(n);
+    TestCheckedSchedule(n);
     TestCachedAllreduce(n, 8 << 20);
     TestCachedAllreduce(n, 0);
     TestCachedFailures(n);

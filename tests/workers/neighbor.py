@@ -4,6 +4,7 @@ checks, and the no-global-collective steady state."""
 import os
 import sys
 import time
+import zlib
 
 import networkx as nx
 import numpy as np
@@ -351,24 +352,32 @@ def infer_neighbors():
 
 @check
 def steady_state_has_no_global_collective():
+    # Static, dynamic unchecked, and dynamic with the default topology check: a one-peer
+    # schedule's patterns are checked in its first round only (docs/design.md §18).
     shoal.set_topology(T.exponential_two_graph(N))
     x = data(R)
     sched = T.one_peer_exponential_schedule(N, R)
-    for warm in range(2):  # first sight of each name: negotiated once
+    tau = max(1, (N - 1).bit_length())
+
+    def dynamic(x, send, recv, **kw):
+        w = 1.0 / (len(recv) + 1)
+        return shoal.neighbor_allreduce(x, self_weight=w, src_weights={j: w for j in recv}, dst_weights=list(send),
+                                        **kw)
+
+    for warm in range(tau + 1):  # first sight of each name, and of each checked pattern
         x = shoal.neighbor_allreduce(x, name="steady.static")
         send, recv = next(sched)[:2]
-        x = shoal.neighbor_allreduce(x, self_weight=0.5, src_weights={j: 0.5 for j in recv},
-                                     dst_weights=list(send), enable_topo_check=False, name="steady.dyn")
+        x = dynamic(x, send, recv, enable_topo_check=False, name="steady.dyn")
+        x = dynamic(x, send, recv, name="steady.checked")
     shoal.barrier()
     shoal.reset_stats()
     for _ in range(100):
         x = shoal.neighbor_allreduce(x, name="steady.static")
         send, recv = next(sched)[:2]
-        w = 1.0 / (len(recv) + 1)
-        x = shoal.neighbor_allreduce(x, self_weight=w, src_weights={j: w for j in recv},
-                                     dst_weights=list(send), enable_topo_check=False, name="steady.dyn")
+        x = dynamic(x, send, recv, enable_topo_check=False, name="steady.dyn")
+        x = dynamic(x, send, recv, name="steady.checked")
     st = shoal.stats()
-    assert st["neighbor_allreduce"] == 200, st
+    assert st["neighbor_allreduce"] == 300, st
     assert st["global_collectives"] == 0 and st["coordinator_rounds"] == 0, st
     if R == 0:
         print(f"steady state over 200 neighbor ops: {st}", flush=True)
@@ -410,6 +419,41 @@ def unchecked_mismatch_is_an_error_not_mixing():
                      "rank 0 sent to this rank at its step 0", "at step 1", kind=shoal.NeighborPatternError)
     else:
         shoal.neighbor_allreduce(data(R), src_weights={}, dst_weights=[1] if R == 0 else [], **kw)
+    shoal.barrier()
+
+
+@check
+def checked_schedule_one_step_off_fails_alike():
+    # The default topology check, once the schedule's patterns were checked (step tau):
+    # rank 1 then runs one step ahead. Every rank whose sender sends elsewhere fails with
+    # one NeighborPatternError, the same on each (docs/design.md §18); the rest are exact.
+    if N < 4:
+        raise Skip("needs 4 or more ranks (below, one step ahead is the same pattern)")
+    tau = (N - 1).bit_length()
+    last = 2 * tau + 1
+
+    def shift(r, t):
+        return 2 ** ((t + (r == 1 and t == last)) % tau)
+
+    for t in range(last + 1):
+        k = shift(R, t)
+        src = (R - k) % N
+        try:
+            got = shoal.neighbor_allreduce(data(R), self_weight=0.5, src_weights={src: 0.5},
+                                           dst_weights=[(R + k) % N], name="offstep")
+            error = ""
+        except shoal.NeighborPatternError as e:
+            error = str(e)
+        assert t == last or not error, (t, error)
+        if not error:
+            assert np.array_equal(got, (data(R) + data(src)) / 2), (t, got)
+    # A rank whose sender sends elsewhere must fail; one that got its data may have failed
+    # too (the dispute fails every rank still waiting in that step).
+    fed = (src + shift(src, last)) % N == R
+    assert error or fed, "completed without its sender's data"
+    assert not error or "send and receive ranks disagree" in error, error
+    crcs = shoal.allgather(np.array([zlib.crc32(error.encode()) if error else -1], dtype=np.int64))
+    assert len({c for c in crcs.tolist() if c >= 0}) == 1, (crcs, error)
     shoal.barrier()
 
 

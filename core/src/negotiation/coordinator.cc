@@ -5,69 +5,19 @@
 #include <sstream>
 #include <tuple>
 
-#include "negotiation/wire.h"
 
 namespace shoal {
-
-namespace {
-
-template <typename IO, typename... T> void Fields(IO& io, T&... v) { (io.Field(v), ...); }
-
-// The fields of a request and of a response, in wire order, for both directions.
-template <typename IO, typename R> void RequestFields(IO& io, R& r) {
-  Fields(io, r.set, r.name, r.sig, r.step, r.reject, r.reject_code, r.topo_check);
-  if (r.topo_check) Fields(io, r.send, r.recv);
-  io.Field(r.probe);
-  if (r.sig.op == SHOAL_OP_ALLTOALL) io.Field(r.splits);
-  if (r.sig.op & SHOAL_GROUPED) io.Field(r.members);
-  io.Field(r.retire);
-  if (!r.retire.empty()) io.Field(r.retire_calls);
-}
-
-template <typename IO, typename R> void ResponseFields(IO& io, R& r) {
-  Fields(io, r.kind, r.set, r.op, r.names, r.error, r.step, r.code, r.first_dims, r.channel, r.joined);
-  if (!r.joined.empty()) io.Field(r.sigs);
-  if (r.op & SHOAL_GROUPED) io.Field(r.chunks);
-  io.Field(r.retired);
-}
-
-}  // namespace
-
-namespace {
-
-// A count, then each item's fields (RequestFields or ResponseFields).
-template <typename T> ByteVec Encode(const std::vector<T>& items, void (*fields)(Writer&, const T&)) {
-  Writer w;
-  w.Put<uint32_t>(static_cast<uint32_t>(items.size()));
-  for (auto& x : items) fields(w, x);
-  return std::move(w.buffer());
-}
-
-template <typename T> std::vector<T> Decode(const char* p, size_t n, void (*fields)(Reader&, T&)) {
-  Reader r(p, n);
-  std::vector<T> out(r.Get<uint32_t>());
-  for (auto& x : out) fields(r, x);
-  return out;
-}
-
-}  // namespace
-
-ByteVec EncodeRequests(const std::vector<Request>& reqs) {
-  return Encode<Request>(reqs, RequestFields<Writer, const Request>);
-}
-std::vector<Request> DecodeRequests(const char* p, size_t n) { return Decode<Request>(p, n, RequestFields<Reader, Request>); }
-ByteVec EncodeResponses(const std::vector<Response>& resps) {
-  return Encode<Response>(resps, ResponseFields<Writer, const Response>);
-}
-std::vector<Response> DecodeResponses(const char* p, size_t n) {
-  return Decode<Response>(p, n, ResponseFields<Reader, Response>);
-}
 
 void Coordinator::Add(int rank, const Request& req, double now) {
   if (!req.reject.empty()) {
     // One rank refused the call: the ranks that submitted it, or will, get its error. Ranks
     // that refused the same call too may already wait in the name's next step: that stays.
-    const std::string error = req.reject + " (raised at the call on rank " + std::to_string(World(rank)) + ")";
+    // A neighbor's dispute (neighbor/neighbor_exchange.h): the first one of a step only.
+    const bool dispute = req.reject_code == SHOAL_NEIGHBOR_MISMATCH;
+    auto old = rejected_.find(req.name);
+    if (dispute && old != rejected_.end() && old->second.step == req.step) return;
+    const std::string error = req.reject + (dispute ? " (found by rank " : " (raised at the call on rank ") +
+                              std::to_string(World(rank)) + ")";
     auto it = pending_.find(req.name);
     const bool later = it != pending_.end() && std::any_of(it->second.req.begin(), it->second.req.end(), [&](auto& x) {
       return !x.name.empty() && x.step != req.step;
@@ -348,6 +298,7 @@ Response Coordinator::ValidateOne(const std::string& name, const std::vector<Req
     resp.code = SHOAL_NEIGHBOR_MISMATCH;
     return resp;
   }
+  resp.trusted = std::all_of(req.begin(), req.end(), [](const Request& r) { return r.name.empty() || r.known; });
   if (op == SHOAL_OP_ALLGATHER) {
     std::vector<int64_t> dims;
     for (auto& r : req) dims.push_back(r.sig.shape.empty() ? 0 : r.sig.shape[0]);

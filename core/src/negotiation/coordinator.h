@@ -23,6 +23,7 @@ struct Request {
   // Neighbor ops with a topology check: this rank's send and receive ranks.
   bool topo_check = false;
   std::vector<int> send, recv;
+  bool known = false;  // and this rank's pattern was checked before (neighbor/checked_patterns.h)
   // A cached allreduce (negotiation/response_cache.cc) whose round has waited long on this rank: not an
   // op to run, only news for the stall check, which then names the ranks that are missing.
   bool probe = false;
@@ -56,6 +57,9 @@ struct Response {
   // collective channel after running it (negotiation/response_cache.cc).
   int32_t channel = -1;
   bool repeat = false;  // Validate: every name was seen before with this signature (not sent)
+  // EXECUTE of a checked neighbor op: every rank's pattern was checked before, so the
+  // name's later calls skip the coordinator (neighbor/checked_patterns.h).
+  bool trusted = false;
   // EXECUTE of a collective: the ranks that joined (Horovod's join) without submitting some
   // of its names; they run it on identity buffers of `sigs` (one per name). Of a join: the
   // rank that joined last.

@@ -338,6 +338,32 @@ std::vector<std::pair<int, std::string>> NeighborExchange::Unmatched(Clock::time
   return out;
 }
 
+std::vector<NeighborExchange::Dispute> NeighborExchange::Disputes(Clock::time_point now) {
+  std::vector<Dispute> out;
+  if (waiting_.empty() || now - last_scan_ < std::chrono::milliseconds(50)) return out;
+  last_scan_ = now;
+  const int me = backend_->world().rank;
+  for (auto& kv : stash_) {
+    if (kv.second.empty() || kv.second.front().disputed) continue;
+    Piece& head = kv.second.front();
+    const int src = kv.first.first;
+    for (auto& e : waiting_) {
+      if (e->name != kv.first.second || e->step < head.step ||
+          std::find(e->recv_ranks.begin(), e->recv_ranks.end(), src) != e->recv_ranks.end())
+        continue;
+      head.disputed = true;
+      // Worded as the coordinator's check words it (negotiation/coordinator.cc, CheckEdges).
+      out.push_back({e->name, e->sig, head.step,
+                     OpError(e->sig.op, e->name, "send and receive ranks disagree: rank " + std::to_string(src) +
+                                                     " sends to rank " + std::to_string(me) + " at step " +
+                                                     std::to_string(head.step) +
+                                                     ", which does not receive from it at that step")});
+      break;
+    }
+  }
+  return out;
+}
+
 void NeighborExchange::Drop(const EntryPtr& e) {
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), e), waiting_.end());
 }

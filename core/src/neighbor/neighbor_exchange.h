@@ -68,6 +68,16 @@ class NeighborExchange {
   // (source, name) of stashed pieces older than `age` s that no waiting entry wants,
   // each reported once.
   std::vector<std::pair<int, std::string>> Unmatched(Clock::time_point now, double age);
+  // Sends this rank did not expect, found while an entry of their name waits here at their
+  // step or later (docs/design.md §18): each one's error, once, for every rank of that step.
+  // Scans at most every 50 ms: a dispute is the rare case, the scan costs O(stash x waiting).
+  struct Dispute {
+    std::string name;
+    Signature sig;
+    int64_t step;
+    std::string error;
+  };
+  std::vector<Dispute> Disputes(Clock::time_point now);
 
  private:
   struct Piece {
@@ -80,6 +90,7 @@ class NeighborExchange {
     Signature sig;
     Clock::time_point arrived = Clock::now();
     bool reported = false;
+    bool disputed = false;
   };
   Status Finish(const EntryPtr& e, std::vector<Piece>& got, bool* deferred);
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);
@@ -119,6 +130,7 @@ class NeighborExchange {
   };
   std::map<std::pair<int, std::string>, std::vector<Piece>, KeyLess> stash_;
   size_t empty_keys_ = 0;
+  Clock::time_point last_scan_{};
 };
 
 }  // namespace shoal

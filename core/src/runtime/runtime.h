@@ -31,6 +31,7 @@
 #include "negotiation/names.h"
 #include "negotiation/response_cache.h"
 #include "negotiation/stall_inspector.h"
+#include "neighbor/checked_patterns.h"
 #include "neighbor/device_plane.h"
 #include "engines/nccl/nccl_backend.h"
 #include "gpu/device_path.h"
@@ -244,7 +245,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   // Driver only.
   std::map<std::string, EntryPtr> awaiting_response_;  // a grouped op: by its name, its first member
   std::map<std::string, std::vector<EntryPtr>> groups_;  // grouped ops' members, from routing to response
-  std::set<std::string> negotiated_neighbor_names_;
+  CheckedPatterns neighbor_patterns_;  // neighbor ops that skip the coordinator
   Departures departures_;
   // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
   std::map<std::string, Response> rejections_;

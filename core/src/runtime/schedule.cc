@@ -27,7 +27,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (e->sig.op == kOpJoin) return RouteJoin(e);
   if (e->sig.op == SHOAL_OP_ALLREDUCE && !cache_.Empty() && cache_.Route(e)) return;
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
-  if (neighbor && !e->topo_check && negotiated_neighbor_names_.count(e->name)) {
+  if (neighbor && neighbor_patterns_.Skips(*e)) {
     ++stats_.cache_hits;
     neighbor_ready_.push_back(e);
     return;
@@ -60,7 +60,7 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
   }
   if (!departures_.Any()) return false;
   std::vector<int> gone;
-  if (neighbor && negotiated_neighbor_names_.count(e->name) && !e->topo_check) {
+  if (neighbor && neighbor_patterns_.Skips(*e)) {
     // A peer that left may have sent its piece before it left: only a missing one is fatal.
     for (int r : e->recv_ranks) if (departures_.Left(r) && !neighbors_.HasPiece(r, e->name)) gone.push_back(r);
     // Nobody takes what is sent to a rank that left (it needs nothing more): skip it.
@@ -154,7 +154,7 @@ void Runtime::Apply(const Response& r) {
   }
   if (r.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || r.op == SHOAL_OP_NEIGHBOR_ALLGATHER) {
     for (auto& e : batch) {
-      negotiated_neighbor_names_.insert(e->name);
+      neighbor_patterns_.Negotiated(*e, r.trusted);
       neighbor_ready_.push_back(e);
     }
     return;
@@ -168,6 +168,12 @@ void Runtime::Apply(const Response& r) {
 
 void Runtime::CheckStalls() {
   const auto now = Clock::now();
+  // A send a neighbor did not expect: every rank waiting in that step fails with its error
+  // (a refusal through the coordinator, as a refusal at the call travels).
+  for (auto& d : neighbors_.Disputes(now)) {
+    Request req{d.name, d.sig, d.step, d.error, SHOAL_NEIGHBOR_MISMATCH, false, {}, {}};
+    late_requests_.push_back(std::move(req));
+  }
   if (!stalls_.Due(now)) return;
   auto check = [&](Coordinator* c, const ProcessSet* set) {
     std::vector<Response> aborts = stalls_.Check(*c, set, Now());
@@ -187,6 +193,7 @@ void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (e->topo_check) {
     req.send = e->send_ranks;
     req.recv = e->recv_ranks;
+    req.known = neighbor_patterns_.Checked(*e);
   }
   req.splits = e->splits;  // alltoall
   {
@@ -223,7 +230,7 @@ void Runtime::Commit(const Response& r) {
 void Runtime::Thaw(int set, const std::set<std::string>& gone) {
   NameTable::Thawed out = names_.Thaw(set, gone);
   for (auto& key : out.retired) {
-    negotiated_neighbor_names_.erase(key);
+    neighbor_patterns_.Forget(key);
     stalls_.Forget(key);
   }
   stats_.names_retired += out.ops_retired;
@@ -245,8 +252,7 @@ void Runtime::ForgetSet(int set) {
   std::string name;
   for (auto it = rejections_.begin(); it != rejections_.end();)
     it = KeyInSet(it->first, set, &name) ? rejections_.erase(it) : std::next(it);
-  for (auto it = negotiated_neighbor_names_.begin(); it != negotiated_neighbor_names_.end();)
-    it = KeyInSet(*it, set, &name) ? negotiated_neighbor_names_.erase(it) : std::next(it);
+  neighbor_patterns_.ForgetIf([&](const std::string& key) { return KeyInSet(key, set, &name); });
   stalls_.ForgetSet(set);
 }
 
