@@ -12,7 +12,9 @@ ops in the Runtime: exact values, mismatches, a group that fails as a whole) and
 test_process_sets (process sets: disjoint sets whose ops never wait for each other,
 negotiation at each set's leader, cached batches per set, mismatched membership, a member
 that leaves or dies) and test_names (bounded per-name state: fresh names retired on every
-rank alike, exact results, held calls of names being retired in any submission order)."""
+rank alike, exact results, held calls of names being retired in any submission order) and test_cached_broadcast
+(broadcasts that skip the coordinator: exact in any order, roots that change, a root's and a
+non-root's changed call, refusals, a stall, a join and a rank that leaves)."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,7 +33,7 @@ def build(tmp_path_factory):
                     "-DSHOAL_BUILD_TESTS=ON", "-DSHOAL_SANITIZE=thread",
                     "-DCMAKE_UNITY_BUILD=ON"], check=True, capture_output=True, timeout=300)
     subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join",
-                    "test_stages", "test_collectives", "test_process_sets", "test_names"],
+                    "test_stages", "test_collectives", "test_process_sets", "test_names", "test_cached_broadcast"],
                    check=True, capture_output=True, timeout=1200)
     return build
 
@@ -40,7 +42,7 @@ def build(tmp_path_factory):
 # compiles each library as one file: 28% less CPU than file by file).
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join", "test_stages", "test_collectives",
-                                    "test_process_sets", "test_names"])
+                                    "test_process_sets", "test_names", "test_cached_broadcast"])
 def test_unit_tests_under_thread_sanitizer(build, binary):
     out = subprocess.run([str(build / binary)], capture_output=True, text=True, timeout=600,
                          env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})

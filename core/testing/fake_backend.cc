@@ -192,14 +192,22 @@ void FakeGroup::AllreduceOn(int channel, void* buf, int64_t count, int dtype, Ca
   b_->Collective(*this, std::move(c), std::move(done), channel);
 }
 
+void FakeGroup::BroadcastOn(int channel, void* buf, int64_t count, int dtype, int root, Callback done) {
+  BroadcastIn(channel, SHOAL_SCOPE_WORLD, buf, count, dtype, root, std::move(done));
+}
+
 void FakeGroup::Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) {
+  BroadcastIn(-1, scope, buf, count, dtype, root, std::move(done));
+}
+
+void FakeGroup::BroadcastIn(int channel, int scope, void* buf, int64_t count, int dtype, int root, Callback done) {
   FakeWorld::Coll c;
   c.kind = kBroadcast;
   c.bufs = {buf};
   c.count = count;
   c.dtype = dtype;
   c.root = root;
-  b_->Collective(*this, std::move(c), std::move(done), -1, scope);
+  b_->Collective(*this, std::move(c), std::move(done), channel, scope);
 }
 
 void FakeGroup::Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>&, int dtype,

@@ -87,11 +87,13 @@ class FakeGroup : public GroupCollectives {
                  const std::vector<int64_t>& recv_counts, int dtype, Callback done) override;
   void Barrier(Callback done) override;
   void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override;
+  void BroadcastOn(int channel, void* buf, int64_t count, int dtype, int root, Callback done) override;
   bool Progress() override;
   size_t num_in_flight() const override;
 
  private:
   friend class FakeBackend;
+  void BroadcastIn(int channel, int scope, void* buf, int64_t count, int dtype, int root, Callback done);
   FakeBackend* b_;
   int set_;
   std::vector<int> ranks_;  // of a process set (empty for every rank)
@@ -128,6 +130,9 @@ class FakeBackend : public Backend {
   void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override {
     world_.AllreduceOn(channel, buf, count, dtype, std::move(done));
   }
+  void BroadcastOn(int channel, void* buf, int64_t count, int dtype, int root, Callback done) override {
+    world_.BroadcastOn(channel, buf, count, dtype, root, std::move(done));
+  }
   Status AddSet(int id, const std::vector<int>& ranks) override;
   void RemoveSet(int id) override { sets_.erase(id); }
   GroupCollectives* OfSet(int id) override;
@@ -136,7 +141,7 @@ class FakeBackend : public Backend {
 
  private:
   friend class FakeGroup;
-  // `channel`: -1 the collectives' own order, 0.. those of AllreduceOn; `scope`: the world
+  // `channel`: -1 the collectives' own order, 0.. those of AllreduceOn and BroadcastOn; `scope`: the world
   // or this rank's machine (root and results by index among its ranks); `group`: every
   // rank's or a process set's.
   void Collective(const FakeGroup& group, FakeWorld::Coll mine, Callback done, int channel = -1,

@@ -266,6 +266,31 @@ static void TestSum() {
 // Which batches the coordinator caches on a channel (negotiation/response_cache.cc): repeats only,
 // of cacheable signatures, while channels are free; and how probes of a cached round's
 // stall behave: they name the missing ranks, and go away when the round is over.
+// A repeated broadcast gets a channel (docs/design.md §19); a dead one's channel is free
+// again only once every rank has submitted the name after its last round.
+static void TestCachedBroadcastChannels() {
+  Coordinator c(2, 0, 1);  // 2 ranks, no fusion, 1 channel
+  auto run = [&](const Request& q) {
+    c.Add(0, q, 0);
+    c.Add(1, q, 0);
+    auto resps = c.TakeResponses();
+    return resps.size() == 1 ? resps[0] : Response{};
+  };
+  const Request bc = Req("bc", SHOAL_OP_BROADCAST, SHOAL_UINT8, {4}, 1), other = Req("o", SHOAL_OP_BROADCAST, SHOAL_FLOAT32, {4});
+  CHECK(run(bc).channel == -1);  // first sight
+  const int ch = run(bc).channel;
+  CHECK(ch == 0);
+  run(other);
+  CHECK(run(other).channel == -1);  // the channel is in use
+  c.ReleaseAfter("bc", ch);
+  CHECK(run(other).channel == -1);  // not before every rank submitted "bc" again
+  c.Add(0, bc, 0);
+  CHECK(c.TakeResponses().empty());
+  c.Add(1, bc, 0);
+  auto resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].channel == ch);  // free again, and "bc" repeats: cached again
+}
+
 static void TestCachingAndProbes() {
   Coordinator c(2, 0, 2);  // 2 ranks, no fusion, 2 channels
   auto run = [&](const Request& q) {
@@ -285,8 +310,11 @@ static void TestCachingAndProbes() {
   local.sig.scope = SHOAL_SCOPE_MACHINE;
   Request bytes = Req("bytes", SHOAL_OP_ALLREDUCE, SHOAL_INT8, {4}, 0, SHOAL_REDUCE_SUM);
   Request bcast = Req("bcast", SHOAL_OP_BROADCAST, SHOAL_FLOAT32, {4});
+  bcast.sig.scope = SHOAL_SCOPE_MACHINE;
+  Request gpu = Req("gpu", SHOAL_OP_BROADCAST, SHOAL_FLOAT32, {4});
+  gpu.sig.device_type = SHOAL_DEVICE_CUDA;
   for (int k = 0; k < 2; ++k)
-    for (auto* q : {&local, &bytes, &bcast}) CHECK(run(*q).channel == -1);  // never cached
+    for (auto* q : {&local, &bytes, &bcast, &gpu}) CHECK(run(*q).channel == -1);  // never cached
   const Request b = Req("b", SHOAL_OP_ALLREDUCE, SHOAL_FLOAT64, {2}), d = Req("d", SHOAL_OP_ALLREDUCE, SHOAL_INT64, {2});
   run(b);
   const int cb = run(b).channel;
@@ -493,6 +521,7 @@ int main() {
   TestLeftRankFailsPendingAndLater();
   TestSum();
   TestCachingAndProbes();
+  TestCachedBroadcastChannels();
   TestJoin();
   TestAlltoallAndGroups();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);

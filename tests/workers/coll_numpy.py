@@ -1,6 +1,7 @@
 """Horovod's collectives in the numpy API with exact expected values: allreduce with
-op=Min/Max/Product (every numeric dtype, machine scope, fused batches, errors) and
-reducescatter (even and uneven first dimensions, every dtype, Sum and Average, errors).
+op=Min/Max/Product (every numeric dtype, machine scope, fused batches, errors),
+reducescatter (even and uneven first dimensions, every dtype, Sum and Average, errors) and
+repeated broadcasts, which skip the coordinator once cached (docs/design.md §19).
 Run at 2 and 4 ranks (4: two simulated machines) by tests/test_collectives.py."""
 import functools
 import hashlib
@@ -184,6 +185,85 @@ def reducescatter_shape_mismatch_fails_on_every_rank():
         raise AssertionError("mismatched shapes accepted")
     assert f"reducescatter 'rs.mismatch': mismatched shapes across ranks: [{N}, 2] on rank" in msg, msg
     assert f"[{N + 1}, 2] on rank" in msg, msg
+    same_everywhere(msg)
+
+
+def rounds():
+    return shoal.stats()["coordinator_rounds"]
+
+
+@check
+def repeated_broadcasts_skip_the_coordinator():
+    """4 KiB broadcasts of several dtypes, each name from its own root, ten steps: exact,
+    and steps 3 to 9 ask the coordinator nothing; then every root moves on (those calls
+    are negotiated once more) and the names are cached again."""
+    names = [("bc.f32", "float32", 1024), ("bc.u8", "uint8", 4096), ("bc.f16", "float16", 2048)]
+    for phase in range(2):
+        for step in range(10):
+            before = rounds()
+            for k, (name, dt, n) in enumerate(names):
+                root = (k + phase) % N
+                got = shoal.broadcast((np.arange(n) % 97 + R * 3 + step).astype(dt), root, name=name)
+                want = (np.arange(n) % 97 + root * 3 + step).astype(dt)
+                assert got.dtype == want.dtype and np.array_equal(got, want), (name, phase, step)
+            if step >= 3:
+                assert rounds() == before, f"phase {phase} step {step}: {rounds() - before} coordinator rounds"
+
+
+@check
+def broadcast_in_a_process_set_is_cached_on_its_channels():
+    if N < 3:
+        raise Skip("needs a set smaller than the world: 3 or more ranks")
+    ps = shoal.add_process_set([0, N - 1])
+    try:
+        for step in range(8):
+            before = rounds()
+            if ps.included():
+                got = shoal.broadcast(np.full(16, float(R + step)), N - 1, name="bc.set", process_set=ps)
+                assert np.array_equal(got, np.full(16, float(N - 1 + step))), got
+            got = shoal.broadcast(np.full(4, float(R + step)), 0, name="bc.set")  # the world's, same name
+            assert np.array_equal(got, np.full(4, float(step))), got
+            if step >= 3:
+                assert rounds() == before, f"step {step}: coordinator rounds"
+    finally:
+        shoal.remove_process_set(ps)
+
+
+@check
+def broadcast_changed_on_a_non_root_fails_there_only():
+    if N < 2:
+        raise Skip("needs 2 or more ranks")
+    for step in range(3):
+        shoal.broadcast(np.full(8, float(R)), 0, name="bc.peer")
+    try:
+        got = shoal.broadcast(np.full(9 if R == N - 1 else 8, float(R)), 0, name="bc.peer")
+    except shoal.ShoalError as e:
+        assert R == N - 1, f"rank {R} raised: {e}"
+        assert f"rank {R} called it with float64[9]" in str(e) and "the root ran, float64[8]" in str(e), str(e)
+    else:
+        assert R != N - 1, "the changed call did not raise"
+        assert np.array_equal(got, np.zeros(8)), got
+    shoal.barrier()  # the refusal reaches the root: its next call is negotiated
+    before = rounds()
+    for step in range(1, 5):
+        got = shoal.broadcast(np.full(8, float(R + step)), 0, name="bc.peer")
+        assert np.array_equal(got, np.full(8, float(step))), got
+    assert rounds() > before, "the name did not go back to the coordinator"
+
+
+@check
+def broadcast_changed_on_the_root_fails_on_every_rank():
+    if N < 2:
+        raise Skip("needs 2 or more ranks")
+    for step in range(3):
+        shoal.broadcast(np.full(8, float(R)), 0, name="bc.root")
+    try:
+        shoal.broadcast(np.full(9 if R == 0 else 8, float(R)), 0, name="bc.root")
+    except shoal.ShoalError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("a changed root's call was accepted")
+    assert "broadcast 'bc.root': mismatched shapes across ranks" in msg, msg
     same_everywhere(msg)
 
 

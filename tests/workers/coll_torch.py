@@ -1,6 +1,7 @@
 """Horovod's collectives in shoal.torch with exact expected values: allreduce with
 op=Min/Max/Product (every dtype incl. bfloat16, Horovod's names, gradients, torch.compile)
-and reducescatter (uneven splits, Horovod's names and extras, gradients).
+reducescatter (uneven splits, Horovod's names and extras, gradients) and repeated
+broadcasts, which skip the coordinator once cached (docs/design.md §19).
 Run at 2 and 4 ranks by tests/test_collectives.py."""
 import functools
 import math
@@ -155,6 +156,21 @@ def reducescatter_bad_arguments():
     raises(ValueError, hvd.reducescatter, torch.ones(2, 2), name="t.rs.max", op=hvd.Max)
     raises(NotImplementedError, hvd.reducescatter, torch.ones(2, 2), name="t.rs.adasum", op=hvd.Adasum)
     assert torch.equal(hvd.reducescatter(torch.ones(N, 1), name="t.rs.after", op=hvd.Sum), torch.full((1, 1), 1.0 * N))
+
+
+@check
+def repeated_broadcasts_skip_the_coordinator():
+    """Eager 4 KiB broadcasts (float32 and bfloat16), ten steps: exact, and steps 3 to 9
+    ask the coordinator nothing."""
+    import shoal
+    for step in range(10):
+        before = shoal.stats()["coordinator_rounds"]
+        for k, dt in enumerate([torch.float32, torch.bfloat16]):
+            root = k % N
+            got = hvd.broadcast((torch.arange(1024) % 97 + R * 3 + step).to(dt), root, name=f"t.bc.{k}")
+            assert torch.equal(got, (torch.arange(1024) % 97 + root * 3 + step).to(dt)), (k, step)
+        if step >= 3:
+            assert shoal.stats()["coordinator_rounds"] == before, f"step {step}: coordinator rounds"
 
 
 sys.exit(1 if run_all(R) else 0)

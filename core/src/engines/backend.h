@@ -59,12 +59,14 @@ class Collectives {
 class GroupCollectives : public Collectives {
  public:
   virtual void Barrier(Callback done) = 0;
-  // Allreduce (sum) on collective channel `channel` in [0, kChannels) ([0, kSetChannels) in a
-  // process set): each channel has its own collective order (an MPI communicator),
-  // independent of the others and of the collectives above, so ops cached on different
-  // channels never wait for each other (negotiation/response_cache.cc). Made with their group.
+  // Allreduce (sum) and broadcast from `root` (an index in the group) on collective channel
+  // `channel` in [0, kChannels) ([0, kSetChannels) in a process set): each channel has its
+  // own collective order (an MPI communicator), independent of the others and of the
+  // collectives above, so ops cached on different channels never wait for each other
+  // (negotiation/response_cache.cc). Made with their group.
   static constexpr int kChannels = 64, kSetChannels = 16;
   virtual void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) = 0;
+  virtual void BroadcastOn(int channel, void* buf, int64_t count, int dtype, int root, Callback done) = 0;
 };
 
 // The communication engine of the runtime (MPI; in the unit tests, a fake of N ranks as

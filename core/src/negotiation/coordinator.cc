@@ -423,6 +423,11 @@ std::vector<Response> Coordinator::TakeResponses() {
   std::vector<int64_t> batch_bytes;  // by index in `out` from `first`
   std::vector<std::vector<Signature>> batch_sigs;  // the same
   for (auto& name : complete_) {
+    auto rel = release_after_.find(name);
+    if (rel != release_after_.end()) {
+      free_channels_.push_back(rel->second);
+      release_after_.erase(rel);
+    }
     auto it = pending_.find(name);
     if (it == pending_.end()) continue;  // aborted meanwhile
     Response r = Validate(name, it->second);
@@ -466,7 +471,8 @@ std::vector<Response> Coordinator::TakeResponses() {
       open[key] = {out.size(), bytes};
       r.repeat &= Cacheable(sig);
     } else {
-      r.repeat &= r.kind == Response::EXECUTE && r.op == SHOAL_OP_ALLREDUCE && Cacheable(sig);
+      r.repeat &= r.kind == Response::EXECUTE && (r.op == SHOAL_OP_ALLREDUCE || r.op == SHOAL_OP_BROADCAST) &&
+                  Cacheable(sig);
     }
     batch_bytes.push_back(static_cast<int64_t>(sig.nbytes()));
     batch_sigs.push_back(std::move(sigs));
@@ -480,8 +486,8 @@ std::vector<Response> Coordinator::TakeResponses() {
   // Only small ones: a large one's data dwarfs the round trip, and its cached rounds would
   // copy it twice more (into and out of the round's buffer).
   for (size_t i = first; i < out.size() && left_.empty() && num_joined_ == 0 && !free_channels_.empty(); ++i)
-    if (out[i].repeat && out[i].kind == Response::EXECUTE && out[i].op == SHOAL_OP_ALLREDUCE &&
-        batch_bytes[i - first] <= kMaxCachedBytes) {
+    if (out[i].repeat && out[i].kind == Response::EXECUTE &&
+        (out[i].op == SHOAL_OP_ALLREDUCE || out[i].op == SHOAL_OP_BROADCAST) && batch_bytes[i - first] <= kMaxCachedBytes) {
       out[i].channel = free_channels_.back();
       free_channels_.pop_back();
     }
@@ -498,11 +504,13 @@ std::vector<Response> Coordinator::TakeResponses() {
 }
 
 bool Coordinator::Cacheable(const Signature& sig) {
-  // Host memory, world scope, a sum whose last element can count the ranks exactly (half
-  // types are summed in float32).
+  // Host memory, world scope (a CUDA tensor's and a machine's broadcasts stay negotiated);
+  // an allreduce: a sum whose last element can count the ranks exactly (half types are
+  // summed in float32).
   const int d = sig.dtype;
-  return sig.device_type == SHOAL_DEVICE_CPU && sig.scope == SHOAL_SCOPE_WORLD &&
-         (sig.reduce_op == SHOAL_REDUCE_SUM || sig.reduce_op == SHOAL_REDUCE_AVERAGE) &&
+  if (sig.device_type != SHOAL_DEVICE_CPU || sig.scope != SHOAL_SCOPE_WORLD) return false;
+  if (sig.op == SHOAL_OP_BROADCAST) return true;  // moves bytes: any dtype
+  return (sig.reduce_op == SHOAL_REDUCE_SUM || sig.reduce_op == SHOAL_REDUCE_AVERAGE) &&
          (d == SHOAL_FLOAT16 || d == SHOAL_BFLOAT16 || d == SHOAL_FLOAT32 || d == SHOAL_FLOAT64 ||
           d == SHOAL_INT32 || d == SHOAL_INT64);
 }

@@ -103,6 +103,9 @@ class Coordinator {
   bool any_joined() const { return num_joined_ > 0; }
   // The batch cached on `channel` died on this rank (so on every rank): the channel is free.
   void ReleaseChannel(int channel) { free_channels_.push_back(channel); }
+  // The broadcast `name` cached on `channel` died: the channel is free once every rank has
+  // submitted the name again (each has passed its last round then; docs/design.md §19).
+  void ReleaseAfter(const std::string& name, int channel) { release_after_[name] = channel; }
   // Rank 0's round of a cached batch completed, with `name` at `step`: probes of it are stale.
   void RoundDone(const std::string& name, int64_t step);
   void ForgetRounds(const std::vector<std::string>& names) {
@@ -160,6 +163,7 @@ class Coordinator {
   std::string LeftError(const std::string& name, int op) const;
   int64_t negotiations_ = 0;
   std::vector<int> free_channels_;  // collective channels no cached batch uses
+  std::map<std::string, int> release_after_;  // ReleaseAfter's channels, by name
   std::map<std::string, int64_t> rounds_done_;  // cached names: the last step rank 0 completed
   std::vector<Request> proposals_;  // by rank: its latest proposal to retire names (until answered)
   int num_proposals_ = 0;

@@ -17,6 +17,9 @@
 // of a batch that is only partly submitted (its program may need that op before it
 // submits the rest), after the stall warning time, and when a rank leaves the job (every
 // rank dooms every batch; the leaving rank stays until its rounds are through).
+//
+// A broadcast that repeats is cached the same way, but its round carries only the root's
+// data: the root decides each round with a header element (docs/design.md §19).
 #include "negotiation/response_cache.h"
 
 #include <algorithm>
@@ -41,7 +44,16 @@ struct ResponseCache::Batch {
   bool in_flight = false, ready_round = false, dying = false, dead = false, abandoned = false;
   Clock::time_point since, waited_since, round_start;
   std::shared_ptr<FusedBuffer> buf;  // the running round's
+  // A broadcast (one member): its root's and this rank's index in the set (root < 0: an
+  // allreduce batch); this rank joined; the coordinator failed the step of the next round
+  // here (a stall) with `failed`; the running round's header and data.
+  int root = -1, index = 0;
+  bool joined = false, fail_next = false;
+  Status failed;
+  std::shared_ptr<ByteVec> bytes;
 };
+
+bool ResponseCache::IsBroadcast(const Batch& b) { return b.root >= 0; }
 
 namespace {
 
@@ -73,9 +85,16 @@ ResponseCache::ResponseCache(Host* host, const Config& cfg, Stats* stats, std::s
     : host_(host), warn_(cfg.stall_check_time > 0 ? cfg.stall_check_time : cfg.stall_shutdown_time),
       kill_(cfg.stall_shutdown_time), stats_(stats), pool_(std::move(pool)) {}
 
-void ResponseCache::Add(const Response& r, const std::vector<EntryPtr>& batch, int set_size, bool doom) {
+void ResponseCache::Add(const Response& r, const std::vector<EntryPtr>& batch, int set_size, int index, bool doom) {
   if (r.channel < 0 || r.channel >= (r.set ? Backend::kSetChannels : Backend::kChannels)) return;
+  const bool broadcast = r.op == SHOAL_OP_BROADCAST;
+  if (broadcast && doom) return;  // a joined rank would miss its rounds: it stays negotiated
   auto b = std::make_shared<Batch>();
+  if (broadcast) {
+    const Entry& e = *batch[0];
+    b->root = e.pset ? e.pset->IndexOf(e.sig.root_rank) : e.sig.root_rank;
+    b->index = index;
+  }
   b->set = r.set;
   b->size = set_size;
   b->channel = r.channel;
@@ -105,6 +124,11 @@ bool ResponseCache::Route(const EntryPtr& e) {
   if (it == members_.end()) return false;
   const BatchPtr b = it->second.first;
   const size_t i = it->second.second;
+  if (b->root >= 0) {  // every call of the name takes part in the root's round of its step
+    if (b->in_flight || !b->later.empty()) b->later.push_back(e);
+    else Broadcast(b, e);
+    return true;
+  }
   if (!e->reject.empty() || !(e->sig == b->sigs[i])) {
     Doom(b);  // its members will not all come as cached
     if (!e->reject.empty()) return false;  // the refusal itself goes to the coordinator
@@ -121,7 +145,9 @@ bool ResponseCache::Route(const EntryPtr& e) {
 
 void ResponseCache::Doom(const BatchPtr& b) {
   if (b->dead || b->dying) return;
+  if (b->root >= 0 && b->root != b->index) return;  // only a broadcast's root ends its rounds
   b->dying = true;
+  if (b->root >= 0) return;  // its next round says so
   if (!b->in_flight) Contribute(b, false);
 }
 
@@ -148,6 +174,7 @@ void ResponseCache::Contribute(const BatchPtr& b, bool ready) {
 }
 
 void ResponseCache::OnRound(const BatchPtr& b, const Status& st) {
+  if (b->root >= 0) return OnBroadcast(b, st);
   b->in_flight = false;
   const bool all_ready = st.ok() && GetCount(b->buf->at_element(b->total), b->wire) == b->size;
   std::vector<EntryPtr> round = std::move(b->in_round);
@@ -171,16 +198,7 @@ void ResponseCache::OnRound(const BatchPtr& b, const Status& st) {
     return;
   }
   // Dead on every rank: its ops go to the coordinator (or fail with the channel's error).
-  b->dead = true;
-  for (auto& n : b->keys) {
-    auto it = members_.find(n);
-    if (it != members_.end() && it->second.first == b) members_.erase(it);
-  }
-  if (Coordinator* c = host_->CoordinatorOf(b->set)) {
-    c->ForgetRounds(b->names);
-    auto slot = cached_.find(Slot(b->set, b->channel));
-    if (slot != cached_.end() && slot->second == b) c->ReleaseChannel(b->channel);
-  }
+  Bury(b, true);
   std::vector<EntryPtr> rest = std::move(round);
   for (auto& e : b->held) if (e) rest.push_back(e);
   for (auto& e : b->later) rest.push_back(e);
@@ -193,10 +211,48 @@ void ResponseCache::OnRound(const BatchPtr& b, const Status& st) {
   }
 }
 
-void ResponseCache::DoomAll(int with_rank) {
+void ResponseCache::Bury(const BatchPtr& b, bool channel_free) {
+  b->dead = true;
+  for (auto& n : b->keys) {
+    auto it = members_.find(n);
+    if (it != members_.end() && it->second.first == b) members_.erase(it);
+  }
+  if (Coordinator* c = host_->CoordinatorOf(b->set)) {
+    c->ForgetRounds(b->names);
+    auto slot = cached_.find(Slot(b->set, b->channel));
+    if (channel_free && slot != cached_.end() && slot->second == b) {
+      // A broadcast's root may complete its last round before a slow rank has started it.
+      if (b->root < 0) c->ReleaseChannel(b->channel);
+      else c->ReleaseAfter(b->names[0], b->channel);
+    }
+  }
+}
+
+void ResponseCache::DoomAll(int with_rank, bool joining) {
   for (auto& kv : cached_) {
-    const ProcessSet* s = host_->SetOf(kv.second->set);
-    if (with_rank < 0 || !s || s->Has(with_rank)) Doom(kv.second);
+    const BatchPtr b = kv.second;
+    const ProcessSet* s = host_->SetOf(b->set);
+    if (with_rank >= 0 && s && !s->Has(with_rank)) continue;
+    if (b->root < 0 || b->dead) {
+      Doom(b);
+    } else if (with_rank >= 0) {
+      // A rank that left takes part in no round: this rank's rounds end here, and its ops
+      // fail as any op that needs that rank does (through the runtime's routing).
+      b->abandoned = true;
+      Bury(b, false);
+      std::vector<EntryPtr> rest = std::move(b->in_round);
+      rest.insert(rest.end(), b->later.begin(), b->later.end());
+      b->in_round.clear();
+      b->later.clear();
+      for (auto& e : rest) if (e->reject.empty()) host_->Renegotiate(e);
+    } else {
+      Doom(b);
+      if (!joining) continue;
+      // This rank submits none of its calls until every rank has joined: it takes part in
+      // the root's rounds until one says dead (the root's, at once).
+      b->joined = true;
+      if (!b->in_flight && b->later.empty()) Broadcast(b, nullptr);
+    }
   }
 }
 
@@ -216,7 +272,8 @@ void ResponseCache::Drop(int set) {
 }
 
 bool ResponseCache::InFlight() const {
-  for (auto& kv : cached_) if (kv.second->in_flight) return true;
+  // A broadcast's round needs no wait: the peers end theirs when this rank leaves.
+  for (auto& kv : cached_) if (kv.second->in_flight && kv.second->root < 0) return true;
   return false;
 }
 
@@ -235,6 +292,7 @@ void ResponseCache::KeepRoundBuffers() {
   // after this runtime is gone, into its buffer: that buffer must outlive the runtime.
   auto keep = [](const BatchPtr& b) {
     if (b->in_flight && b->buf) new std::shared_ptr<FusedBuffer>(b->buf);  // deliberately never freed
+    if (b->in_flight && b->bytes) new std::shared_ptr<ByteVec>(b->bytes);
   };
   for (auto& kv : cached_) keep(kv.second);
   for (auto& b : retired_) keep(b);
@@ -293,6 +351,18 @@ void ResponseCache::Fail(const std::string& name, int64_t step, const Status& st
   if (it == members_.end()) return;
   const BatchPtr b = it->second.first;
   auto matches = [&](const EntryPtr& e) { return e && e->key() == name && (step < 0 || e->step == step); };
+  if (b->root >= 0) {
+    // Every rank still takes part in the root's round of that step; on this rank it is
+    // dead whatever its header says (so on every rank: the root's is abandoned or dead).
+    if (fail_round && !b->abandoned && std::any_of(b->in_round.begin(), b->in_round.end(), matches)) {
+      b->abandoned = true;
+      for (auto& e : b->in_round) host_->Finish(e, st);
+    } else if (fail_round) {
+      b->fail_next = true;
+      b->failed = st;
+    }
+    return Doom(b);
+  }
   if (fail_round) {
     if (!b->abandoned && std::any_of(b->in_round.begin(), b->in_round.end(), matches)) {
       b->abandoned = true;
@@ -308,6 +378,95 @@ void ResponseCache::Fail(const std::string& name, int64_t step, const Status& st
     b->later.erase(std::remove_if(b->later.begin(), b->later.end(), matches), b->later.end());
   }
   Doom(b);
+}
+
+// A broadcast's round (docs/design.md §19): [header, data] from the root, into a buffer of
+// the cached size on every rank, whatever its call. The root's header is 1 when its call
+// is the cached one and the name is not doomed; then each rank whose call matches takes
+// the data. Otherwise the name is dead on every rank and the step goes to the coordinator.
+void ResponseCache::Broadcast(const BatchPtr& b, const EntryPtr& e) {
+  const bool root = b->root == b->index;
+  const bool matches = e && e->reject.empty() && e->sig == b->sigs[0];
+  if (root && (!matches || b->fail_next)) b->dying = true;
+  const size_t width = DtypeSize(b->dtype), n = static_cast<size_t>(b->total) * width;
+  b->bytes = pool_->Get(width + n);
+  b->bytes->resize(width + n);
+  char* p = b->bytes->data();
+  std::memset(p, 0, width);
+  const auto now = Clock::now();
+  if (root && !b->dying) {
+    p[0] = 1;
+    std::memcpy(p + width, e->input.data, n);
+    if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, n);
+  }
+  if (matches) e->t_comm_start = now;
+  b->in_round.clear();
+  if (e) b->in_round.push_back(e);
+  b->in_flight = true;
+  b->ready_round = matches;
+  b->round_start = now;
+  ++stats_->global_collectives;
+  if (matches) ++stats_->cache_hits;
+  GroupCollectives* engine = host_->Group(b->set);
+  if (!engine) return OnRound(b, Status::Error(SHOAL_ABORTED, "internal error: a cached broadcast of a removed process set"));
+  engine->BroadcastOn(b->channel, p, b->total + 1, b->dtype, b->root, [this, b](const Status& st) { OnRound(b, st); });
+}
+
+void ResponseCache::OnBroadcast(const BatchPtr& b, const Status& st) {
+  b->in_flight = false;
+  const EntryPtr e = b->in_round.empty() ? nullptr : b->in_round[0];
+  b->in_round.clear();
+  const std::shared_ptr<ByteVec> bytes = std::move(b->bytes);
+  if (b->dead) return;  // ended when a rank left (its ops went)
+  const bool failed = b->fail_next;
+  if (st.ok() && !b->abandoned && !failed && (*bytes)[0] == 1) {
+    if (e) Deliver(b, e, bytes->data() + DtypeSize(b->dtype));
+    else if (b->root != b->index) host_->CountJoinedCall(b->keys[0], b->sigs[0]);
+    if (!b->later.empty()) {
+      EntryPtr next = b->later.front();
+      b->later.erase(b->later.begin());
+      Broadcast(b, next);
+    } else if (b->joined) {
+      Broadcast(b, nullptr);
+    }
+    return;
+  }
+  // Dead on every rank: the step's calls go to the coordinator, which validates them and
+  // reports any mismatch as usual (or they fail with the channel's or the stall's error).
+  Bury(b, st.ok() && !b->abandoned && !failed);
+  std::vector<EntryPtr> rest;
+  if (e && !(b->abandoned && e->done)) rest.push_back(e);
+  rest.insert(rest.end(), b->later.begin(), b->later.end());
+  b->later.clear();
+  for (auto& x : rest) {
+    if (!x->reject.empty()) continue;  // its refusal went to the coordinator at the call
+    if (!st.ok()) host_->Finish(x, st);
+    else if (failed && x == e) host_->Finish(x, b->failed);
+    else host_->Renegotiate(x);
+  }
+}
+
+void ResponseCache::Deliver(const BatchPtr& b, const EntryPtr& e, const char* data) {
+  e->t_comm_end = Clock::now();
+  if (!e->reject.empty()) return;  // refused at the call here: the root dooms the name when it hears
+  const Signature& root = b->sigs[0];
+  if (e->sig == root) {
+    if (Coordinator* c = host_->CoordinatorOf(b->set)) c->RoundDone(e->name, e->step);
+    if (b->root != b->index) std::memcpy(e->output.data, data, e->nbytes());
+    return host_->Finish(e, Status::Ok());
+  }
+  // This rank's call changed while the root's did not: only this rank can know (§19). It
+  // fails; the refusal tells the root, which ends the name's rounds at its next call.
+  const int me = e->pset ? e->pset->ranks[b->index] : b->index;
+  auto call = [](const Signature& s) { return s.ToString() + " from root " + std::to_string(s.root_rank); };
+  const std::string error = OpError(SHOAL_OP_BROADCAST, e->name,
+                                    "rank " + std::to_string(me) + " called it with " + call(e->sig) +
+                                        ", which differs from the cached call the root ran, " + call(root) +
+                                        " (the other ranks completed this step)");
+  Request req{e->name, e->sig, e->step, error, SHOAL_MISMATCH, false, {}, {}};
+  req.set = b->set;
+  host_->SendLater(std::move(req));
+  host_->Finish(e, Status::Error(SHOAL_MISMATCH, error));
 }
 
 }  // namespace shoal

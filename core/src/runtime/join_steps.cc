@@ -10,7 +10,7 @@ namespace shoal {
 
 void Runtime::RouteJoin(const EntryPtr& e) {
   auto notice = join_.Start(e, generation_);
-  cache_.DoomAll();
+  cache_.DoomAll(-1, true);
   const WorldInfo& w = world();
   for (int r = 0; r < w.size; ++r)
     if (r != w.rank && !departures_.Left(r)) backend_->Send(r, NeighborExchange::kTag, notice, [](const Status&) {});
@@ -46,16 +46,17 @@ EntryPtr Runtime::JoinedEntry(const Response& r, size_t i) {
 }
 
 EntryPtr Runtime::IdentityEntry(const std::string& name, const Signature& sig) {
-  int64_t step;
-  {
-    // The op counts as this rank's call of the name: its step, and for an unnamed op the
-    // generated-name counter, stay those of the ranks that ran it, so the ops after the
-    // join pair up again.
-    std::lock_guard<std::mutex> lock(mu_);
-    step = names_[name].calls++;
-    names_.FollowUnnamed(sig.op, name);
-  }
-  return Join::IdentityEntry(name, sig, step);
+  return Join::IdentityEntry(name, sig, CountCall(name, sig));
+}
+
+int64_t Runtime::CountCall(const std::string& name, const Signature& sig) {
+  // The op counts as this rank's call of the name: its step, and for an unnamed op the
+  // generated-name counter, stay those of the ranks that ran it, so the ops after the
+  // join pair up again.
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t step = names_[name].calls++;
+  names_.FollowUnnamed(sig.op, name);
+  return step;
 }
 
 void Runtime::FinishJoin(const Response& r, const std::vector<EntryPtr>& batch) {

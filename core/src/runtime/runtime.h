@@ -185,6 +185,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   // ResponseCache::Host.
   void Renegotiate(const EntryPtr& e) override;
   void SendLater(Request req) override { late_requests_.push_back(std::move(req)); }
+  void CountJoinedCall(const std::string& key, const Signature& sig) override { CountCall(key, sig); }
   // Process sets (process_sets/process_sets.cc).
   // The allgather through which every rank's add/remove calls agree: every rank's vote.
   std::vector<SetVote> Agree(const SetVote& mine, const std::string& what);
@@ -211,6 +212,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   EntryPtr JoinedEntry(const Response& r, size_t i);
   // This rank's call of `name` that it runs on the identity of `sig`'s reduction (takes mu_).
   EntryPtr IdentityEntry(const std::string& name, const Signature& sig);
+  int64_t CountCall(const std::string& name, const Signature& sig);  // its step (takes mu_)
   void FinishJoin(const Response& r, const std::vector<EntryPtr>& batch);
 
   Config cfg_;
@@ -250,7 +252,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
   std::map<std::string, Response> rejections_;
   std::vector<EntryPtr> neighbor_ready_;
-  ResponseCache cache_;  // allreduce batches that skip the coordinator
+  ResponseCache cache_;  // allreduce batches and broadcasts that skip the coordinator
   std::vector<Request> late_requests_;  // from batches that died, for the next cycle's round
   StallInspector stalls_;
   Clock::time_point start_ = Clock::now();

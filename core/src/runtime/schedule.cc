@@ -23,6 +23,9 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (e->set && !SetOf(e->set))
     return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, OpError(e->sig.op, e->name, e->pset->Describe() + " was removed")));
   if (!e->group.empty()) return RouteGroupMember(e, to_coordinator);
+  // Every call of a cached broadcast takes part in the root's round of its step, even one
+  // refused on another rank (docs/design.md §19): the round's outcome decides.
+  if (!cache_.Empty() && cache_.IsBroadcast(e->key()) && cache_.Route(e)) return;
   if (FailIfUnreachable(e)) return;
   if (e->sig.op == kOpJoin) return RouteJoin(e);
   if (e->sig.op == SHOAL_OP_ALLREDUCE && !cache_.Empty() && cache_.Route(e)) return;
@@ -161,8 +164,8 @@ void Runtime::Apply(const Response& r) {
   }
   // A batch negotiated before the coordinator heard of a join goes back to it at once: a
   // joined rank takes part in no rounds (ops/join.cc).
-  if (r.channel >= 0 && r.op == SHOAL_OP_ALLREDUCE && !Lost(r.set))
-    cache_.Add(r, batch, SetSize(r.set), join_.Active());
+  if (r.channel >= 0 && (r.op == SHOAL_OP_ALLREDUCE || r.op == SHOAL_OP_BROADCAST) && !Lost(r.set))
+    cache_.Add(r, batch, SetSize(r.set), IndexIn(r.set, world().rank), join_.Active());
   RunCollective(r, std::move(batch));
 }
 

@@ -164,6 +164,12 @@ class MpiGroup : public GroupCollectives {
     });
   }
 
+  void BroadcastOn(int channel, void* buf, int64_t count, int dtype, int root, Callback done) override {
+    requests_->Start(Op{{}, std::move(done), "MPI_Ibcast"}, [&](MPI_Request* r) {
+      return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, channels_.at(channel), r);
+    });
+  }
+
   void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override {
     requests_->Start(Op{{}, std::move(done), "MPI_Ibcast"}, [&](MPI_Request* r) {
       return MPI_Ibcast(buf, CheckedCount(count), MoveType(dtype), root, Comm(scope), r);
@@ -356,6 +362,9 @@ class MpiBackend : public Backend {
   }
   void AllreduceOn(int channel, void* buf, int64_t count, int dtype, Callback done) override {
     world_->AllreduceOn(channel, buf, count, dtype, std::move(done));
+  }
+  void BroadcastOn(int channel, void* buf, int64_t count, int dtype, int root, Callback done) override {
+    world_->BroadcastOn(channel, buf, count, dtype, root, std::move(done));
   }
   void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override {
     world_->Broadcast(buf, count, dtype, root, scope, std::move(done));
