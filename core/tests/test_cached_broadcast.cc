@@ -1,4 +1,4 @@
-// Unit tests of cached broadcasts (docs/design.md §19) over the fake backend, N ranks as
+// Unit tests of cached broadcasts (docs/design.md §20) over the fake backend, N ranks as
 // threads: repeated broadcasts are exact and skip the coordinator; a root whose call
 // changes fails every rank with one error; a non-root whose call changes fails alone and
 // the name goes back to negotiation; refusals, stalls, joins and a rank that leaves.

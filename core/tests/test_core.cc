@@ -266,7 +266,7 @@ static void TestSum() {
 // Which batches the coordinator caches on a channel (negotiation/response_cache.cc): repeats only,
 // of cacheable signatures, while channels are free; and how probes of a cached round's
 // stall behave: they name the missing ranks, and go away when the round is over.
-// A repeated broadcast gets a channel (docs/design.md §19); a dead one's channel is free
+// A repeated broadcast gets a channel (docs/design.md §20); a dead one's channel is free
 // again only once every rank has submitted the name after its last round.
 static void TestCachedBroadcastChannels() {
   Coordinator c(2, 0, 1);  // 2 ranks, no fusion, 1 channel

@@ -1,7 +1,7 @@
 """Horovod's collectives in the numpy API with exact expected values: allreduce with
 op=Min/Max/Product (every numeric dtype, machine scope, fused batches, errors),
 reducescatter (even and uneven first dimensions, every dtype, Sum and Average, errors) and
-repeated broadcasts, which skip the coordinator once cached (docs/design.md §19).
+repeated broadcasts, which skip the coordinator once cached (docs/design.md §20).
 Run at 2 and 4 ranks (4: two simulated machines) by tests/test_collectives.py."""
 import functools
 import hashlib

@@ -1,7 +1,7 @@
 """Horovod's collectives in shoal.torch with exact expected values: allreduce with
 op=Min/Max/Product (every dtype incl. bfloat16, Horovod's names, gradients, torch.compile)
 reducescatter (uneven splits, Horovod's names and extras, gradients) and repeated
-broadcasts, which skip the coordinator once cached (docs/design.md §19).
+broadcasts, which skip the coordinator once cached (docs/design.md §20).
 Run at 2 and 4 ranks by tests/test_collectives.py."""
 import functools
 import math

@@ -104,7 +104,7 @@ class Coordinator {
   // The batch cached on `channel` died on this rank (so on every rank): the channel is free.
   void ReleaseChannel(int channel) { free_channels_.push_back(channel); }
   // The broadcast `name` cached on `channel` died: the channel is free once every rank has
-  // submitted the name again (each has passed its last round then; docs/design.md §19).
+  // submitted the name again (each has passed its last round then; docs/design.md §20).
   void ReleaseAfter(const std::string& name, int channel) { release_after_[name] = channel; }
   // Rank 0's round of a cached batch completed, with `name` at `step`: probes of it are stale.
   void RoundDone(const std::string& name, int64_t step);

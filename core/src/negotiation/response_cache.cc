@@ -19,7 +19,7 @@
 // rank dooms every batch; the leaving rank stays until its rounds are through).
 //
 // A broadcast that repeats is cached the same way, but its round carries only the root's
-// data: the root decides each round with a header element (docs/design.md §19).
+// data: the root decides each round with a header element (docs/design.md §20).
 #include "negotiation/response_cache.h"
 
 #include <algorithm>
@@ -380,7 +380,7 @@ void ResponseCache::Fail(const std::string& name, int64_t step, const Status& st
   Doom(b);
 }
 
-// A broadcast's round (docs/design.md §19): [header, data] from the root, into a buffer of
+// A broadcast's round (docs/design.md §20): [header, data] from the root, into a buffer of
 // the cached size on every rank, whatever its call. The root's header is 1 when its call
 // is the cached one and the name is not doomed; then each rank whose call matches takes
 // the data. Otherwise the name is dead on every rank and the step goes to the coordinator.
@@ -455,7 +455,7 @@ void ResponseCache::Deliver(const BatchPtr& b, const EntryPtr& e, const char* da
     if (b->root != b->index) std::memcpy(e->output.data, data, e->nbytes());
     return host_->Finish(e, Status::Ok());
   }
-  // This rank's call changed while the root's did not: only this rank can know (§19). It
+  // This rank's call changed while the root's did not: only this rank can know (§20). It
   // fails; the refusal tells the root, which ends the name's rounds at its next call.
   const int me = e->pset ? e->pset->ranks[b->index] : b->index;
   auto call = [](const Signature& s) { return s.ToString() + " from root " + std::to_string(s.root_rank); };

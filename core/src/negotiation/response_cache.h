@@ -1,6 +1,6 @@
 // Cached allreduce batches and broadcasts: the coordinator round trip skipped for
 // collectives that repeat (how, and why rounds always match: response_cache.cc; a
-// broadcast's rounds: docs/design.md §19). Driver only.
+// broadcast's rounds: docs/design.md §20). Driver only.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -74,7 +74,7 @@ class ResponseCache {
   void Doom(const BatchPtr& b);
   void Contribute(const BatchPtr& b, bool ready);
   void OnRound(const BatchPtr& b, const Status& st);
-  // Cached broadcasts (docs/design.md §19): a round of `e`'s step (null: a joined rank's), its end.
+  // Cached broadcasts (docs/design.md §20): a round of `e`'s step (null: a joined rank's), its end.
   void Broadcast(const BatchPtr& b, const EntryPtr& e);
   void OnBroadcast(const BatchPtr& b, const Status& st);
   void Deliver(const BatchPtr& b, const EntryPtr& e, const char* data);  // a good round's op

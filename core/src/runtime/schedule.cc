@@ -24,7 +24,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, OpError(e->sig.op, e->name, e->pset->Describe() + " was removed")));
   if (!e->group.empty()) return RouteGroupMember(e, to_coordinator);
   // Every call of a cached broadcast takes part in the root's round of its step, even one
-  // refused on another rank (docs/design.md §19): the round's outcome decides.
+  // refused on another rank (docs/design.md §20): the round's outcome decides.
   if (!cache_.Empty() && cache_.IsBroadcast(e->key()) && cache_.Route(e)) return;
   if (FailIfUnreachable(e)) return;
   if (e->sig.op == kOpJoin) return RouteJoin(e);
