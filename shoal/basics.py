@@ -56,6 +56,7 @@ def init(topology_fn=None, is_weighted=False, *, process_sets=None):
             _core.shutdown()
             raise ShoalError(mismatch)
         _lifecycle.mark_rank(_core.size())
+        _compat_env.link_horovod_timeline(_core.rank())
         if not STATE.atexit_registered:
             atexit.register(_lifecycle.at_exit)
             _lifecycle.install_excepthook()

@@ -14,7 +14,8 @@ What a script can observe follows Horovod, except (each said where it applies):
 * Process sets (`process_set=`, shoal.process_sets): as Horovod's; `broadcast_optimizer_state`
   runs over every rank only (NotImplementedError for another set).
 * `Adasum` is not implemented (NotImplementedError naming it).
-* The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`.
+* The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`; rank 0's file
+  is also linked where Horovod writes its one file (shoal/_compat_env.py).
 """
 import inspect
 
