@@ -88,7 +88,9 @@ class Compression:
 # ---- Allreduce with Horovod's arguments ----
 
 def _factor(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A scaling factor as a float: any real number (numpy scalars, a one-element tensor:
+    what Horovod's C++ binding converts to double); TypeError for bool and non-numbers."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"{what} must be a number, got {type(value).__name__}")
     return float(value)
 
@@ -225,6 +227,8 @@ def allreduce(tensor, *args, **kwargs):
     a = _bind("allreduce", tensor, args, kwargs)
     ADAPTER._check(a["tensor"], "allreduce")
     compression = check_compression(a["compression"], "allreduce")
+    for key in ("prescale_factor", "postscale_factor"):
+        a[key] = _factor(a[key], key)
     extra = (a["prescale_factor"] != 1.0 or a["postscale_factor"] != 1.0
              or not a["tensor"].is_floating_point())
     if not extra:

@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -124,6 +125,38 @@ def object_helpers_in_a_process_set():
     got = hvd.broadcast_object({"from": R}, root_rank=N - 1, name="obj.global", process_set=hvd.global_process_set)
     assert got == {"from": N - 1}, got
     assert hvd.broadcast_object(("default", R)) == ("default", 0)  # root_rank=0 by default
+
+
+@check
+def scaling_factors_of_any_real_type():
+    # Horovod's binding converts prescale/postscale factors to double: numpy scalars and
+    # one-element tensors are factors too; a bool or a str is not (TypeError).
+    x = torch.full((3,), R + 1.0)
+    total = [N * (N + 1) / 2] * 3
+    for pre, post in ((np.float32(0.5), torch.tensor(4.0)), (np.int64(2), np.float64(0.5))):
+        want = [t * float(pre) * float(post) for t in total]
+        assert hvd.allreduce(x, name="f.ar", op=hvd.Sum, prescale_factor=pre, postscale_factor=post).tolist() == want
+        h = hvd.allreduce_async(x, name="f.async", op=hvd.Sum, prescale_factor=pre, postscale_factor=post)
+        assert hvd.synchronize(h).tolist() == want
+        got = hvd.grouped_allreduce([x], name="f.grouped", op=hvd.Sum, prescale_factor=pre, postscale_factor=post)
+        assert got[0].tolist() == want
+    for bad in (True, "2"):
+        raises(TypeError, hvd.allreduce, x, name="f.bad", op=hvd.Sum, prescale_factor=bad)
+        raises(TypeError, hvd.allreduce_async, x, name="f.bad.async", op=hvd.Sum, postscale_factor=bad)
+
+
+@check
+def init_takes_horovods_comm():
+    # horovod/common/basics.py init(comm=None, process_sets=None): a list of the ranks to
+    # run on. Shoal runs on the whole job: all of them is that (init() again does
+    # nothing more); fewer is NotImplementedError; something else ValueError.
+    hvd.init(comm=list(range(N)))
+    hvd.init(list(reversed(range(N))))  # positional, as Horovod's first argument
+    assert hvd.is_initialized() and hvd.size() == N
+    raises(NotImplementedError, hvd.init, comm=[0] if N > 1 else [])
+    raises(ValueError, hvd.init, comm=["zero"])
+    raises(TypeError, hvd.init, [0], comm=[0])
+    assert hvd.allreduce(torch.ones(2), name="after.init.comm", op=hvd.Sum).tolist() == [float(N)] * 2
 
 
 def timeline_job():
