@@ -14,7 +14,8 @@ What a script can observe follows Horovod, except (each said where it applies):
 * Process sets (`process_set=`, shoal.process_sets): as Horovod's; `broadcast_optimizer_state`
   runs over every rank only (NotImplementedError for another set).
 * `Adasum` is not implemented (NotImplementedError naming it).
-* The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`.
+* The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`; rank 0's file
+  is also linked where Horovod writes its one file (shoal/_compat_env.py).
 """
 import inspect
 
@@ -87,7 +88,9 @@ class Compression:
 # ---- Allreduce with Horovod's arguments ----
 
 def _factor(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A scaling factor as a float: any real number (numpy scalars, a one-element tensor:
+    what Horovod's C++ binding converts to double); TypeError for bool and non-numbers."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"{what} must be a number, got {type(value).__name__}")
     return float(value)
 
@@ -224,6 +227,8 @@ def allreduce(tensor, *args, **kwargs):
     a = _bind("allreduce", tensor, args, kwargs)
     ADAPTER._check(a["tensor"], "allreduce")
     compression = check_compression(a["compression"], "allreduce")
+    for key in ("prescale_factor", "postscale_factor"):
+        a[key] = _factor(a[key], key)
     extra = (a["prescale_factor"] != 1.0 or a["postscale_factor"] != 1.0
              or not a["tensor"].is_floating_point())
     if not extra:

@@ -335,6 +335,7 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         process_sets.id_of(process_set, type(self).__name__)  # TypeError/ValueError for a bad one
         super().__init__(optimizer, model, num_steps_per_communication)
         self._in_set = _in_set(process_set)
+        self._process_set = global_process_set if process_set is None else process_set
         self._member = process_set is None or process_set.included()
         self._compression = compression
         # Horovod's split of the average: each gradient times 1/f before the sum, the
@@ -360,6 +361,38 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         for p in self._params():  # before accumulation: an in-flight gradient stays untouched
             self._hooks.append(p.register_hook(lambda grad, p=p: self._before_accumulation(p)))
 
+    # Horovod's attributes of its DistributedOptimizer (horovod/torch/optimizer.py), read-only
+    # but backward_passes_per_step (see set_backward_passes_per_step).
+    op = property(lambda self: self._op, doc="The reduce op of the gradients: Average or Sum.")
+    gradient_predivide_factor = property(lambda self: self._postscale, doc="Horovod's predivide factor f (float).")
+    sparse_as_dense = property(lambda self: self._sparse.as_dense, doc="Whether sparse gradients are densified.")
+    process_set = property(lambda self: self._process_set, doc="The ProcessSet the gradients are averaged over.")
+
+    @property
+    def backward_passes_per_step(self):
+        """Horovod's name of num_steps_per_communication (int >= 1); assigning it is
+        `set_backward_passes_per_step`."""
+        return self.num_steps_per_communication
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes):
+        self.set_backward_passes_per_step(passes)
+
+    def set_backward_passes_per_step(self, passes):
+        """Horovod's `set_backward_passes_per_step`: average every `passes` backward passes
+        from now on; the count restarts (passes already made are forgotten, as in Horovod).
+        Raises ValueError for passes < 1 (TypeError for a non-integer) and
+        GradientsInFlightError while gradients are being averaged (call it after step())."""
+        if isinstance(passes, bool) or not isinstance(passes, int):
+            raise TypeError(f"set_backward_passes_per_step: passes must be an int, got {passes!r}")
+        if passes < 1:
+            raise ValueError(f"set_backward_passes_per_step: passes must be >= 1, got {passes}")
+        if self._gradients_pending():
+            raise GradientsInFlightError("set_backward_passes_per_step while gradients are being averaged: "
+                                         "call it after step() or synchronize()")
+        self.num_steps_per_communication = passes
+        self._passes.clear()
+
     def _gradients_pending(self):
         return bool(self._grad_handles) or any(self._ready.values())
 
@@ -369,10 +402,11 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
             bucket in self._grad_handles or p in self._ready.get(bucket, ())))
 
     def _before_accumulation(self, p):
-        if self._in_flight(p):
-            raise RuntimeError(f"more than num_steps_per_communication={self.num_steps_per_communication} "
-                               f"backward passes before step() (the gradient of {self._names[p]!r} "
-                               "is being averaged)")
+        if self._in_flight(p):  # a RuntimeError, and the AssertionError Horovod raises here
+            raise GradientsInFlightError(
+                f"more than num_steps_per_communication={self.num_steps_per_communication} (Horovod's "
+                f"backward_passes_per_step) backward passes before step() (the gradient of {self._names[p]!r} "
+                "is being averaged)")
 
     def _on_grad(self, p, n):
         if n != self.num_steps_per_communication:
