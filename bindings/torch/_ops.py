@@ -65,9 +65,9 @@ def _allgather_impl(tensor, name, process_set=0):
 
 
 def _allgather_fake(tensor, name, process_set=0):
-    rows = torch.library.get_ctx().new_dynamic_size()
-    return (tensor.new_empty((rows,) + tuple(tensor.shape[1:])) if process_sets.layout(process_set)[0] > 1
-            else tensor.new_empty(tensor.shape))
+    if process_sets.layout(process_set)[0] == 1:  # (an unused dynamic size fails the trace)
+        return tensor.new_empty(tensor.shape)
+    return tensor.new_empty((torch.library.get_ctx().new_dynamic_size(),) + tuple(tensor.shape[1:]))
 
 
 def _reducescatter_impl(tensor, reduce_op, name, process_set=0):

@@ -166,6 +166,21 @@ def compiled_graph_reaches_the_core_in_c():
 
 
 @check
+def compiled_allgather_and_reducescatter_exact():
+    # Both stay in the graph (fullgraph): the floating reducescatter asks nothing of the
+    # core at trace time; values exact, as eagerly.
+    @torch.compile(fullgraph=True)
+    def step(x):
+        return bf.allgather(x, name="t.compiled.ag"), bf.reducescatter(x * 2, name="t.compiled.rs")
+
+    x = torch.arange(2.0 * N) + R
+    gathered, scattered = step(x)
+    assert torch.equal(gathered, torch.cat([torch.arange(2.0 * N) + r for r in range(N)])), gathered
+    # rows 2R and 2R + 1 of the average of 2 * (arange + r): 2 * (row + mean(r))
+    assert torch.equal(scattered, 2 * (torch.arange(2.0 * R, 2.0 * R + 2) + (N - 1) / 2)), scattered
+
+
+@check
 def compiled_one_peer_schedule_one_graph_per_peer():
     # A one-peer schedule (BlueFog's dynamic topology) through torch.compile: the resolved
     # peers are the graph's constants, so one graph per distinct peer (log2(n) of them),
