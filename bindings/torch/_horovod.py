@@ -338,7 +338,9 @@ def _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_se
         raise ValueError(f"{what}: op must be hvd.Average or hvd.Sum (as in Horovod), got {rop!r}")
     pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
     integer_average = _integer_average(rop, tensor)
-    n = _set_size(process_set, what)
+    # Only the integer average needs the set's size (asked of the core, which torch.compile
+    # cannot trace: a floating reducescatter stays in the graph).
+    n = _set_size(process_set, what) if integer_average else None
 
     def finish(out):
         return _allreduce_finish(out, integer_average, n, post) if integer_average or post != 1.0 else out
