@@ -9,69 +9,32 @@
 
 namespace shoal {
 
-namespace {
-
-template <typename IO, typename... T> void Fields(IO& io, T&... v) { (io.Field(v), ...); }
-
-// The fields of a request and of a response, in wire order, for both directions.
-template <typename IO, typename R> void RequestFields(IO& io, R& r) {
-  Fields(io, r.set, r.name, r.sig, r.step, r.reject, r.reject_code, r.topo_check);
-  if (r.topo_check) Fields(io, r.send, r.recv);
-  io.Field(r.probe);
-  if (r.sig.op == SHOAL_OP_ALLTOALL) io.Field(r.splits);
-  if (r.sig.op & SHOAL_GROUPED) io.Field(r.members);
-  io.Field(r.retire);
-  if (!r.retire.empty()) io.Field(r.retire_calls);
-}
-
-template <typename IO, typename R> void ResponseFields(IO& io, R& r) {
-  Fields(io, r.kind, r.set, r.op, r.names, r.error, r.step, r.code, r.first_dims, r.channel, r.joined);
-  if (!r.joined.empty()) io.Field(r.sigs);
-  if (r.op & SHOAL_GROUPED) io.Field(r.chunks);
-  io.Field(r.retired);
-}
-
-}  // namespace
-
-namespace {
-
-// A count, then each item's fields (RequestFields or ResponseFields).
-template <typename T> ByteVec Encode(const std::vector<T>& items, void (*fields)(Writer&, const T&)) {
-  Writer w;
-  w.Put<uint32_t>(static_cast<uint32_t>(items.size()));
-  for (auto& x : items) fields(w, x);
-  return std::move(w.buffer());
-}
-
-template <typename T> std::vector<T> Decode(const char* p, size_t n, void (*fields)(Reader&, T&)) {
-  Reader r(p, n);
-  std::vector<T> out(r.Get<uint32_t>());
-  for (auto& x : out) fields(r, x);
-  return out;
-}
-
-}  // namespace
-
 ByteVec EncodeRequests(const std::vector<Request>& reqs) {
-  return Encode<Request>(reqs, RequestFields<Writer, const Request>);
+  return wire::Encode<Request>(reqs, wire::RequestFields<Writer, const Request>);
 }
-std::vector<Request> DecodeRequests(const char* p, size_t n) { return Decode<Request>(p, n, RequestFields<Reader, Request>); }
+std::vector<Request> DecodeRequests(const char* p, size_t n) { return wire::Decode<Request>(p, n, wire::RequestFields<Reader, Request>); }
 ByteVec EncodeResponses(const std::vector<Response>& resps) {
-  return Encode<Response>(resps, ResponseFields<Writer, const Response>);
+  return wire::Encode<Response>(resps, wire::ResponseFields<Writer, const Response>);
 }
 std::vector<Response> DecodeResponses(const char* p, size_t n) {
-  return Decode<Response>(p, n, ResponseFields<Reader, Response>);
+  return wire::Decode<Response>(p, n, wire::ResponseFields<Reader, Response>);
 }
 
 void Coordinator::Add(int rank, const Request& req, double now) {
   if (!req.reject.empty()) {
     // One rank refused the call: the ranks that submitted it, or will, get its error. Ranks
     // that refused the same call too may already wait in the name's next step: that stays.
-    const std::string error = req.reject + " (raised at the call on rank " + std::to_string(World(rank)) + ")";
+    // (A refusal passed on, a hierarchical op's later stages': where it was raised, as it was.)
+    const char* at = " (raised at the call on rank ";
+    const std::string error = req.reject.find(at) != std::string::npos ? req.reject
+                                                                        : req.reject + at + std::to_string(World(rank)) + ")";
     auto it = pending_.find(req.name);
     const bool later = it != pending_.end() && std::any_of(it->second.req.begin(), it->second.req.end(), [&](auto& x) {
       return !x.name.empty() && x.step != req.step;
     });
+    std::vector<int> past = {rank};  // and the ranks told now, or in a later step
+    for (int q = 0; it != pending_.end() && q < size_; ++q)
+      if (it->second.have[q] && (!later || it->second.req[q].step != req.step)) past.push_back(q);
     Response r = later ? Response{} : Abort(req.name, error);
     r.names = {req.name};
     r.error = error;
@@ -80,12 +43,15 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     r.step = req.step;
     r.code = req.reject_code;
     if (!rejected_.count(req.name)) rejected_order_.push_back(req.name);
-    rejected_[req.name] = r;
+    Refusal& f = rejected_[req.name];
+    if (f.past.empty() || f.r.step != req.step) f = Refusal{r, std::vector<char>(size_, 0), 0};
+    f.r = r;
     if (rejected_order_.size() > 1024) {
       rejected_.erase(rejected_order_.front());
       rejected_order_.erase(rejected_order_.begin());
     }
     early_.push_back(std::move(r));
+    for (int q : past) Past(req.name, q);
     return;
   }
   if (!req.retire.empty() && req.sig.op != kOpRetire) Propose(rank, req);
@@ -106,8 +72,9 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     if (it != pending_.end() && it->second.probe) pending_.erase(it);  // its round is over
   }
   auto rej = rejected_.find(req.name);
-  if (rej != rejected_.end() && rej->second.step == req.step) {
-    early_.push_back(rej->second);
+  if (rej != rejected_.end() && rej->second.r.step == req.step) {
+    early_.push_back(rej->second.r);
+    Past(req.name, rank);
     return;
   }
   if (!left_.empty()) {
@@ -206,6 +173,15 @@ void Coordinator::Propose(int rank, const Request& req) {
   proposals_.clear();
   num_proposals_ = 0;
   early_.push_back(std::move(r));
+}
+
+void Coordinator::Past(const std::string& name, int rank) {
+  auto it = rejected_.find(name);
+  if (it == rejected_.end() || it->second.past[rank]) return;
+  it->second.past[rank] = 1;
+  if (++it->second.count < size_) return;
+  rejected_.erase(it);
+  rejected_order_.erase(std::find(rejected_order_.begin(), rejected_order_.end(), name));
 }
 
 void Coordinator::RoundDone(const std::string& name, int64_t step) {
