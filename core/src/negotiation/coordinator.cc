@@ -16,7 +16,7 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     // refusal passed on (a hierarchical op's later stages'): where it was raised, as it was.
     const bool dispute = req.reject_code == SHOAL_NEIGHBOR_MISMATCH;
     auto old = rejected_.find(req.name);
-    if (dispute && old != rejected_.end() && old->second.step == req.step) return;
+    if (dispute && old != rejected_.end() && old->second.r.step == req.step) return;
     const char* at = dispute ? " (found by rank " : " (raised at the call on rank ";
     const std::string error = req.reject.find(at) != std::string::npos ? req.reject
                                                                         : req.reject + at + std::to_string(World(rank)) + ")";
