@@ -143,7 +143,9 @@ def compiled_graph_reaches_the_core_in_c():
     from shoal import _ops as op_layer
     from shoal.torch import _ops as torch_ops
 
-    @torch.compile(fullgraph=True)
+    # aot_eager: the traced graph as it is (inductor would need a C++ compiler for `x + b`,
+    # and test_ops.py also runs this worker without one).
+    @torch.compile(fullgraph=True, backend="aot_eager")
     def step(x):
         b = bf.broadcast(x, N - 1, name="t.kernel.bc")
         y = bf.allreduce(x + b, name="t.kernel.ar")
@@ -169,7 +171,7 @@ def compiled_graph_reaches_the_core_in_c():
 def compiled_allgather_and_reducescatter_exact():
     # Both stay in the graph (fullgraph): the floating reducescatter asks nothing of the
     # core at trace time; values exact, as eagerly.
-    @torch.compile(fullgraph=True)
+    @torch.compile(fullgraph=True, backend="aot_eager")  # no C++ compiler needed (see above)
     def step(x):
         return bf.allgather(x, name="t.compiled.ag"), bf.reducescatter(x * 2, name="t.compiled.rs")
 
