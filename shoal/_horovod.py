@@ -59,6 +59,10 @@ class NoneCompressor(Compressor):
 
 
 def check_compression(compression, what):
+    if hasattr(compression, "payload_bytes") and not hasattr(compression, "compress"):
+        raise ValueError(f"{what}: {compression!r} is a gossip compressor (int8, int4, topk, randomk): an "
+                         "allreduce cannot sum its payloads (differently scaled or sparse); use it with the "
+                         "decentralized optimizers' compression=, or Compression.fp16/bf16 here")
     if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"{what}: compression must be hvd.Compression.none/fp16/bf16 or an object with "
                         f"compress(tensor) and decompress(tensor, ctx), got {compression!r}")

@@ -32,6 +32,7 @@ from shoal._horovod import (Compressor, NoneCompressor, check_compression, check
 from shoal._horovod import __all__ as _NEUTRAL
 
 from . import _ops as _torch_ops
+from . import compression as _gossip
 from . import utility as _utility
 from ._adapter import ADAPTER
 
@@ -79,10 +80,18 @@ BF16Compressor.__name__ = BF16Compressor.__qualname__ = "BF16Compressor"
 
 
 class Compression:
-    """`hvd.Compression.none`, `.fp16`, `.bf16` (Horovod's names)."""
+    """`hvd.Compression.none`, `.fp16`, `.bf16` (Horovod's names), and the gossip
+    compressors of `shoal.torch.compression` for the decentralized optimizers'
+    `compression=`: `.int8`, `.int4`, `.topk(ratio)`, `.randomk(ratio)`. An allreduce
+    cannot sum differently scaled int8 chunks or sparse payloads: those refuse allreduce
+    (`check_compression`) with a ValueError."""
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    int8 = _gossip.Int8()
+    int4 = _gossip.Int4()
+    topk = staticmethod(_gossip.TopK)
+    randomk = staticmethod(_gossip.RandomK)
 
 
 # ---- Allreduce with Horovod's arguments ----
