@@ -14,7 +14,8 @@ reference on the same ranks in the same run:
 
 Timing as in benchmarks/neighbor_ops.py (barrier before each iteration, alternating blocks,
 median of the slowest rank). "cpu us" is this process's CPU time per op (time.process_time),
-the cost a training step pays on its cores. The 160-tensor optimizer step against DDP-gloo is
+the cost a training step pays on its cores. The last line divides each "torch compiled" time
+by the "torch eager" time of the same op in the same run. The 160-tensor optimizer step against DDP-gloo is
 `benchmarks/torch_training.py --model tiny160`.
 """
 import argparse
@@ -120,6 +121,9 @@ def main():
         print(f"{'op':<19} {'entry':<15} {'shoal':>10} {'mpi4py':>10} {'ratio':>6} {'cpu us':>7}")
         for op, entry, a, b, cpu in rows:
             print(f"{op:<19} {entry:<15} {a:10.3e} {b:10.3e} {a / b:6.2f} {cpu * 1e6:7.1f}")
+        eager = {op: a for op, entry, a, _, _ in rows if entry == "torch eager"}
+        print("torch.compile entry vs eager (same run): " + ", ".join(
+            f"{op} {a / eager[op]:.2f}×" for op, entry, a, _, _ in rows if entry == "torch compiled"))
     bf.shutdown()
 
 

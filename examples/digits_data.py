@@ -29,7 +29,9 @@ def split(rank, size, partition="iid", alpha=0.1, seed=0):
     return images, digits.target, mine, test_idx
 
 
-def summary(setting, epochs, accuracy, consensus_distance, seconds):
-    """The last line both examples print (the tests read it): `summary: <setting> epochs=...`."""
+def summary(setting, epochs, accuracy, consensus_distance, seconds, bytes_sent=None):
+    """The last line both examples print (the tests read it): `summary: <setting> epochs=...`;
+    `bytes_sent`: bytes each rank sent (mean over ranks)."""
     return (f"summary: {setting} epochs={epochs} test_accuracy={100 * accuracy:.2f}% "
-            f"consensus_distance={consensus_distance:.3e} time={seconds:.1f}s")
+            f"consensus_distance={consensus_distance:.3e} time={seconds:.1f}s"
+            + ("" if bytes_sent is None else f" bytes_sent={bytes_sent:.0f}"))

@@ -43,6 +43,9 @@ def parse_args():
     p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"],
                    help="how the training set is split over the ranks")
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (smaller: more skewed)")
+    p.add_argument("--compression", default=None,
+                   help="AWC/ATC: compressed gossip with error feedback (CHOCO-SGD): int8, int4, fp16, bf16, "
+                        "topk:R, randomk:R (R: the fraction kept)")
     p.add_argument("--consensus-target", type=float, default=None,
                    help="keep the consensus distance at or below this (first half of training)")
     p.add_argument("--epochs", type=int, default=15, help="passes over the shards")
@@ -121,7 +124,7 @@ def make_optimizer(args, model, steps_total):
         control = bf.ConsensusControl(args.consensus_target, until_step=steps_total // 2)
     wrapper = (bf.DistributedAdaptWithCombineOptimizer if args.optimizer == "awc"
                else bf.DistributedAdaptThenCombineOptimizer)
-    return wrapper(base, model, communication_type=ct, consensus_control=control)
+    return wrapper(base, model, communication_type=ct, consensus_control=control, compression=args.compression)
 
 
 def evaluate(model, x, y):
@@ -227,6 +230,9 @@ def main():
             (progress.write if progress is not None else print)(msg)
     if progress is not None:
         progress.close()
+    # Bytes each rank sent (mean over ranks): what compression saves.
+    sent = bf.allreduce(torch.tensor([float(bf.stats()["bytes_sent"])], dtype=torch.float64), op=bf.Average,
+                        name="bytes_sent").item()
     if r == 0:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -237,8 +243,12 @@ def main():
               f"consensus distance {hist['consensus_distance'][-1]:.3e}, {hist['seconds']:.1f} s"
               + (f"; plot: {path}" if path else ""))
         topo = "allreduce" if args.optimizer == "gradient-allreduce" else args.topology
-        print(summary(f"optimizer={args.optimizer} topology={topo} partition={args.partition} ranks={n}",
-                      args.epochs, hist["test_accuracy"][-1], hist["consensus_distance"][-1], hist["seconds"]),
+        setting = f"optimizer={args.optimizer} topology={topo} partition={args.partition} ranks={n}"
+        if args.compression:
+            setting += f" compression={args.compression}"
+        print(summary(setting,
+                      args.epochs, hist["test_accuracy"][-1], hist["consensus_distance"][-1], hist["seconds"],
+                      bytes_sent=sent),
               flush=True)
     bf.shutdown()
 

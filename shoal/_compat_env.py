@@ -7,8 +7,10 @@ gives its SHOAL_X, unless SHOAL_X is set too (the Shoal name wins). Values are r
 way BlueFog read them (it never rejected a malformed number or log level), so a job that
 ran under BlueFog does not fail here. Table and reasons: reference/bluefog-semantics.md
 §4.11 and "Shoal's differences". Horovod's HOROVOD_* tuning variables map the same way
-(a BLUEFOG_X wins over a HOROVOD_X); HOROVOD_TIMELINE names one file in Horovod but a
-per-rank prefix here (<prefix><rank>.json).
+(a BLUEFOG_X wins over a HOROVOD_X). HOROVOD_TIMELINE names one file in Horovod (rank 0's
+Chrome trace) but a per-rank prefix here (<prefix><rank>.json): `link_horovod_timeline`
+puts rank 0's file at the name too; HOROVOD_TIMELINE=DYNAMIC (Horovod: on, no file until
+`start_timeline`) sets no prefix.
 """
 import math
 import os
@@ -56,13 +58,14 @@ def _ranks_per_machine(text):
     return str(k)
 
 
+HOROVOD_DYNAMIC_TIMELINE = "DYNAMIC"
 _MAP = (
     ("BLUEFOG_TIMELINE", "SHOAL_TIMELINE", str),  # same files: <prefix><rank>.json
     ("BLUEFOG_LOG_LEVEL", "SHOAL_LOG_LEVEL", _log_level),
     ("BLUEFOG_CYCLE_TIME", "SHOAL_CYCLE_TIME", lambda v: _number(_strtod(v))),  # ms in both
     ("BLUEFOG_FUSION_THRESHOLD", "SHOAL_FUSION_THRESHOLD", lambda v: _number(_strtol(v))),  # bytes
     ("BLUEFOG_NODES_PER_MACHINE", "SHOAL_RANKS_PER_MACHINE", _ranks_per_machine),
-    ("HOROVOD_TIMELINE", "SHOAL_TIMELINE", str),
+    ("HOROVOD_TIMELINE", "SHOAL_TIMELINE", lambda v: None if v.strip() == HOROVOD_DYNAMIC_TIMELINE else v),
     ("HOROVOD_LOG_LEVEL", "SHOAL_LOG_LEVEL", _log_level),
     ("HOROVOD_CYCLE_TIME", "SHOAL_CYCLE_TIME", lambda v: _number(_strtod(v))),  # ms in both
     ("HOROVOD_FUSION_THRESHOLD", "SHOAL_FUSION_THRESHOLD", lambda v: _number(_strtol(v))),  # bytes
@@ -82,7 +85,9 @@ def bluefog_settings(environ):
     out = {}
     for other, shoal, convert in _MAP:  # BLUEFOG_* first: the first one given wins
         if given(other) and not given(shoal) and shoal not in out:
-            out[shoal] = convert(environ[other])
+            value = convert(environ[other])
+            if value is not None:
+                out[shoal] = value
     # BlueFog's "=1 forces MPI for GPU tensors" (per op) / "stage through the host": Shoal's
     # `mpi` GPU backend stages every op of a CUDA tensor through host memory.
     if any(environ.get(k, "").startswith("1") for k in _BY_MPI) and not given("SHOAL_GPU_BACKEND"):
@@ -98,3 +103,29 @@ def apply_bluefog_env(environ=None):
     settings = bluefog_settings(environ)
     environ.update(settings)
     return settings
+
+
+def link_horovod_timeline(rank, environ=None):
+    """Where Horovod writes its timeline: when the per-rank prefix is Horovod's file name
+    (HOROVOD_TIMELINE, or `start_timeline` before `init()`), rank 0 makes that name a
+    symbolic link to its own file `<name>0.json` (a Chrome-trace JSON array, as Horovod's),
+    replacing a file or link left there, as Horovod truncates it. Nothing is done when
+    the name is a directory or rank 0's file could not be written (the core logged the
+    error and records nothing; Horovod's runtime logs one and records nothing too).
+    Returns the link's path, or None."""
+    environ = os.environ if environ is None else environ
+    path = environ.get("HOROVOD_TIMELINE", "")
+    if rank != 0 or not path or path != environ.get("SHOAL_TIMELINE") or not os.path.basename(path):
+        return None
+    target = os.path.basename(path) + "0.json"  # in the same directory as the link
+    if os.path.isdir(path) or not os.path.isfile(os.path.join(os.path.dirname(path), target)):
+        return None
+    tmp = f"{path}.{os.getpid()}.link"
+    try:
+        os.symlink(target, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        return None
+    return path

@@ -4,12 +4,13 @@
 
 Process sets are `shoal.process_sets`' (re-exported here). Differences from Horovod kept
 here: `Adasum` is not implemented (NotImplementedError naming it); the timeline is per
-rank and configured at `init()`.
+rank and configured at `init()` (rank 0's file is also linked where Horovod writes it).
 """
 import os
 import warnings
 
 from . import basics
+from ._compat_env import HOROVOD_DYNAMIC_TIMELINE
 from ._loader import _core
 from ._ops import ReduceOp
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
@@ -58,6 +59,10 @@ class NoneCompressor(Compressor):
 
 
 def check_compression(compression, what):
+    if hasattr(compression, "payload_bytes") and not hasattr(compression, "compress"):
+        raise ValueError(f"{what}: {compression!r} is a gossip compressor (int8, int4, topk, randomk): an "
+                         "allreduce cannot sum its payloads (differently scaled or sparse); use it with the "
+                         "decentralized optimizers' compression=, or Compression.fp16/bf16 here")
     if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"{what}: compression must be hvd.Compression.none/fp16/bf16 or an object with "
                         f"compress(tensor) and decompress(tensor, ctx), got {compression!r}")
@@ -126,12 +131,16 @@ def _timeline_on():
 def start_timeline(file_path, mark_cycles=False):
     """Horovod's start_timeline over Shoal's per-rank timeline (`SHOAL_TIMELINE`).
 
-    Shoal's timeline is configured when the runtime starts: before `init()` this sets
-    SHOAL_TIMELINE=file_path, so init() records to `<file_path><rank>.json` (one file per
-    rank; Horovod writes one file from rank 0). After init(), a timeline that is already
-    recording goes on (into the files named at init) and this marks the call on it; one
-    that is off cannot be started: NotImplementedError says how to turn it on. Shoal's
-    timeline has no cycle markers: mark_cycles=True warns.
+    Shoal's timeline is configured when the runtime starts. Before `init()` this sets
+    HOROVOD_TIMELINE=file_path (Horovod raises ValueError there), so init() records to
+    `<file_path><rank>.json` (one file per rank) and rank 0 links `file_path` to its file
+    (`shoal._compat_env.link_horovod_timeline`; Horovod writes that one file from rank 0).
+    After init(), a timeline that is recording goes on (into the files named at init: Shoal
+    cannot switch files) and this marks the call on it. One that is off cannot be started:
+    with HOROVOD_TIMELINE=DYNAMIC (Horovod's "start it later") a RuntimeWarning says that
+    nothing is recorded and the script goes on; otherwise ValueError, as Horovod raises
+    when no timeline was set up at init, saying how to turn it on. Shoal's timeline has no
+    cycle markers: mark_cycles=True warns. Raises ValueError for an empty or non-str path.
     """
     if not isinstance(file_path, str) or not file_path:
         raise ValueError("start_timeline: file_path must be a non-empty str")
@@ -139,13 +148,18 @@ def start_timeline(file_path, mark_cycles=False):
         warnings.warn("start_timeline: Shoal's timeline has no cycle markers; mark_cycles is ignored",
                       RuntimeWarning, stacklevel=2)
     if not basics.is_initialized():
-        os.environ["SHOAL_TIMELINE"] = file_path
+        os.environ["HOROVOD_TIMELINE"] = os.environ["SHOAL_TIMELINE"] = file_path
         return
-    if not _timeline_on():
-        raise NotImplementedError(
-            "start_timeline: Shoal's timeline cannot be started after init(); set SHOAL_TIMELINE=<prefix> "
-            "(or HOROVOD_TIMELINE, or shoalrun --timeline-filename <prefix>) before init(), or call "
-            "start_timeline before init(); each rank writes <prefix><rank>.json")
+    if _timeline_on():
+        return
+    how = ("set HOROVOD_TIMELINE=<file> (or SHOAL_TIMELINE=<prefix>, or shoalrun --timeline-filename <prefix>) "
+           "before init(), or call start_timeline before init(); each rank writes <prefix><rank>.json")
+    if os.environ.get("HOROVOD_TIMELINE", "").strip() == HOROVOD_DYNAMIC_TIMELINE:
+        warnings.warn(f"start_timeline({file_path!r}): Shoal's timeline cannot be started after init(), so "
+                      f"nothing is recorded (HOROVOD_TIMELINE=DYNAMIC); {how}", RuntimeWarning, stacklevel=2)
+        return
+    raise ValueError(f"start_timeline: no timeline was set up at init(), and Shoal's cannot be started "
+                     f"after it; {how}")
 
 
 def stop_timeline():

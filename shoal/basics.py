@@ -16,7 +16,7 @@ from . import _compat_env, _lifecycle, _ops, _win
 from . import topology as _topo
 from ._loader import _core
 from ._numpy import ADAPTER
-from .process_sets import init_process_sets as _init_process_sets
+from .process_sets import check_init_comm as _check_init_comm, init_process_sets as _init_process_sets
 from ._process import (STATE, in_neighbor_ranks, is_homogeneous, local_rank, local_size, machine_rank,
                        machine_size, out_neighbor_ranks, rank, require_init as _require_init, size)
 
@@ -28,16 +28,20 @@ class TopologySizeError(ValueError, TypeError):
     """A graph whose node count is not the number of ranks (or machines). A ValueError,
     like Shoal's other argument errors, and a TypeError, as BlueFog raised it."""
 
-def init(topology_fn=None, is_weighted=False, *, process_sets=None):
+def init(topology_fn=None, is_weighted=False, *, process_sets=None, comm=None):
     """Start the runtime (idempotent, thread-safe) and set the topology.
 
     Args:
         topology_fn: callable ``size -> networkx.DiGraph`` (or mixing matrix); default
-            the exponential-2 graph (BlueFog's default).
+            the exponential-2 graph (BlueFog's default). Something not callable there is
+            Horovod's first argument, `comm`.
         is_weighted: use the graph's edge weights in neighbor_allreduce (else uniform).
         process_sets: Horovod's keyword: "dynamic" or None (add sets later with
             `add_process_set`), or a list of `ProcessSet` to add now, in order (every rank
             gives the same list; errors as `add_process_set`).
+        comm: Horovod's: None, or the job's ranks (a list of all of them, or an mpi4py
+            communicator of every rank); fewer ranks raise NotImplementedError
+            (`shoal.process_sets.check_init_comm`).
 
     Works whether or not MPI was initialised before (e.g. by mpi4py).
     Raises ShoalError if MPI cannot start, in a process forked after init(), or when a
@@ -45,6 +49,10 @@ def init(topology_fn=None, is_weighted=False, *, process_sets=None):
     what MPI reports (a Shoal built for another MPI); ValueError for a malformed SHOAL_*
     variable.
     """
+    if topology_fn is not None and not callable(topology_fn):  # Horovod's init(comm)
+        if comm is not None:
+            raise TypeError("init: comm given twice (first argument and comm=)")
+        topology_fn, comm = None, topology_fn
     with STATE.lock:
         _compat_env.apply_bluefog_env()  # BLUEFOG_* settings a migrated script sets
         child = None if _core.forked() else _lifecycle.started_by_a_rank()
@@ -56,10 +64,12 @@ def init(topology_fn=None, is_weighted=False, *, process_sets=None):
             _core.shutdown()
             raise ShoalError(mismatch)
         _lifecycle.mark_rank(_core.size())
+        _compat_env.link_horovod_timeline(_core.rank())
         if not STATE.atexit_registered:
             atexit.register(_lifecycle.at_exit)
             _lifecycle.install_excepthook()
             STATE.atexit_registered = True
+    _check_init_comm(comm)
     topo = topology_fn(size()) if topology_fn is not None else _topo.exponential_two_graph(size())
     set_topology(topo, is_weighted)
     _init_process_sets(process_sets)

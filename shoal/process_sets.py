@@ -170,6 +170,29 @@ def layout(process_set_id):
     return len(ranks), (ranks.index(me) if me in ranks else -1)
 
 
+def check_init_comm(comm):
+    """Horovod's `init(comm=...)`: None, every rank of the job (a list of all its ranks, or
+    an mpi4py communicator of the job's size) is what Shoal runs on; NotImplementedError
+    for fewer ranks (Shoal runs on the whole job: use a process set), ValueError for
+    anything else (as Horovod). Called once the runtime has started."""
+    if comm is None:
+        return
+    size = _process.size()
+    if type(comm).__module__.startswith("mpi4py"):
+        if comm.Get_size() == size:
+            return
+        given = f"an mpi4py communicator of {comm.Get_size()} ranks"
+    else:
+        ranks, why = _as_ranks(comm)
+        if ranks is None:
+            raise ValueError(f"init: comm must be a list of rank integers or an mpi4py communicator ({why})")
+        if ranks == list(range(size)):
+            return
+        given = f"ranks {ranks}"
+    raise NotImplementedError(f"init: comm={given}: Shoal runs on every rank of the job ({size}); for "
+                              "collectives among some ranks use a process set (hvd.add_process_set(ranks))")
+
+
 def init_process_sets(process_sets):
     """Horovod's `init(process_sets=...)`: "dynamic" or None (sets are added later), or a
     list of ProcessSet objects (or rank lists) added now, in order, on every rank."""

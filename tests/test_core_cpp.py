@@ -11,10 +11,13 @@ refusal on one rank, a dead rank), test_collectives (alltoall with splits and gr
 ops in the Runtime: exact values, mismatches, a group that fails as a whole) and
 test_process_sets (process sets: disjoint sets whose ops never wait for each other,
 negotiation at each set's leader, cached batches per set, mismatched membership, a member
-that leaves or dies) and test_names (bounded per-name state: fresh names retired on every
-rank alike, exact results, held calls of names being retired in any submission order) and test_cached_broadcast
-(broadcasts that skip the coordinator: exact in any order, roots that change, a root's and a
-non-root's changed call, refusals, a stall, a join and a rank that leaves)."""
+that leaves or dies), test_names (bounded per-name state: fresh names retired on every
+rank alike, exact results, held calls of names being retired in any submission order),
+test_machine_local (machine-local ops negotiated per machine: machines with names and
+rounds of their own completing while the others wait, exact values, mismatches, refusals
+and stalls within one machine, a dead rank) and test_cached_broadcast (broadcasts that skip
+the coordinator: exact in any order, roots that change, a root's and a non-root's changed
+call, refusals, a stall, a join and a rank that leaves)."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,7 +36,8 @@ def build(tmp_path_factory):
                     "-DSHOAL_BUILD_TESTS=ON", "-DSHOAL_SANITIZE=thread",
                     "-DCMAKE_UNITY_BUILD=ON"], check=True, capture_output=True, timeout=300)
     subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join",
-                    "test_stages", "test_collectives", "test_process_sets", "test_names", "test_cached_broadcast"],
+                    "test_stages", "test_collectives", "test_process_sets", "test_names", "test_cached_broadcast",
+                    "test_machine_local"],
                    check=True, capture_output=True, timeout=1200)
     return build
 
@@ -42,7 +46,8 @@ def build(tmp_path_factory):
 # compiles each library as one file: 28% less CPU than file by file).
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join", "test_stages", "test_collectives",
-                                    "test_process_sets", "test_names", "test_cached_broadcast"])
+                                    "test_process_sets", "test_names", "test_cached_broadcast",
+                                    "test_machine_local"])
 def test_unit_tests_under_thread_sanitizer(build, binary):
     out = subprocess.run([str(build / binary)], capture_output=True, text=True, timeout=600,
                          env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})

@@ -19,7 +19,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torch_digits.py
 ARGS = [["--optimizer", "awc"],
         ["--optimizer", "atc", "--topology", "base-k", "--base-k", "2"],
         ["--optimizer", "gradient-allreduce", "--partition", "dirichlet"],
-        ["--topology", "ring", "--consensus-target", "0.05"]]
+        ["--topology", "ring", "--consensus-target", "0.05"],
+        ["--optimizer", "awc", "--compression", "int8"]]
 _runs = {}  # first arguments -> (completed run, its output directory, its timeline prefix)
 
 
@@ -49,10 +50,11 @@ def test_digits_trains(tmp_path_factory, args):
     if "--consensus-target" in args:
         assert "extra gossip rounds" in out.stdout
     assert (tmp_path / "digits.png").stat().st_size > 10_000
-    summary = re.findall(r"^summary: optimizer=(\S+) topology=(\S+) partition=(\S+) ranks=4 epochs=4 "
-                         r"test_accuracy=([\d.]+)% consensus_distance=(\S+) time=[\d.]+s$", out.stdout, re.M)
+    summary = re.findall(r"^summary: optimizer=(\S+) topology=(\S+) partition=(\S+) ranks=4(?: compression=\S+)? "
+                         r"epochs=4 test_accuracy=([\d.]+)% consensus_distance=(\S+) time=[\d.]+s bytes_sent=(\d+)$",
+                         out.stdout, re.M)
     assert len(summary) == 1, out.stdout  # rank 0 only
-    optimizer, topo, partition, accuracy, xi = summary[0]
+    optimizer, topo, partition, accuracy, xi, _ = summary[0]
     expect = dict(zip(args[::2], args[1::2]))
     assert optimizer == expect.get("--optimizer", "awc") and partition == expect.get("--partition", "iid")
     assert topo == ("allreduce" if optimizer == "gradient-allreduce" else expect.get("--topology", "one-peer-exp"))
@@ -123,3 +125,16 @@ def test_learning_rate_scales_linearly_with_the_global_batch_after_a_warm_up():
     assert two[0] == pytest.approx(0.025) and two[75] == pytest.approx(0.025 * cosine(75))
     _, unscaled = rates(16, "none")
     assert unscaled == pytest.approx(four)
+
+
+def test_int8_gossip_sends_under_a_third_of_the_bytes(tmp_path_factory):
+    """--compression int8 (CHOCO-SGD's gossip, one-peer exponential): the summary's bytes
+    per rank against the uncompressed AWC run's (same steps), and its accuracy."""
+    def sent_and_accuracy(args):
+        out = run(tmp_path_factory, args)[0]
+        assert out.returncode == 0, out.stdout + out.stderr
+        m = re.search(r"^summary: .* test_accuracy=([\d.]+)% .* bytes_sent=(\d+)$", out.stdout, re.M)
+        return int(m.group(2)), float(m.group(1))
+    (plain, plain_acc), (int8, int8_acc) = sent_and_accuracy(ARGS[0]), sent_and_accuracy(ARGS[-1])
+    assert int8 <= 0.3 * plain, (int8, plain)
+    assert int8_acc > plain_acc - 5, (int8_acc, plain_acc)  # 4 epochs: the 15-epoch figures are in the README

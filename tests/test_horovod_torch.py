@@ -5,7 +5,12 @@ of the differentiable collectives against Horovod's definitions, exact values pe
 set × dtype (tests/workers/horovod_grads.py, each check an item, at 2 and 4 ranks); and a
 Horovod-style synthetic benchmark (tests/workers/horovod_synthetic_benchmark.py: ResNet-style
 model, fp16 compression, backward_passes_per_step=2, op=hvd.Average; with SyncBatchNorm at
-4 ranks) at 2 and 4 ranks. (The training script with join and uneven data: test_join.py.)"""
+4 ranks) at 2 and 4 ranks; DistributedOptimizer's attributes, warnings and errors and the
+object helpers in a process set (tests/workers/horovod_behaviour.py); the timeline files
+HOROVOD_TIMELINE gives (a file, a directory, an unwritable path, DYNAMIC). (The training
+script with join and uneven data: test_join.py.)"""
+import json
+import os
 import re
 
 import pytest
@@ -53,3 +58,57 @@ def test_horovod_synthetic_benchmark(ranks, extra):
     assert re.search(rf"^Total img/sec on {ranks} rank\(s\): [\d.]+ \+-[\d.]+$", out, re.M), out
     # The script asserts the models are identical and the loss went down, then says so.
     assert out.count("models identical; mean loss") == ranks, out
+
+
+@pytest.mark.parametrize("check", worker_checks("horovod_behaviour.py"))
+def test_horovod_behaviour(check):
+    """DistributedOptimizer's attributes, warnings and errors, object helpers in a process
+    set (tests/workers/horovod_behaviour.py), at 4 ranks on two simulated machines."""
+    Job(4, "horovod_behaviour.py", env=SETTINGS[4], timeout=240).check(check)
+
+
+def timeline_job(path):
+    """The timeline worker on 2 ranks with HOROVOD_TIMELINE=path (run in the test's
+    directory); its output."""
+    out = run_ok(2, "horovod_behaviour.py", "timeline", env={"HOROVOD_TIMELINE": str(path)}, timeout=120)
+    assert out.count("timeline job done") == 2, out
+    return out
+
+
+def test_horovod_timeline_file_is_rank_0s_trace(tmp_path):
+    # Horovod writes HOROVOD_TIMELINE=<file> from rank 0; Shoal writes <file><rank>.json
+    # on each rank and links <file> to rank 0's, which stays a Chrome-trace JSON array.
+    (tmp_path / "t.json").write_text("left by an earlier run")  # replaced, as Horovod truncates it
+    out = timeline_job(tmp_path / "t.json")
+    assert os.readlink(tmp_path / "t.json") == "t.json0.json"
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"t.json{rank}.json").read_text())
+        assert isinstance(events, list) and {"ph", "pid"} <= set(events[0]), events[:2]
+        assert {e["pid"] for e in events} == {rank}
+        assert any("tl.op" in json.dumps(e) for e in events), events
+    assert json.loads((tmp_path / "t.json").read_text()) == json.loads((tmp_path / "t.json0.json").read_text())
+    # stop_timeline cannot stop it early: a RuntimeWarning on each rank.
+    assert out.count("warnings: ['RuntimeWarning']") == 2, out
+
+
+def test_horovod_timeline_in_a_directory_or_unwritable(tmp_path):
+    # A directory: Horovod cannot open it and records nothing; Shoal's per-rank prefix
+    # writes next to it (<dir>0.json) and links nothing.
+    (tmp_path / "tl").mkdir()
+    timeline_job(tmp_path / "tl")
+    assert (tmp_path / "tl").is_dir() and not list((tmp_path / "tl").iterdir())
+    assert sorted(p.name for p in tmp_path.glob("tl*.json")) == ["tl0.json", "tl1.json"]
+    # Unwritable (no such directory): as Horovod, an error is logged, nothing is recorded
+    # and the job runs on.
+    out = timeline_job(tmp_path / "missing" / "t.json")
+    assert "cannot write the timeline" in out and not (tmp_path / "missing").exists(), out
+    assert out.count("warnings: []") == 2, out
+
+
+def test_horovod_dynamic_timeline(tmp_path):
+    # HOROVOD_TIMELINE=DYNAMIC is Horovod's "start it later with start_timeline": no file
+    # named DYNAMIC; Shoal cannot start one after init(), so start_timeline warns and the
+    # script goes on.
+    out = timeline_job("DYNAMIC")
+    assert out.count("warnings: ['RuntimeWarning']") == 2, out
+    assert sorted(p.name for p in tmp_path.iterdir() if "json" in p.name) == [], list(tmp_path.iterdir())

@@ -437,6 +437,7 @@ PYBIND11_MODULE(_core, m) {
   // with a send in flight), then releases the handle: the one registry of such tensors.
   m.def("linger", &Linger);
   DefineNeighborNative(m);
+  DefineRegisteredKernels(m);
   m.def("in_use", [](int64_t h) { return shoal_in_use(h) == 1; });
   DefinePollWait(m, "poll", "wait", "handle", &shoal_poll, &shoal_wait_for);
   m.def("win_enqueue", &WinEnqueue, py::arg("op"), py::arg("name"), py::arg("data") = py::int_(0),

@@ -36,5 +36,8 @@ void SetPeers(shoal_op_desc* d, const NeighborArgs& a);
 // Adds NeighborArgs, the remembered neighbor_args, native_neighbor_allreduce and
 // native_allreduce (native_entry.cc).
 void DefineNeighborNative(py::module_& m);
+// Adds the registered torch ops' kernels native_kernel_allreduce, native_kernel_broadcast and
+// native_kernel_neighbor_allreduce (registered_kernels.cc).
+void DefineRegisteredKernels(py::module_& m);
 
 }  // namespace shoal_py

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "module.h"
+#include "native.h"
 #include "shoal/torch_tensors.h"
 
 namespace shoal_py {
@@ -25,41 +26,6 @@ struct Remembered {
 };
 auto* g_remembered = new Remembered();
 constexpr size_t kMaxResolved = 1024;
-
-// torch's API as the torch entry points use it (Shoal is not compiled against torch,
-// docs/design.md §2): the tensor and Parameter types, {dtype: (core code, numpy dtype or
-// None)}, torch.strided, torch.empty_like, torch.is_grad_enabled and torch.from_numpy;
-// and, where bindings/torch/torch_tensors.cc could be built for the installed torch, its
-// table, which reads and makes plain tensors without the Python API (null: not built).
-struct TorchApi {
-  py::object tensor, parameter, dtypes, strided, empty_like, is_grad_enabled, from_numpy, compiled;
-  const shoal_torch_tensors* direct = nullptr;
-};
-constexpr int32_t kMaxDims = 32;
-
-// The state of one native function: its Python fallback, for allreduce the {ReduceOp
-// object: core code} of `op=` (shoal._ops.REDUCE_OP_CODES), for torch tensors (instead of
-// numpy arrays) torch's API, and for the nonblocking forms and synchronize
-// shoal._process.STATE (whose `pending` registry maps a handle to (objects kept alive,
-// finish() -> result), as shoal._ops._submit fills it).
-struct Native {
-  py::object fallback, ops;
-  std::unique_ptr<TorchApi> torch;
-  py::object state;  // None: a blocking op
-  bool inplace = false;  // the result overwrites the input (allreduce_, allreduce_nonblocking_)
-};
-
-// An input the one-call path can take: dtype code, address and shape.
-struct Input {
-  int dtype = -1;
-  void* data = nullptr;
-  std::vector<int64_t> shape;
-  PyObject* numpy_dtype = nullptr;  // torch: the numpy dtype of the output's memory (None: no numpy twin)
-};
-
-bool IsFloat(int dtype) {
-  return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16 || dtype == SHOAL_FLOAT32 || dtype == SHOAL_FLOAT64;
-}
 
 // The core's dtype code of `x` if the one-call path can take it (an ndarray, not a
 // subclass: the general path returns the input's type; C-contiguous, aligned, native byte
@@ -160,18 +126,6 @@ bool TorchInput(const TorchApi& t, PyObject* x, bool any, Input* in) {
   return !PyErr_Occurred();
 }
 
-// `x` as an Input (numpy arrays: see PlainDtype; torch tensors: TorchInput), else false.
-bool PlainInput(const Native& st, PyObject* x, bool any, Input* in) {
-  if (st.torch) return TorchInput(*st.torch, x, any, in);
-  in->dtype = PlainDtype(x, any);
-  if (in->dtype < 0) return false;
-  const auto* arr = py::detail::array_proxy(x);
-  if (st.inplace && !(arr->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_)) return false;
-  in->data = arr->data;
-  in->shape.assign(arr->dimensions, arr->dimensions + arr->nd);
-  return true;
-}
-
 // A new output like `x` and its address: an array; for torch a tensor over a new array's
 // memory (torch.from_numpy costs less than torch.empty_like), or from empty_like (bfloat16).
 py::object NewOutput(const Native& st, PyObject* x, const Input& in, void** data) {
@@ -195,6 +149,31 @@ py::object NewOutput(const Native& st, PyObject* x, const Input& in, void** data
   py::object out = st.torch->empty_like(py::handle(x));
   *data = reinterpret_cast<void*>(out.attr("data_ptr")().cast<uintptr_t>());
   return out;
+}
+
+PyObject* ReturnSelf(PyObject* self, PyObject*) {
+  Py_INCREF(self);
+  return self;
+}
+// A nonblocking op's finish(): a C function bound to its output, returning it.
+PyMethodDef kResultDef{"result", ReturnSelf, METH_NOARGS, nullptr};
+
+}  // namespace
+
+bool IsFloat(int dtype) {
+  return dtype == SHOAL_FLOAT16 || dtype == SHOAL_BFLOAT16 || dtype == SHOAL_FLOAT32 || dtype == SHOAL_FLOAT64;
+}
+
+// `x` as an Input (numpy arrays: see PlainDtype; torch tensors: TorchInput), else false.
+bool PlainInput(const Native& st, PyObject* x, bool any, Input* in) {
+  if (st.torch) return TorchInput(*st.torch, x, any, in);
+  in->dtype = PlainDtype(x, any);
+  if (in->dtype < 0) return false;
+  const auto* arr = py::detail::array_proxy(x);
+  if (st.inplace && !(arr->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_)) return false;
+  in->data = arr->data;
+  in->shape.assign(arr->dimensions, arr->dimensions + arr->nd);
+  return true;
 }
 
 // The arguments of a vectorcall by parameter position (defaults where not given); false
@@ -242,27 +221,6 @@ py::object Describe(const Native& st, PyObject* x, const Input& in, int op, cons
   return out;
 }
 
-// Runs a native entry's body, turning C++ exceptions into Python ones.
-template <typename F> PyObject* Guard(F&& body) {
-  try {
-    return body();
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const py::builtin_exception& e) {
-    e.set_error();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return nullptr;
-}
-
-PyObject* ReturnSelf(PyObject* self, PyObject*) {
-  Py_INCREF(self);
-  return self;
-}
-// A nonblocking op's finish(): a C function bound to its output, returning it.
-PyMethodDef kResultDef{"result", ReturnSelf, METH_NOARGS, nullptr};
-
 // Enqueues `d` reading `x` into `out`. Blocking: waits and returns `out`. Nonblocking:
 // registers the handle in STATE.pending as shoal._ops._submit does and returns it.
 PyObject* Finish(const Native& st, const shoal_op_desc& d, PyObject* x, py::object out) {
@@ -279,6 +237,43 @@ PyObject* Finish(const Native& st, const shoal_op_desc& d, PyObject* x, py::obje
     throw py::error_already_set();
   return handle.release().ptr();
 }
+
+// A built-in function `name` of module `module` calling `call` with a Native state.
+py::object MakeNative(const std::string& name, PyCFunction call, Native* state, const std::string& doc,
+                      const std::string& module) {
+  // The function's state is a module object (so it prints as a built-in function) whose
+  // C state is the Native. Both live as long as the process: they may hold Python objects
+  // at interpreter exit, so they are never destroyed.
+  auto* def = new PyMethodDef{strdup(name.c_str()), call, METH_FASTCALL | METH_KEYWORDS, strdup(doc.c_str())};
+  auto* mdef = new PyModuleDef{PyModuleDef_HEAD_INIT, strdup(module.c_str()), nullptr, sizeof(Native *),
+                               nullptr, nullptr, nullptr, nullptr, nullptr};
+  auto self = py::reinterpret_steal<py::object>(PyModule_Create(mdef));
+  if (!self) throw py::error_already_set();
+  *static_cast<Native**>(PyModule_GetState(self.ptr())) = state;
+  auto mod = py::str(module);
+  PyObject* f = PyCFunction_NewEx(def, self.ptr(), mod.ptr());
+  if (!f) throw py::error_already_set();
+  self.release();  // kept forever with its state
+  return py::reinterpret_steal<py::object>(f);
+}
+
+// The state of a native function (see Native); `torch`: None (numpy arrays) or, for torch
+// tensors, an object with the attributes of TorchApi (bindings/torch/_adapter.py: TORCH_API).
+Native* NewNative(py::object fallback, py::object ops, py::object torch, py::object state, bool inplace) {
+  auto* st = new Native{std::move(fallback), std::move(ops), nullptr, std::move(state), inplace};
+  if (!torch.is_none()) {
+    st->torch.reset(new TorchApi{torch.attr("tensor"), torch.attr("parameter"), torch.attr("dtypes"),
+                                 torch.attr("strided"), torch.attr("empty_like"), torch.attr("is_grad_enabled"),
+                                 torch.attr("from_numpy"), torch.attr("compiled")});
+    if (!st->torch->compiled.is_none())
+      st->torch->direct = static_cast<const shoal_torch_tensors*>(
+          PyCapsule_GetPointer(st->torch->compiled.ptr(), SHOAL_TORCH_TENSORS));
+    if (PyErr_Occurred()) throw py::error_already_set();
+  }
+  return st;
+}
+
+namespace {
 
 // neighbor_allreduce of `x` (read as `in`) into a new output.
 PyObject* Run(const Native& st, PyObject* x, const Input& in, const char* name, const NeighborArgs& a) {
@@ -503,25 +498,6 @@ PyObject* CallSynchronize(PyObject* self, PyObject* const* args, Py_ssize_t narg
   });
 }
 
-// A built-in function `name` of module `module` calling `call` with a Native state.
-py::object MakeNative(const std::string& name, PyCFunction call, Native* state, const std::string& doc,
-                      const std::string& module) {
-  // The function's state is a module object (so it prints as a built-in function) whose
-  // C state is the Native. Both live as long as the process: they may hold Python objects
-  // at interpreter exit, so they are never destroyed.
-  auto* def = new PyMethodDef{strdup(name.c_str()), call, METH_FASTCALL | METH_KEYWORDS, strdup(doc.c_str())};
-  auto* mdef = new PyModuleDef{PyModuleDef_HEAD_INIT, strdup(module.c_str()), nullptr, sizeof(Native *),
-                               nullptr, nullptr, nullptr, nullptr, nullptr};
-  auto self = py::reinterpret_steal<py::object>(PyModule_Create(mdef));
-  if (!self) throw py::error_already_set();
-  *static_cast<Native**>(PyModule_GetState(self.ptr())) = state;
-  auto mod = py::str(module);
-  PyObject* f = PyCFunction_NewEx(def, self.ptr(), mod.ptr());
-  if (!f) throw py::error_already_set();
-  self.release();  // kept forever with its state
-  return py::reinterpret_steal<py::object>(f);
-}
-
 }  // namespace
 
 void DefineNeighborNative(py::module_& m) {
@@ -554,17 +530,7 @@ void DefineNeighborNative(py::module_& m) {
   // `state`: None (blocking) or shoal._process.STATE (nonblocking: the handle is returned).
   auto state = [](py::object fallback, py::object ops, py::object torch, py::object state = py::none(),
                   bool inplace = false) {
-    auto* st = new Native{std::move(fallback), std::move(ops), nullptr, std::move(state), inplace};
-    if (!torch.is_none()) {
-      st->torch.reset(new TorchApi{torch.attr("tensor"), torch.attr("parameter"), torch.attr("dtypes"),
-                                   torch.attr("strided"), torch.attr("empty_like"), torch.attr("is_grad_enabled"),
-                                   torch.attr("from_numpy"), torch.attr("compiled")});
-      if (!st->torch->compiled.is_none())
-        st->torch->direct = static_cast<const shoal_torch_tensors*>(
-            PyCapsule_GetPointer(st->torch->compiled.ptr(), SHOAL_TORCH_TENSORS));
-      if (PyErr_Occurred()) throw py::error_already_set();
-    }
-    return st;
+    return NewNative(std::move(fallback), std::move(ops), std::move(torch), std::move(state), inplace);
   };
   auto fn = [](auto call) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)); };
   auto name = [](const py::object& fallback) { return fallback.attr("__name__").cast<std::string>(); };

@@ -29,9 +29,9 @@ from ._horovod import __all__ as _horovod_all
 from ._horovod_ops import *  # noqa: F401,F403  (alltoall, grouped ops)
 from ._horovod_ops import __all__ as _horovod_ops_all
 from .ops import (DistributedGradientTape, PartialDistributedGradientTape, allgather,  # noqa: F401
-                  allgather_object, allreduce, broadcast, broadcast_object, broadcast_object_fn, broadcast_variables,
-                  consensus_distance, hierarchical_neighbor_allreduce, neighbor_allgather, neighbor_allreduce,
-                  reducescatter)
+                  allgather_object, allreduce, broadcast, broadcast_, broadcast_object, broadcast_object_fn,
+                  broadcast_variables, consensus_distance, hierarchical_neighbor_allreduce, neighbor_allgather,
+                  neighbor_allreduce, reducescatter)
 from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
 
@@ -51,7 +51,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 
 
 __all__ = list(_basics_all) + [
-    "allreduce", "broadcast", "allgather", "reducescatter", "neighbor_allreduce", "neighbor_allgather",
+    "allreduce", "broadcast", "broadcast_", "allgather", "reducescatter", "neighbor_allreduce", "neighbor_allgather",
     "hierarchical_neighbor_allreduce", "broadcast_variables", "consensus_distance",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
     "broadcast_object", "broadcast_object_fn", "allgather_object",

@@ -6,8 +6,9 @@ names reach is one of `shoal.tensorflow.ops`' kernels over the one runtime.
 
 Differences from Horovod kept here (each said where it applies):
 * `Adasum` is not implemented (NotImplementedError naming it).
-Process sets (`process_set=`, `add_process_set`) are `shoal.process_sets`', as Horovod's
-(`SyncBatchNormalization` runs over every rank only: NotImplementedError for another set).
+Process sets (`process_set=`, `add_process_set`, `size_op(process_set_id)`) are
+`shoal.process_sets`', as Horovod's (`SyncBatchNormalization` runs over every rank only:
+NotImplementedError for another set).
 """
 import tensorflow as tf
 
@@ -15,7 +16,8 @@ from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
 from shoal._horovod import (Compressor, NoneCompressor, check_compression, check_op,  # noqa: F401
                             check_process_set, global_process_set)
 from shoal._horovod import __all__ as _NEUTRAL
-from shoal import _ops, basics
+from shoal import _ops, _process, basics, process_sets
+from shoal._loader import _core
 
 # ---- Compression: the casts (Horovod's Compression.fp16 / bf16) ----
 
@@ -63,6 +65,16 @@ def join():
     return _ops.join()
 
 
+def broadcast_global_variables(root_rank):
+    """Horovod's broadcast_global_variables is TF1's (global variable collections); eagerly
+    Horovod raises RuntimeError, and so does this, always (NotImplementedError, a
+    RuntimeError). Use shoal.tensorflow.broadcast_variables(model.variables, root_rank), or
+    BroadcastGlobalVariablesCallback(root_rank) in Keras's `fit`."""
+    raise NotImplementedError("broadcast_global_variables needs TF1 global variables; use "
+                              "hvd.broadcast_variables(model.variables, root_rank) or, in Keras, "
+                              "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)")
+
+
 def _int_op(value, name):
     return tf.constant(value, tf.int32, name=name)
 
@@ -79,10 +91,10 @@ def local_rank_op(name=None):
 
 
 def size_op(process_set_id=0, name=None):
-    """Horovod's `size_op`: the number of ranks of the process set (the global one only)
-    as an int32 tensor."""
-    _check_set_id(process_set_id, "size_op")
-    return _int_op(basics.size(), name)
+    """Horovod's `size_op`: the number of ranks of the process set with this id (0: every
+    rank) as an int32 tensor (a constant, made when the op is made). ValueError for a set
+    that does not exist."""
+    return _int_op(process_sets.layout(_set_id(process_set_id, "size_op"))[0], name)
 
 
 def local_size_op(name=None):
@@ -91,17 +103,23 @@ def local_size_op(name=None):
 
 
 def process_set_included_op(process_set_id=0, name=None):
-    """Horovod's `process_set_included_op`: 1 (int32) when this rank belongs to the process
-    set: always, for the global one, the only one so far."""
-    _check_set_id(process_set_id, "process_set_included_op")
-    return _int_op(1, name)
+    """Horovod's `process_set_included_op`: an int32 tensor (a constant, made when the op is
+    made): 1 when this rank belongs to the process set with this id, 0 when it does not,
+    -3 (Horovod's HOROVOD_PROCESS_SET_ERROR_UNKNOWN_SET) for a set that does not exist."""
+    ps = _set_id(process_set_id, "process_set_included_op")
+    _process.require_init()  # ValueError before init()
+    if ps and _core.process_set_ranks(ps) is None:
+        return _int_op(-3, name)
+    return _int_op(int(process_sets.layout(ps)[1] >= 0), name)
 
 
-def _check_set_id(process_set_id, what):
-    if process_set_id != global_process_set.process_set_id:
-        raise NotImplementedError(f"{what}: process set {process_set_id!r}: Shoal supports only the global "
-                                  "process set (id 0) so far")
+def _set_id(process_set_id, what):
+    if isinstance(process_set_id, bool) or not isinstance(process_set_id, int):
+        raise TypeError(f"{what}: process_set_id must be an int (a ProcessSet's process_set_id), "
+                        f"got {process_set_id!r}")
+    return process_set_id
 
 
-__all__ = list(_NEUTRAL) + ["Compression", "FP16Compressor", "BF16Compressor", "join", "rank_op",
+__all__ = list(_NEUTRAL) + ["Compression", "FP16Compressor", "BF16Compressor", "join", "broadcast_global_variables",
+                            "rank_op",
                             "local_rank_op", "size_op", "local_size_op", "process_set_included_op"]

@@ -92,7 +92,7 @@ def _sparse_allreduce(slices, rop, name, pre, post, process_set):
 
 def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, *,
               compression=_horovod.Compression.none, prescale_factor=1.0, postscale_factor=1.0,
-              process_set=_horovod.global_process_set):
+              process_set=_horovod.global_process_set, device_dense="", device_sparse="", ignore_name_scope=False):
     """Sum, average, minimum, maximum or product (op=Sum/Average/Min/Max/Product) of
     `tensor` over all ranks (or this machine's ranks); semantics of `shoal.allreduce` (sum
     then divide; half types compute in float32). Differentiable (shoal/_gradients.py;
@@ -106,7 +106,9 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
     Average; only they call it), op=Adasum (NotImplementedError). op=Average of an integer
     tensor is Horovod's: the sum divided by size() and truncated toward zero. A
     tf.IndexedSlices is reduced as in Horovod: an allgather of its values and indices
-    (values divided by size() for Average).
+    (values divided by size() for Average). `device_dense`, `device_sparse` and
+    `ignore_name_scope` (Horovod's) are accepted and change nothing: the op runs where the
+    tensor is, and Shoal's op names never include TensorFlow's name scope.
     """
     _horovod.check_op(op, "allreduce")
     compression = _horovod.check_compression(compression, "allreduce")
@@ -132,10 +134,12 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
 
 
 def broadcast(tensor, root_rank, name=None, is_hierarchical_local=False, *,
-              process_set=_horovod.global_process_set):
+              process_set=_horovod.global_process_set, ignore_name_scope=False):
     """`root_rank`'s tensor on every rank; semantics of `shoal.broadcast`. `process_set`
     (Horovod's keyword, a `ProcessSet`): only its members call it; root_rank is a world
-    rank of the set. Differentiable, as Horovod's (BlueFog's sums): the root's gradient is
+    rank of the set. `ignore_name_scope` (Horovod's, keyword-only here: the fourth
+    positional argument is BlueFog's is_hierarchical_local) changes nothing (see
+    `allreduce`). Differentiable, as Horovod's (BlueFog's sums): the root's gradient is
     the average of the ranks' gradients (over the set, or this machine's ranks), the
     others' zero (shoal/_gradients.py)."""
     ps = process_sets.id_of(process_set, "broadcast")
@@ -144,10 +148,10 @@ def broadcast(tensor, root_rank, name=None, is_hierarchical_local=False, *,
         scope=int(bool(is_hierarchical_local)), process_set=ps))
 
 
-def allgather(tensor, name=None, *, process_set=_horovod.global_process_set):
-    """Concatenation along dim 0 of every rank's tensor (first dims may differ).
-    `process_set` (Horovod's keyword, a `ProcessSet`): its members' tensors, in their
-    rank order. Differentiable, as Horovod's (BlueFog's sums): the gradient is this rank's
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=_horovod.global_process_set):
+    """Concatenation along dim 0 of every rank's tensor (first dims may differ); Horovod's
+    positional order. `process_set` (a `ProcessSet`): its members' tensors, in their rank
+    order; `ignore_name_scope` changes nothing (see `allreduce`). Differentiable, as Horovod's (BlueFog's sums): the gradient is this rank's
     rows of the average of the ranks' gradients (over the set; shoal/_gradients.py)."""
     ps = process_sets.id_of(process_set, "allgather")
     return _run("allgather", lambda: _lib.shoal_allgather(tf.convert_to_tensor(tensor),
@@ -307,12 +311,26 @@ tf.RegisterGradient("ShoalHierarchicalNeighborAllreduce")(_neighbor_grad)
 
 
 # ---- training helpers ----
+def _assign_broadcast(variables, root_rank, name, process_set):
+    for i, v in enumerate(variables):
+        v.assign(broadcast(v, root_rank, name=f"{name}.{i}.{v.name}", process_set=process_set))
+
+
 def broadcast_variables(variables, root_rank, process_set=_horovod.global_process_set, inplace=False):
     """Assign `root_rank`'s values to every variable (sorted by name), on every rank
     (Horovod's `broadcast_variables`; `inplace` changes nothing: the values are assigned;
     `process_set` (a ProcessSet): on its members, root_rank one of them)."""
-    for i, v in enumerate(sorted(variables, key=lambda v: v.name)):
-        v.assign(broadcast(v, root_rank, name=f"broadcast_variables.{i}.{v.name}", process_set=process_set))
+    _assign_broadcast(sorted(variables, key=lambda v: v.name), root_rank, "broadcast_variables", process_set)
+
+
+def broadcast_(variables, root_rank, name=None, process_set=_horovod.global_process_set):
+    """Horovod's in-place `broadcast_`: assign `root_rank`'s values to `variables` (a list of
+    tf.Variable, same shapes and dtypes on every rank, in the same order) and return their
+    new values, a list of tensors. `process_set` (a ProcessSet): on its members, root_rank
+    one of them. Errors as `broadcast`'s."""
+    variables = list(variables)
+    _assign_broadcast(variables, root_rank, _ops.op_name(name) or "broadcast_", process_set)
+    return [v.read_value() for v in variables]
 
 
 def consensus_distance(variables, name="consensus_distance"):

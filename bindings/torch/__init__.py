@@ -37,6 +37,8 @@ from ._horovod_optimizer import DistributedOptimizer  # noqa: E402
 from . import elastic  # noqa: E402,F401  (Horovod's hvd.elastic, for a fixed set of ranks)
 from .win_optimizers import DistributedPushSumOptimizer, DistributedWinPutOptimizer  # noqa: E402
 from .sync_batch_norm import SyncBatchNorm  # noqa: E402
+from . import compression  # noqa: E402,F401  (gossip compressors)
+from .compressed_gossip import CompressedGossip  # noqa: E402
 from .utility import (allgather_object, allreduce_parameters, broadcast_object,  # noqa: E402
                       broadcast_parameters)
 # Horovod's names (`import shoal.torch as hvd`), and the shared names with Horovod's
@@ -56,7 +58,8 @@ __all__ = list(_basics_all) + sorted(_API) + [
     "DistributedGradientAllreduceOptimizer", "DistributedOptimizer", "DistributedPushSumOptimizer",
     "DistributedWinPutOptimizer", "SyncBatchNorm", "allgather_object",
     "allreduce_parameters", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "elastic"] + ["Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology",
+    "broadcast_parameters", "elastic", "compression",
+    "CompressedGossip"] + ["Sum", "Average", "Min", "Max", "Product", "ReduceOp", "topology",
                                                          "InferSourceFromDestinationRanks",
                                                          "InferDestinationFromSourceRanks"]
 __all__ += list(_TOPOLOGY_NAMES)

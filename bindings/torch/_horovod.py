@@ -14,7 +14,8 @@ What a script can observe follows Horovod, except (each said where it applies):
 * Process sets (`process_set=`, shoal.process_sets): as Horovod's; `broadcast_optimizer_state`
   runs over every rank only (NotImplementedError for another set).
 * `Adasum` is not implemented (NotImplementedError naming it).
-* The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`.
+* The timeline is per rank (`<prefix><rank>.json`) and starts with `init()`; rank 0's file
+  is also linked where Horovod writes its one file (shoal/_compat_env.py).
 """
 import inspect
 
@@ -31,6 +32,7 @@ from shoal._horovod import (Compressor, NoneCompressor, check_compression, check
 from shoal._horovod import __all__ as _NEUTRAL
 
 from . import _ops as _torch_ops
+from . import compression as _gossip
 from . import utility as _utility
 from ._adapter import ADAPTER
 
@@ -78,16 +80,26 @@ BF16Compressor.__name__ = BF16Compressor.__qualname__ = "BF16Compressor"
 
 
 class Compression:
-    """`hvd.Compression.none`, `.fp16`, `.bf16` (Horovod's names)."""
+    """`hvd.Compression.none`, `.fp16`, `.bf16` (Horovod's names), and the gossip
+    compressors of `shoal.torch.compression` for the decentralized optimizers'
+    `compression=`: `.int8`, `.int4`, `.topk(ratio)`, `.randomk(ratio)`. An allreduce
+    cannot sum differently scaled int8 chunks or sparse payloads: those refuse allreduce
+    (`check_compression`) with a ValueError."""
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    int8 = _gossip.Int8()
+    int4 = _gossip.Int4()
+    topk = staticmethod(_gossip.TopK)
+    randomk = staticmethod(_gossip.RandomK)
 
 
 # ---- Allreduce with Horovod's arguments ----
 
 def _factor(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A scaling factor as a float: any real number (numpy scalars, a one-element tensor:
+    what Horovod's C++ binding converts to double); TypeError for bool and non-numbers."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"{what} must be a number, got {type(value).__name__}")
     return float(value)
 
@@ -224,6 +236,8 @@ def allreduce(tensor, *args, **kwargs):
     a = _bind("allreduce", tensor, args, kwargs)
     ADAPTER._check(a["tensor"], "allreduce")
     compression = check_compression(a["compression"], "allreduce")
+    for key in ("prescale_factor", "postscale_factor"):
+        a[key] = _factor(a[key], key)
     extra = (a["prescale_factor"] != 1.0 or a["postscale_factor"] != 1.0
              or not a["tensor"].is_floating_point())
     if not extra:
@@ -333,7 +347,9 @@ def _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_se
         raise ValueError(f"{what}: op must be hvd.Average or hvd.Sum (as in Horovod), got {rop!r}")
     pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
     integer_average = _integer_average(rop, tensor)
-    n = _set_size(process_set, what)
+    # Only the integer average needs the set's size (asked of the core, which torch.compile
+    # cannot trace: a floating reducescatter stays in the graph).
+    n = _set_size(process_set, what) if integer_average else None
 
     def finish(out):
         return _allreduce_finish(out, integer_average, n, post) if integer_average or post != 1.0 else out

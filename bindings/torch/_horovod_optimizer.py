@@ -57,11 +57,17 @@ def _check_groups(num_groups, groups):
             groups = num_groups
     if groups is None:
         return
-    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups >= 0)):
-        raise ValueError("groups should be a non-negative integer or a list of lists of torch.Tensor")
-    if isinstance(groups, list) and not all(isinstance(g, (list, tuple)) and all(torch.is_tensor(t) for t in g)
-                                            for g in groups):
-        raise ValueError("groups should be a non-negative integer or a list of lists of torch.Tensor")
+    # Horovod's checks: a positive int (0 is refused, though its message says non-negative)
+    # or a list of lists of tensors, each tensor in one group at most.
+    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a positive integer or a list of lists of torch.Tensor")
+    if isinstance(groups, list):
+        seen = set()
+        for g in groups:
+            if not (isinstance(g, (list, tuple)) and all(torch.is_tensor(t) for t in g)):
+                raise ValueError("groups must consist of lists of torch.Tensor")
+            if any(id(t) in seen or seen.add(id(t)) for t in g):
+                raise ValueError("A parameter can only appear once in groups")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,  # noqa: N802
@@ -85,14 +91,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             sum, times f after the average (Horovod's semantics; the value is the average
             up to rounding, f only moves where the scaling happens).
         num_groups / groups: Horovod's grouping of gradients into fused allreduces;
-            accepted and checked as Horovod does. Results do not depend on it: Shoal's
-            fusion packs the gradients ready in one cycle anyway (SHOAL_FUSION_THRESHOLD).
+            accepted and checked as Horovod does (ValueError for groups=0, a non-tensor
+            or a tensor in two groups; num_groups warns DeprecationWarning). Results do
+            not depend on it: Shoal's fusion packs the gradients ready in one cycle anyway
+            (SHOAL_FUSION_THRESHOLD).
         sparse_as_dense: densify sparse gradients before the exchange.
         process_set: a `ProcessSet` (add_process_set): gradients are averaged over its
             members (Average divides by its size); ranks outside it take local steps.
     Shoal's form: a torch.nn.Module (or list of modules) as the second argument (or
     model=) names the parameters by the model's named_parameters(); its third positional
     argument, an int, is num_steps_per_communication (= backward_passes_per_step).
+
+    The result has Horovod's attributes `backward_passes_per_step` (with
+    `set_backward_passes_per_step`), `op`, `gradient_predivide_factor`, `sparse_as_dense`,
+    `process_set`, and `synchronize()`/`skip_synchronize()`; Horovod's AssertionErrors
+    (a backward pass too many, zero_grad() while gradients are averaged) are
+    GradientsInFlightError, a RuntimeError and an AssertionError.
 
     Differences from Horovod: the result wraps the optimizer (an instance of
     torch.optim.Optimizer sharing its param_groups and state, not of its class), so

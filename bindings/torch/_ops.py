@@ -11,7 +11,7 @@ import sys
 import torch
 
 import shoal as _numpy_api
-from shoal import _gradients, _ops, process_sets
+from shoal import _gradients, _ops, _process, process_sets
 from shoal._loader import _core
 from shoal._gradients import grad_name
 
@@ -21,17 +21,36 @@ from ._adapter import ADAPTER
 _register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
 
 
-def _define(schema, impl, fake):
+def _define(schema, impl, fake, kernel=None):
+    """Registers `shoal::<schema>` with the Python kernel `impl`, or with the C kernel
+    `kernel(impl, doc, module, torch=, ops=)` (bindings/python/registered_kernels.cc) that
+    takes a plain tensor to the core in one call and calls `impl` for anything else: a
+    compiled graph calls the kernel on every step, so its cost is the compiled op's."""
     name = "shoal::" + schema.split("(", 1)[0]
     torch.library.define(name, "(" + schema.split("(", 1)[1])
+    if kernel is not None and not _adapter._FAKE:
+        impl = kernel(impl, impl.__doc__ or "", ADAPTER.module, torch=ADAPTER.torch_api, ops=_ops.REDUCE_OP_CODES)
     torch.library.impl(name, "CompositeExplicitAutograd")(impl)
     _register_fake(name)(fake)
 
 
-# `process_set`: the core's id of the set that runs the op (0: every rank).
+def _integer_average(rop, tensor):
+    """Whether an Average of `tensor` is Horovod's integer average: the sum, then integer
+    division truncated toward zero, exact (bool is no integer here: the core refuses it)."""
+    return rop is _ops.Average and not tensor.is_floating_point() and tensor.dtype != torch.bool
+
+
+# `process_set`: the core's id of the set that runs the op (0: every rank). The eager entry
+# points truncate an integer average (bindings/torch/_horovod.py); the kernels do the same,
+# so a compiled call gives what the eager call gives.
 def _allreduce_impl(tensor, reduce_op, local, name, process_set=0):
-    return _ops.allreduce(ADAPTER, tensor, None, name or None, op=_ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op),
-                          scope=_ops.MACHINE if local else _ops.WORLD, block=True, process_set=process_set)
+    rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
+    whole = _integer_average(rop, tensor)
+    out = _ops.allreduce(ADAPTER, tensor, None, name or None, op=_ops.Sum if whole else rop,
+                         scope=_ops.MACHINE if local else _ops.WORLD, block=True, process_set=process_set)
+    if whole:
+        out.div_(_process.local_size() if local else process_sets.layout(process_set)[0], rounding_mode="trunc")
+    return out
 
 
 def _broadcast_impl(tensor, root_rank, name, process_set=0):
@@ -39,18 +58,27 @@ def _broadcast_impl(tensor, root_rank, name, process_set=0):
 
 
 def _allgather_impl(tensor, name, process_set=0):
+    a = _plain(tensor, _NUMPY_DTYPES)  # the eager entry's path (below)
+    if a is not None:
+        return torch.from_numpy(_numpy_api.allgather(a, name or None, process_set))
     return _ops.synchronize(_ops.allgather(ADAPTER, tensor, name or None, process_set=process_set))
 
 
 def _allgather_fake(tensor, name, process_set=0):
-    rows = torch.library.get_ctx().new_dynamic_size()
-    return (tensor.new_empty((rows,) + tuple(tensor.shape[1:])) if process_sets.layout(process_set)[0] > 1
-            else tensor.new_empty(tensor.shape))
+    if process_sets.layout(process_set)[0] == 1:  # (an unused dynamic size fails the trace)
+        return tensor.new_empty(tensor.shape)
+    return tensor.new_empty((torch.library.get_ctx().new_dynamic_size(),) + tuple(tensor.shape[1:]))
 
 
 def _reducescatter_impl(tensor, reduce_op, name, process_set=0):
     rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
-    return _ops.synchronize(_ops.reducescatter(ADAPTER, tensor, rop, name or None, process_set=process_set))
+    whole = _integer_average(rop, tensor)
+    a = None if whole else _plain(tensor, _NUMPY_DTYPES)  # the eager entry's path (below)
+    if a is not None:
+        return torch.from_numpy(_numpy_api.reducescatter(a, rop, name or None, process_set))
+    out = _ops.synchronize(_ops.reducescatter(ADAPTER, tensor, _ops.Sum if whole else rop, name or None,
+                                              process_set=process_set))
+    return out.div_(process_sets.layout(process_set)[0], rounding_mode="trunc") if whole else out
 
 
 def _reducescatter_fake(tensor, reduce_op, name, process_set=0):
@@ -68,16 +96,16 @@ def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, se
 
 
 _define("allreduce(Tensor tensor, int reduce_op, bool local, str name, int process_set=0) -> Tensor", _allreduce_impl,
-        lambda tensor, reduce_op, local, name, process_set=0: torch.empty_like(tensor))
+        lambda tensor, reduce_op, local, name, process_set=0: torch.empty_like(tensor), _core.native_kernel_allreduce)
 _define("broadcast(Tensor tensor, int root_rank, str name, int process_set=0) -> Tensor", _broadcast_impl,
-        lambda tensor, root_rank, name, process_set=0: torch.empty_like(tensor))
+        lambda tensor, root_rank, name, process_set=0: torch.empty_like(tensor), _core.native_kernel_broadcast)
 _define("allgather(Tensor tensor, str name, int process_set=0) -> Tensor", _allgather_impl, _allgather_fake)
 _define("reducescatter(Tensor tensor, int reduce_op, str name, int process_set=0) -> Tensor", _reducescatter_impl,
         _reducescatter_fake)
 _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, "
         "float[] recv_weights, int[] send_ranks, float[] send_weights, bool uniform, bool topo_check, "
         "str name) "
-        "-> Tensor", _neighbor_impl, lambda tensor, *args: torch.empty_like(tensor))
+        "-> Tensor", _neighbor_impl, lambda tensor, *args: torch.empty_like(tensor), _core.native_kernel_neighbor_allreduce)
 
 
 # ---- The eager fast path ----

@@ -41,6 +41,8 @@ from ._adapter import ADAPTER
 from ._horovod import TORCH_API, Average, Compression, Sum, _check_op, _in_set, check_compression, global_process_set
 from ._optimizer_base import (CommunicationType, CommunicationTypeError, GradientsInFlightError,  # noqa: F401
                               _Distributed)
+from . import compressed_gossip
+from .compressed_gossip import CompressedGossip
 from .consensus import ConsensusControl, consensus_distance
 
 
@@ -48,10 +50,13 @@ class _ParameterMixing(_Distributed):
     """AWC and ATC: combine parameters with neighbors, with optional consensus control."""
 
     def __init__(self, optimizer, model, communication_type, num_steps_per_communication,
-                 consensus_control):
+                 consensus_control, compression=None, compression_step=None):
         super().__init__(optimizer, model, num_steps_per_communication)
         if consensus_control is not None and not isinstance(consensus_control, ConsensusControl):
             raise TypeError("consensus_control must be a shoal.torch.ConsensusControl")
+        self.compression = None if compression is None else compressed_gossip.by_name(compression)
+        self.compression_step = compressed_gossip.default_step(self.compression, compression_step)
+        self._gossip = {}  # name -> CompressedGossip (its edges' public copies)
         self.communication_type = communication_type
         self.consensus_control = consensus_control
         self.self_weight = self.src_weights = self.dst_weights = None
@@ -82,6 +87,11 @@ class _ParameterMixing(_Distributed):
         """Start this step's communication of `t` (a parameter's data, or a bucket's flat
         buffer with `flat`); `out`: where a neighbor_allreduce's result goes."""
         kind = self.communication_type
+        if kind is CommunicationType.neighbor_allreduce and self.compression is not None:
+            gossip = self._gossip.get(name)
+            if gossip is None:
+                gossip = self._gossip[name] = CompressedGossip(self.compression, self.compression_step, name)
+            return gossip.start_with(t, self.self_weight, self.src_weights, self.dst_weights)
         if kind is CommunicationType.neighbor_allreduce:
             return _ops.neighbor_allreduce(ADAPTER, t, self.self_weight, self.src_weights,
                                            self.dst_weights, self.enable_topo_check, name, out=out)
@@ -129,7 +139,10 @@ class _ParameterMixing(_Distributed):
             for key, h in handles.items():
                 # Copied, not swapped in: views of the parameter (state_dict, p.detach())
                 # must keep seeing it.
-                if isinstance(key, _buckets.Bucket):
+                if isinstance(h, compressed_gossip.GossipRound):
+                    result = h.finish()
+                    key.scatter(result) if isinstance(key, _buckets.Bucket) else key.copy_(result)
+                elif isinstance(key, _buckets.Bucket):
                     key.scatter(_buckets.synchronize(key, h))
                 else:
                     key.copy_(_ops.synchronize(h))
@@ -171,15 +184,21 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
         num_steps_per_communication: communicate every k-th forward pass (gradient
             accumulation over k passes, or k local steps between communications).
         consensus_control: optional ConsensusControl.
+        compression: a gossip compressor or its name (`shoal.torch.compression`: "int8",
+            "int4", "fp16", "bf16", "topk:R", "randomk:R", or Compression.int8, ...): the
+            neighbor_allreduce exchange becomes CHOCO-SGD's compressed gossip with error
+            feedback (`CompressedGossip`, docs/design.md §21); W must be doubly stochastic.
+        compression_step: its consensus step γ (default: `compressed_gossip.default_step`).
     Raises: TypeError/ValueError for bad arguments (CommunicationTypeError for
         communication_type); RuntimeError for two forward passes that both communicate
         before step().
     """
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
-                 num_steps_per_communication=1, consensus_control=None):
+                 num_steps_per_communication=1, consensus_control=None, *, compression=None,
+                 compression_step=None):
         super().__init__(optimizer, model, communication_type, num_steps_per_communication,
-                         consensus_control)
+                         consensus_control, compression, compression_step)
         # Each module's forward sends the parameters it owns (a parameter shared by several
         # modules belongs to the first), counted per module.
         mine, owned = set(self._params()), set()
@@ -225,9 +244,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterMixing):
     """
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
-                 num_steps_per_communication=1, consensus_control=None):
+                 num_steps_per_communication=1, consensus_control=None, *, compression=None,
+                 compression_step=None):
         super().__init__(optimizer, model, communication_type, num_steps_per_communication,
-                         consensus_control)
+                         consensus_control, compression, compression_step)
         self._step_func = None
         self._count_passes()
 
@@ -335,6 +355,7 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         process_sets.id_of(process_set, type(self).__name__)  # TypeError/ValueError for a bad one
         super().__init__(optimizer, model, num_steps_per_communication)
         self._in_set = _in_set(process_set)
+        self._process_set = global_process_set if process_set is None else process_set
         self._member = process_set is None or process_set.included()
         self._compression = compression
         # Horovod's split of the average: each gradient times 1/f before the sum, the
@@ -360,6 +381,38 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         for p in self._params():  # before accumulation: an in-flight gradient stays untouched
             self._hooks.append(p.register_hook(lambda grad, p=p: self._before_accumulation(p)))
 
+    # Horovod's attributes of its DistributedOptimizer (horovod/torch/optimizer.py), read-only
+    # but backward_passes_per_step (see set_backward_passes_per_step).
+    op = property(lambda self: self._op, doc="The reduce op of the gradients: Average or Sum.")
+    gradient_predivide_factor = property(lambda self: self._postscale, doc="Horovod's predivide factor f (float).")
+    sparse_as_dense = property(lambda self: self._sparse.as_dense, doc="Whether sparse gradients are densified.")
+    process_set = property(lambda self: self._process_set, doc="The ProcessSet the gradients are averaged over.")
+
+    @property
+    def backward_passes_per_step(self):
+        """Horovod's name of num_steps_per_communication (int >= 1); assigning it is
+        `set_backward_passes_per_step`."""
+        return self.num_steps_per_communication
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes):
+        self.set_backward_passes_per_step(passes)
+
+    def set_backward_passes_per_step(self, passes):
+        """Horovod's `set_backward_passes_per_step`: average every `passes` backward passes
+        from now on; the count restarts (passes already made are forgotten, as in Horovod).
+        Raises ValueError for passes < 1 (TypeError for a non-integer) and
+        GradientsInFlightError while gradients are being averaged (call it after step())."""
+        if isinstance(passes, bool) or not isinstance(passes, int):
+            raise TypeError(f"set_backward_passes_per_step: passes must be an int, got {passes!r}")
+        if passes < 1:
+            raise ValueError(f"set_backward_passes_per_step: passes must be >= 1, got {passes}")
+        if self._gradients_pending():
+            raise GradientsInFlightError("set_backward_passes_per_step while gradients are being averaged: "
+                                         "call it after step() or synchronize()")
+        self.num_steps_per_communication = passes
+        self._passes.clear()
+
     def _gradients_pending(self):
         return bool(self._grad_handles) or any(self._ready.values())
 
@@ -369,10 +422,11 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
             bucket in self._grad_handles or p in self._ready.get(bucket, ())))
 
     def _before_accumulation(self, p):
-        if self._in_flight(p):
-            raise RuntimeError(f"more than num_steps_per_communication={self.num_steps_per_communication} "
-                               f"backward passes before step() (the gradient of {self._names[p]!r} "
-                               "is being averaged)")
+        if self._in_flight(p):  # a RuntimeError, and the AssertionError Horovod raises here
+            raise GradientsInFlightError(
+                f"more than num_steps_per_communication={self.num_steps_per_communication} (Horovod's "
+                f"backward_passes_per_step) backward passes before step() (the gradient of {self._names[p]!r} "
+                "is being averaged)")
 
     def _on_grad(self, p, n):
         if n != self.num_steps_per_communication:

@@ -100,11 +100,17 @@ def allreduce_parameters(params):
          lambda name, t: _ops.allreduce(ADAPTER, t, True, f"allreduce.param.{name}", inplace=True))
 
 
-class _Pickler(pickle.Pickler):
+try:
+    from cloudpickle import Pickler as _BasePickler  # as Horovod: lambdas and local classes travel too
+except ImportError:
+    _BasePickler = pickle.Pickler
+
+
+class _Pickler(_BasePickler):
     def reducer_override(self, obj):
         if isinstance(obj, types.GeneratorType):  # named_parameters(): travels as a list
             return list, (list(obj),)
-        return NotImplemented
+        return super().reducer_override(obj) if hasattr(_BasePickler, "reducer_override") else NotImplemented
 
 
 def _dumps(obj):
@@ -113,16 +119,21 @@ def _dumps(obj):
     return np.frombuffer(buf.getbuffer(), dtype=np.uint8)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """Pickle `obj` on root_rank and return the unpickled copy on every rank (root too).
-    Tensors keep dtype, requires_grad and Parameter-ness; a generator (also inside
-    containers, e.g. named_parameters()) arrives as a list. Raises what pickle raises for unpicklable objects (on root)."""
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+    """Pickle `obj` on root_rank and return the unpickled copy on every rank (root too)
+    (Horovod's `broadcast_object`). Pickled with cloudpickle when it is installed (as
+    Horovod: lambdas and local classes travel too), else pickle. Tensors keep dtype,
+    requires_grad and Parameter-ness; a generator (also inside containers, e.g.
+    named_parameters()) arrives as a list. `process_set` (a ProcessSet; None or
+    `global_process_set`: every rank): only its members call it, root_rank a world rank
+    among them. Raises what pickle raises for unpicklable objects (on root), the
+    broadcast's errors otherwise (a root outside the set: ValueError)."""
     name = name or "broadcast_object"
     root = shoal.rank() == root_rank
     data = _dumps(obj) if root else np.zeros(0, np.uint8)
-    size = shoal.broadcast(np.array([data.size], np.int64), root_rank, name=name + ".size")
+    size = shoal.broadcast(np.array([data.size], np.int64), root_rank, name=name + ".size", process_set=process_set)
     buf = data if root else np.zeros(int(size[0]), np.uint8)
-    buf = shoal.broadcast(buf, root_rank, name=name + ".data")
+    buf = shoal.broadcast(buf, root_rank, name=name + ".data", process_set=process_set)
     return pickle.loads(buf.tobytes())
 
 

@@ -90,6 +90,7 @@ FakeBackend::FakeBackend(std::shared_ptr<FakeWorld> world, int rank) : w_(std::m
   info_.machine_rank = rank / per;
   info_.machine_size = (w_->size() + per - 1) / per;
   info_.homogeneous = w_->size() % per == 0;
+  for (int q = rank - rank % per; q < std::min(w_->size(), rank - rank % per + per); ++q) info_.machine_ranks.push_back(q);
 }
 
 void FakeBackend::Send(int dst, int tag, Bytes msg, Callback done) {

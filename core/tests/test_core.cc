@@ -191,6 +191,22 @@ static void TestRefusalReachesEveryRank() {
   auto enc = EncodeRequests({no});
   auto dec = DecodeRequests(enc.data(), enc.size());
   CHECK(dec.size() == 1 && dec[0].reject == no.reject && dec[0].reject_code == no.reject_code && dec[0].step == 0);
+  // Every rank is past the refused step: the refusal is forgotten, so once the name's steps
+  // restart (retired in a vote another coordinator ran: a machine's, docs/design.md §19)
+  // its step 0 runs.
+  c.Add(1, no, 0);
+  Request no2 = no;
+  no2.reject = "allreduce: bad too";
+  c.Add(2, no2, 0);
+  c.Add(1, a, 0);  // told again: rank 1 still counts once
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 3 && resps[2].kind == Response::REJECTED);
+  c.Add(0, a, 0);  // the last rank past it
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::REJECTED && resps[0].error.find("bad too") != std::string::npos);
+  for (int r = 0; r < 3; ++r) c.Add(r, a, 0);
+  resps = c.TakeResponses();
+  CHECK(resps.size() == 1 && resps[0].kind == Response::EXECUTE && resps[0].names[0] == "r");
 }
 
 // A rank that left: every pending name fails naming it, and so does every later one.

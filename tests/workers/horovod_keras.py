@@ -482,4 +482,34 @@ def elastic_state_syncs_commits_and_restores():
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), kept))
 
 
+
+@check
+def tensorflow_horovod_keywords_set_ops_and_inplace_broadcast():
+    # horovod/tensorflow/mpi_ops.py: device_dense/device_sparse/ignore_name_scope are
+    # accepted (they change nothing here); allgather's positional order is Horovod's.
+    x = tf.constant([float(R + 1)] * 3)
+    total = [N * (N + 1) / 2] * 3
+    got = st.allreduce(x, op=hvd.Sum, name="k.kw", device_dense="", device_sparse="", ignore_name_scope=True)
+    assert got.numpy().tolist() == total
+    assert st.allgather(x[None], "k.kw.ag", True).numpy().tolist() == [[r + 1.0] * 3 for r in range(N)]
+    assert st.broadcast(x, N - 1, "k.kw.b", ignore_name_scope=True).numpy().tolist() == [float(N)] * 3
+    # broadcast_ (in place): root's values assigned, returned in the order given.
+    vs = [tf.Variable([float(R)] * 2), tf.Variable(R, dtype=tf.int32)]
+    out = st.broadcast_(vs, N - 1, name="k.b_")
+    assert [o.numpy().tolist() for o in out] == [[N - 1.0] * 2, N - 1]
+    assert [v.numpy().tolist() for v in vs] == [[N - 1.0] * 2, N - 1]
+    # size_op / process_set_included_op of a process set (ranks 1..N-1), and of one removed
+    # (Horovod's HOROVOD_PROCESS_SET_ERROR_UNKNOWN_SET, -3).
+    tail = hvd.add_process_set(list(range(1, N)))
+    ps_id = tail.process_set_id
+    assert int(st.size_op(ps_id).numpy()) == N - 1 and int(st.size_op().numpy()) == N
+    assert int(st.process_set_included_op(ps_id).numpy()) == (1 if R >= 1 else 0)
+    hvd.remove_process_set(tail)
+    assert int(st.process_set_included_op(ps_id).numpy()) == -3
+    raises(ValueError, st.size_op, ps_id)
+    raises(TypeError, st.size_op, tail)  # an id, not the ProcessSet (as Horovod's op)
+    # TF1's broadcast_global_variables: eagerly, Horovod's RuntimeError (NotImplementedError is one).
+    raises(RuntimeError, st.broadcast_global_variables, 0)
+
+
 sys.exit(1 if run_all(R) else 0)

@@ -7,7 +7,7 @@ import torch
 
 import shoal
 import shoal.torch as bf
-from checks import check, raises, run_all
+from checks import Skip, check, raises, run_all
 
 bf.init()
 R, N = bf.rank(), bf.size()
@@ -136,9 +136,82 @@ def compiled_fullgraph():
 
 
 @check
+def compiled_graph_reaches_the_core_in_c():
+    # A compiled graph calls the registered ops' kernels at every step: for a plain tensor
+    # the C kernels (bindings/python/registered_kernels.cc), none of the Python op layer,
+    # whose frames cost a compiled call several times the eager call's CPU.
+    from shoal import _ops as op_layer
+    from shoal.torch import _ops as torch_ops
+
+    # aot_eager: the traced graph as it is (inductor would need a C++ compiler for `x + b`,
+    # and test_ops.py also runs this worker without one).
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(x):
+        b = bf.broadcast(x, N - 1, name="t.kernel.bc")
+        y = bf.allreduce(x + b, name="t.kernel.ar")
+        return bf.neighbor_allreduce(y, name="t.kernel.nbr")
+
+    x = torch.full((4,), float(R + 1))
+    want = torch.full((4,), (N * (N + 1) / 2 + N * N) / N)  # every rank's y: mean(R + 1) + N
+    assert torch.equal(step(x), want)  # traced and compiled here
+    python_layer = {f.__code__ for f in (op_layer._submit, op_layer.allreduce, op_layer.broadcast,
+                                         op_layer.neighbor_allreduce_submit, torch_ops._allreduce_impl,
+                                         torch_ops._broadcast_impl, torch_ops._neighbor_impl)}
+    called = set()
+    sys.setprofile(lambda frame, event, arg: called.add(frame.f_code) if event == "call" else None)
+    try:
+        out = step(x)
+    finally:
+        sys.setprofile(None)
+    assert torch.equal(out, want), out
+    assert not called & python_layer, sorted(c.co_name for c in called & python_layer)
+
+
+@check
+def compiled_allgather_and_reducescatter_exact():
+    # Both stay in the graph (fullgraph): the floating reducescatter asks nothing of the
+    # core at trace time; values exact, as eagerly.
+    @torch.compile(fullgraph=True, backend="aot_eager")  # no C++ compiler needed (see above)
+    def step(x):
+        return bf.allgather(x, name="t.compiled.ag"), bf.reducescatter(x * 2, name="t.compiled.rs")
+
+    x = torch.arange(2.0 * N) + R
+    gathered, scattered = step(x)
+    assert torch.equal(gathered, torch.cat([torch.arange(2.0 * N) + r for r in range(N)])), gathered
+    # rows 2R and 2R + 1 of the average of 2 * (arange + r): 2 * (row + mean(r))
+    assert torch.equal(scattered, 2 * (torch.arange(2.0 * R, 2.0 * R + 2) + (N - 1) / 2)), scattered
+
+
+@check
+def compiled_one_peer_schedule_one_graph_per_peer():
+    # A one-peer schedule (BlueFog's dynamic topology) through torch.compile: the resolved
+    # peers are the graph's constants, so one graph per distinct peer (log2(n) of them),
+    # none again after the first round, no graph break (fullgraph), exact values.
+    if N == 1:
+        raise Skip("one rank has no peer")
+    from torch._dynamo.utils import counters
+    tau = (N - 1).bit_length()
+    for dynamic in (False, None):
+        step = torch.compile(lambda x, s, d: bf.neighbor_allreduce(
+            x, self_weight=0.5, src_weights={s: 0.5}, dst_weights=[d], enable_topo_check=False,
+            name="t.compiled.onepeer"), fullgraph=True, dynamic=dynamic)
+        x = torch.full((3,), float(R + 1))
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        for t in range(3 * tau):
+            if t == tau:
+                assert counters["stats"]["unique_graphs"] - graphs == tau, (dynamic, counters["stats"])
+            k = 2 ** (t % tau)
+            got = step(x, (R - k) % N, (R + k) % N)
+            assert torch.equal(got, torch.full((3,), (R + 1 + (R - k) % N + 1) * 0.5)), (dynamic, t, got)
+        assert counters["stats"]["unique_graphs"] - graphs == tau, (dynamic, counters["stats"])
+        assert sum(counters["graph_break"].values()) == breaks, counters["graph_break"]
+
+
+@check
 def integer_average_per_api():
     # README, Dtypes: which calls truncate an integer average toward zero (Horovod's, exact:
-    # the sum, then integer division) and which refuse it with ValueError.
+    # the sum, then integer division) and which refuse it with ValueError; inside
+    # torch.compile as eagerly.
     x = torch.tensor([3 * R + 1, -(3 * R + 1)], dtype=torch.int32)
     s = sum(3 * r + 1 for r in range(N))  # 22 on 4 ranks: 5.5 -> [5, -5]; 5 on 2: [2, -2]
     want = torch.tensor([s // N, -(s // N)], dtype=torch.int32)
@@ -147,8 +220,14 @@ def integer_average_per_api():
     assert torch.equal(bf.synchronize(bf.allreduce_async(x, name="t.intavg.c")), want)
     assert torch.equal(bf.grouped_allreduce([x], name="t.intavg.d")[0], want)
     raises(ValueError, bf.allreduce_nonblocking, x, name="t.intavg.e")
-    compiled = torch.compile(lambda t: bf.allreduce(t, name="t.intavg.f"), fullgraph=True, backend="aot_eager")
-    raises(ValueError, compiled, x)
+    for backend in ("aot_eager", "inductor"):
+        compiled = torch.compile(lambda t: bf.allreduce(t, name="t.intavg.f"), fullgraph=True, backend=backend)
+        got = compiled(x)
+        assert got.dtype == torch.int32 and torch.equal(got, want), (backend, got)
+    local = torch.compile(lambda t: bf.allreduce(t, is_hierarchical_local=True, name="t.intavg.l"), fullgraph=True)
+    ls, ln = bf.local_size(), bf.local_rank()
+    s_local = sum(3 * (R - ln + j) + 1 for j in range(ls))  # this machine's ranks
+    assert torch.equal(local(x), torch.tensor([s_local // ls, -(s_local // ls)], dtype=torch.int32))
     raises(ValueError, shoal.allreduce, x.numpy(), name="t.intavg.g")
     raises(ValueError, bf.neighbor_allreduce, x, name="t.intavg.h")
     assert torch.equal(bf.allreduce(x, op=bf.Sum, name="t.intavg.i"), torch.tensor([s, -s], dtype=torch.int32))

@@ -29,7 +29,7 @@ from shoal.tensorflow import ops as _tf_ops
 from shoal.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from shoal.tensorflow._horovod import *  # noqa: F401,F403
 from shoal.tensorflow._horovod import __all__ as _horovod_all
-from shoal.tensorflow._horovod import Compression, global_process_set
+from shoal.tensorflow._horovod import Compression, broadcast_global_variables, global_process_set  # noqa: F401
 from shoal._consensus import ConsensusControl  # noqa: F401
 from shoal._ops import Average, Max, Min, Product, Sum  # noqa: F401
 
@@ -79,15 +79,6 @@ def reducescatter(value, name=None, op=Average):
     along dim 0 (rank r gets d0 // size() rows, one more for the first d0 % size() ranks),
     as a tf.Tensor (`shoal.tensorflow.reducescatter`)."""
     return _tf_ops.reducescatter(tf.convert_to_tensor(value), op=op, name=name)
-
-
-def broadcast_global_variables(root_rank):
-    """Horovod's broadcast_global_variables is TF1's (global variable collections); in TF2
-    Horovod raises too. Use BroadcastGlobalVariablesCallback(root_rank) in `fit`, or
-    shoal.tensorflow.broadcast_variables(model.variables, root_rank)."""
-    raise NotImplementedError("broadcast_global_variables needs TF1 global variables; use "
-                              "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) or "
-                              "shoal.tensorflow.broadcast_variables(model.variables, root_rank)")
 
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",

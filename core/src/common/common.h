@@ -63,13 +63,16 @@ constexpr int kOpSetControl = 101;
 // The vote that retires idle op names (negotiation/names.cc): an op of the runtime and the
 // coordinator only.
 constexpr int kOpRetire = 102;
-// A hierarchical op's stages (ops/stages.cc): their ops and the suffixes of their names.
+// A hierarchical op's stages (ops/stages.cc): their ops, the suffixes of their names and
+// their scopes (the machine's stages negotiate with its coordinator: docs/design.md §19).
 struct Stage {
   int op;
   const char* suffix;
+  int scope;
 };
-inline constexpr Stage kHierarchicalStages[3] = {
-    {SHOAL_OP_ALLREDUCE, ".machine_sum"}, {SHOAL_OP_NEIGHBOR_ALLREDUCE, ".exchange"}, {SHOAL_OP_BROADCAST, ".share"}};
+inline constexpr Stage kHierarchicalStages[3] = {{SHOAL_OP_ALLREDUCE, ".machine_sum", SHOAL_SCOPE_MACHINE},
+                                                 {SHOAL_OP_NEIGHBOR_ALLREDUCE, ".exchange", SHOAL_SCOPE_WORLD},
+                                                 {SHOAL_OP_BROADCAST, ".share", SHOAL_SCOPE_MACHINE}};
 const char* ReduceOpName(int reduce_op);  // "Sum", "Average", "Min", "Max", "Product"
 bool IsFloating(int dtype);
 std::string ShapeString(const std::vector<int64_t>& shape);

@@ -21,6 +21,7 @@ struct WorldInfo {
   int machine_rank = 0, machine_size = 1;
   bool homogeneous = true;
   bool threads_multiple = true;
+  std::vector<int> machine_ranks;  // the world ranks of this rank's machine, by local rank
 };
 
 // Collectives of one engine over the world or this rank's machine (scope), on memory that

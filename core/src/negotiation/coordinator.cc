@@ -12,16 +12,21 @@ void Coordinator::Add(int rank, const Request& req, double now) {
   if (!req.reject.empty()) {
     // One rank refused the call: the ranks that submitted it, or will, get its error. Ranks
     // that refused the same call too may already wait in the name's next step: that stays.
-    // A neighbor's dispute (neighbor/neighbor_exchange.h): the first one of a step only.
+    // A neighbor's dispute (neighbor/neighbor_exchange.h): the first one of a step only. A
+    // refusal passed on (a hierarchical op's later stages'): where it was raised, as it was.
     const bool dispute = req.reject_code == SHOAL_NEIGHBOR_MISMATCH;
     auto old = rejected_.find(req.name);
-    if (dispute && old != rejected_.end() && old->second.step == req.step) return;
-    const std::string error = req.reject + (dispute ? " (found by rank " : " (raised at the call on rank ") +
-                              std::to_string(World(rank)) + ")";
+    if (dispute && old != rejected_.end() && old->second.r.step == req.step) return;
+    const char* at = dispute ? " (found by rank " : " (raised at the call on rank ";
+    const std::string error = req.reject.find(at) != std::string::npos ? req.reject
+                                                                        : req.reject + at + std::to_string(World(rank)) + ")";
     auto it = pending_.find(req.name);
     const bool later = it != pending_.end() && std::any_of(it->second.req.begin(), it->second.req.end(), [&](auto& x) {
       return !x.name.empty() && x.step != req.step;
     });
+    std::vector<int> past = {rank};  // and the ranks told now, or in a later step
+    for (int q = 0; it != pending_.end() && q < size_; ++q)
+      if (it->second.have[q] && (!later || it->second.req[q].step != req.step)) past.push_back(q);
     Response r = later ? Response{} : Abort(req.name, error);
     r.names = {req.name};
     r.error = error;
@@ -30,12 +35,15 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     r.step = req.step;
     r.code = req.reject_code;
     if (!rejected_.count(req.name)) rejected_order_.push_back(req.name);
-    rejected_[req.name] = r;
+    Refusal& f = rejected_[req.name];
+    if (f.past.empty() || f.r.step != req.step) f = Refusal{r, std::vector<char>(size_, 0), 0};
+    f.r = r;
     if (rejected_order_.size() > 1024) {
       rejected_.erase(rejected_order_.front());
       rejected_order_.erase(rejected_order_.begin());
     }
     early_.push_back(std::move(r));
+    for (int q : past) Past(req.name, q);
     return;
   }
   if (!req.retire.empty() && req.sig.op != kOpRetire) Propose(rank, req);
@@ -56,8 +64,9 @@ void Coordinator::Add(int rank, const Request& req, double now) {
     if (it != pending_.end() && it->second.probe) pending_.erase(it);  // its round is over
   }
   auto rej = rejected_.find(req.name);
-  if (rej != rejected_.end() && rej->second.step == req.step) {
-    early_.push_back(rej->second);
+  if (rej != rejected_.end() && rej->second.r.step == req.step) {
+    early_.push_back(rej->second.r);
+    Past(req.name, rank);
     return;
   }
   if (!left_.empty()) {
@@ -156,6 +165,15 @@ void Coordinator::Propose(int rank, const Request& req) {
   proposals_.clear();
   num_proposals_ = 0;
   early_.push_back(std::move(r));
+}
+
+void Coordinator::Past(const std::string& name, int rank) {
+  auto it = rejected_.find(name);
+  if (it == rejected_.end() || it->second.past[rank]) return;
+  it->second.past[rank] = 1;
+  if (++it->second.count < size_) return;
+  rejected_.erase(it);
+  rejected_order_.erase(std::find(rejected_order_.begin(), rejected_order_.end(), name));
 }
 
 void Coordinator::RoundDone(const std::string& name, int64_t step) {

@@ -151,9 +151,18 @@ class Coordinator {
   static constexpr size_t kValidatedNames = 1 << 16;
   std::map<std::string, Signature> validated_;  // first-sight cache (at most kValidatedNames)
   // Calls rejected at the call on some rank, by name: (step, error). Ranks that submit
-  // that step later get the error at once. Bounded: the oldest are forgotten.
-  std::map<std::string, Response> rejected_;
+  // that step later get the error at once. Forgotten once every rank is past that step
+  // (refused it, was told, or waits in a later one), so a name whose steps restart (a
+  // retired name whose vote another coordinator ran) meets no stale refusal; bounded: the
+  // oldest are forgotten.
+  struct Refusal {
+    Response r;
+    std::vector<char> past;  // by rank
+    int count = 0;
+  };
+  std::map<std::string, Refusal> rejected_;
   std::vector<std::string> rejected_order_;
+  void Past(const std::string& name, int rank);
   std::vector<int> left_;  // ranks that left the job
   // Horovod's join in progress: by rank, joined; the join's name; the rank that joined last.
   std::vector<char> joined_;

@@ -38,7 +38,9 @@ std::string NameTable::Name(int op, const char* name, int set) {
                                                       "' is reserved for the runtime; choose another name");
     return name;
   }
-  return std::string(OpName(op)) + ".noname." + std::to_string(unnamed_[{set, op}]++ % kUnnamed);
+  // A machine's (set < 0) differ from the global set's, with which they share names.
+  return std::string(OpName(op)) + (set < 0 ? ".local.noname." : ".noname.") +
+         std::to_string(unnamed_[{set, op}]++ % kUnnamed);
 }
 
 void NameTable::FollowUnnamed(int op, const std::string& name) {

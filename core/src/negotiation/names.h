@@ -32,7 +32,8 @@ class NameTable {
   explicit NameTable(size_t limit) : limit_(limit) {}
 
   // The op's name: the user's (ArgumentError for the runtime's reserved name), or for an
-  // unnamed op the next of kUnnamed generated names of its op in process set `set`.
+  // unnamed op the next of kUnnamed generated names of its op in process set `set` (or
+  // machine group: ProcessSets::NegotiatedIn).
   std::string Name(int op, const char* name, int set);
   // A generated name ran here without a call (a joined rank): the next one follows it.
   void FollowUnnamed(int op, const std::string& name);

@@ -59,7 +59,8 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   }
   if (r.op == SHOAL_OP_BROADCAST) {
     EntryPtr e = batch[0];
-    if (w.rank == e->sig.root_rank && e->output.data != e->input.data)
+    const int me = e->sig.scope == SHOAL_SCOPE_MACHINE ? w.local_rank : w.rank;  // the root's scope
+    if (me == e->sig.root_rank && e->output.data != e->input.data)
       std::memcpy(e->output.data, e->input.data, e->nbytes());
     if (e->count() == 0) return Finish(e, Status::Ok());
     const int root = pset ? pset->IndexOf(e->sig.root_rank) : e->sig.root_rank;

@@ -37,14 +37,14 @@ std::vector<int64_t> Runtime::EnqueueGroup(const char* name, const shoal_op_desc
       }
     }
   } catch (const ArgumentError& ex) {
-    Reject(gop, name, ex.code, ex.what(), set);  // every rank that submits the group gets it too
+    Reject(gop, name, ex.code, ex.what(), set, descs ? descs[0].scope : 0);  // every rank that submits the group gets it too
     throw;
   }
   for (int i = 0; i < n; ++i)
     if (descs[i].input.device_type == SHOAL_DEVICE_CUDA) members[i]->gpu = CaptureGpuOp(descs[i], members[i]->nbytes());
   std::unique_lock<std::mutex> lock(mu_);
   Admissible(gop);
-  const std::string group = names_.Name(gop, name, set);
+  const std::string group = names_.Name(gop, name, sets_.NegotiatedIn(set, members[0]->sig.scope));
   const std::string group_key = set ? SetKey(set, group) : group;  // in the per-name tables
   NameState& gs = names_[group_key];
   if (gs.in_flight) throw Duplicate(gop, group);
@@ -102,7 +102,7 @@ void Runtime::RouteGroupMember(const EntryPtr& e, std::vector<Request>* to_coord
     st = Status::Error(rej->second.code, rej->second.error);
     rejections_.erase(rej);
   } else if (departures_.Any()) {
-    const std::vector<int> gone = departures_.Members(*e);
+    const std::vector<int> gone = departures_.Members(SetOf(sets_.NegotiatedIn(e->set, e->sig.scope)));
     if (!gone.empty()) st = Status::Error(SHOAL_ABORTED, OpError(gop, shown, Departures::Describe(gone)));
   }
   if (!st.ok()) {
@@ -113,7 +113,7 @@ void Runtime::RouteGroupMember(const EntryPtr& e, std::vector<Request>* to_coord
   }
   awaiting_response_[group] = parts[0];
   Request req;
-  req.set = e->set;
+  req.set = sets_.NegotiatedIn(e->set, e->sig.scope);
   req.name = shown;
   req.sig.op = gop;
   req.step = e->group_step;

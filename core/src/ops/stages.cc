@@ -17,10 +17,11 @@ EntryPtr Runtime::StartStages(const EntryPtr& e) {
   const WorldInfo& w = world();
   auto stages = std::make_shared<Stages>();
   stages->op = e;
-  for (auto& [op, suffix] : kHierarchicalStages) {
+  for (auto& [op, suffix, scope] : kHierarchicalStages) {
     auto s = std::make_shared<Entry>();
     s->sig = e->sig;
     s->sig.op = op;
+    s->sig.scope = scope;  // share: broadcast from local rank 0
     s->name = e->name + suffix;
     s->input = s->output = e->output;  // in place, after the machine sum
     stages->rest.push_back(std::move(s));
@@ -28,7 +29,6 @@ EntryPtr Runtime::StartStages(const EntryPtr& e) {
   Entry& sum = *stages->rest[0];
   sum.input = e->input;
   sum.sig.reduce_op = SHOAL_REDUCE_SUM;
-  sum.sig.scope = SHOAL_SCOPE_MACHINE;
   sum.gpu = std::move(e->gpu);  // the producer's point on the caller's stream, taken at the call
   Entry& exchange = *stages->rest[1];
   exchange.topo_check = e->topo_check;
@@ -40,7 +40,6 @@ EntryPtr Runtime::StartStages(const EntryPtr& e) {
     exchange.self_weight = e->self_weight;
     exchange.uniform = e->uniform;
   }  // else no peers: it only takes part in the exchange's negotiation
-  stages->rest[2]->sig.scope = SHOAL_SCOPE_MACHINE;  // share: broadcast from local rank 0
   EntryPtr first = stages->rest.front();
   stages->rest.erase(stages->rest.begin());
   first->stages = std::move(stages);
@@ -81,10 +80,16 @@ void Runtime::NextStage(const EntryPtr& s, const Status& st_in) {
       return;
     }
     if (!st.ok() && !stop_ && !left_) {
-      // The ranks waiting for this op's later stages fail with it instead of waiting.
-      const std::string why = OpError(op->sig.op, op->name, "an earlier stage failed on rank " +
-                              std::to_string(world().rank) + ": " + st.message);
-      for (auto& later : stages->rest) RejectLocked(later->sig.op, later->name, SHOAL_ABORTED, why);
+      // The ranks waiting for this op's later stages fail with it instead of waiting. A
+      // refusal at the call (the refusing rank refused every stage: Reject) with that very
+      // error, so each stage's ranks get it whichever refusal their coordinator hears first
+      // (the machine's stages and the exchange have coordinators of their own: docs/design.md §19).
+      const bool refused = st.code == SHOAL_INVALID_ARGUMENT || st.code == SHOAL_INVALID_TYPE;
+      const std::string why = refused ? st.message
+                                      : OpError(op->sig.op, op->name, "an earlier stage failed on rank " +
+                                                                          std::to_string(world().rank) + ": " + st.message);
+      for (auto& later : stages->rest)
+        RejectLocked(later->sig.op, later->name, refused ? st.code : SHOAL_ABORTED, why, nullptr, later->sig.scope);
       if (!driving_) work_cv_.notify_one();
     }
   }

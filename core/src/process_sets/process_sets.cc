@@ -38,7 +38,23 @@ int ProcessSet::IndexOf(int world_rank) const {
   return it != ranks.end() && *it == world_rank ? static_cast<int>(it - ranks.begin()) : -1;
 }
 
-std::string ProcessSet::Describe() const { return "process set " + std::to_string(id) + " (ranks " + List(ranks) + ")"; }
+std::string ProcessSet::Describe() const {
+  return id < 0 ? "machine of ranks " + List(ranks) : "process set " + std::to_string(id) + " (ranks " + List(ranks) + ")";
+}
+
+void ProcessSets::SetMachine(const std::vector<int>& machine, int world_rank, int world_size, int64_t fusion_threshold) {
+  if (machine.empty() || static_cast<int>(machine.size()) >= world_size) return;  // one machine: the global set
+  auto s = std::make_shared<ProcessSet>();
+  s->ranks = machine;
+  std::sort(s->ranks.begin(), s->ranks.end());
+  s->id = -1 - s->leader();  // the same on each of its ranks, unique among machines
+  s->index = s->IndexOf(world_rank);
+  // No cached batches (channels): machine-scope allreduces run on the world engine's
+  // machine communicator, which has none.
+  if (s->index == 0) machine_.coordinator = std::make_unique<Coordinator>(s->size(), fusion_threshold, 0, s->ranks);
+  leader_ = leader_ || machine_.coordinator != nullptr;
+  machine_.info = std::move(s);
+}
 
 ProcessSetPtr ProcessSets::Find(int32_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -60,11 +76,13 @@ ProcessSetPtr ProcessSets::WithRanks(const std::vector<int>& ranks) const {
 
 const ProcessSet* ProcessSets::Of(int set) const {
   if (set == 0) return nullptr;
+  if (set < 0) return machine_.info && machine_.info->id == set ? machine_.info.get() : nullptr;
   auto it = sets_.find(set);
   return it == sets_.end() ? nullptr : it->second.info.get();
 }
 
 Coordinator* ProcessSets::CoordinatorOf(int set) const {
+  if (set < 0) return machine_.info && machine_.info->id == set ? machine_.coordinator.get() : nullptr;
   auto it = sets_.find(set);
   return it == sets_.end() ? nullptr : it->second.coordinator.get();
 }
@@ -80,7 +98,7 @@ void ProcessSets::Add(ProcessSetPtr set, std::unique_ptr<Coordinator> coordinato
 void ProcessSets::Remove(int32_t id) {
   std::lock_guard<std::mutex> lock(mu_);
   sets_.erase(id);
-  leader_ = false;
+  leader_ = machine_.coordinator != nullptr;
   for (auto& kv : sets_) leader_ = leader_ || kv.second.coordinator != nullptr;
 }
 

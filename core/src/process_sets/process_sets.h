@@ -10,6 +10,12 @@
 // scoped by the set; its cached batches use the set's own channels; it runs on the set's
 // communicator. So ops in disjoint sets never wait for each other, and a rank that leaves
 // fails only the ops of the sets it is in.
+//
+// Each machine's ranks form one more such group (docs/design.md §19): its machine-local
+// ops (machine scope) negotiate with a coordinator at the machine's first rank, so each
+// machine completes them on its own. Its id is negative (-1 - that rank); its ops keep the
+// global set's names and run on the machine's communicator (machine scope), so it has no
+// communicators, names or cached batches of its own.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -32,7 +38,7 @@ struct ProcessSet {
   int leader() const { return ranks.front(); }  // runs the set's coordinator
   int IndexOf(int world_rank) const;            // -1 for a rank outside the set
   bool Has(int world_rank) const { return IndexOf(world_rank) >= 0; }
-  std::string Describe() const;                 // "process set 1 (ranks [0, 2])"
+  std::string Describe() const;                 // "process set 1 (ranks [0, 2])", "machine of ranks [2, 3]"
 };
 using ProcessSetPtr = std::shared_ptr<const ProcessSet>;
 // One rank's add/remove call, as every rank sees it once they agree.
@@ -68,26 +74,38 @@ extern const char* const kSetRule;  // what every rank must do, for messages
 // The key of op name `name` in process set `set` in the runtime's per-name tables: names are
 // scoped per set. The name itself in the global set (user names have no NUL character).
 inline std::string SetKey(int set, const std::string& name) {
-  return set == 0 ? name : name + '\0' + std::to_string(set);
+  return set <= 0 ? name : name + '\0' + std::to_string(set);  // a machine's ops keep the global names
 }
 
 // The process sets other than the global one, by id, with the coordinator of each set this
-// rank leads. Written only on the progress driver (sets are made and dropped there), under
-// the table's mutex; read by the driver without it and by other threads with it.
+// rank leads, and this rank's machine group. Written only on the progress driver (sets are
+// made and dropped there), under the table's mutex; read by the driver without it and by
+// other threads with it.
 class ProcessSets {
  public:
-  // Any thread.
+  // At start-up, before the progress driver runs: the machine group of this rank, whose
+  // world ranks are `machine` (by local rank); none when they are every rank of the job.
+  // `fusion_threshold`: its coordinator's (at the machine's first rank).
+  void SetMachine(const std::vector<int>& machine, int world_rank, int world_size, int64_t fusion_threshold);
+
+  // Any thread. The user's sets (Horovod's), not the machine group.
   ProcessSetPtr Find(int32_t id) const;
   bool Empty() const;
   ProcessSetPtr WithRanks(const std::vector<int>& ranks) const;  // a set of exactly these ranks
 
-  // Driver only.
+  // Driver only (and the machine group's: any thread).
+  // The set whose coordinator negotiates an op of process set `set` and scope `scope`
+  // (shoal_scope): the machine group for machine scope, else `set`.
+  int32_t NegotiatedIn(int set, int scope) const {
+    return scope == SHOAL_SCOPE_MACHINE && machine_.info ? machine_.info->id : set;
+  }
   const ProcessSet* Of(int set) const;        // null for the global set (0) and unknown ids
   Coordinator* CoordinatorOf(int set) const;  // of a set (not 0) this rank leads, else null
   bool Leader() const { return leader_; }     // this rank coordinates some set
   void Add(ProcessSetPtr set, std::unique_ptr<Coordinator> coordinator);
   void Remove(int32_t id);
   template <typename F> void ForEach(F&& f) const {  // f(const ProcessSet&, Coordinator* or null)
+    if (machine_.info) f(*machine_.info, machine_.coordinator.get());
     for (auto& kv : sets_) f(*kv.second.info, kv.second.coordinator.get());
   }
 
@@ -104,6 +122,7 @@ class ProcessSets {
   };
   mutable std::mutex mu_;
   std::map<int, State> sets_;
+  State machine_;  // this rank's machine group (none on one machine); set before the driver runs
   bool leader_ = false;
   std::mutex agreement_mu_;
   int64_t calls_ = 0;  // agreement_mu_: add/remove agreements so far

@@ -15,11 +15,11 @@ bool Departures::Record(int rank) {
   return true;
 }
 
-std::vector<int> Departures::Members(const Entry& e) const {
+std::vector<int> Departures::Members(const ProcessSet* set) const {
   std::vector<int> gone;
   if (!any_) return gone;
   for (size_t r = 0; r < left_.size(); ++r)
-    if (left_[r] && (!e.pset || e.pset->Has(static_cast<int>(r)))) gone.push_back(static_cast<int>(r));
+    if (left_[r] && (!set || set->Has(static_cast<int>(r)))) gone.push_back(static_cast<int>(r));
   return gone;
 }
 

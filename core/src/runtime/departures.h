@@ -18,7 +18,7 @@ class Departures {
   bool Record(int rank);  // false if its leave was known already
   bool Any() const { return any_; }
   bool Left(int rank) const { return any_ && left_[rank]; }
-  std::vector<int> Members(const Entry& e) const;  // ranks of e's process set (or all) that left
+  std::vector<int> Members(const ProcessSet* set) const;  // ranks of `set` (null: every rank) that left
 
   // Any thread: "rank 1 left the job (...)" once some rank left, else "".
   std::string Message() const;

@@ -172,7 +172,8 @@ void Runtime::LeaveSets(int rank) {
       if (!resps.empty()) Respond(&s, std::move(resps));
     } else if (rank == s.leader()) {  // the set's coordinator is gone: what waits for it fails
       const int id = s.id;
-      FailAwaiting([id](const Entry& e) { return e.set == id; }, SHOAL_ABORTED, Departures::Describe({rank}));
+      FailAwaiting([this, id](const Entry& e) { return sets_.NegotiatedIn(e.set, e.sig.scope) == id; }, SHOAL_ABORTED,
+                   Departures::Describe({rank}));
     }
   });
 }

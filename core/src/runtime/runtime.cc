@@ -26,6 +26,7 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t g
       names_(cfg_.name_limit), departures_(backend_->world().size), cache_(this, cfg_, &stats_, fusion_pool_), stalls_(cfg_, &stats_),
       join_(backend_->world().size) {
   if (world().rank == 0) coordinator_ = std::make_unique<Coordinator>(world().size, cfg_.fusion_threshold, Backend::kChannels);
+  sets_.SetMachine(world().machine_ranks, world().rank, world().size, cfg_.fusion_threshold);
   if (!cfg_.timeline.empty()) {
     std::string path = cfg_.timeline + std::to_string(world().rank) + ".json";
     if (!timeline_.Open(path, world().rank)) Log(LOG_ERROR, "cannot write the timeline " + path);
@@ -66,7 +67,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   try {
     e = Describe(d, pset);
   } catch (const ArgumentError& ex) {
-    Reject(d.op, d.name, ex.code, ex.what(), d.process_set);
+    Reject(d.op, d.name, ex.code, ex.what(), d.process_set, d.scope);
     throw;
   }
   // Last, after validation: marks the point the producer reached on the caller's stream.
@@ -77,7 +78,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
     throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
                                                 "exist (remove_process_set them first)");
   if (d.op == kOpJoin) join_.SetInFlight(true);
-  e->name = names_.Name(d.op, d.name, e->set);
+  e->name = names_.Name(d.op, d.name, sets_.NegotiatedIn(e->set, e->sig.scope));
   if (e->set) e->set_key = SetKey(e->set, e->name);
   NameState& ns = names_[e->key()];
   if (ns.in_flight) throw Duplicate(d.op, e->name);
@@ -148,24 +149,27 @@ void Runtime::Start(std::unique_lock<std::mutex>& lock, bool callback) {
   }
 }
 
-void Runtime::Reject(int op, const char* name, int code, const std::string& error, int set) {
+void Runtime::Reject(int op, const char* name, int code, const std::string& error, int set, int scope) {
   // A grouped op's refusal (SHOAL_GROUPED | op) names the group.
-  if (!IsOpCode((op & SHOAL_GROUPED) ? op & ~SHOAL_GROUPED : op) || world().size == 1) return;
+  const int base = (op & SHOAL_GROUPED) ? op & ~SHOAL_GROUPED : op;
+  if (!IsOpCode(base) || world().size == 1) return;
   ProcessSetPtr pset = set ? FindSet(set) : nullptr;
   if (set && (!pset || pset->index < 0 || pset->size() == 1)) return;  // nobody waits for this rank's call
+  // Scope is allreduce's and broadcast's (Describe); with machine scope, the machine's ranks wait.
+  if (base != SHOAL_OP_ALLREDUCE && base != SHOAL_OP_BROADCAST) scope = SHOAL_SCOPE_WORLD;
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_ || left_) return;
-  const std::string full = names_.Name(op, name, set);
+  const std::string full = names_.Name(op, name, sets_.NegotiatedIn(set, scope));
   if (op != SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
-    if (!RejectLocked(op, full, code, error, pset)) return;
+    if (!RejectLocked(op, full, code, error, pset, scope)) return;
   } else {
     NameState& ns = names_[full];
     if (ns.in_flight) return;
     ns.staged = true;  // its stages' names are retired with it
     ns.last_use = names_.Use();
     ++(ns.frozen ? ns.held_calls : ns.calls);  // the stages' refusals below carry the steps
-    for (auto& [stage, suffix] : kHierarchicalStages) {
-      RejectLocked(stage, full + suffix, code, error);
+    for (auto& [stage, suffix, stage_scope] : kHierarchicalStages) {
+      RejectLocked(stage, full + suffix, code, error, nullptr, stage_scope);
       names_[full + suffix].stage = true;
     }
   }
@@ -175,9 +179,10 @@ void Runtime::Reject(int op, const char* name, int code, const std::string& erro
 }
 
 bool Runtime::RejectLocked(int op, const std::string& name, int code, const std::string& error,
-                           const ProcessSetPtr& pset) {
+                           const ProcessSetPtr& pset, int scope) {
   auto e = std::make_shared<Entry>();
   e->sig.op = op;
+  e->sig.scope = scope;  // which coordinator hears of it
   e->name = name;
   if (pset) {
     e->set = pset->id;

@@ -96,7 +96,9 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   // A call of `op` named `name` (null: unnamed) refused at the call on this rank with
   // `error`: its name and step are used up as if it ran, and every rank that submits it
   // gets the same error instead of waiting for this rank.
-  void Reject(int op, const char* name, int code, const std::string& error, int set = 0);
+  // `scope`: the call's (shoal_scope; machine: only the ranks of this machine wait for it).
+  void Reject(int op, const char* name, int code, const std::string& error, int set = 0,
+              int scope = SHOAL_SCOPE_WORLD);
   // Horovod's add_process_set / remove_process_set, called by every rank in the same order
   // (process_sets/process_sets.h; semantics: shoal_add_process_set). `refusal`: this rank refuses the
   // call (bad arguments above the core): every rank raises it. Throw ArgumentError (the same
@@ -156,10 +158,10 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   void CheckStalls();
   void OnLeave(int rank);
   bool FailIfUnreachable(const EntryPtr& e);
-  // Uses up `name`'s next step (in process set `pset`, null: every rank's) with a refusal its
-  // peers hear of; false if an op of that name is in flight here (mu_ held).
+  // Uses up `name`'s next step (in process set `pset`, null: every rank's; machine scope: the
+  // machine's) with a refusal its peers hear of; false if an op of that name is in flight here (mu_ held).
   bool RejectLocked(int op, const std::string& name, int code, const std::string& error,
-                    const ProcessSetPtr& pset = nullptr);
+                    const ProcessSetPtr& pset = nullptr, int scope = SHOAL_SCOPE_WORLD);
   // Queues an op of the runtime's own (a stage) under a handle of its own (mu_ held).
   void QueueLocked(const EntryPtr& e);
   // Makes the stages of hierarchical op `e` (named, on its handle); returns the first (mu_ held).

@@ -14,8 +14,8 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   if (!e->reject.empty()) {  // a refusal: only the coordinator hears of it, and tells the others
     cache_.Route(e);  // a batch of that name will not run as cached
     Request req{e->name, e->sig, e->step, e->reject, e->reject_code, false, {}, {}};
-    req.set = e->set;
-    if (Coordinator* c = CoordinatorOf(e->set)) c->Add(IndexIn(e->set, world().rank), req, Now());
+    req.set = sets_.NegotiatedIn(e->set, e->sig.scope);
+    if (Coordinator* c = CoordinatorOf(req.set)) c->Add(IndexIn(req.set, world().rank), req, Now());
     else to_coordinator->push_back(std::move(req));
     return;
   }
@@ -72,8 +72,8 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
       e->send_ranks.erase(e->send_ranks.begin() + k);
       if (k < e->send_weights.size()) e->send_weights.erase(e->send_weights.begin() + k);
     }
-  } else {  // every rank (of its process set) takes part in a collective and in a negotiation
-    gone = departures_.Members(*e);
+  } else {  // every rank of its process set (or machine) takes part in a collective and in a negotiation
+    gone = departures_.Members(SetOf(sets_.NegotiatedIn(e->set, e->sig.scope)));
   }
   if (gone.empty()) return false;
   Finish(e, Status::Error(SHOAL_ABORTED, OpError(e->sig.op, e->name, Departures::Describe(gone))));
@@ -92,9 +92,9 @@ void Runtime::OnLeave(int rank) {
     std::vector<Response> resps = coordinator_->Leave(rank);
     if (!resps.empty()) Respond(nullptr, std::move(resps));
   } else if (rank == 0) {  // no coordinator any more: nothing waiting for it can complete
-    FailAwaiting([](const Entry& e) { return e.set == 0; }, SHOAL_ABORTED, why);
+    FailAwaiting([this](const Entry& e) { return sets_.NegotiatedIn(e.set, e.sig.scope) == 0; }, SHOAL_ABORTED, why);
   }
-  if (!sets_.Empty()) LeaveSets(rank);
+  LeaveSets(rank);
 }
 
 void Runtime::Apply(const Response& r) {
@@ -192,14 +192,14 @@ void Runtime::CheckStalls() {
 void Runtime::Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   awaiting_response_[e->key()] = e;
   Request req{e->name, e->sig, e->step, {}, 0, e->topo_check, {}, {}};
-  req.set = e->set;
+  req.set = sets_.NegotiatedIn(e->set, e->sig.scope);
   if (e->topo_check) {
     req.send = e->send_ranks;
     req.recv = e->recv_ranks;
     req.known = neighbor_patterns_.Checked(*e);
   }
   req.splits = e->splits;  // alltoall
-  {
+  if (req.set == e->set) {  // names retire in their set's vote (a machine's ops keep the global names)
     std::lock_guard<std::mutex> lock(mu_);
     names_.Propose(*e, [this](const std::string& key) { return cache_.Has(key) || rejections_.count(key) > 0; }, &req);
   }
@@ -279,7 +279,10 @@ void Runtime::SendRequests(std::vector<Request>* reqs) {
       if (st.ok()) return;
       if (leader == 0) return FailAll("cannot reach the coordinator (rank 0): " + st.message);
       // Only the sets it leads lose their coordinator.
-      FailAwaiting([leader](const Entry& e) { return e.pset && e.pset->leader() == leader; }, SHOAL_ABORTED,
+      FailAwaiting([this, leader](const Entry& e) {
+        const ProcessSet* s = SetOf(sets_.NegotiatedIn(e.set, e.sig.scope));
+        return s && s->leader() == leader;
+      }, SHOAL_ABORTED,
                    "cannot reach rank " + std::to_string(leader) + ", the coordinator of its process set: " + st.message);
     });
   };

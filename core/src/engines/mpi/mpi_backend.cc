@@ -280,6 +280,17 @@ class MpiBackend : public Backend {
     world_->MakeChannels();
     MPI_Comm_rank(local, &info_.local_rank);
     MPI_Comm_size(local, &info_.local_size);
+    {
+      MPI_Group world_group = MPI_GROUP_NULL, local_group = MPI_GROUP_NULL;
+      MPI_Comm_group(ctrl_, &world_group);
+      MPI_Comm_group(local, &local_group);
+      std::vector<int> locals(info_.local_size);
+      for (int l = 0; l < info_.local_size; ++l) locals[l] = l;
+      info_.machine_ranks.resize(info_.local_size);
+      MPI_Group_translate_ranks(local_group, info_.local_size, locals.data(), world_group, info_.machine_ranks.data());
+      MPI_Group_free(&local_group);
+      MPI_Group_free(&world_group);
+    }
     // Homogeneous: equal local sizes and contiguous placement (rank = m*L + l).
     int mine[2] = {info_.local_size, info_.rank % info_.local_size == info_.local_rank};
     std::vector<int> all(2 * info_.size);
