@@ -84,13 +84,16 @@ class CompressedGossip:
         dst = sorted(set(int(k) for k in dst_ranks))
         src = sorted(int(j) for j in src_weights)
         flat = x.detach().reshape(-1)
+        if not torch.isfinite(flat).all():
+            raise ValueError(f"compressed gossip '{self.name}': the tensor has inf or nan")
         copy = self._copy_for(dst, flat)
         payload = self.compressor.encode(flat - copy)
-        if dst:
-            copy += self.compressor.decode(payload, flat.numel(), flat.dtype)
-        self.bytes_sent += payload.numel() * len(dst)
         handle = _ops.neighbor_allgather(ADAPTER, payload, src, dst, True, f"{self.name}.choco")
-        return (x, float(self_weight), {j: float(src_weights[j]) for j in src}, copy, handle)
+        self.bytes_sent += payload.numel() * len(dst)
+        # The sender's copy takes the update once the exchange completes (finish), as the
+        # receivers' copies do.
+        sent = self.compressor.decode(payload, flat.numel(), flat.dtype) if dst else None
+        return (x, float(self_weight), {j: float(src_weights[j]) for j in src}, copy, sent, handle)
 
     def start_with(self, x, self_weight=None, src_weights=None, dst_weights=None):
         """`start` with neighbor_allreduce's arguments (the static topology when all are
@@ -109,10 +112,16 @@ class CompressedGossip:
 
     def finish(self, round_):
         """The mixed tensor of a round `start` returned (x's shape and dtype)."""
-        x, self_weight, src_weights, copy, handle = round_
+        x, self_weight, src_weights, copy, sent, handle = round_
         gathered = _ops.synchronize(handle)
         flat = x.detach().reshape(-1)
         numel, size = flat.numel(), self.compressor.payload_bytes(flat.numel(), flat.dtype)
+        if gathered.numel() != size * len(src_weights):
+            raise ValueError(f"compressed gossip '{self.name}': received {gathered.numel()} bytes from ranks "
+                             f"{sorted(src_weights)}, expected {size} each (their tensors differ from this rank's "
+                             f"{numel} x {flat.dtype})")
+        if sent is not None:
+            copy += sent
         mixed = torch.zeros_like(flat)
         for n, j in enumerate(sorted(src_weights)):
             theirs = self._received.get(j)

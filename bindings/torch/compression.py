@@ -114,7 +114,8 @@ class _Quantized(Compressor):
         padded[:x.numel()] = x
         blocks = padded.view(c, self.chunk)
         scale = blocks.abs().amax(dim=1) / self.levels
-        q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[:, None]).to(torch.int8)
+        q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[:, None])
+        q = q.clamp_(-self.levels, self.levels).to(torch.int8)  # a subnormal scale can round past
         return torch.cat([_bytes_of(scale), self._pack(q)])
 
     def decode(self, payload, numel, dtype):

@@ -56,7 +56,7 @@ class _ParameterMixing(_Distributed):
             raise TypeError("consensus_control must be a shoal.torch.ConsensusControl")
         self.compression = None if compression is None else compressed_gossip.by_name(compression)
         self.compression_step = compressed_gossip.default_step(self.compression, compression_step)
-        self._gossip = {}  # name -> CompressedGossip (its edges' public copies)
+        self._gossip = {}  # (name, numel, dtype, device) -> CompressedGossip (its edges' public copies)
         self.communication_type = communication_type
         self.consensus_control = consensus_control
         self.self_weight = self.src_weights = self.dst_weights = None
@@ -88,9 +88,10 @@ class _ParameterMixing(_Distributed):
         buffer with `flat`); `out`: where a neighbor_allreduce's result goes."""
         kind = self.communication_type
         if kind is CommunicationType.neighbor_allreduce and self.compression is not None:
-            gossip = self._gossip.get(name)
+            key = (name, t.numel(), t.dtype, t.device)  # a changed tensor starts new copies
+            gossip = self._gossip.get(key)
             if gossip is None:
-                gossip = self._gossip[name] = CompressedGossip(self.compression, self.compression_step, name)
+                gossip = self._gossip[key] = CompressedGossip(self.compression, self.compression_step, name)
             return gossip.start_with(t, self.self_weight, self.src_weights, self.dst_weights)
         if kind is CommunicationType.neighbor_allreduce:
             return _ops.neighbor_allreduce(ADAPTER, t, self.self_weight, self.src_weights,

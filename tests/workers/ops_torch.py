@@ -170,8 +170,12 @@ def compiled_graph_reaches_the_core_in_c():
 @check
 def compiled_allgather_and_reducescatter_exact():
     # Both stay in the graph (fullgraph): the floating reducescatter asks nothing of the
-    # core at trace time; values exact, as eagerly.
-    @torch.compile(fullgraph=True, backend="aot_eager")  # no C++ compiler needed (see above)
+    # core at trace time; values exact, as eagerly. torch 2.4's dynamo cannot trace the op
+    # layer's thread-local flag (shoal/_ops.py), 2.13 and 2.14 can (the versions CI runs):
+    # below 2.13 a graph break is allowed.
+    whole = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+    @torch.compile(fullgraph=whole, backend="aot_eager")  # no C++ compiler needed (see above)
     def step(x):
         return bf.allgather(x, name="t.compiled.ag"), bf.reducescatter(x * 2, name="t.compiled.rs")
 

@@ -205,6 +205,10 @@ void NeighborExchange::Accept(int src, Bytes msg) {
       p.msg = msg;
       p.offset = r.Skip(h.nbytes) - msg->data();
     }
+    if (!failed_.empty() && h.how < kPathMpi) {  // data of a step that failed here: not wanted
+      auto f = failed_.find(h.name);
+      if (f != failed_.end() && h.step <= f->second) continue;
+    }
     auto [it, fresh] = stash_.try_emplace({src, std::move(h.name)});
     if (!fresh && it->second.empty()) --empty_keys_;
     it->second.push_back(std::move(p));
@@ -388,6 +392,20 @@ std::vector<EntryPtr> NeighborExchange::TakeNeeding(int rank) {
     }
   }
   return out;
+}
+
+void NeighborExchange::Failed(const std::string& name, int64_t step) {
+  if (failed_.size() > 4096) failed_.clear();  // bounded: names whose steps failed
+  auto [f, fresh] = failed_.try_emplace(name, step);
+  if (!fresh) f->second = std::max(f->second, step);
+  for (auto& kv : stash_) {
+    if (kv.first.second != name || kv.second.empty()) continue;
+    auto& q = kv.second;
+    q.erase(std::remove_if(q.begin(), q.end(), [&](const Piece& p) {
+              return p.step <= step && !(p.arrival && !p.msg);  // not a device piece
+            }), q.end());
+    if (q.empty()) ++empty_keys_;
+  }
 }
 
 std::vector<EntryPtr> NeighborExchange::TakeNamed(const std::string& name, int64_t step) {

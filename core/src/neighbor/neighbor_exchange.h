@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,10 @@ class NeighborExchange {
     auto s = stash_.find(Key{src, name});
     return s != stash_.end() && !s->second.empty();
   }
+  // Step `step` of `name` failed on this rank: its pieces, stashed or still to come, are
+  // dropped, so the name's next step takes that step's data (docs/design.md §18). Pieces
+  // in device memory stay (their transfers are the device plane's).
+  void Failed(const std::string& name, int64_t step);
   // Takes the waiting entries of `name` at `step` (-1: any step).
   std::vector<EntryPtr> TakeNamed(const std::string& name, int64_t step);
   // The message a leaving rank sends each peer on kTag: after all its neighbor data, so a
@@ -131,6 +136,7 @@ class NeighborExchange {
   std::map<std::pair<int, std::string>, std::vector<Piece>, KeyLess> stash_;
   size_t empty_keys_ = 0;
   Clock::time_point last_scan_{};
+  std::unordered_map<std::string, int64_t> failed_;  // name -> its last step that failed here
 };
 
 }  // namespace shoal

@@ -390,6 +390,8 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
   } else {
     ++stats_.errors;
     Log(LOG_DEBUG, "op failed: " + st.message);
+    if (e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER)
+      neighbors_.Failed(e->name, e->step);  // its peers' pieces of that step are not data for the next
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -135,14 +135,24 @@ void Runtime::Apply(const Response& r) {
   if (r.kind != Response::EXECUTE) {
     if (r.kind == Response::REJECTED) {
       for (auto& user_name : r.names) {
-        if (r.set == 0)
+        if (r.set == 0) {
           for (auto& e : neighbors_.TakeNamed(user_name, r.step)) batch.push_back(e);
+          for (auto it = neighbor_ready_.begin(); it != neighbor_ready_.end();) {  // routed this cycle
+            const bool hit = (*it)->name == user_name && (*it)->step == r.step;
+            if (hit) batch.push_back(*it);
+            it = hit ? neighbor_ready_.erase(it) : std::next(it);
+          }
+        }
         if (!batch.empty()) continue;
-        // Remember it for when this rank submits that step, unless it is past it already.
+        // Remember it for when this rank submits that step, or routes it (still queued),
+        // unless it is past it already.
         const std::string name = SetKey(r.set, user_name);
         std::lock_guard<std::mutex> lock(mu_);
         const NameState* ns = names_.Find(name);
-        if ((!ns || ns->calls <= r.step) && rejections_.size() < 1024)
+        const bool queued = std::any_of(queue_.begin(), queue_.end(), [&](const EntryPtr& q) {
+          return q->key() == name && q->step == r.step;
+        });
+        if ((!ns || ns->calls <= r.step || queued) && rejections_.size() < 1024)
           rejections_[name] = r;
       }
     }
