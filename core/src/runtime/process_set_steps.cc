@@ -12,7 +12,9 @@ namespace {
 
 }  // namespace
 
-std::vector<SetVote> Runtime::Agree(const SetVote& mine, const std::string& what) {
+std::vector<SetVote> Runtime::Agree(SetVote& mine, std::string* what, int64_t* top) {
+  mine.calls = sets_.NextCall();
+  *what = mine.Call();
   ByteVec payload = EncodeVote(mine);
   const std::vector<int64_t> shape = {static_cast<int64_t>(payload.size())};
   shoal_op_desc d{};
@@ -23,9 +25,13 @@ std::vector<SetVote> Runtime::Agree(const SetVote& mine, const std::string& what
   const Status st = Wait(h);
   EntryPtr e = Find(h);
   Release(h);
-  if (!st.ok()) Fail(st.code, what + " did not complete: " + st.message + kSetRule);
+  if (!st.ok()) Fail(st.code, *what + " did not complete: " + st.message + kSetRule);
   std::vector<SetVote> votes = DecodeVotes(static_cast<const char*>(e->result), e->result_nbytes);
-  if (static_cast<int>(votes.size()) != world().size) Fail(SHOAL_ABORTED, what + ": internal error: votes lost");
+  if (static_cast<int>(votes.size()) != world().size) Fail(SHOAL_ABORTED, *what + ": internal error: votes lost");
+  *top = 0;
+  for (auto& v : votes) *top = std::max(*top, v.calls);
+  sets_.Agreed(*top);
+  JudgeSetCalls(votes);
   return votes;
 }
 
@@ -36,13 +42,9 @@ int32_t Runtime::AddProcessSet(const std::vector<int>& ranks, const std::string&
   mine.ranks = ranks;
   std::sort(mine.ranks.begin(), mine.ranks.end());
   if (!refusal.empty()) mine.code = SHOAL_INVALID_TYPE, mine.refusal = refusal;
-  mine.calls = sets_.NextCall();
-  const std::string what = mine.Call();
-  const std::vector<SetVote> votes = Agree(mine, what);
+  std::string what;
   int64_t top = 0;
-  for (auto& v : votes) top = std::max(top, v.calls);
-  sets_.Agreed(top);
-  JudgeSetCalls(votes);
+  Agree(mine, &what, &top);
   const int size = world().size;
   if (mine.ranks.empty()) Fail(SHOAL_INVALID_ARGUMENT, what + ": a process set needs at least one rank");
   for (size_t i = 0; i < mine.ranks.size(); ++i) {
@@ -69,17 +71,13 @@ void Runtime::RemoveProcessSet(int32_t id, const std::string& refusal) {
   mine.kind = SetVote::kRemove;
   mine.id = id;
   if (!refusal.empty()) mine.code = SHOAL_INVALID_TYPE, mine.refusal = refusal;
-  mine.calls = sets_.NextCall();
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& kv : handles_) mine.busy += kv.second->set == id && !kv.second->done;
   }
-  const std::string what = mine.Call();
-  const std::vector<SetVote> votes = Agree(mine, what);
+  std::string what;
   int64_t top = 0;
-  for (auto& v : votes) top = std::max(top, v.calls);
-  sets_.Agreed(top);
-  JudgeSetCalls(votes);
+  const std::vector<SetVote> votes = Agree(mine, &what, &top);
   if (id == 0) Fail(SHOAL_INVALID_ARGUMENT, what + ": the global process set cannot be removed");
   if (!FindSet(id)) Fail(SHOAL_INVALID_ARGUMENT, what + ": no process set has id " + std::to_string(id));
   std::vector<int> busy;

@@ -190,7 +190,9 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   void CountJoinedCall(const std::string& key, const Signature& sig) override { CountCall(key, sig); }
   // Process sets (process_sets/process_sets.cc).
   // The allgather through which every rank's add/remove calls agree: every rank's vote.
-  std::vector<SetVote> Agree(const SetVote& mine, const std::string& what);
+  // Numbers `mine` (this rank's next call; `what` names it), judges the calls alike on every
+  // rank (throws ArgumentError), and gives the highest call number in `top`.
+  std::vector<SetVote> Agree(SetVote& mine, std::string* what, int64_t* top);
   Status OnDriver(std::function<Status()> job);  // runs `job` on the progress driver; waits
   void RunControl(const EntryPtr& e);
   Status MakeSet(int32_t id, const std::vector<int>& ranks);  // driver
