@@ -155,8 +155,9 @@ void Runtime::Reject(int op, const char* name, int code, const std::string& erro
   if (!IsOpCode(base) || world().size == 1) return;
   ProcessSetPtr pset = set ? FindSet(set) : nullptr;
   if (set && (!pset || pset->index < 0 || pset->size() == 1)) return;  // nobody waits for this rank's call
-  // Scope is allreduce's and broadcast's (Describe); with machine scope, the machine's ranks wait.
-  if (base != SHOAL_OP_ALLREDUCE && base != SHOAL_OP_BROADCAST) scope = SHOAL_SCOPE_WORLD;
+  // Scope is allreduce's and broadcast's (Describe); with machine scope, the machine's ranks
+  // wait. Not with a process set: Describe refuses the pair, and the set's members wait.
+  if (set != 0 || (base != SHOAL_OP_ALLREDUCE && base != SHOAL_OP_BROADCAST)) scope = SHOAL_SCOPE_WORLD;
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_ || left_) return;
   const std::string full = names_.Name(op, name, sets_.NegotiatedIn(set, scope));
