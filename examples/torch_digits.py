@@ -46,6 +46,9 @@ def parse_args():
     p.add_argument("--compression", default=None,
                    help="AWC/ATC: compressed gossip with error feedback (CHOCO-SGD): int8, int4, fp16, bf16, "
                         "topk:R, randomk:R (R: the fraction kept)")
+    p.add_argument("--overlap", default="backward", choices=["backward", "delayed"],
+                   help="AWC: send the parameters after the forward pass (backward) or at the end of the step "
+                        "before, so the exchange runs during the whole next step (delayed)")
     p.add_argument("--consensus-target", type=float, default=None,
                    help="keep the consensus distance at or below this (first half of training)")
     p.add_argument("--epochs", type=int, default=15, help="passes over the shards")
@@ -122,9 +125,11 @@ def make_optimizer(args, model, steps_total):
     if args.consensus_target is not None:
         # The paper's guideline: control matters in the first phase of training.
         control = bf.ConsensusControl(args.consensus_target, until_step=steps_total // 2)
-    wrapper = (bf.DistributedAdaptWithCombineOptimizer if args.optimizer == "awc"
-               else bf.DistributedAdaptThenCombineOptimizer)
-    return wrapper(base, model, communication_type=ct, consensus_control=control, compression=args.compression)
+    if args.optimizer == "atc":
+        return bf.DistributedAdaptThenCombineOptimizer(base, model, communication_type=ct, consensus_control=control,
+                                                       compression=args.compression)
+    return bf.DistributedAdaptWithCombineOptimizer(base, model, communication_type=ct, consensus_control=control,
+                                                   compression=args.compression, overlap=args.overlap)
 
 
 def evaluate(model, x, y):
@@ -142,6 +147,10 @@ def run_name(args, n):
     parts += [args.partition + (f"{args.alpha:g}" if args.partition == "dirichlet" else ""), f"{args.epochs}ep"]
     if args.consensus_target is not None:
         parts.append(f"target{args.consensus_target:g}")
+    if args.compression:
+        parts.append(args.compression.replace(":", ""))
+    if args.overlap != "backward":
+        parts.append(args.overlap)
     return "-".join(parts) + f"-seed{args.seed}"
 
 
@@ -170,6 +179,8 @@ def plot(out_dir):
 
 def main():
     args = parse_args()
+    if args.overlap != "backward" and args.optimizer != "awc":
+        raise SystemExit("--overlap delayed is AWC's (--optimizer awc)")
     bf.init()
     r, n = bf.rank(), bf.size()
     torch.manual_seed(args.seed)
@@ -230,6 +241,8 @@ def main():
             (progress.write if progress is not None else print)(msg)
     if progress is not None:
         progress.close()
+    if hasattr(opt, "overlap"):
+        opt.synchronize()  # delayed: the exchange the last step started
     # Bytes each rank sent (mean over ranks): what compression saves.
     sent = bf.allreduce(torch.tensor([float(bf.stats()["bytes_sent"])], dtype=torch.float64), op=bf.Average,
                         name="bytes_sent").item()
@@ -246,6 +259,8 @@ def main():
         setting = f"optimizer={args.optimizer} topology={topo} partition={args.partition} ranks={n}"
         if args.compression:
             setting += f" compression={args.compression}"
+        if args.overlap != "backward":
+            setting += f" overlap={args.overlap}"
         print(summary(setting,
                       args.epochs, hist["test_accuracy"][-1], hist["consensus_distance"][-1], hist["seconds"],
                       bytes_sent=sent),

@@ -11,7 +11,8 @@ pytest.importorskip("torch")
 JOBS = {"optimizers": ("optimizers.py", 4, {"SHOAL_RANKS_PER_MACHINE": "2"}, 400),
         # 3 ranks: an average divided by 3 differs from one multiplied by 1/3
         "param_utils": ("param_utils.py", 3, {}, 240),
-        "optimizer_compat": ("optimizer_compat.py", 4, {}, 240)}
+        "optimizer_compat": ("optimizer_compat.py", 4, {}, 240),
+        "delayed_mixing": ("delayed_mixing.py", 4, {}, 240)}
 
 
 def job(which):
@@ -32,6 +33,11 @@ def test_parameter_and_state_utilities_take_any_tensor(check):
 @pytest.mark.parametrize("check", worker_checks("optimizer_compat.py"))
 def test_optimizers_keep_bluefogs_surface(check):
     job("optimizer_compat").check(check)
+
+
+@pytest.mark.parametrize("check", worker_checks("delayed_mixing.py"))
+def test_delayed_mixing_is_awc_started_a_step_early(check):
+    job("delayed_mixing").check(check)
 
 
 @pytest.mark.parametrize("which", list(JOBS))

@@ -134,8 +134,13 @@ class _ParameterMixing(_Distributed):
             if h is not None:
                 self._handles[key] = h
 
-    def _finish_all(self):
+    def _finish_all(self, install=True):
+        """Wait for the exchanges in flight and (with `install`) copy their results in."""
         handles, self._handles = self._handles, {}
+        if not install:
+            for key, h in handles.items():
+                h.finish() if isinstance(h, compressed_gossip.GossipRound) else _ops.synchronize(h)
+            return
         with torch.no_grad():
             for key, h in handles.items():
                 # Copied, not swapped in: views of the parameter (state_dict, p.detach())
@@ -190,6 +195,23 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
             neighbor_allreduce exchange becomes CHOCO-SGD's compressed gossip with error
             feedback (`CompressedGossip`, docs/design.md §21); W must be doubly stochastic.
         compression_step: its consensus step γ (default: `compressed_gossip.default_step`).
+        overlap: "backward" (default): the parameters x_t are sent at the end of the
+            forward pass, so the exchange overlaps the backward pass. "delayed": x_{t+1}
+            is sent at the end of step() t (after the local update and consensus
+            control), so the exchange runs during the whole next forward and backward
+            pass; step() t+1 waits for it, installs Σ_j w_ij x_j(t+1) and then applies
+            the update computed at x_{t+1}. The update rule is AWC's either way
+            (docs/design.md §22); the exchange starting at the end of step() t uses the
+            weights set for step t (a dynamic schedule's weights apply one step later;
+            the first exchange starts at the first forward pass), and with
+            num_steps_per_communication=k it starts early only when the next forward
+            pass is a communicating one (k=1, or the step before the k-th of k local
+            steps; gradient accumulation over k passes sends at the k-th forward). The
+            wrapped optimizer, clip_grad_norm_, GradScaler and accumulation see whole
+            gradients as before. The parameters must not be changed in place between
+            step() and the next step() (RuntimeError at the next step() or
+            synchronize(): the mix would overwrite the change); call `synchronize()`
+            after the last step to install the last exchange.
     Raises: TypeError/ValueError for bad arguments (CommunicationTypeError for
         communication_type); RuntimeError for two forward passes that both communicate
         before step().
@@ -197,17 +219,22 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
                  num_steps_per_communication=1, consensus_control=None, *, compression=None,
-                 compression_step=None):
+                 compression_step=None, overlap="backward"):
+        if overlap not in ("backward", "delayed"):
+            raise ValueError(f'overlap must be "backward" or "delayed", got {overlap!r}')
         super().__init__(optimizer, model, communication_type, num_steps_per_communication,
                          consensus_control, compression, compression_step)
+        self.overlap = overlap
+        self._early = set()  # delayed: modules whose next forward's exchange started at step()
+        self._sent_versions = {}  # delayed: parameter -> its _version when its exchange started
         # Each module's forward sends the parameters it owns (a parameter shared by several
         # modules belongs to the first), counted per module.
         mine, owned = set(self._params()), set()
-        self._forwards = {}
+        self._forwards, self._owned = {}, {}
         for m in self._modules:
             params = [p for p in m.parameters() if p in mine and p not in owned]
             owned.update(params)
-            self._forwards[m] = 0
+            self._forwards[m], self._owned[m] = 0, params
             self._hooks.append(m.register_forward_hook(
                 lambda module, inputs, output, params=params: self._on_forward(module, params)))
 
@@ -215,13 +242,35 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
         if not (module.training and torch.is_grad_enabled()):
             return
         self._forwards[module] += 1
-        if self._forwards[module] % self.num_steps_per_communication == 0:
+        if self._forwards[module] % self.num_steps_per_communication == 0 and module not in self._early:
             self._launch_all(params)
+        self._early.discard(module)
+
+    def _launch_early(self):
+        """Delayed mixing: start now the exchange of every module whose next forward
+        pass communicates (docs/design.md §22)."""
+        for m, params in self._owned.items():
+            if (self._forwards[m] + 1) % self.num_steps_per_communication == 0 and params:
+                self._launch_all(params)
+                self._early.add(m)
+                self._sent_versions.update((p, p._version) for p in params)
 
     def synchronize(self):
-        """Wait for the parameters sent at the last communicating forward pass and install
-        their combination (nothing if none is in flight)."""
+        """Wait for the parameters in flight (sent at the last communicating forward pass,
+        or at the end of the last step() with overlap="delayed") and install their
+        combination (nothing if none is in flight). Raises RuntimeError if a parameter
+        sent at the end of step() was changed in place since (its change would be lost)."""
+        sent, self._sent_versions = self._sent_versions, {}
+        changed = [self._names[p] for p, v in sent.items() if p._version != v]
+        if changed:
+            self._finish_all(install=False)  # every rank completes the exchange; this one drops it
+            self._early.clear()
+            raise RuntimeError(
+                f"parameters {changed} were changed in place while their exchange (started at the end of "
+                "step(), overlap='delayed') was in flight; change parameters only through step(), or call "
+                "opt.synchronize() before changing them")
         self._finish_all()
+        self._early.clear()
         super().synchronize()
 
     def _step(self, closure):
@@ -229,6 +278,8 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
         loss = self._local_step(closure)
         self.steps += 1
         self._control()
+        if self.overlap == "delayed":
+            self._launch_early()
         return loss
 
 
