@@ -54,6 +54,16 @@ def test_neighbor_suite_on_fake_devices(ranks, backend, check):
     _outcome(ranks, "neighbor_device.py", fake_device_env(ranks, backend), check, timeout=120)
 
 
+# Compressed gossip (tests/workers/compressed_gossip.py) on fake-device tensors: the
+# compressors are torch operations on the tensor's device and the packed payloads travel
+# by each GPU data path, counted in stats() as what they are.
+@pytest.mark.parametrize("check", _checks("compressed_gossip.py"))
+@pytest.mark.parametrize("backend", ["nccl", "mpi", "mpi-direct"])
+def test_compressed_gossip_on_fake_devices(backend, check):
+    pytest.importorskip("torch")
+    _outcome(4, "compressed_gossip.py", fake_device_env(4, backend), check, timeout=120)
+
+
 @pytest.mark.parametrize("check", _checks("fake_nccl.py"))
 def test_fake_nccl_rules(check):
     # The cycle check waits for this timeout; the others fail or pass at once.

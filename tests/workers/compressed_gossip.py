@@ -2,6 +2,8 @@
 (exact over a one-peer schedule), lossy gossip keeps the average exactly and sends the
 compressed bytes, and error feedback reaches the uncompressed optimum of a decentralized
 least-squares problem where compressing x itself does not."""
+import os
+
 import torch
 
 import shoal.torch as bf
@@ -39,16 +41,22 @@ def int8_gossip_keeps_the_average_and_sends_a_quarter_of_the_bytes():
     x0 = torch.randn(4096, generator=torch.Generator().manual_seed(R), dtype=torch.float64)
     mean0 = bf.allreduce(x0, name="cg.mean0")
     g = CompressedGossip("int8", gamma=0.5, name="cg.int8")
-    before = bf.stats()["bytes_sent"]
+    before = bf.stats()
     steps = 6 * TAU
     x = x0
     for t in range(steps):
         dst, src = one_peer(t)
         x = g.finish(g.start(x, 0.5, src, dst))
-    sent = bf.stats()["bytes_sent"] - before
+    after = bf.stats()
+    sent = after["bytes_sent"] - before["bytes_sent"]
     assert g.bytes_sent == steps * compression.Int8().payload_bytes(4096, torch.float64), g.bytes_sent
     assert g.bytes_sent <= 0.3 * steps * 4096 * 4, g.bytes_sent  # <= 30 % of float32's bytes
     assert g.bytes_sent <= sent < 1.1 * g.bytes_sent, (sent, g.bytes_sent)  # the core's count adds headers
+    if os.environ.get("SHOAL_FAKE_DEVICE") == "1":  # tensors described as CUDA: the payloads took the GPU path
+        direct = os.environ.get("SHOAL_FAKE_CUDA_AWARE_MPI") == "1"
+        path = "nccl" if os.environ.get("SHOAL_GPU_BACKEND") == "nccl" else "mpi" if direct else "staged"
+        key = "neighbor_bytes_sent_" + path
+        assert after[key] - before[key] == g.bytes_sent, (key, after[key] - before[key], g.bytes_sent)
     mean = bf.allreduce(x, name="cg.mean1")
     assert torch.allclose(mean, mean0, rtol=0, atol=1e-12), (mean - mean0).abs().max()
     spread = bf.allreduce((x - mean).norm() ** 2, name="cg.xi").item()

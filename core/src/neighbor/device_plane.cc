@@ -136,6 +136,7 @@ void DevicePlane::Send(int dst, int path, const std::vector<std::pair<EntryPtr, 
     ++it.first->sends_pending;
     c.entries.push_back(it.first);
     (path == kPathNccl ? stats_->neighbor_bytes_sent_nccl : stats_->neighbor_bytes_sent_mpi) += it.first->nbytes();
+    stats_->bytes_sent += it.first->nbytes();  // what the host path counts for the same data
   }
   if (!l.error.empty()) return FailCall(c, l.error);
   l.queued.push_back(std::move(c));
@@ -146,7 +147,10 @@ std::vector<std::shared_ptr<Arrival>> DevicePlane::Receive(int src, int path, co
   Link& l = GetLink(src, false, path);
   Call c;
   c.nbytes = nbytes;
-  for (size_t k = 0; k < nbytes.size(); ++k) c.arrivals.push_back(std::make_shared<Arrival>());
+  for (size_t k = 0; k < nbytes.size(); ++k) {
+    c.arrivals.push_back(std::make_shared<Arrival>());
+    stats_->bytes_received += nbytes[k];
+  }
   auto arrivals = c.arrivals;
   if (!l.error.empty()) {
     FailCall(c, l.error);
