@@ -70,12 +70,15 @@ def eth0_sent():
     return 0  # not on an emulated machine
 
 
-def predicted_models_per_machine(config, size, per_machine):
-    """Model copies a machine link sends per step, from the algorithm and the placement."""
+def predicted_models_per_machine(config, size, per_machine, steps):
+    """Model copies a machine link sends per step, from the algorithm and the placement, in
+    rounds of `steps` steps."""
     import math
     machine = lambda r: r // per_machine  # noqa: E731  (blocks, as shoalrun places them)
     machines = size // per_machine
-    if config in ("AWC one-peer", "AWC delayed", "comm only", "ATC one-peer", "push-sum"):
+    if config == "AWC delayed":  # steps + 1 exchanges a round (module docstring)
+        return predicted_models_per_machine("AWC one-peer", size, per_machine, steps) * (steps + 1) / steps
+    if config in ("AWC one-peer", "comm only", "ATC one-peer", "push-sum"):
         hops = [2 ** k for k in range(max(1, int(math.log2(size))))]
         cross = sum(machine(r) != machine((r + h) % size) for h in hops for r in range(size))
         return cross / len(hops) / machines
@@ -300,7 +303,8 @@ def run_in_job(args):
             rows.append({"config": name, "samples_per_s": samples * len(secs[name]) / sum(secs[name]),
                          "s_per_step": sum(secs[name]) / (len(secs[name]) * args.steps),
                          "rounds": secs[name], "link_mib_per_step": [b / 2**20 for b in links],
-                         "predicted_models_per_step": predicted_models_per_machine(name, size, bf.local_size())})
+                         "predicted_models_per_step": predicted_models_per_machine(name, size, bf.local_size(),
+                                                                                       args.steps)})
         result = {"model": args.model, "parameters": n_params, "model_mib": model_bytes / 2**20,
                   "ranks": size, "machines": bf.machine_size(), "batch": args.batch_size,
                   "steps": args.steps, "rounds": args.rounds, "rows": rows}
