@@ -70,18 +70,23 @@ def eth0_sent():
     return 0  # not on an emulated machine
 
 
-def predicted_models_per_machine(config, size, per_machine, steps):
-    """Model copies a machine link sends per step, from the algorithm and the placement, in
-    rounds of `steps` steps."""
+def predicted_models_per_machine(config, size, per_machine, warmup, steps, rounds):
+    """Model copies a machine link sends per step, from the algorithm and the placement: the
+    mean over a schedule's cycle (exact when rounds x steps is a multiple of it), for AWC
+    delayed over the exchanges the timed rounds make (after `warmup` steps)."""
     import math
     machine = lambda r: r // per_machine  # noqa: E731  (blocks, as shoalrun places them)
     machines = size // per_machine
-    if config == "AWC delayed":  # steps + 1 exchanges a round (module docstring)
-        return predicted_models_per_machine("AWC one-peer", size, per_machine, steps) * (steps + 1) / steps
-    if config in ("AWC one-peer", "comm only", "ATC one-peer", "push-sum"):
-        hops = [2 ** k for k in range(max(1, int(math.log2(size))))]
-        cross = sum(machine(r) != machine((r + h) % size) for h in hops for r in range(size))
-        return cross / len(hops) / machines
+    if config in ("AWC one-peer", "AWC delayed", "comm only", "ATC one-peer", "push-sum"):
+        # step t of one-peer exp2 sends to rank + 2^(t mod the number of powers of 2 below size)
+        hops = [2 ** k for k in range((size - 1).bit_length())] or [0]
+        cross = [sum(machine(r) != machine((r + h) % size) for r in range(size)) / machines for h in hops]
+        if config != "AWC delayed":
+            return sum(cross) / len(cross)
+        # A round's first exchange (at its first forward pass) and one at the end of each of
+        # its steps, each with the weights of its step (module docstring).
+        at = [warmup + r * steps + i for r in range(rounds) for i in (0, *range(steps))]
+        return sum(cross[t % len(cross)] for t in at) / (rounds * steps)
     if config == "AWC exp2":
         hops = [2 ** k for k in range(int(math.log2(size - 1)) + 1)] if size > 1 else []
         return sum(machine(r) != machine((r + h) % size) for h in hops for r in range(size)) / machines
@@ -303,8 +308,8 @@ def run_in_job(args):
             rows.append({"config": name, "samples_per_s": samples * len(secs[name]) / sum(secs[name]),
                          "s_per_step": sum(secs[name]) / (len(secs[name]) * args.steps),
                          "rounds": secs[name], "link_mib_per_step": [b / 2**20 for b in links],
-                         "predicted_models_per_step": predicted_models_per_machine(name, size, bf.local_size(),
-                                                                                       args.steps)})
+                         "predicted_models_per_step": predicted_models_per_machine(
+                             name, size, bf.local_size(), args.warmup, args.steps, args.rounds)})
         result = {"model": args.model, "parameters": n_params, "model_mib": model_bytes / 2**20,
                   "ranks": size, "machines": bf.machine_size(), "batch": args.batch_size,
                   "steps": args.steps, "rounds": args.rounds, "rows": rows}
