@@ -14,6 +14,8 @@ random batch per rank (torch_training.py's set-up: momentum SGD, cross-entropy, 
 thread per rank), interleaved over --rounds rounds of --steps steps after --warmup steps:
 
   AWC one-peer    DistributedAdaptWithCombineOptimizer, one peer per step (one-peer exp2)
+  AWC delayed     the same with overlap="delayed": the exchange of x_{t+1} starts at the end
+                  of step() and runs during the next forward and backward
   AWC exp2        the same on the static exponential-2 graph (the default topology)
   hierarchical    AWC with CommunicationType.hierarchical_neighbor_allreduce on the machines'
                   static exponential-2 graph (within a machine by shared memory)
@@ -22,7 +24,23 @@ thread per rank), interleaved over --rounds rounds of --steps steps after --warm
   push-sum        DistributedPushSumOptimizer (window ops, asynchronous), one peer per step
   grad allreduce  DistributedGradientAllreduceOptimizer (Horovod's algorithm, through Shoal)
   DDP gloo        torch DistributedDataParallel over gloo, rendezvous at MASTER_ADDR (machine 0)
+  Decent-DP       the decent-dp package's DecentralizedDataParallel (`pip install decent-dp`),
+                  topology "one-peer-exp", over the same gloo process group: its update and
+                  the launch of the next exchange run in backward hooks, the exchange in
+                  flight until the same point of the next backward (delayed mixing too)
+  comm only       AWC one-peer's exchange alone (same weights, same buckets), no compute
   compute only    the same SGD step without communication: the floor
+
+A configuration whose exchange is still in flight after a round's last step (AWC delayed,
+Decent-DP) waits for it inside the round's timing, so no exchange runs during another
+configuration's round and the pipeline's drain is counted. AWC delayed's drain is
+synchronize(): after it the next forward pass starts the exchange again (docs/design.md
+§22), so a round of S steps makes S+1 exchanges and few steps per round weigh the refill;
+Decent-DP's drain only waits (its next backward still mixes): S exchanges a round. Its
+first step only traces the backward order and its second takes the first update with a
+blocking exchange, so it runs at least 2 warm-up steps. After the table, a line compares
+delayed mixing with its bound max(compute only, comm only) and with Decent-DP and AWC
+one-peer (s/step ratios of the same run).
 
 Rate = ranks x batch x timed steps / summed round times, each round timed on the slowest
 rank. Link bytes: each machine's first rank reads its `eth0` counters (/proc/net/dev)
@@ -35,11 +53,12 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CONFIGS = ["AWC one-peer", "AWC exp2", "hierarchical", "hier. one-peer", "ATC one-peer", "push-sum", "grad allreduce",
-           "DDP gloo", "compute only"]
+CONFIGS = ["AWC one-peer", "AWC delayed", "AWC exp2", "hierarchical", "hier. one-peer", "ATC one-peer", "push-sum",
+           "grad allreduce", "DDP gloo", "Decent-DP", "comm only", "compute only"]
 
 
 def eth0_sent():
@@ -51,15 +70,23 @@ def eth0_sent():
     return 0  # not on an emulated machine
 
 
-def predicted_models_per_machine(config, size, per_machine):
-    """Model copies a machine link sends per step, from the algorithm and the placement."""
+def predicted_models_per_machine(config, size, per_machine, warmup, steps, rounds):
+    """Model copies a machine link sends per step, from the algorithm and the placement: the
+    mean over a schedule's cycle (exact when rounds x steps is a multiple of it), for AWC
+    delayed over the exchanges the timed rounds make (after `warmup` steps)."""
     import math
     machine = lambda r: r // per_machine  # noqa: E731  (blocks, as shoalrun places them)
     machines = size // per_machine
-    if config in ("AWC one-peer", "ATC one-peer", "push-sum"):
-        hops = [2 ** k for k in range(max(1, int(math.log2(size))))]
-        cross = sum(machine(r) != machine((r + h) % size) for h in hops for r in range(size))
-        return cross / len(hops) / machines
+    if config in ("AWC one-peer", "AWC delayed", "comm only", "ATC one-peer", "push-sum"):
+        # step t of one-peer exp2 sends to rank + 2^(t mod the number of powers of 2 below size)
+        hops = [2 ** k for k in range((size - 1).bit_length())] or [0]
+        cross = [sum(machine(r) != machine((r + h) % size) for r in range(size)) / machines for h in hops]
+        if config != "AWC delayed":
+            return sum(cross) / len(cross)
+        # A round's first exchange (at its first forward pass) and one at the end of each of
+        # its steps, each with the weights of its step (module docstring).
+        at = [warmup + r * steps + i for r in range(rounds) for i in (0, *range(steps))]
+        return sum(cross[t % len(cross)] for t in at) / (rounds * steps)
     if config == "AWC exp2":
         hops = [2 ** k for k in range(int(math.log2(size - 1)) + 1)] if size > 1 else []
         return sum(machine(r) != machine((r + h) % size) for h in hops for r in range(size)) / machines
@@ -71,7 +98,73 @@ def predicted_models_per_machine(config, size, per_machine):
         return 2 * (machines - 1) / machines
     if config == "DDP gloo":  # gloo's ring over ranks in blocks: one crossing edge per machine
         return 2 * (size - 1) / size if machines > 1 else 0.0
+    if config == "Decent-DP":
+        # one-peer-exp round k pairs j with j + 2^k, greedily from rank 0; each pair's gloo
+        # allreduce (reduce-scatter, then allgather: half a model each) sends one model per rank.
+        rounds = max(1, round(math.log2(size)))
+        crossing = 0
+        for k in range(rounds):
+            used = set()
+            for j in range(size):
+                if j not in used:
+                    used.update((j, (j + 2 ** k) % size))
+                    crossing += 2 * (machine(j) != machine((j + 2 ** k) % size))
+        return crossing / rounds / machines
     return 0.0
+
+
+class ParameterExchange:
+    """One AWC step's exchange of `model`'s parameters, without the step: the same buckets
+    (shoal.torch._buckets.plan: parameters under 64 KiB share a flat buffer) and weights
+    (set `self_weight`, `src_weights`, `dst_weights` before each call, as on the optimizer),
+    each piece a public `neighbor_allreduce_nonblocking` (no topology check, as AWC), then
+    the combination copied into the parameters. Unlike AWC, each result is a new tensor
+    (the public op takes no output buffer): one allocation of the model's size per call."""
+
+    def __init__(self, model, prefix):
+        from shoal.torch import _buckets
+        names = {p: n for n, p in model.named_parameters()}
+        self.pieces = [(p, b, b.name if b else f"{prefix}.{names[p]}")
+                       for p, b in _buckets.plan(list(names), names, prefix)]
+        self.self_weight = self.src_weights = self.dst_weights = None
+
+    def __call__(self):
+        import torch
+
+        import shoal.torch as bf
+        handles = [bf.neighbor_allreduce_nonblocking(b.gather() if b else p.data, self.self_weight, self.src_weights,
+                                                     self.dst_weights, enable_topo_check=False, name=name)
+                   for p, b, name in self.pieces]
+        with torch.no_grad():
+            for (p, b, _), h in zip(self.pieces, handles):
+                result = bf.synchronize(h)
+                b.scatter(result) if b else p.copy_(result)
+
+
+def decent_dp(model, data, target, lr):
+    """Decent-DP's train step (forward and backward: the update runs in its backward hooks)
+    and its drain, over the initialised default process group."""
+    import torch
+    import torch.nn.functional as F
+    try:
+        from decent_dp.ddp import DecentralizedDataParallel
+    except ImportError as exc:
+        raise SystemExit(f"the 'Decent-DP' configuration needs the decent-dp package: "
+                         f"pip install decent-dp ({exc})") from None
+    ddp = DecentralizedDataParallel(
+        model, optim_fn=lambda named: torch.optim.SGD([p for _, p in named], lr=lr, momentum=0.9),
+        topology="one-peer-exp")
+
+    def step():  # its hooks zero the gradients after each bucket's update
+        F.cross_entropy(ddp(data), target).backward()
+
+    def drain():
+        # No public call waits without changing the algorithm (global_avg averages): wait for
+        # its per-bucket works and leave them in place, so the next backward still mixes.
+        for work in ddp._comm_ops:
+            if work is not None:
+                work.wait()
+    return step, drain
 
 
 def run_in_job(args):
@@ -98,7 +191,7 @@ def run_in_job(args):
     def sgd(m):
         return torch.optim.SGD(m.parameters(), lr=args.lr, momentum=0.9)
 
-    def one_peer(opt, push=False):
+    def one_peer(opt, push=False, then=None):
         schedule = bf.topology.one_peer_exponential_schedule(size, rank)
 
         def set_weights():
@@ -107,6 +200,8 @@ def run_in_job(args):
                 opt.self_weight, opt.dst_weights = 0.5, {d: 0.5 for d in send}
             else:
                 opt.self_weight, opt.src_weights, opt.dst_weights = 0.5, {r: 0.5 for r in recv}, send
+            if then is not None:
+                then()
         return set_weights
 
     def machine_one_peer(opt):
@@ -117,13 +212,29 @@ def run_in_job(args):
             opt.self_weight, opt.src_machine_weights, opt.dst_machine_weights = 0.5, {r: 0.5 for r in recv}, send
         return set_weights
 
+    def gloo():  # one process group for DDP gloo and Decent-DP
+        if not dist.is_initialized():
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            port = int(os.environ.get("SHOAL_BENCH_DDP_PORT", "29517"))
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size)
+
+    # A drain is a synchronize() between steps; the next forward starts a new exchange and
+    # step() waits for it, so the optimizer's step-after-synchronize warning does not apply.
+    warnings.filterwarnings("ignore", message=r"optimizer\.step\(\) was called after optimizer\.synchronize\(\)")
     wanted = args.configs.split(",") if args.configs else CONFIGS
-    steps, closers = {}, []
+    steps, drains, closers = {}, {}, []
     for name in wanted:
         m = fresh()
         if name == "AWC one-peer":
             opt = bf.DistributedAdaptWithCombineOptimizer(sgd(m), m)
             steps[name] = train_step(m, opt, data, target, one_peer(opt))
+        elif name == "AWC delayed":
+            try:
+                opt = bf.DistributedAdaptWithCombineOptimizer(sgd(m), m, overlap="delayed")
+            except TypeError as exc:
+                raise SystemExit(f"'AWC delayed' needs DistributedAdaptWithCombineOptimizer(overlap=...), "
+                                 f"which this Shoal lacks ({exc})") from None
+            steps[name], drains[name] = train_step(m, opt, data, target, one_peer(opt)), opt.synchronize
         elif name == "AWC exp2":
             steps[name] = train_step(m, bf.DistributedAdaptWithCombineOptimizer(sgd(m), m), data, target)
         elif name == "hierarchical":
@@ -146,19 +257,26 @@ def run_in_job(args):
             bf.broadcast_parameters(m.state_dict(), 0)
             steps[name] = train_step(m, bf.DistributedGradientAllreduceOptimizer(sgd(m), m), data, target)
         elif name == "DDP gloo":
-            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            port = int(os.environ.get("SHOAL_BENCH_DDP_PORT", "29517"))
-            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size)
+            gloo()
             ddp = nn.parallel.DistributedDataParallel(m)
             steps[name] = train_step(ddp, sgd(ddp), data, target)
+        elif name == "Decent-DP":
+            gloo()
+            steps[name], drains[name] = decent_dp(m, data, target, args.lr)
+        elif name == "comm only":
+            exchange = ParameterExchange(m, "comm_only")
+            steps[name] = one_peer(exchange, then=exchange)
         elif name == "compute only":
             steps[name] = train_step(m, sgd(m), data, target)
         else:
             raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
 
-    for step in steps.values():
-        for _ in range(args.warmup):
+    for name, step in steps.items():
+        # Decent-DP's first step only traces, its second starts the pipeline (module docstring).
+        for _ in range(max(args.warmup, 2) if name == "Decent-DP" else args.warmup):
             step()
+        if name in drains:
+            drains[name]()
     secs = {name: [] for name in steps}
     sent = {name: 0 for name in steps}
     leader = bf.local_rank() == 0
@@ -168,6 +286,8 @@ def run_in_job(args):
             s0, t0 = eth0_sent() if leader else 0, time.perf_counter()
             for _ in range(args.steps):
                 step()
+            if name in drains:  # the exchange still in flight is part of the round (module docstring)
+                drains[name]()
             elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             secs[name].append(bf.allgather(elapsed).max().item())
             if leader:
@@ -188,7 +308,8 @@ def run_in_job(args):
             rows.append({"config": name, "samples_per_s": samples * len(secs[name]) / sum(secs[name]),
                          "s_per_step": sum(secs[name]) / (len(secs[name]) * args.steps),
                          "rounds": secs[name], "link_mib_per_step": [b / 2**20 for b in links],
-                         "predicted_models_per_step": predicted_models_per_machine(name, size, bf.local_size())})
+                         "predicted_models_per_step": predicted_models_per_machine(
+                             name, size, bf.local_size(), args.warmup, args.steps, args.rounds)})
         result = {"model": args.model, "parameters": n_params, "model_mib": model_bytes / 2**20,
                   "ranks": size, "machines": bf.machine_size(), "batch": args.batch_size,
                   "steps": args.steps, "rounds": args.rounds, "rows": rows}
@@ -213,6 +334,24 @@ def print_table(result, title=""):
         print(f"{r['config']:<15} {r['samples_per_s']:9.1f} {r['s_per_step']:7.3f} {ratio(base):>12} "
               f"{ratio(ddp):>7} {link:13.1f} {link / result['model_mib']:8.2f} "
               f"{r['predicted_models_per_step']:9.2f}", flush=True)
+    line = delayed_line({r["config"]: r["s_per_step"] for r in result["rows"]}, result["steps"])
+    if line:
+        print(line, flush=True)
+
+
+def delayed_line(s_per_step, steps):
+    """Delayed mixing against its bound max(compute only, comm only) and against Decent-DP
+    and AWC one-peer: ratios of s/step from one run (None without "AWC delayed")."""
+    delayed = s_per_step.get("AWC delayed")
+    if delayed is None:
+        return None
+    parts = []
+    if "compute only" in s_per_step and "comm only" in s_per_step:
+        bound = max(s_per_step["compute only"], s_per_step["comm only"])
+        parts.append(f"{delayed / bound:.2f}x its bound max(compute only, comm only) = {bound:.3f} s/step")
+    parts += [f"{delayed / s_per_step[c]:.2f}x {c}'s s/step" for c in ("Decent-DP", "AWC one-peer") if c in s_per_step]
+    return (f"AWC delayed: {delayed:.3f} s/step ({steps + 1} exchanges a round of {steps} steps)"
+            + ("; " if parts else "") + "; ".join(parts))
 
 
 def drive(args):
@@ -240,15 +379,20 @@ def plot(results):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     configs = [r["config"] for r in results[0][2]["rows"]]
     width = 0.8 / len(results)
     for i, (link, straggler, res) in enumerate(results):
         rates = {r["config"]: r["samples_per_s"] for r in res["rows"]}
-        ax.bar([k + i * width for k in range(len(configs))], [rates.get(c, 0) for c in configs], width,
-               label=f"{link}" + (f", straggler {straggler}" if straggler else ""))
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(configs))], configs, rotation=20)
-    ax.set_ylabel("samples/s (8 ranks)")
+        bars = ax.bar([k + i * width for k in range(len(configs))], [rates.get(c, 0) for c in configs], width,
+                      label=f"{link}" + (f", straggler {straggler}" if straggler else ""))
+        if all(c in rates for c in ("AWC delayed", "compute only", "comm only")):
+            # delayed mixing's bound: the slower of compute and communication, fully overlapped
+            k = configs.index("AWC delayed")
+            ax.plot(k + i * width, min(rates["compute only"], rates["comm only"]), "v", color=bars[0].get_facecolor(),
+                    markeredgecolor="black", label="bound max(compute, comm)" if i == 0 else None)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(configs))], configs, rotation=30, ha="right")
+    ax.set_ylabel(f"samples/s ({results[0][2]['ranks']} ranks)")
     ax.set_title(f"{results[0][2]['model']} on {results[0][2]['machines']} emulated machines")
     ax.legend()
     fig.tight_layout()
