@@ -33,14 +33,14 @@ thread per rank), interleaved over --rounds rounds of --steps steps after --warm
 
 A configuration whose exchange is still in flight after a round's last step (AWC delayed,
 Decent-DP) waits for it inside the round's timing, so no exchange runs during another
-configuration's round and the pipeline's drain is counted. AWC delayed's drain is
-synchronize(): after it the next forward pass starts the exchange again (docs/design.md
-§22), so a round of S steps makes S+1 exchanges and few steps per round weigh the refill;
-Decent-DP's drain only waits (its next backward still mixes): S exchanges a round. Its
-first step only traces the backward order and its second takes the first update with a
-blocking exchange, so it runs at least 2 warm-up steps. After the table, a line compares
-delayed mixing with its bound max(compute only, comm only) and with Decent-DP and AWC
-one-peer (s/step ratios of the same run).
+configuration's round and the pipeline's drain is counted: AWC delayed's drain is
+synchronize(), which installs the exchange in flight; the round's next step then only
+updates and starts the next exchange (docs/design.md §22), so a round of S steps makes S
+exchanges; Decent-DP's drain waits on its pending ops. Its first step only traces the
+backward order and its second takes the first update with a blocking exchange, so it runs
+at least 2 warm-up steps. After the table, a line compares delayed mixing with its bound
+max(compute only, comm only) and with Decent-DP and AWC one-peer (s/step ratios of the same
+run).
 
 Rate = ranks x batch x timed steps / summed round times, each round timed on the slowest
 rank. Link bytes: each machine's first rank reads its `eth0` counters (/proc/net/dev)
@@ -53,7 +53,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -70,23 +69,17 @@ def eth0_sent():
     return 0  # not on an emulated machine
 
 
-def predicted_models_per_machine(config, size, per_machine, warmup, steps, rounds):
+def predicted_models_per_machine(config, size, per_machine):
     """Model copies a machine link sends per step, from the algorithm and the placement: the
-    mean over a schedule's cycle (exact when rounds x steps is a multiple of it), for AWC
-    delayed over the exchanges the timed rounds make (after `warmup` steps)."""
+    mean over a schedule's cycle (exact when the timed steps are a multiple of it)."""
     import math
     machine = lambda r: r // per_machine  # noqa: E731  (blocks, as shoalrun places them)
     machines = size // per_machine
     if config in ("AWC one-peer", "AWC delayed", "comm only", "ATC one-peer", "push-sum"):
-        # step t of one-peer exp2 sends to rank + 2^(t mod the number of powers of 2 below size)
+        # step t of one-peer exp2 sends to rank + 2^(t mod the number of powers of 2 below
+        # size); AWC delayed's exchange started at the end of step t uses step t's weights
         hops = [2 ** k for k in range((size - 1).bit_length())] or [0]
-        cross = [sum(machine(r) != machine((r + h) % size) for r in range(size)) / machines for h in hops]
-        if config != "AWC delayed":
-            return sum(cross) / len(cross)
-        # A round's first exchange (at its first forward pass) and one at the end of each of
-        # its steps, each with the weights of its step (module docstring).
-        at = [warmup + r * steps + i for r in range(rounds) for i in (0, *range(steps))]
-        return sum(cross[t % len(cross)] for t in at) / (rounds * steps)
+        return sum(sum(machine(r) != machine((r + h) % size) for r in range(size)) for h in hops) / len(hops) / machines
     if config == "AWC exp2":
         hops = [2 ** k for k in range(int(math.log2(size - 1)) + 1)] if size > 1 else []
         return sum(machine(r) != machine((r + h) % size) for h in hops for r in range(size)) / machines
@@ -218,9 +211,6 @@ def run_in_job(args):
             port = int(os.environ.get("SHOAL_BENCH_DDP_PORT", "29517"))
             dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size)
 
-    # A drain is a synchronize() between steps; the next forward starts a new exchange and
-    # step() waits for it, so the optimizer's step-after-synchronize warning does not apply.
-    warnings.filterwarnings("ignore", message=r"optimizer\.step\(\) was called after optimizer\.synchronize\(\)")
     wanted = args.configs.split(",") if args.configs else CONFIGS
     steps, drains, closers = {}, {}, []
     for name in wanted:
@@ -308,8 +298,7 @@ def run_in_job(args):
             rows.append({"config": name, "samples_per_s": samples * len(secs[name]) / sum(secs[name]),
                          "s_per_step": sum(secs[name]) / (len(secs[name]) * args.steps),
                          "rounds": secs[name], "link_mib_per_step": [b / 2**20 for b in links],
-                         "predicted_models_per_step": predicted_models_per_machine(
-                             name, size, bf.local_size(), args.warmup, args.steps, args.rounds)})
+                         "predicted_models_per_step": predicted_models_per_machine(name, size, bf.local_size())})
         result = {"model": args.model, "parameters": n_params, "model_mib": model_bytes / 2**20,
                   "ranks": size, "machines": bf.machine_size(), "batch": args.batch_size,
                   "steps": args.steps, "rounds": args.rounds, "rows": rows}
@@ -334,12 +323,12 @@ def print_table(result, title=""):
         print(f"{r['config']:<15} {r['samples_per_s']:9.1f} {r['s_per_step']:7.3f} {ratio(base):>12} "
               f"{ratio(ddp):>7} {link:13.1f} {link / result['model_mib']:8.2f} "
               f"{r['predicted_models_per_step']:9.2f}", flush=True)
-    line = delayed_line({r["config"]: r["s_per_step"] for r in result["rows"]}, result["steps"])
+    line = delayed_line({r["config"]: r["s_per_step"] for r in result["rows"]})
     if line:
         print(line, flush=True)
 
 
-def delayed_line(s_per_step, steps):
+def delayed_line(s_per_step):
     """Delayed mixing against its bound max(compute only, comm only) and against Decent-DP
     and AWC one-peer: ratios of s/step from one run (None without "AWC delayed")."""
     delayed = s_per_step.get("AWC delayed")
@@ -350,8 +339,7 @@ def delayed_line(s_per_step, steps):
         bound = max(s_per_step["compute only"], s_per_step["comm only"])
         parts.append(f"{delayed / bound:.2f}x its bound max(compute only, comm only) = {bound:.3f} s/step")
     parts += [f"{delayed / s_per_step[c]:.2f}x {c}'s s/step" for c in ("Decent-DP", "AWC one-peer") if c in s_per_step]
-    return (f"AWC delayed: {delayed:.3f} s/step ({steps + 1} exchanges a round of {steps} steps)"
-            + ("; " if parts else "") + "; ".join(parts))
+    return f"AWC delayed: {delayed:.3f} s/step" + ("; " if parts else "") + "; ".join(parts)
 
 
 def drive(args):

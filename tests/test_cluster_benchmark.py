@@ -33,29 +33,27 @@ def test_decent_dp_prediction_follows_its_topology(size, per_machine):
     rounds = topo._get_topo_edges()
     crossing = sum(len(e.ranks) for edges in rounds for e in edges if len({r // per_machine for r in e.ranks}) > 1)
     expected = crossing / len(rounds) / (size // per_machine)
-    assert bench.predicted_models_per_machine("Decent-DP", size, per_machine, 1, 3, 2) == expected
+    assert bench.predicted_models_per_machine("Decent-DP", size, per_machine) == expected
 
 
 def test_predictions_at_8_ranks_on_4_machines():
     # one-peer exp2 at 8 ranks: hop 1 crosses machines for 4 ranks, hops 2 and 4 for all 8:
     # 1, 2 and 2 models per machine, 5/3 on average; Decent-DP's pairs: round 0 within
     # machines, rounds 1 and 2 all across: 4/3.
-    assert bench.predicted_models_per_machine("comm only", 8, 2, 1, 3, 2) == pytest.approx(5 / 3)
-    assert bench.predicted_models_per_machine("Decent-DP", 8, 2, 1, 3, 2) == pytest.approx(4 / 3)
-    # AWC delayed, 1 warm-up step, 2 rounds of 3 steps: exchanges at schedule steps 1, 1, 2,
-    # 3 and 4, 4, 5, 6 (hops 2, 2, 4, 1 and 2, 2, 4, 1): 14 models in 6 steps.
-    assert bench.predicted_models_per_machine("AWC delayed", 8, 2, 1, 3, 2) == pytest.approx(14 / 6)
-    # 4 ranks on 2 machines, 8 steps after 1: hops 2, 2, 1, 2, 1, 2, 1, 2, 1 (2 and 1 models)
-    assert bench.predicted_models_per_machine("AWC delayed", 4, 2, 1, 8, 1) == pytest.approx(14 / 8)
+    assert bench.predicted_models_per_machine("comm only", 8, 2) == pytest.approx(5 / 3)
+    assert bench.predicted_models_per_machine("Decent-DP", 8, 2) == pytest.approx(4 / 3)
+    # AWC delayed: the exchange started at the end of step t has step t's weights: the same
+    assert bench.predicted_models_per_machine("AWC delayed", 8, 2) == pytest.approx(5 / 3)
+    assert bench.predicted_models_per_machine("AWC delayed", 4, 2) == pytest.approx(3 / 2)
 
 
 def test_delayed_line():
     line = bench.delayed_line({"AWC delayed": 0.6, "compute only": 0.25, "comm only": 0.5, "Decent-DP": 0.75,
-                               "AWC one-peer": 0.8}, 3)
-    assert line == ("AWC delayed: 0.600 s/step (4 exchanges a round of 3 steps); 1.20x its bound max(compute only, "
+                               "AWC one-peer": 0.8})
+    assert line == ("AWC delayed: 0.600 s/step; 1.20x its bound max(compute only, "
                     "comm only) = 0.500 s/step; 0.80x Decent-DP's s/step; 0.75x AWC one-peer's s/step")
-    assert bench.delayed_line({"AWC delayed": 0.6}, 3) == "AWC delayed: 0.600 s/step (4 exchanges a round of 3 steps)"
-    assert bench.delayed_line({"compute only": 0.25}, 3) is None
+    assert bench.delayed_line({"AWC delayed": 0.6}) == "AWC delayed: 0.600 s/step"
+    assert bench.delayed_line({"compute only": 0.25}) is None
 
 
 def test_missing_decent_dp_says_how_to_install(monkeypatch):
@@ -81,9 +79,9 @@ def test_delayed_configurations_on_2_machines(tmp_path):
     result = json.loads(out_json.read_text())
     rows = {r["config"]: r for r in result["rows"]}
     assert list(rows) == configs
-    # AWC delayed: hops 2, 2, 1 after the warm-up step: 5 models in 2 steps
-    assert [rows[c]["predicted_models_per_step"] for c in configs] == [1.5, 2.5, 1.0, 1.5, 0.0]
+    # one-peer exp2 at 4 ranks on 2 machines: hop 1 crosses for 2 ranks, hop 2 for all 4
+    assert [rows[c]["predicted_models_per_step"] for c in configs] == [1.5, 1.5, 1.0, 1.5, 0.0]
     assert all(len(r["rounds"]) == 1 and r["s_per_step"] > 0 for r in rows.values())
     line = re.search(r"^AWC delayed: .*$", run.stdout, re.M)
     assert line, run.stdout[-3000:]
-    assert line.group(0) == bench.delayed_line({c: r["s_per_step"] for c, r in rows.items()}, 2)
+    assert line.group(0) == bench.delayed_line({c: r["s_per_step"] for c, r in rows.items()})

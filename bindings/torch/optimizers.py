@@ -210,8 +210,9 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
             wrapped optimizer, clip_grad_norm_, GradScaler and accumulation see whole
             gradients as before. The parameters must not be changed in place between
             step() and the next step() (RuntimeError at the next step() or
-            synchronize(): the mix would overwrite the change); call `synchronize()`
-            after the last step to install the last exchange.
+            synchronize(): the mix would overwrite the change); `synchronize()`
+            installs the exchange in flight at once (after the last step, or before
+            evaluating), and the step after it then only applies the local update.
     Raises: TypeError/ValueError for bad arguments (CommunicationTypeError for
         communication_type); RuntimeError for two forward passes that both communicate
         before step().
@@ -242,6 +243,7 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
         if not (module.training and torch.is_grad_enabled()):
             return
         self._forwards[module] += 1
+        self._synchronized = False  # a synchronize() before this forward pass was the last step's
         if self._forwards[module] % self.num_steps_per_communication == 0 and module not in self._early:
             self._launch_all(params)
         self._early.discard(module)
@@ -269,8 +271,7 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
                 f"parameters {changed} were changed in place while their exchange (started at the end of "
                 "step(), overlap='delayed') was in flight; change parameters only through step(), or call "
                 "opt.synchronize() before changing them")
-        self._finish_all()
-        self._early.clear()
+        self._finish_all()  # the next forward pass still starts nothing: its exchange was this one
         super().synchronize()
 
     def _step(self, closure):

@@ -4,6 +4,7 @@ still averages exactly without gradients; clipping, GradScaler, local steps, gra
 accumulation, consensus control and compressed gossip keep working; a parameter changed
 while in flight is an error on every rank."""
 import sys
+import warnings
 
 import torch
 
@@ -148,6 +149,30 @@ def one_peer_schedule_trains_to_the_noise_floor():
         loss = torch.nn.functional.mse_loss(model(X), Y).item()
     assert loss < 1.5 * NOISE ** 2, loss
     assert torch.allclose(model.weight.detach().t(), W_TRUE, atol=0.01), model.weight
+    opt.remove_hooks()
+
+
+@check
+def synchronize_between_steps_drains_without_an_extra_exchange():
+    """synchronize() after every step (to evaluate the mixed model, say) installs the
+    exchange in flight; the next step only updates: one exchange per step, no warning."""
+    torch.manual_seed(R)
+    model = torch.nn.Linear(5, 1, bias=False)
+    opt = AWC(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, overlap="delayed")
+    bf.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # step() after synchronize() must not warn here
+        for _ in range(200):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(X), Y).backward()
+            opt.step()
+            opt.synchronize()
+    # The first forward pass's exchange, then the one each step starts (the last drained).
+    assert opt.communications == 201 and bf.stats()["neighbor_allreduce"] == 201, \
+        (opt.communications, bf.stats()["neighbor_allreduce"])
+    with torch.no_grad():
+        loss = torch.nn.functional.mse_loss(model(X), Y).item()
+    assert loss < 1.5 * NOISE ** 2, loss
     opt.remove_hooks()
 
 
