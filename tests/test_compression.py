@@ -1,9 +1,12 @@
-"""Gossip compressors (shoal.torch.compression) in one process: round trips (bit-exact for
-the lossless ones, within the stated bound for the lossy ones) for every compressor and
-floating dtype, payload sizes, names; and compressed gossip's edge bookkeeping. The
-multi-rank checks run tests/workers/compressed_gossip.py."""
+"""Gossip compressors (shoal.compression, also shoal.torch.compression) in one process:
+round trips (bit-exact for the lossless ones, within the stated bound for the lossy ones)
+for every compressor and floating dtype, on torch tensors and numpy arrays (the same
+payload bytes for the same values), payload sizes, names; and compressed gossip's edge
+bookkeeping. The multi-rank checks run tests/workers/compressed_gossip.py (torch; numpy
+through shoal.keras in tests/workers/tf_ops.py)."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,6 +52,45 @@ def test_round_trip(spec, dtype):
             assert y.abs().max() == x.abs().max()
             dropped = x[~kept].abs()
             assert dropped.numel() == 0 or dropped.max() <= x[kept].abs().min()
+
+
+NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+try:  # numpy's bfloat16 (TensorFlow's ml_dtypes), where installed
+    import ml_dtypes
+    NUMPY_DTYPES[torch.bfloat16] = ml_dtypes.bfloat16
+except ImportError:
+    pass
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", COMPRESSORS)
+def test_numpy_arrays_compress_as_torch_tensors(spec, dtype):
+    """The same compressor on a numpy array of the same values: the same payload size,
+    the same bytes (but sparse index order and random-k's draw) and the same decoded values."""
+    if dtype not in NUMPY_DTYPES:
+        pytest.skip("numpy has no bfloat16 here (ml_dtypes, which TensorFlow installs, is missing)")
+    c = C.by_name(spec)
+    x = sample(dtype)
+    xn = x.double().numpy().astype(NUMPY_DTYPES[dtype])
+    assert torch.equal(torch.from_numpy(xn.astype(np.float64)), x.double())  # the same values
+    pn, pt = c.encode(xn), c.encode(x)
+    assert isinstance(pn, np.ndarray) and pn.dtype == np.uint8 and pn.ndim == 1
+    assert pn.shape[0] == pt.numel() == c.payload_bytes(xn.shape[0], xn.dtype)
+    yn = c.decode(pn, xn.shape[0], xn.dtype)
+    assert isinstance(yn, np.ndarray) and yn.dtype == xn.dtype and yn.shape == xn.shape
+    yn64 = torch.from_numpy(yn.astype(np.float64))
+    if spec.startswith("randomk"):
+        kept = yn64 != 0
+        assert 0 < kept.sum() <= pt.numel() and torch.equal(yn64[kept], x.double()[kept])
+        return
+    yt64 = c.decode(pt, x.numel(), dtype).double()
+    if spec.startswith("topk"):  # ties in |x| may be broken differently: the same magnitudes kept
+        kept = yn64 != 0
+        assert torch.equal(yn64[kept], x.double()[kept])
+        assert torch.equal(yn64.abs().sort().values, yt64.abs().sort().values)
+        return
+    assert np.array_equal(pn, pt.numpy()), spec  # byte for byte
+    assert torch.equal(yn64, yt64)
 
 
 def _rounding(dtype, chunk):

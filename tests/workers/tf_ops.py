@@ -9,6 +9,7 @@ import tensorflow as tf  # noqa: E402
 
 import shoal  # noqa: E402
 import shoal.tensorflow as st  # noqa: E402
+from shoal import compression  # noqa: E402
 from checks import Skip, check, raises, run_all  # noqa: E402
 
 st.init()
@@ -231,6 +232,8 @@ def linear_model(r):
 def one_peer_matrix(t):
     """The one-peer exponential schedule's mixing matrix at round t (W[i, j]: i's weight
     of j's value): i averages with i - 2**(t mod log2 n) (shoal.topology's schedule)."""
+    if N == 1:
+        return np.ones((1, 1))  # no peer: the schedule keeps the rank's own value
     tau = (N - 1).bit_length()
     w = np.zeros((N, N))
     for i in range(N):
@@ -256,10 +259,14 @@ def keras_decentralized_optimizers_match_their_replay_exactly():
     if N & (N - 1):
         raise Skip("the one-peer schedule averages exactly for a power-of-two number of ranks only")
     data = [keras_data(r) for r in range(N)]
-    for make, mode in [(sk.DistributedAdaptWithCombineOptimizer, "awc"),
-                       (sk.DistributedAdaptThenCombineOptimizer, "atc")]:
+    # compression "none": CHOCO's gossip with a lossless compressor and step 1 is plain
+    # averaging, to the bit here (shoal.compressed_gossip on numpy arrays)
+    for make, mode, compressor in [(sk.DistributedAdaptWithCombineOptimizer, "awc", None),
+                                   (sk.DistributedAdaptThenCombineOptimizer, "atc", None),
+                                   (sk.DistributedAdaptWithCombineOptimizer, "awc", "none")]:
         model = linear_model(R)
-        opt = make(keras.optimizers.SGD(LR), schedule="one-peer-exp", name=f"keras.replay.{mode}")
+        opt = make(keras.optimizers.SGD(LR), schedule="one-peer-exp", name=f"keras.replay.{mode}.{compressor}",
+                   compression=compressor)
         assert isinstance(opt, keras.optimizers.SGD)
         model.compile(optimizer=opt, loss="mae")
         model.fit(*data[R], batch_size=B, epochs=1, shuffle=False, verbose=0)
@@ -276,6 +283,37 @@ def keras_decentralized_optimizers_match_their_replay_exactly():
         for got, want in zip(model.get_weights(), xs[R]):
             assert np.array_equal(got.astype(np.float64), want), (mode, got, want)
         assert opt.communications == S and int(opt.iterations.numpy()) == S
+
+
+@check
+def keras_int8_gossip_keeps_the_average_and_sends_a_quarter_of_the_bytes():
+    """shoal.keras with compression="int8" (learning rate 0: gossip only): the ranks come
+    together, the average over ranks is kept (CHOCO's doubly stochastic gossip), and the
+    bytes sent are the packed payloads', about 26 % of float32's."""
+    import keras
+    import shoal.keras as sk
+    if N < 2:
+        raise Skip("needs 2 or more ranks")
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32)])
+    start = [np.random.RandomState(7 + R).standard_normal(w.shape).astype(np.float32) for w in model.get_weights()]
+    model.set_weights(start)
+    opt = sk.DistributedAdaptWithCombineOptimizer(keras.optimizers.SGD(0.0), "one-peer-exp",
+                                                  compression="int8", name="keras.int8")
+    rounds = 8 * (N - 1).bit_length()
+    before = shoal.stats()["bytes_sent"]
+    for _ in range(rounds):
+        opt.apply_gradients(zip([tf.zeros_like(v) for v in model.trainable_variables], model.trainable_variables))
+    sent = shoal.stats()["bytes_sent"] - before
+    payload = sum(compression.Int8().payload_bytes(w.size, np.float32) for w in start)  # one peer a round
+    assert payload * rounds <= sent < 1.1 * payload * rounds, (sent, payload * rounds)
+    assert payload <= 0.3 * sum(w.size * 4 for w in start)
+    flat0 = np.concatenate([w.ravel() for w in start]).astype(np.float64)
+    flat = np.concatenate([w.ravel() for w in model.get_weights()]).astype(np.float64)
+    every0, every = shoal.allgather(flat0[None], name="keras.int8.x0"), shoal.allgather(flat[None], name="keras.int8.x")
+    assert np.abs(every.mean(0) - every0.mean(0)).max() < 1e-5, np.abs(every.mean(0) - every0.mean(0)).max()
+    spread0, spread = np.square(every0 - every0.mean(0)).sum(), np.square(every - every.mean(0)).sum()
+    assert spread < 0.05 * spread0, (spread, spread0)
+    assert opt.communications == rounds
 
 
 @check

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 import shoal
-from shoal import _consensus, _metrics, topology
+from shoal import _consensus, _metrics, compressed_gossip, topology
 from shoal._process import STATE
 
 from ._optimizer import applied_variables
@@ -46,27 +46,46 @@ def schedule_of(schedule):
 
 class Mixer:
     """The neighbor averaging of a list of host arrays (numpy), round after round, and
-    the consensus control of one optimizer; counters as shoal.torch's optimizers."""
+    the consensus control of one optimizer; counters as shoal.torch's optimizers. With a
+    `compression`, each array's rounds are CHOCO-SGD's compressed gossip
+    (`shoal.compressed_gossip`, docs/design.md §21)."""
 
-    def __init__(self, schedule, prefix, consensus_control=None):
+    def __init__(self, schedule, prefix, consensus_control=None, compression=None, compression_step=None):
         if consensus_control is not None and not isinstance(consensus_control, _consensus.ConsensusControl):
             raise TypeError("consensus_control must be a shoal.keras.ConsensusControl")
         self.schedule, self.prefix, self.consensus_control = schedule_of(schedule), prefix, consensus_control
+        self.compression = None if compression is None else compressed_gossip.by_name(compression)
+        self.compression_step = compressed_gossip.default_step(self.compression, compression_step)
+        self._gossip = {}  # (array index, shape, dtype) -> CompressedGossip (its edges' public copies)
         self.rounds = self.steps = self.communications = self.extra_rounds = self.exact_averages = 0
         self.last_consensus_distance = None
 
     def combine(self, arrays):
-        """One round: each array's weighted average with its in-neighbors (fused)."""
+        """One round: each array's weighted average with its in-neighbors (fused), or its
+        compressed gossip step."""
         kw = {}
         if self.schedule is not None:
             sw, src, dst = self.schedule(self.rounds)
-            kw = dict(self_weight=sw, src_weights=src, dst_weights=dst, enable_topo_check=False)
-        handles = [shoal.neighbor_allreduce_nonblocking(np.ascontiguousarray(a), name=f"{self.prefix}.{i}", **kw)
-                   for i, a in enumerate(arrays)]
-        out = [shoal.synchronize(h) for h in handles]
+            kw = dict(self_weight=sw, src_weights=src, dst_weights=dst)
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        if self.compression is not None:
+            rounds = [self._gossip_of(i, a).start_with(a, **kw) for i, a in enumerate(arrays)]
+            out = [r.finish() for r in rounds]
+        else:
+            handles = [shoal.neighbor_allreduce_nonblocking(a, name=f"{self.prefix}.{i}", enable_topo_check=False,
+                                                            **kw) for i, a in enumerate(arrays)]
+            out = [shoal.synchronize(h) for h in handles]
         self.rounds += 1
         self.communications += 1
         return out
+
+    def _gossip_of(self, i, a):
+        key = (i, a.shape, a.dtype)  # a changed variable starts new copies
+        g = self._gossip.get(key)
+        if g is None:
+            g = self._gossip[key] = compressed_gossip.CompressedGossip(
+                self.compression, self.compression_step, f"{self.prefix}.{i}")
+        return g
 
     def control(self, arrays):
         """Count an optimizer step and run consensus control on `arrays` (updated in the
@@ -138,7 +157,8 @@ def _neighbor_class(base, mode, k):
     return cls
 
 
-def _wrap(optimizer, mode, schedule, num_steps_per_communication, consensus_control, name):
+def _wrap(optimizer, mode, schedule, num_steps_per_communication, consensus_control, name, compression=None,
+          compression_step=None):
     what = "DistributedAdaptWithCombineOptimizer" if mode == "awc" else "DistributedAdaptThenCombineOptimizer"
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"{what}: expected a Keras 3 optimizer (keras.optimizers.Optimizer), got "
@@ -148,7 +168,7 @@ def _wrap(optimizer, mode, schedule, num_steps_per_communication, consensus_cont
         raise ValueError(f"{what}: num_steps_per_communication must be an int >= 1, got {k!r}")
     if keras.backend.backend() != "tensorflow":
         raise NotImplementedError(f"{what}: Keras backend {keras.backend.backend()!r}: use KERAS_BACKEND=tensorflow")
-    mixer = Mixer(schedule, name or STATE.unnamed(f"keras.{mode}"), consensus_control)
+    mixer = Mixer(schedule, name or STATE.unnamed(f"keras.{mode}"), consensus_control, compression, compression_step)
     base = type(optimizer)
     base = getattr(base, "_shoal_base", base)
     cls = _neighbor_class(base, mode, k)
@@ -159,7 +179,8 @@ def _wrap(optimizer, mode, schedule, num_steps_per_communication, consensus_cont
 
 
 def DistributedAdaptWithCombineOptimizer(optimizer, schedule=None, num_steps_per_communication=1,  # noqa: N802
-                                         consensus_control=None, name=None):
+                                         consensus_control=None, name=None, *, compression=None,
+                                         compression_step=None):
     """Decentralized training with a Keras 3 optimizer, AWC (D-PSGD; BlueFog's and
     shoal.torch's `DistributedAdaptWithCombineOptimizer`): at every k-th apply,
     x⁺ = Σ_j w_ij x_j − γ·update(g_i(x_i)) — the trainable variables are averaged with the
@@ -177,18 +198,26 @@ def DistributedAdaptWithCombineOptimizer(optimizer, schedule=None, num_steps_per
             after every apply: extra gossip rounds or exact averaging keep Ξ ≤ target.
         name: prefix of the op names (default: generated, the same on ranks that create
             their optimizers in one order).
+        compression: a gossip compressor or its name ("int8", "int4", "fp16", "bf16",
+            "topk:R", "randomk:R"; `shoal.compression`): the exchange becomes CHOCO-SGD's
+            compressed gossip with error feedback (as shoal.torch's `compression=`,
+            docs/design.md §21); the mixing weights must be doubly stochastic.
+        compression_step: its consensus step γ (default: `default_step`: 0.5 for int8/int4).
     The returned optimizer reports `communications`, `extra_rounds`, `exact_averages`,
     `last_consensus_distance`. Raises TypeError/ValueError for bad arguments,
     NotImplementedError for another Keras backend; ShoalError from the exchange.
     """
-    return _wrap(optimizer, "awc", schedule, num_steps_per_communication, consensus_control, name)
+    return _wrap(optimizer, "awc", schedule, num_steps_per_communication, consensus_control, name, compression,
+                 compression_step)
 
 
 def DistributedAdaptThenCombineOptimizer(optimizer, schedule=None, num_steps_per_communication=1,  # noqa: N802
-                                         consensus_control=None, name=None):
+                                         consensus_control=None, name=None, *, compression=None,
+                                         compression_step=None):
     """Decentralized training with a Keras 3 optimizer, ATC (BlueFog's and shoal.torch's
     `DistributedAdaptThenCombineOptimizer`): `optimizer`'s update, then at every k-th
     apply the trainable variables are averaged with the in-neighbors,
     x⁺ = Σ_j w_ij (x_j − γ·update(g_j)). Arguments and attributes as
     `DistributedAdaptWithCombineOptimizer`."""
-    return _wrap(optimizer, "atc", schedule, num_steps_per_communication, consensus_control, name)
+    return _wrap(optimizer, "atc", schedule, num_steps_per_communication, consensus_control, name, compression,
+                 compression_step)
