@@ -16,6 +16,9 @@ thread per rank), interleaved over --rounds rounds of --steps steps after --warm
   AWC one-peer    DistributedAdaptWithCombineOptimizer, one peer per step (one-peer exp2)
   AWC delayed     the same with overlap="delayed": the exchange of x_{t+1} starts at the end
                   of step() and runs during the next forward and backward
+  AWC int8        AWC one-peer with compression="int8" (CHOCO-SGD's compressed gossip: int8
+                  with a float32 scale per 256 values, 260/1024 of float32's bytes)
+  AWC int8 delayed  both
   AWC exp2        the same on the static exponential-2 graph (the default topology)
   hierarchical    AWC with CommunicationType.hierarchical_neighbor_allreduce on the machines'
                   static exponential-2 graph (within a machine by shared memory)
@@ -56,8 +59,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CONFIGS = ["AWC one-peer", "AWC delayed", "AWC exp2", "hierarchical", "hier. one-peer", "ATC one-peer", "push-sum",
-           "grad allreduce", "DDP gloo", "Decent-DP", "comm only", "compute only"]
+CONFIGS = ["AWC one-peer", "AWC delayed", "AWC int8", "AWC int8 delayed", "AWC exp2", "hierarchical",
+           "hier. one-peer", "ATC one-peer", "push-sum", "grad allreduce", "DDP gloo", "Decent-DP", "comm only",
+           "compute only"]
 
 
 def eth0_sent():
@@ -75,6 +79,8 @@ def predicted_models_per_machine(config, size, per_machine):
     import math
     machine = lambda r: r // per_machine  # noqa: E731  (blocks, as shoalrun places them)
     machines = size // per_machine
+    if config in ("AWC int8", "AWC int8 delayed"):  # the packed payloads: int8 and a scale per 256
+        return predicted_models_per_machine("AWC one-peer", size, per_machine) * 260 / 1024
     if config in ("AWC one-peer", "AWC delayed", "comm only", "ATC one-peer", "push-sum"):
         # step t of one-peer exp2 sends to rank + 2^(t mod the number of powers of 2 below
         # size); AWC delayed's exchange started at the end of step t uses step t's weights
@@ -218,12 +224,10 @@ def run_in_job(args):
         if name == "AWC one-peer":
             opt = bf.DistributedAdaptWithCombineOptimizer(sgd(m), m)
             steps[name] = train_step(m, opt, data, target, one_peer(opt))
-        elif name == "AWC delayed":
-            try:
-                opt = bf.DistributedAdaptWithCombineOptimizer(sgd(m), m, overlap="delayed")
-            except TypeError as exc:
-                raise SystemExit(f"'AWC delayed' needs DistributedAdaptWithCombineOptimizer(overlap=...), "
-                                 f"which this Shoal lacks ({exc})") from None
+        elif name in ("AWC delayed", "AWC int8", "AWC int8 delayed"):
+            opt = bf.DistributedAdaptWithCombineOptimizer(
+                sgd(m), m, overlap="delayed" if name.endswith("delayed") else "backward",
+                compression="int8" if "int8" in name else None)
             steps[name], drains[name] = train_step(m, opt, data, target, one_peer(opt)), opt.synchronize
         elif name == "AWC exp2":
             steps[name] = train_step(m, bf.DistributedAdaptWithCombineOptimizer(sgd(m), m), data, target)

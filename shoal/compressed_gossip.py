@@ -135,16 +135,18 @@ class CompressedGossip:
                              f"{numel} x {flat.dtype})")
         if sent is not None:
             copy += sent
-        mixed = a.zeros_like(flat)
+        # In place where it can be: each line is a pass over a model's worth of values.
+        mixed = a.scaled(copy, -(1.0 - self_weight))
         for n, j in enumerate(sorted(src_weights)):
+            update = self.compressor.decode(gathered[n * size:(n + 1) * size], numel, flat.dtype)
             theirs = self._received.get(j)
             if theirs is None:
-                theirs = self._received[j] = a.zeros_like(flat)
-            theirs += self.compressor.decode(gathered[n * size:(n + 1) * size], numel, flat.dtype)
-            mixed += src_weights[j] * theirs
-        mixed -= (1.0 - self_weight) * copy
+                theirs = self._received[j] = update
+            else:
+                theirs += update
+            a.add_scaled(mixed, theirs, src_weights[j])
         self.steps += 1
-        return (flat + self.gamma * mixed).reshape(x.shape)
+        return a.lerp(flat, mixed, self.gamma).reshape(x.shape)
 
     def _copy_for(self, dst, flat):
         """The public copy that this step's destinations share (made if none has one)."""

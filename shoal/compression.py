@@ -61,7 +61,10 @@ class _NumpyArrays:
 
     @staticmethod
     def all_finite(x):
-        return bool(np.isfinite(x.astype(np.float64) if x.dtype.name == "bfloat16" else x).all())
+        if x.size == 0:
+            return True
+        lo, hi = x.min(), x.max()  # nan propagates through both; two passes, no mask
+        return bool(np.isfinite(np.float64(lo)) and np.isfinite(np.float64(hi)))
 
     @staticmethod
     def to(x, dtype):
@@ -83,12 +86,48 @@ class _NumpyArrays:
         return np.concatenate(parts)
 
     @staticmethod
-    def row_absmax(blocks):
-        return np.abs(blocks).max(axis=1)
+    def empty_bytes(n, like):
+        return np.empty(n, np.uint8)
 
     @staticmethod
-    def round_clip(x, limit):
-        return np.clip(np.rint(x), -limit, limit)
+    def blocks(x, c, chunk):
+        """x as float32 [c, chunk], zero-padded (a view where nothing needs converting)."""
+        if x.dtype == np.float32 and x.shape[0] == c * chunk:
+            return x.reshape(c, chunk)
+        padded = np.zeros(c * chunk, np.float32)
+        padded[:x.shape[0]] = x
+        return padded.reshape(c, chunk)
+
+    @staticmethod
+    def row_absmax(blocks):
+        return np.maximum(blocks.max(axis=1), -blocks.min(axis=1))
+
+    @staticmethod
+    def quantize(blocks, scale, limit):
+        """round(blocks / scale) (to nearest even), clipped to ±limit: float32 [c, chunk]."""
+        q = blocks / np.where(scale > 0, scale, np.float32(1.0))[:, None]
+        np.rint(q, out=q)
+        return np.clip(q, -limit, limit, out=q)
+
+    @staticmethod
+    def dequantize(q, scale, numel, dtype):
+        out = np.multiply(q, scale[:, None], dtype=np.float32).reshape(-1)[:numel]
+        return out if out.dtype == dtype else out.astype(dtype)
+
+    @staticmethod
+    def add_scaled(y, x, alpha):
+        """y += alpha * x, in place."""
+        y += alpha * x
+        return y
+
+    @staticmethod
+    def scaled(x, alpha):
+        return alpha * x
+
+    @staticmethod
+    def lerp(x, d, alpha):
+        """x + alpha * d, a new array."""
+        return x + alpha * d
 
     @staticmethod
     def where(cond, a, b):
@@ -156,7 +195,10 @@ class _TorchArrays:
         return x.clone()
 
     def all_finite(self, x):
-        return bool(self.torch.isfinite(x).all())
+        if x.numel() == 0:
+            return True
+        lo, hi = self.torch.aminmax(x)  # nan propagates; one pass, no mask
+        return bool(self.torch.isfinite(lo) & self.torch.isfinite(hi))
 
     def to(self, x, dtype):
         return x.to(dtype)
@@ -172,11 +214,38 @@ class _TorchArrays:
     def cat(self, parts):
         return self.torch.cat(parts)
 
-    def row_absmax(self, blocks):
-        return blocks.abs().amax(dim=1)
+    def empty_bytes(self, n, like):
+        return self.torch.empty(n, dtype=self.torch.uint8, device=like.device)
 
-    def round_clip(self, x, limit):
-        return self.torch.round(x).clamp_(-limit, limit)
+    def blocks(self, x, c, chunk):
+        if x.dtype == self.torch.float32 and x.shape[0] == c * chunk:
+            return x.view(c, chunk)
+        padded = self.torch.zeros(c * chunk, dtype=self.torch.float32, device=x.device)
+        padded[:x.shape[0]] = x
+        return padded.view(c, chunk)
+
+    def row_absmax(self, blocks):
+        lo, hi = self.torch.aminmax(blocks, dim=1)  # one pass, no |x| copy
+        return self.torch.maximum(hi, -lo)
+
+    def quantize(self, blocks, scale, limit):
+        q = blocks / self.torch.where(scale > 0, scale, 1.0)[:, None]
+        return q.round_().clamp_(-limit, limit)
+
+    def dequantize(self, q, scale, numel, dtype):
+        out = self.torch.empty(q.shape, dtype=self.torch.float32, device=q.device)
+        out.copy_(q).mul_(scale[:, None])
+        out = out.view(-1)[:numel]
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def add_scaled(self, y, x, alpha):
+        return y.add_(x, alpha=alpha)
+
+    def scaled(self, x, alpha):
+        return x.mul(alpha)
+
+    def lerp(self, x, d, alpha):
+        return self.torch.add(x, d, alpha=alpha)
 
     def where(self, cond, a, b):
         return self.torch.where(cond, a, b)
@@ -305,25 +374,25 @@ class _Quantized(Compressor):
         return 4 * c + c * self.chunk * self.bits // 8
 
     def encode(self, x):
+        # Few passes over x: it is a model's worth of parameters every step (docs/design.md §21).
         a = arrays_of(x)
         c = self._chunks(x.shape[0])
-        padded = a.zeros(c * self.chunk, a.float32, x)
-        padded[:x.shape[0]] = x
-        blocks = padded.reshape(c, self.chunk)
+        blocks = a.blocks(x, c, self.chunk)
         scale = a.row_absmax(blocks) / self.levels
+        payload = a.empty_bytes(self.payload_bytes(x.shape[0], x.dtype), x)
+        a.view(payload[:4 * c], a.float32)[:] = scale
         # a subnormal scale can round past the levels: clipped
-        q = a.to(a.round_clip(blocks / a.where(scale > 0, scale, 1.0)[:, None], self.levels), a.int8)
-        return a.cat([a.bytes_of(scale), self._pack(a, q)])
+        self._pack(a, a.quantize(blocks, scale, self.levels), payload[4 * c:])
+        return payload
 
     def decode(self, payload, numel, dtype):
         a = arrays_of(payload)
         c = self._chunks(numel)
         scale = a.view(payload[:4 * c], a.float32)
-        q = self._unpack(a, payload[4 * c:], c)
-        return a.to((a.to(q, a.float32) * scale[:, None]).reshape(-1)[:numel], a.dtype(dtype))
+        return a.dequantize(self._unpack(a, payload[4 * c:], c), scale, numel, a.dtype(dtype))
 
-    def _pack(self, a, q):
-        return a.bytes_of(q)
+    def _pack(self, a, q, out):
+        a.view(out, a.int8).reshape(q.shape)[:] = q  # exact: q holds integers in int8's range
 
     def _unpack(self, a, data, c):
         return a.view(data, a.int8).reshape(c, self.chunk)
@@ -342,9 +411,9 @@ class Int4(_Quantized):
     float32's bytes."""
     bits = 4
 
-    def _pack(self, a, q):
+    def _pack(self, a, q, out):
         u = a.to(q.reshape(-1) + 8, a.uint8)  # -7..7 -> 1..15
-        return u[0::2] | (u[1::2] << 4)
+        out[:] = u[0::2] | (u[1::2] << 4)
 
     def _unpack(self, a, data, c):
         both = a.stack_cols(data & 0xF, data >> 4).reshape(-1)
