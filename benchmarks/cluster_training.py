@@ -16,6 +16,8 @@ thread per rank), interleaved over --rounds rounds of --steps steps after --warm
   AWC one-peer    DistributedAdaptWithCombineOptimizer, one peer per step (one-peer exp2)
   AWC delayed     the same with overlap="delayed": the exchange of x_{t+1} starts at the end
                   of step() and runs during the next forward and backward
+  AWC delayed pairs  the same over Decent-DP's pairs (rank j with j XOR 2^(t mod log2 n): the
+                  same bytes on the same links as Decent-DP, its first round within machines)
   AWC int8        AWC one-peer with compression="int8" (CHOCO-SGD's compressed gossip: int8
                   with a float32 scale per 256 values, 260/1024 of float32's bytes)
   AWC int8 delayed  both
@@ -51,6 +53,7 @@ around every timed round; the table gives the mean MiB each machine link sent pe
 the prediction from the algorithm (the sends that cross machines, per step, in model sizes).
 """
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -59,9 +62,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CONFIGS = ["AWC one-peer", "AWC delayed", "AWC int8", "AWC int8 delayed", "AWC exp2", "hierarchical",
-           "hier. one-peer", "ATC one-peer", "push-sum", "grad allreduce", "DDP gloo", "Decent-DP", "comm only",
-           "compute only"]
+CONFIGS = ["AWC one-peer", "AWC delayed", "AWC delayed pairs", "AWC int8", "AWC int8 delayed", "AWC exp2",
+           "hierarchical", "hier. one-peer", "ATC one-peer", "push-sum", "grad allreduce", "DDP gloo", "Decent-DP",
+           "comm only", "compute only"]
 
 
 def eth0_sent():
@@ -97,7 +100,7 @@ def predicted_models_per_machine(config, size, per_machine):
         return 2 * (machines - 1) / machines
     if config == "DDP gloo":  # gloo's ring over ranks in blocks: one crossing edge per machine
         return 2 * (size - 1) / size if machines > 1 else 0.0
-    if config == "Decent-DP":
+    if config in ("Decent-DP", "AWC delayed pairs"):
         # one-peer-exp round k pairs j with j + 2^k, greedily from rank 0; each pair's gloo
         # allreduce (reduce-scatter, then allgather: half a model each) sends one model per rank.
         rounds = max(1, round(math.log2(size)))
@@ -190,8 +193,13 @@ def run_in_job(args):
     def sgd(m):
         return torch.optim.SGD(m.parameters(), lr=args.lr, momentum=0.9)
 
-    def one_peer(opt, push=False, then=None):
+    def one_peer(opt, push=False, then=None, pairs=False):
         schedule = bf.topology.one_peer_exponential_schedule(size, rank)
+        if pairs:  # Decent-DP's one-peer-exp: j and j XOR 2^(t mod log2 n) average together
+            if size & (size - 1):
+                raise SystemExit("'AWC delayed pairs' needs a power-of-two number of ranks")
+            tau = max(1, (size - 1).bit_length())
+            schedule = (([rank ^ (1 << (t % tau))], [rank ^ (1 << (t % tau))]) for t in itertools.count())
 
         def set_weights():
             send, recv = next(schedule)
@@ -224,11 +232,12 @@ def run_in_job(args):
         if name == "AWC one-peer":
             opt = bf.DistributedAdaptWithCombineOptimizer(sgd(m), m)
             steps[name] = train_step(m, opt, data, target, one_peer(opt))
-        elif name in ("AWC delayed", "AWC int8", "AWC int8 delayed"):
+        elif name in ("AWC delayed", "AWC delayed pairs", "AWC int8", "AWC int8 delayed"):
             opt = bf.DistributedAdaptWithCombineOptimizer(
-                sgd(m), m, overlap="delayed" if name.endswith("delayed") else "backward",
+                sgd(m), m, overlap="delayed" if "delayed" in name else "backward",
                 compression="int8" if "int8" in name else None)
-            steps[name], drains[name] = train_step(m, opt, data, target, one_peer(opt)), opt.synchronize
+            schedule = one_peer(opt, pairs=name.endswith("pairs"))
+            steps[name], drains[name] = train_step(m, opt, data, target, schedule), opt.synchronize
         elif name == "AWC exp2":
             steps[name] = train_step(m, bf.DistributedAdaptWithCombineOptimizer(sgd(m), m), data, target)
         elif name == "hierarchical":
@@ -343,7 +352,11 @@ def delayed_line(s_per_step):
         bound = max(s_per_step["compute only"], s_per_step["comm only"])
         parts.append(f"{delayed / bound:.2f}x its bound max(compute only, comm only) = {bound:.3f} s/step")
     parts += [f"{delayed / s_per_step[c]:.2f}x {c}'s s/step" for c in ("Decent-DP", "AWC one-peer") if c in s_per_step]
-    return f"AWC delayed: {delayed:.3f} s/step" + ("; " if parts else "") + "; ".join(parts)
+    line = f"AWC delayed: {delayed:.3f} s/step" + ("; " if parts else "") + "; ".join(parts)
+    if "AWC delayed pairs" in s_per_step and "Decent-DP" in s_per_step:  # the same pairs, the same bytes
+        line += (f"; over Decent-DP's pairs {s_per_step['AWC delayed pairs']:.3f} s/step, "
+                 f"{s_per_step['AWC delayed pairs'] / s_per_step['Decent-DP']:.2f}x Decent-DP's")
+    return line
 
 
 def drive(args):
