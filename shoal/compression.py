@@ -20,6 +20,7 @@ compressors run as array operations of the input's own framework, through `_Arra
 `CompressedGossip` (CHOCO-SGD's error feedback) and the decentralized optimizers'
 `compression=` (docs/design.md §21).
 """
+import functools
 import math
 
 import numpy as np
@@ -271,13 +272,12 @@ class _TorchArrays:
 
 
 _NUMPY = _NumpyArrays()
-_torch_arrays = []  # the _TorchArrays, made at first use (torch is imported then)
 
 
+@functools.lru_cache(maxsize=None)
 def _torch():
-    if not _torch_arrays:
-        _torch_arrays.append(_TorchArrays())
-    return _torch_arrays[0]
+    """The _TorchArrays, made at first use (torch is imported then)."""
+    return _TorchArrays()
 
 
 def arrays_of(x):
