@@ -2,11 +2,11 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <mutex>
 
 #include <pthread.h>
 #include <unistd.h>
 
+#include "common/thread_annotations.h"
 #include "engines/backend.h"
 #include "gpu/staging.h"
 #include "runtime/runtime.h"
@@ -16,11 +16,11 @@ using shoal::Status;
 
 namespace {
 
-std::mutex g_mu;                    // guards init/shutdown
-std::shared_ptr<Runtime> g_runtime;  // the one runtime object
+shoal::Mutex g_mu;  // init/shutdown
+std::shared_ptr<Runtime> g_runtime GUARDED_BY(g_mu);  // the one runtime object
 
-std::shared_ptr<Runtime> Current() {
-  std::lock_guard<std::mutex> lock(g_mu);
+std::shared_ptr<Runtime> Current() EXCLUDES(g_mu) {
+  shoal::MutexLock lock(g_mu);
   return g_runtime;
 }
 
@@ -39,16 +39,18 @@ Status NotInitialized() {
 
 // Set in a child forked after init. Its copy of the runtime has no threads and shares
 // the parent's MPI connections: it is kept (never destroyed) and never used to communicate.
+// The child reads g_runtime without g_mu: it has one thread, and g_mu may have been held by
+// a parent thread that does not exist in the child.
 std::atomic<bool> g_forked{false};
 pid_t g_parent_pid = 0;
 
-void OnForkInChild() {
+void OnForkInChild() NO_THREAD_SAFETY_ANALYSIS {
   if (!g_runtime) return;
   g_forked = true;
   new std::shared_ptr<Runtime>(g_runtime);  // leaked on purpose: its destructor would join threads
 }
 
-Status Forked() {
+Status Forked() NO_THREAD_SAFETY_ANALYSIS {  // in the forked child (above)
   return Status::Error(SHOAL_ABORTED, "Shoal cannot communicate from a process forked after shoal.init() "
                        "(this is pid " + std::to_string(getpid()) + ", a fork of pid " + std::to_string(g_parent_pid) +
                        ", rank " + std::to_string(g_runtime ? g_runtime->world().rank : -1) + "): its MPI state belongs to the parent. Communicate "
@@ -78,7 +80,7 @@ extern "C" {
 
 int shoal_init(char* err, size_t len) {
   if (g_forked) return Report(Forked(), err, len);
-  std::lock_guard<std::mutex> lock(g_mu);
+  shoal::MutexLock lock(g_mu);
   if (g_runtime) return SHOAL_OK;
   static bool at_fork = (pthread_atfork(nullptr, nullptr, OnForkInChild), true);
   (void)at_fork;
@@ -108,7 +110,7 @@ int shoal_shutdown(void) {
   if (g_forked) return SHOAL_OK;
   std::shared_ptr<Runtime> rt;
   {
-    std::lock_guard<std::mutex> lock(g_mu);
+    shoal::MutexLock lock(g_mu);
     rt.swap(g_runtime);
   }
   if (rt) rt->Stop();  // wakes waiters with an error; they drop their references

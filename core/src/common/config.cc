@@ -5,10 +5,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <strings.h>
+
+#include "common/thread_annotations.h"
 
 namespace shoal {
 namespace {
@@ -39,7 +40,7 @@ int ParseLogLevel(const char* v) {
 // Set at init and by the progress thread, read by any thread that logs.
 std::atomic<int> g_rank{-1};
 std::atomic<int> g_level{LOG_WARNING};
-std::mutex g_log_mu;
+Mutex g_log_mu;  // one log line at a time on stderr
 
 }  // namespace
 
@@ -96,7 +97,7 @@ void Log(int level, const std::string& msg) {
   std::tm tm{};
   localtime_r(&t, &tm);
   std::strftime(ts, sizeof ts, "%H:%M:%S", &tm);
-  std::lock_guard<std::mutex> lock(g_log_mu);
+  MutexLock lock(g_log_mu);
   std::fprintf(stderr, "[shoal %s.%03d rank %d %s] %s\n", ts, ms, g_rank.load(), tags[level], msg.c_str());
   std::fflush(stderr);
 }

@@ -15,12 +15,11 @@ std::string JsonEscape(const std::string& s) {
 }
 
 bool Timeline::Open(const std::string& path, int rank) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   file_ = std::fopen(path.c_str(), "w");
   if (!file_) return false;
+  enabled_ = true;
   rank_ = rank;
-  // Chrome traces are relative; aligning all ranks to the epoch lets a merge compare them.
-  origin_ = std::chrono::steady_clock::now();
   std::fprintf(file_, "[\n{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, \"args\": {\"name\": \"rank %d\"}}",
                rank, rank);
   std::fflush(file_);
@@ -28,11 +27,12 @@ bool Timeline::Open(const std::string& path, int rank) {
 }
 
 void Timeline::Close() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!file_) return;
   std::fputs("\n]\n", file_);
   std::fclose(file_);
   file_ = nullptr;
+  enabled_ = false;
 }
 
 int64_t Timeline::Micros(TimePoint t) const {
@@ -61,7 +61,7 @@ void Timeline::Write(const std::string& event) {
 
 void Timeline::Span(const std::string& tensor, const char* phase, TimePoint start, TimePoint end,
                     const std::string& args) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!file_) return;
   int tid = Track(tensor);
   std::ostringstream e;
@@ -73,7 +73,7 @@ void Timeline::Span(const std::string& tensor, const char* phase, TimePoint star
 }
 
 void Timeline::Begin(const std::string& tensor, const std::string& activity) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!file_) return;
   int tid = Track(tensor);
   std::ostringstream e;
@@ -83,7 +83,7 @@ void Timeline::Begin(const std::string& tensor, const std::string& activity) {
 }
 
 void Timeline::End(const std::string& tensor) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!file_) return;
   int tid = Track(tensor);
   std::ostringstream e;
@@ -93,7 +93,7 @@ void Timeline::End(const std::string& tensor) {
 }
 
 void Timeline::Flush() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (file_ && dirty_) {
     std::fflush(file_);
     dirty_ = false;

@@ -5,11 +5,13 @@
 // partial last line; shoal.timeline.load() repairs that. Each tensor name gets its own
 // track (tid), named by a metadata event, so phases of one tensor line up.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <map>
-#include <mutex>
 #include <string>
+
+#include "common/thread_annotations.h"
 
 namespace shoal {
 
@@ -18,29 +20,29 @@ class Timeline {
   using TimePoint = std::chrono::steady_clock::time_point;
 
   ~Timeline() { Close(); }
-  bool Open(const std::string& path, int rank);
-  void Close();
-  bool enabled() const { return file_ != nullptr; }
+  bool Open(const std::string& path, int rank) EXCLUDES(mu_);
+  void Close() EXCLUDES(mu_);
+  bool enabled() const { return enabled_; }
 
   // A finished phase [start, end] of `tensor` (Chrome "X" event), args as a JSON object body.
   void Span(const std::string& tensor, const char* phase, TimePoint start, TimePoint end,
-            const std::string& args = "");
+            const std::string& args = "") EXCLUDES(mu_);
   // User activities (nested per tensor): "B" and "E" events.
-  void Begin(const std::string& tensor, const std::string& activity);
-  void End(const std::string& tensor);
-  void Flush();
+  void Begin(const std::string& tensor, const std::string& activity) EXCLUDES(mu_);
+  void End(const std::string& tensor) EXCLUDES(mu_);
+  void Flush() EXCLUDES(mu_);
 
  private:
-  int Track(const std::string& tensor);  // holds mu_
-  void Write(const std::string& event);  // holds mu_
+  int Track(const std::string& tensor) REQUIRES(mu_);
+  void Write(const std::string& event) REQUIRES(mu_);
   int64_t Micros(TimePoint t) const;
 
-  std::mutex mu_;
-  std::FILE* file_ = nullptr;
-  int rank_ = 0;
-  TimePoint origin_;
-  std::map<std::string, int> tracks_;
-  bool dirty_ = false;
+  Mutex mu_;
+  std::FILE* file_ GUARDED_BY(mu_) = nullptr;
+  std::atomic<bool> enabled_{false};  // file_ is open: read per op without the lock
+  int rank_ GUARDED_BY(mu_) = 0;
+  std::map<std::string, int> tracks_ GUARDED_BY(mu_);
+  bool dirty_ GUARDED_BY(mu_) = false;
 };
 
 std::string JsonEscape(const std::string& s);

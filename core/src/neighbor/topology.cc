@@ -44,14 +44,14 @@ TopologyPlan PlanOf(int nodes, const std::vector<int32_t>& src, const std::vecto
 }
 
 int64_t Topologies::Set(int graph, TopologyPlan plan) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   plan.version = plans_[graph].version + 1;
   plans_[graph] = std::move(plan);
   return plans_[graph].version;
 }
 
 TopologyPlan Topologies::Get(int graph) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return plans_[graph];
 }
 

@@ -4,10 +4,10 @@
 // w when it combines; a self loop gives a node its own weight (0 without one).
 #pragma once
 #include <cstdint>
-#include <mutex>
 #include <vector>
 
 #include "common/common.h"
+#include "common/thread_annotations.h"
 
 namespace shoal {
 
@@ -30,12 +30,12 @@ TopologyPlan PlanOf(int nodes, const std::vector<int32_t>& src, const std::vecto
 class Topologies {
  public:
   // Sets `graph`'s plan; returns its version.
-  int64_t Set(int graph, TopologyPlan plan);
-  TopologyPlan Get(int graph) const;
+  int64_t Set(int graph, TopologyPlan plan) EXCLUDES(mu_);
+  TopologyPlan Get(int graph) const EXCLUDES(mu_);
 
  private:
-  mutable std::mutex mu_;
-  TopologyPlan plans_[2];
+  mutable Mutex mu_;
+  TopologyPlan plans_[2] GUARDED_BY(mu_);
 };
 
 }  // namespace shoal

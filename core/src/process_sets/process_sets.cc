@@ -57,18 +57,18 @@ void ProcessSets::SetMachine(const std::vector<int>& machine, int world_rank, in
 }
 
 ProcessSetPtr ProcessSets::Find(int32_t id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = sets_.find(id);
   return it == sets_.end() ? nullptr : it->second.info;
 }
 
 bool ProcessSets::Empty() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return sets_.empty();
 }
 
 ProcessSetPtr ProcessSets::WithRanks(const std::vector<int>& ranks) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (auto& kv : sets_)
     if (kv.second.info->ranks == ranks) return kv.second.info;
   return nullptr;
@@ -77,26 +77,26 @@ ProcessSetPtr ProcessSets::WithRanks(const std::vector<int>& ranks) const {
 const ProcessSet* ProcessSets::Of(int set) const {
   if (set == 0) return nullptr;
   if (set < 0) return machine_.info && machine_.info->id == set ? machine_.info.get() : nullptr;
-  auto it = sets_.find(set);
-  return it == sets_.end() ? nullptr : it->second.info.get();
+  auto it = Driven().find(set);
+  return it == Driven().end() ? nullptr : it->second.info.get();
 }
 
 Coordinator* ProcessSets::CoordinatorOf(int set) const {
   if (set < 0) return machine_.info && machine_.info->id == set ? machine_.coordinator.get() : nullptr;
-  auto it = sets_.find(set);
-  return it == sets_.end() ? nullptr : it->second.coordinator.get();
+  auto it = Driven().find(set);
+  return it == Driven().end() ? nullptr : it->second.coordinator.get();
 }
 
 void ProcessSets::Add(ProcessSetPtr set, std::unique_ptr<Coordinator> coordinator) {
   leader_ = leader_ || coordinator != nullptr;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   State& s = sets_[set->id];
   s.info = std::move(set);
   s.coordinator = std::move(coordinator);
 }
 
 void ProcessSets::Remove(int32_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   sets_.erase(id);
   leader_ = machine_.coordinator != nullptr;
   for (auto& kv : sets_) leader_ = leader_ || kv.second.coordinator != nullptr;

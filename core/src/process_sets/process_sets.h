@@ -20,11 +20,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/common.h"
+#include "common/thread_annotations.h"
 #include "negotiation/coordinator.h"
 
 namespace shoal {
@@ -106,26 +106,34 @@ class ProcessSets {
   void Remove(int32_t id);
   template <typename F> void ForEach(F&& f) const {  // f(const ProcessSet&, Coordinator* or null)
     if (machine_.info) f(*machine_.info, machine_.coordinator.get());
-    for (auto& kv : sets_) f(*kv.second.info, kv.second.coordinator.get());
+    for (auto& kv : Driven()) f(*kv.second.info, kv.second.coordinator.get());
   }
 
   // Add/remove calls agree one at a time per rank (the returned lock), numbered so that
   // every rank's next agreement is above every rank's last (its id: that number).
-  std::unique_lock<std::mutex> BeginAgreement() { return std::unique_lock<std::mutex>(agreement_mu_); }
-  int64_t NextCall() { return calls_++; }
-  void Agreed(int64_t top) { calls_ = top + 1; }
+  ReturnedLock BeginAgreement() { return ReturnedLock(agreement_mu_); }
+  int64_t NextCall() {
+    agreement_mu_.AssertHeld();  // BeginAgreement's
+    return calls_++;
+  }
+  void Agreed(int64_t top) {
+    agreement_mu_.AssertHeld();
+    calls_ = top + 1;
+  }
 
  private:
   struct State {
     ProcessSetPtr info;
     std::unique_ptr<Coordinator> coordinator;  // at the set's leader only
   };
-  mutable std::mutex mu_;
-  std::map<int, State> sets_;
+  // The driver writes sets_ (with mu_), so it reads it without; other threads take mu_.
+  const std::map<int, State>& Driven() const NO_THREAD_SAFETY_ANALYSIS { return sets_; }
+  mutable Mutex mu_;
+  std::map<int, State> sets_ GUARDED_BY(mu_);
   State machine_;  // this rank's machine group (none on one machine); set before the driver runs
   bool leader_ = false;
-  std::mutex agreement_mu_;
-  int64_t calls_ = 0;  // agreement_mu_: add/remove agreements so far
+  Mutex agreement_mu_;
+  int64_t calls_ GUARDED_BY(agreement_mu_) = 0;  // add/remove agreements so far
 };
 
 // Whether per-name table key `key` is of process set `set`, and its name there.

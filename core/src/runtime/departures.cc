@@ -10,7 +10,7 @@ bool Departures::Record(int rank) {
   if (left_[rank]) return false;
   left_[rank] = 1;
   any_ = true;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   in_order_.push_back(rank);
   return true;
 }
@@ -30,7 +30,7 @@ std::string Departures::Describe(const std::vector<int>& ranks) {
 std::string Departures::Message() const {
   std::vector<int> ranks;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     ranks = in_order_;
   }
   if (ranks.empty()) return "";

@@ -8,13 +8,13 @@ WindowQueue::WindowQueue(
 
 void WindowQueue::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stop_.exchange(true)) return;
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return !running_; });  // a waiter may be running a job itself
+  UniqueLock lock(mu_);
+  while (running_) lock.Wait(done_cv_);  // a waiter may be running a job itself
   for (auto& [h, job] : queue_) {
     job->status = Status::Error(SHOAL_ABORTED, "Shoal was shut down before this window op ran");
     job->done = true;
@@ -28,7 +28,7 @@ int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline
   job->fn = std::move(fn);
   job->inline_ok = inline_ok;
   job->needs_all = needs_all;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shut down");
   int64_t h = next_++;
   jobs_[h] = job;
@@ -37,19 +37,21 @@ int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline
   return h;
 }
 
-// Runs the job at the head of the queue (lock held on entry and exit).
-void WindowQueue::RunFront(std::unique_lock<std::mutex>& lock) {
+void WindowQueue::RunFront() {
   auto job = queue_.front().second;
   queue_.pop_front();
   running_ = true;
-  lock.unlock();
+  // The caller's lock object still owns mu_: it is taken back below, whatever the job throws.
+  mu_.Unlock();
   Status st;
   try {
     st = job->fn(*engine_);
   } catch (const std::exception& ex) {
     st = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
+  } catch (...) {
+    st = Status::Error(SHOAL_INVALID_ARGUMENT, "window op: unknown exception");
   }
-  lock.lock();
+  mu_.Lock();
   job->status = st;
   job->done = true;
   running_ = false;
@@ -58,35 +60,36 @@ void WindowQueue::RunFront(std::unique_lock<std::mutex>& lock) {
 }
 
 void WindowQueue::Loop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !running_); });
+    while (!stop_ && (queue_.empty() || running_)) lock.Wait(cv_);
     if (stop_) return;
-    RunFront(lock);
+    RunFront();
   }
 }
 
 int WindowQueue::Poll(int64_t h) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = jobs_.find(h);
   if (it == jobs_.end()) return -SHOAL_UNKNOWN_HANDLE;
   return it->second->done ? 1 : 0;
 }
 
 Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   auto it = jobs_.find(h);
   if (it == jobs_.end()) return Status::Error(SHOAL_UNKNOWN_HANDLE, "unknown window handle " + std::to_string(h));
   auto job = it->second;
   // A waiter whose job is next runs it itself: a blocking window op then costs no
   // thread hand-off (the window thread only carries ops nobody is waiting for yet).
   if (job->inline_ok && !job->done && !running_ && !stop_ && !queue_.empty() && queue_.front().second == job)
-    RunFront(lock);
+    RunFront();
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(timeout_ms < 0 ? int64_t{1} << 40 : timeout_ms);
   while (!job->done) {
     auto until = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
-    if (done_cv_.wait_until(lock, until, [&] { return job->done; })) break;
+    while (!job->done && lock.WaitUntil(done_cv_, until) == std::cv_status::no_timeout) {}
+    if (job->done) break;
     if (job->needs_all && gone_) {
       std::string gone = gone_();
       if (!gone.empty()) return Status::Error(SHOAL_ABORTED, "window op: " + gone);
@@ -97,7 +100,7 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
 }
 
 bool WindowQueue::Release(int64_t h) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return jobs_.erase(h) > 0;
 }
 

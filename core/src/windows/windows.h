@@ -9,12 +9,10 @@
 // the same order (checked: a mismatch is the same error on every rank).
 #pragma once
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,6 +20,7 @@
 #include "common/common.h"
 #include "common/config.h"
 #include "common/stats.h"
+#include "common/thread_annotations.h"
 
 namespace shoal {
 
@@ -66,38 +65,43 @@ class WindowQueue {
   // `make` builds the engine; it gets the flag that tells long waits to give up.
   explicit WindowQueue(const std::function<std::unique_ptr<WindowEngine>(const std::atomic<bool>*)>& make);
   ~WindowQueue() { Stop(); }
-  void Stop();  // pending jobs fail with SHOAL_ABORTED; idempotent
+  void Stop() EXCLUDES(mu_);  // pending jobs fail with SHOAL_ABORTED; idempotent
   // `inline_ok`: a waiter may run the job itself (it cannot block for long, so the
   // caller's 200 ms waits, which let Ctrl-C through, keep their rhythm).
   // `needs_all`: a collective that every rank must join (create): its waiters give up
   // once `gone` (SetGone) names ranks that left the job. One-sided ops to a rank that left
   // still complete: it serves its windows until every rank frees them (asynchronous ranks
   // finish at different times).
-  int64_t Submit(std::function<Status(WindowEngine&)> job, bool inline_ok = false, bool needs_all = false);
-  void SetGone(std::function<std::string()> gone) { gone_ = std::move(gone); }
-  int Poll(int64_t handle);  // 1 done, 0 pending, -SHOAL_UNKNOWN_HANDLE
-  Status Wait(int64_t handle, int64_t timeout_ms = -1);
-  bool Release(int64_t handle);
+  int64_t Submit(std::function<Status(WindowEngine&)> job, bool inline_ok = false, bool needs_all = false)
+      EXCLUDES(mu_);
+  void SetGone(std::function<std::string()> gone) EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    gone_ = std::move(gone);
+  }
+  int Poll(int64_t handle) EXCLUDES(mu_);  // 1 done, 0 pending, -SHOAL_UNKNOWN_HANDLE
+  Status Wait(int64_t handle, int64_t timeout_ms = -1) EXCLUDES(mu_);
+  bool Release(int64_t handle) EXCLUDES(mu_);
   // Submit + Wait + Release.
   Status Run(std::function<Status(WindowEngine&)> job);
 
  private:
-  void Loop();
-  void RunFront(std::unique_lock<std::mutex>& lock);
+  void Loop() EXCLUDES(mu_);
+  // Runs the job at the head of the queue, without mu_ while it runs.
+  void RunFront() REQUIRES(mu_);
   struct Job {
     std::function<Status(WindowEngine&)> fn;
-    bool done = false, inline_ok = false, needs_all = false;
-    Status status;
+    bool done = false, inline_ok = false, needs_all = false;  // done: under the queue's mu_
+    Status status;                                            // under the queue's mu_
   };
   std::atomic<bool> stop_{false};
-  std::unique_ptr<WindowEngine> engine_;
-  std::mutex mu_;
+  std::unique_ptr<WindowEngine> engine_;  // used by whoever runs a job (running_: one at a time)
+  Mutex mu_;
   std::condition_variable cv_, done_cv_;
-  std::deque<std::pair<int64_t, std::shared_ptr<Job>>> queue_;
-  std::map<int64_t, std::shared_ptr<Job>> jobs_;
-  int64_t next_ = 1;
-  bool running_ = false;  // a job is running (on the window thread or a waiter)
-  std::function<std::string()> gone_;
+  std::deque<std::pair<int64_t, std::shared_ptr<Job>>> queue_ GUARDED_BY(mu_);
+  std::map<int64_t, std::shared_ptr<Job>> jobs_ GUARDED_BY(mu_);
+  int64_t next_ GUARDED_BY(mu_) = 1;
+  bool running_ GUARDED_BY(mu_) = false;  // a job is running (on the window thread or a waiter)
+  std::function<std::string()> gone_ GUARDED_BY(mu_);
   std::thread thread_;
 };
 
