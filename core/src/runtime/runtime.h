@@ -41,6 +41,7 @@
 #include "process_sets/process_sets.h"
 #include "gpu/staging.h"
 #include "neighbor/neighbor_exchange.h"
+#include "ops/groups.h"
 #include "ops/join.h"
 #include "common/stats.h"
 #include "common/timeline.h"
@@ -65,7 +66,7 @@ class Pacer {
   Clock::time_point last_progress_ = Clock::now();
 };
 
-class Runtime : private ResponseCache::Host, private DevicePath::Host {
+class Runtime : private ResponseCache::Host, private DevicePath::Host, private GroupedOps::Host {
  public:
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
   // ignored); 0: count this process's runtimes (every rank starts and stops them together).
@@ -89,7 +90,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   // Validates and queues; throws ArgumentError for bad arguments (and tells the peers,
   // which may be waiting for this call, through Reject).
   int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
-  // A grouped op (shoal_enqueue_group; ops/groups.cc): its members' handles, in order.
+  // A grouped op (shoal_enqueue_group; ops/groups.h): its members' handles, in order.
   std::vector<int64_t> EnqueueGroup(const char* name, const shoal_op_desc* descs, int n, shoal_callback cb,
                                     void* const* cb_args);
   // desc.op == kOpJoin: Horovod's join (ops/join.cc); its result is the last rank to join.
@@ -132,7 +133,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   bool Cycle(bool start_only);
   void Route(const EntryPtr& e, std::vector<Request>* to_coordinator) override;
   void Apply(const Response& r);
-  void RunCollective(const Response& r, std::vector<EntryPtr> batch);
+  void RunCollective(const Response& r, std::vector<EntryPtr> batch) override;
   void RunReduceScatter(const EntryPtr& e, GroupCollectives* engine);
   GroupCollectives* Group(int set) override;  // the engine of process set `set` (0: every rank); null if unknown here
   void RunAlltoall(const Response& r, const EntryPtr& e, GroupCollectives* engine);  // ops/alltoall.cc
@@ -147,17 +148,19 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   void Register(const EntryPtr& e, shoal_callback cb, void* cb_arg);  // its handle (mu_ held)
   void Push(const EntryPtr& e);  // onto the queue; a hierarchical op as its first stage (mu_ held)
   void Start(std::unique_lock<std::mutex>& lock, bool callback);
-  // Grouped ops (ops/groups.cc): members wait until all are here, then the group asks
-  // the coordinator once; its response runs every member (RunGroup) or fails them all.
-  void RouteGroupMember(const EntryPtr& e, std::vector<Request>* to_coordinator);
-  void ExpandGroup(const EntryPtr& e, std::vector<EntryPtr>* out);  // a group's leader: all its members
-  void RunGroup(const Response& r, std::vector<EntryPtr> members);
   void JoinedGroup(const Response& r, std::vector<EntryPtr>* batch);  // takes mu_
   void Finish(const EntryPtr& e, const Status& st) override;
   void Trace(const Entry& e, const Status& st, Clock::time_point t_callback);
   void CheckStalls();
   void OnLeave(int rank);
   bool FailIfUnreachable(const EntryPtr& e);
+  // The refusal on file of `key`'s call at `step`, taken (ok: none).
+  Status TakeRefusal(const std::string& key, int64_t step);
+  // Ranks of set `set` (0: every rank) that left, as the error of a call of `op` named `name`.
+  Status Departed(int set, int op, const std::string& name) const;
+  // GroupedOps::Host.
+  Status Unrunnable(const std::string& key, int64_t step, int set, int op, const std::string& name) override;
+  void Await(const std::string& key, const EntryPtr& first) override { awaiting_response_[key] = first; }
   // Uses up `name`'s next step (in process set `pset`, null: every rank's; machine scope: the
   // machine's) with a refusal its peers hear of; false if an op of that name is in flight here (mu_ held).
   bool RejectLocked(int op, const std::string& name, int code, const std::string& error,
@@ -250,7 +253,6 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
 
   // Driver only.
   std::map<std::string, EntryPtr> awaiting_response_;  // a grouped op: by its name, its first member
-  std::map<std::string, std::vector<EntryPtr>> groups_;  // grouped ops' members, from routing to response
   CheckedPatterns neighbor_patterns_;  // neighbor ops that skip the coordinator
   Departures departures_;
   // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
@@ -262,6 +264,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   Clock::time_point start_ = Clock::now();
   Join join_;  // Horovod's join: this rank's, and its peers'
   ProcessSets sets_;  // the process sets other than the global one
+  GroupedOps grouped_{this, &sets_};
   std::unordered_map<int64_t, std::function<Status()>> set_jobs_;  // by handle (mu_)
   std::thread thread_;
   std::unique_ptr<WindowQueue> windows_;
