@@ -79,7 +79,7 @@ void Runtime::Register(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
 
 void Runtime::Push(const EntryPtr& e) {
   if (e->sig.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
-    QueueLocked(StartStages(e));  // the op completes after its last stage
+    QueueLocked(stages_.Start(e));  // the op completes after its last stage
   } else {
     queue_.push_back(e);
     queued_ = queue_.size();
@@ -217,6 +217,19 @@ bool Runtime::RejectLocked(int op, const std::string& name, int code, const std:
   queue_.push_back(e);
   queued_ = queue_.size();
   return true;
+}
+
+void Runtime::AfterStage(const EntryPtr& done, const EntryPtr& next, const Status& failed,
+                         const std::vector<EntryPtr>& later) {
+  std::lock_guard<std::mutex> lock(mu_);
+  handles_.erase(done->handle);
+  if (next) {
+    QueueLocked(next);
+  } else {
+    if (failed.ok() || stop_ || left_) return;
+    for (auto& s : later) RejectLocked(s->sig.op, s->name, failed.code, failed.message, nullptr, s->sig.scope);
+  }
+  if (!driving_) work_cv_.notify_one();
 }
 
 void Runtime::QueueLocked(const EntryPtr& e) {

@@ -265,7 +265,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
   done_cv_.notify_all();
   if (e->callback) e->callback(e->handle, st.code, st.message.c_str(), e->callback_arg);
   if (timeline_.enabled()) Trace(*e, st, t_callback);
-  if (e->stages) NextStage(e, st);
+  if (e->stages) stages_.Next(e, st);
 }
 
 void Runtime::Trace(const Entry& e, const Status& st, Clock::time_point t_callback) {

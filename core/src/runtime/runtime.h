@@ -43,6 +43,7 @@
 #include "neighbor/neighbor_exchange.h"
 #include "ops/groups.h"
 #include "ops/join.h"
+#include "ops/stages.h"
 #include "common/stats.h"
 #include "common/timeline.h"
 #include "neighbor/topology.h"
@@ -66,7 +67,8 @@ class Pacer {
   Clock::time_point last_progress_ = Clock::now();
 };
 
-class Runtime : private ResponseCache::Host, private DevicePath::Host, private GroupedOps::Host {
+class Runtime : private ResponseCache::Host, private DevicePath::Host, private GroupedOps::Host,
+                private HierarchicalStages::Host {
  public:
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
   // ignored); 0: count this process's runtimes (every rank starts and stops them together).
@@ -167,11 +169,9 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host, private G
                     const ProcessSetPtr& pset = nullptr, int scope = SHOAL_SCOPE_WORLD);
   // Queues an op of the runtime's own (a stage) under a handle of its own (mu_ held).
   void QueueLocked(const EntryPtr& e);
-  // Makes the stages of hierarchical op `e` (named, on its handle); returns the first (mu_ held).
-  EntryPtr StartStages(const EntryPtr& e);
-  // Stage `s` finished with `st`: queue the next stage, or finish the op.
-  void NextStage(const EntryPtr& s, const Status& st);
-  Status DivideResult(const Entry& e, int divisor);
+  // HierarchicalStages::Host (takes mu_).
+  void AfterStage(const EntryPtr& done, const EntryPtr& next, const Status& failed,
+                  const std::vector<EntryPtr>& later) override;
   // Bounded per-name state (negotiation/names.cc): past cfg_.name_limit names, idle names
   // every rank agrees on are retired (propose with a request, vote, commit).
   void Vote(const Response& r);    // the names every rank proposed (takes mu_)
@@ -265,6 +265,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host, private G
   Join join_;  // Horovod's join: this rank's, and its peers'
   ProcessSets sets_;  // the process sets other than the global one
   GroupedOps grouped_{this, &sets_};
+  HierarchicalStages stages_{this, backend_->world()};
   std::unordered_map<int64_t, std::function<Status()>> set_jobs_;  // by handle (mu_)
   std::thread thread_;
   std::unique_ptr<WindowQueue> windows_;
