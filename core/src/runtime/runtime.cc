@@ -74,26 +74,6 @@ void Runtime::Start(std::unique_lock<std::mutex>& lock, bool callback) {
   }
 }
 
-Status Runtime::OnDriver(std::function<Status()> job) {
-  auto e = std::make_shared<Entry>();
-  e->sig.op = kOpSetControl;
-  e->name = "process_sets.control";
-  int64_t handle;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_ || left_) return Status::Error(SHOAL_ABORTED, "Shoal is shutting down");
-    Register(e, nullptr, nullptr);
-    handle = e->handle;
-    set_jobs_[handle] = std::move(job);
-    queue_.push_back(e);
-    queued_ = queue_.size();
-  }
-  work_cv_.notify_one();
-  Status st = Wait(handle);  // drives the cycle that runs it, unless another thread does
-  Release(handle);
-  return st;
-}
-
 void Runtime::Leave() {
   std::unique_lock<std::mutex> lock(mu_);
   if (left_) return;

@@ -39,6 +39,7 @@
 #include "runtime/departures.h"
 #include "runtime/entry.h"
 #include "process_sets/process_sets.h"
+#include "process_sets/set_control.h"
 #include "gpu/staging.h"
 #include "neighbor/neighbor_exchange.h"
 #include "ops/groups.h"
@@ -68,7 +69,7 @@ class Pacer {
 };
 
 class Runtime : private ResponseCache::Host, private DevicePath::Host, private GroupedOps::Host,
-                private HierarchicalStages::Host {
+                private HierarchicalStages::Host, private SetControl::Host {
  public:
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
   // ignored); 0: count this process's runtimes (every rank starts and stops them together).
@@ -103,13 +104,15 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host, private G
   void Reject(int op, const char* name, int code, const std::string& error, int set = 0,
               int scope = SHOAL_SCOPE_WORLD);
   // Horovod's add_process_set / remove_process_set, called by every rank in the same order
-  // (process_sets/process_sets.h; semantics: shoal_add_process_set). `refusal`: this rank refuses the
-  // call (bad arguments above the core): every rank raises it. Throw ArgumentError (the same
-  // on every rank). Blocking.
-  int32_t AddProcessSet(const std::vector<int>& ranks, const std::string& refusal = "");
-  void RemoveProcessSet(int32_t id, const std::string& refusal = "");
+  // (process_sets/set_control.h; semantics: shoal_add_process_set). `refusal`: this rank refuses
+  // the call (bad arguments above the core): every rank raises it. Throw ArgumentError (the
+  // same on every rank). Blocking.
+  int32_t AddProcessSet(const std::vector<int>& ranks, const std::string& refusal = "") {
+    return set_control_.Add(ranks, refusal);
+  }
+  void RemoveProcessSet(int32_t id, const std::string& refusal = "") { set_control_.Remove(id, refusal); }
   // Set `id`'s members, or null for a set that does not exist (any thread).
-  ProcessSetPtr FindSet(int32_t id);
+  ProcessSetPtr FindSet(int32_t id) { return sets_.Find(id); }
   // This rank takes part in no more ops: tells every peer, so ops that need this rank fail
   // there instead of waiting. Later enqueues are refused. Idempotent; Stop() calls it.
   void Leave();
@@ -179,7 +182,6 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host, private G
   // Thaws set `set`'s frozen names, forgets those in `gone`, runs its held calls (mu_ held).
   void Thaw(int set, const std::set<std::string>& gone);
   void ThawIfLost(int left_rank);  // a vote's coordinator left (takes mu_)
-  void ForgetSet(int set);  // a removed set's names (driver, mu_ held)
   void FailAll(const std::string& why);
   double Now() const;
   std::chrono::microseconds CycleTime() const {
@@ -191,15 +193,13 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host, private G
   void Renegotiate(const EntryPtr& e) override;
   void SendLater(Request req) override { late_requests_.push_back(std::move(req)); }
   void CountJoinedCall(const std::string& key, const Signature& sig) override { CountCall(key, sig); }
-  // Process sets (process_sets/process_sets.cc).
-  // The allgather through which every rank's add/remove calls agree: every rank's vote.
-  // Numbers `mine` (this rank's next call; `what` names it), judges the calls alike on every
-  // rank (throws ArgumentError), and gives the highest call number in `top`.
-  std::vector<SetVote> Agree(SetVote& mine, std::string* what, int64_t* top);
-  Status OnDriver(std::function<Status()> job);  // runs `job` on the progress driver; waits
-  void RunControl(const EntryPtr& e);
-  Status MakeSet(int32_t id, const std::vector<int>& ranks);  // driver
-  void DropSet(int32_t id);                                   // driver
+  // SetControl::Host.
+  Status RunOp(const shoal_op_desc& d, EntryPtr* e) override;
+  Status RunOnDriver(const EntryPtr& e) override;
+  int InFlightIn(int set) override;
+  void EndSet(const ProcessSet& s) override;
+  void ForgetSet(int set) override;  // a removed set's names, refusals on file, checked patterns, stalls
+  // Process sets as negotiation sees them (runtime/process_set_steps.cc).
   Coordinator* CoordinatorOf(int set) override;                        // driver: null if not this rank's
   const ProcessSet* SetOf(int set) const override;                     // driver: null for set 0 and unknown sets
   int IndexIn(int set, int world_rank) const;                 // driver
@@ -266,7 +266,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host, private G
   ProcessSets sets_;  // the process sets other than the global one
   GroupedOps grouped_{this, &sets_};
   HierarchicalStages stages_{this, backend_->world()};
-  std::unordered_map<int64_t, std::function<Status()>> set_jobs_;  // by handle (mu_)
+  SetControl set_control_{this, backend_.get(), &sets_, cfg_.fusion_threshold};  // adds and removes sets
   std::thread thread_;
   std::unique_ptr<WindowQueue> windows_;
 };

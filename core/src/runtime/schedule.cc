@@ -19,7 +19,7 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     else to_coordinator->push_back(std::move(req));
     return;
   }
-  if (e->sig.op == kOpSetControl) return RunControl(e);
+  if (e->sig.op == kOpSetControl) return set_control_.Run(e);
   if (e->set && !SetOf(e->set))
     return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, OpError(e->sig.op, e->name, e->pset->Describe() + " was removed")));
   if (!e->group.empty()) return grouped_.Route(e, to_coordinator);
@@ -280,6 +280,7 @@ void Runtime::ThawIfLost(int left_rank) {
 }
 
 void Runtime::ForgetSet(int set) {
+  std::lock_guard<std::mutex> lock(mu_);
   names_.Forget(set);
   std::string name;
   for (auto it = rejections_.begin(); it != rejections_.end();)
