@@ -8,7 +8,7 @@
 namespace shoal {
 namespace {
 
-[[noreturn]] void Fail(int code, const std::string& msg) { throw ArgumentError(code, msg); }
+[[noreturn]] void Refuse(int code, const std::string& msg) { throw ArgumentError(code, msg); }
 
 }  // namespace
 
@@ -23,9 +23,9 @@ std::vector<SetVote> SetControl::Agree(SetVote& mine, std::string* what, int64_t
   d.input = {payload.data(), SHOAL_UINT8, 1, shape.data(), SHOAL_DEVICE_CPU, 0, nullptr, nullptr};
   EntryPtr e;
   const Status st = host_->RunOp(d, &e);
-  if (!st.ok()) Fail(st.code, *what + " did not complete: " + st.message + kSetRule);
+  if (!st.ok()) Refuse(st.code, *what + " did not complete: " + st.message + kSetRule);
   std::vector<SetVote> votes = DecodeVotes(static_cast<const char*>(e->result), e->result_nbytes);
-  if (static_cast<int>(votes.size()) != backend_->world().size) Fail(SHOAL_ABORTED, *what + ": internal error: votes lost");
+  if (static_cast<int>(votes.size()) != backend_->world().size) Refuse(SHOAL_ABORTED, *what + ": internal error: votes lost");
   *top = 0;
   for (auto& v : votes) *top = std::max(*top, v.calls);
   sets_->Agreed(*top);
@@ -44,22 +44,22 @@ int32_t SetControl::Add(const std::vector<int>& ranks, const std::string& refusa
   int64_t top = 0;
   Agree(mine, &what, &top);
   const int size = backend_->world().size;
-  if (mine.ranks.empty()) Fail(SHOAL_INVALID_ARGUMENT, what + ": a process set needs at least one rank");
+  if (mine.ranks.empty()) Refuse(SHOAL_INVALID_ARGUMENT, what + ": a process set needs at least one rank");
   for (size_t i = 0; i < mine.ranks.size(); ++i) {
     const int r = mine.ranks[i];
     if (r < 0 || r >= size)
-      Fail(SHOAL_INVALID_ARGUMENT, what + ": rank " + std::to_string(r) + " is outside [0, " + std::to_string(size) + ")");
-    if (i > 0 && mine.ranks[i - 1] == r) Fail(SHOAL_INVALID_ARGUMENT, what + ": rank " + std::to_string(r) + " appears twice");
+      Refuse(SHOAL_INVALID_ARGUMENT, what + ": rank " + std::to_string(r) + " is outside [0, " + std::to_string(size) + ")");
+    if (i > 0 && mine.ranks[i - 1] == r) Refuse(SHOAL_INVALID_ARGUMENT, what + ": rank " + std::to_string(r) + " appears twice");
   }
   if (static_cast<int>(mine.ranks.size()) == size)
-    Fail(SHOAL_INVALID_ARGUMENT, what + ": these are the ranks of the global process set (id 0), which exists "
+    Refuse(SHOAL_INVALID_ARGUMENT, what + ": these are the ranks of the global process set (id 0), which exists "
                                         "already (Horovod refuses duplicate process sets)");
   if (ProcessSetPtr same = sets_->WithRanks(mine.ranks))
-    Fail(SHOAL_INVALID_ARGUMENT, what + ": " + same->Describe() +
+    Refuse(SHOAL_INVALID_ARGUMENT, what + ": " + same->Describe() +
                                      " has these ranks already (Horovod refuses duplicate process sets)");
   const int32_t id = static_cast<int32_t>(top + 1);  // above every earlier id, the same on every rank
   const Status st = OnDriver([this, id, r = mine.ranks] { return MakeSet(id, r); });
-  if (!st.ok()) Fail(st.code, what + ": " + st.message);
+  if (!st.ok()) Refuse(st.code, what + ": " + st.message);
   return id;
 }
 
@@ -73,19 +73,19 @@ void SetControl::Remove(int32_t id, const std::string& refusal) {
   std::string what;
   int64_t top = 0;
   const std::vector<SetVote> votes = Agree(mine, &what, &top);
-  if (id == 0) Fail(SHOAL_INVALID_ARGUMENT, what + ": the global process set cannot be removed");
-  if (!sets_->Find(id)) Fail(SHOAL_INVALID_ARGUMENT, what + ": no process set has id " + std::to_string(id));
+  if (id == 0) Refuse(SHOAL_INVALID_ARGUMENT, what + ": the global process set cannot be removed");
+  if (!sets_->Find(id)) Refuse(SHOAL_INVALID_ARGUMENT, what + ": no process set has id " + std::to_string(id));
   std::vector<int> busy;
   for (size_t r = 0; r < votes.size(); ++r)
     if (votes[r].busy > 0) busy.push_back(static_cast<int>(r));
   if (!busy.empty())
-    Fail(SHOAL_INVALID_ARGUMENT, what + ": ops of process set " + std::to_string(id) + " are in flight on " +
+    Refuse(SHOAL_INVALID_ARGUMENT, what + ": ops of process set " + std::to_string(id) + " are in flight on " +
                                      RanksNamed(busy) + "; synchronize them first");
   const Status st = OnDriver([this, id] {
     DropSet(id);
     return Status::Ok();
   });
-  if (!st.ok()) Fail(st.code, what + ": " + st.message);
+  if (!st.ok()) Refuse(st.code, what + ": " + st.message);
 }
 
 Status SetControl::OnDriver(std::function<Status()> job) {
