@@ -3,8 +3,10 @@
 // after it ("<name>.machine_sum", ".exchange", ".share"), so ranks match, negotiate, fuse
 // and cache them like any op; each is queued when the one before completes, and the op's
 // one handle completes after the last, with the division by local_size().
+#include "ops/stages.h"
+
 #include "common/reduce.h"
-#include "runtime/runtime.h"
+#include "gpu/staging.h"
 
 namespace shoal {
 
@@ -13,8 +15,8 @@ struct Stages {
   std::vector<EntryPtr> rest;  // stages not queued yet, in order
 };
 
-EntryPtr Runtime::StartStages(const EntryPtr& e) {
-  const WorldInfo& w = world();
+EntryPtr HierarchicalStages::Start(const EntryPtr& e) const {
+  const WorldInfo& w = world_;
   auto stages = std::make_shared<Stages>();
   stages->op = e;
   for (auto& [op, suffix, scope] : kHierarchicalStages) {
@@ -46,7 +48,7 @@ EntryPtr Runtime::StartStages(const EntryPtr& e) {
   return first;
 }
 
-void Runtime::NextStage(const EntryPtr& s, const Status& st_in) {
+void HierarchicalStages::Next(const EntryPtr& s, const Status& st_in) {
   std::shared_ptr<Stages> stages = std::move(s->stages);
   const EntryPtr op = stages->op;
   Status st = st_in;
@@ -70,33 +72,23 @@ void Runtime::NextStage(const EntryPtr& s, const Status& st_in) {
       }
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    handles_.erase(s->handle);
-    if (next) {
-      next->stages = std::move(stages);
-      QueueLocked(next);
-      if (!driving_) work_cv_.notify_one();
-      return;
-    }
-    if (!st.ok() && !stop_ && !left_) {
-      // The ranks waiting for this op's later stages fail with it instead of waiting. A
-      // refusal at the call (the refusing rank refused every stage: Reject) with that very
-      // error, so each stage's ranks get it whichever refusal their coordinator hears first
-      // (the machine's stages and the exchange have coordinators of their own: docs/design.md §19).
-      const bool refused = st.code == SHOAL_INVALID_ARGUMENT || st.code == SHOAL_INVALID_TYPE;
-      const std::string why = refused ? st.message
-                                      : OpError(op->sig.op, op->name, "an earlier stage failed on rank " +
-                                                                          std::to_string(world().rank) + ": " + st.message);
-      for (auto& later : stages->rest)
-        RejectLocked(later->sig.op, later->name, refused ? st.code : SHOAL_ABORTED, why, nullptr, later->sig.scope);
-      if (!driving_) work_cv_.notify_one();
-    }
+  if (next) {
+    next->stages = std::move(stages);
+    return host_->AfterStage(s, next, Status::Ok(), {});
   }
-  Finish(op, st.ok() ? DivideResult(*op, world().local_size) : st);
+  // The ranks waiting for this op's later stages fail with it instead of waiting. A
+  // refusal at the call (the refusing rank refused every stage: Runtime::Reject) with that
+  // very error, so each stage's ranks get it whichever refusal their coordinator hears first
+  // (the machine's stages and the exchange have coordinators of their own: docs/design.md §19).
+  Status failed = st;
+  if (!st.ok() && st.code != SHOAL_INVALID_ARGUMENT && st.code != SHOAL_INVALID_TYPE)
+    failed = Status::Error(SHOAL_ABORTED, OpError(op->sig.op, op->name, "an earlier stage failed on rank " +
+                                                                            std::to_string(world_.rank) + ": " + st.message));
+  host_->AfterStage(s, nullptr, failed, stages->rest);
+  host_->Finish(op, st.ok() ? DivideResult(*op, world_.local_size) : st);
 }
 
-Status Runtime::DivideResult(const Entry& e, int divisor) {
+Status HierarchicalStages::DivideResult(const Entry& e, int divisor) {
   if (e.sig.device_type != SHOAL_DEVICE_CUDA) {
     Divide(e.output.data, e.output.data, e.sig.dtype, e.count(), divisor);
     return Status::Ok();

@@ -59,6 +59,17 @@ int64_t Runtime::CountCall(const std::string& name, const Signature& sig) {
   return step;
 }
 
+void Runtime::JoinedGroup(const Response& r, std::vector<EntryPtr>* batch) {
+  if (std::find(r.joined.begin(), r.joined.end(), world().rank) == r.joined.end()) return;
+  const std::string& group = r.names[0];
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // the group counts as this rank's call (JoinedEntry)
+    ++names_[group].calls;
+    names_.FollowUnnamed(r.op, group);
+  }
+  for (size_t i = 0; i < r.sigs.size(); ++i) batch->push_back(IdentityEntry(MemberName(group, static_cast<int>(i)), r.sigs[i]));
+}
+
 void Runtime::FinishJoin(const Response& r, const std::vector<EntryPtr>& batch) {
   join_.Complete(r, batch);
   for (auto& e : batch) Finish(e, Status::Ok());

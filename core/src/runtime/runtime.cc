@@ -12,8 +12,6 @@
 namespace shoal {
 namespace {
 
-// Handles are unique for the whole process, across init/shutdown cycles.
-std::atomic<int64_t> g_next_handle{1};
 // Runtimes created in this process; the same sequence on every rank (init is collective).
 std::atomic<uint64_t> g_generations{0};
 
@@ -59,79 +57,6 @@ double Runtime::Now() const {
   return std::chrono::duration<double>(Clock::now() - start_).count();
 }
 
-int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg) {
-  if (!IsOpCode(d.op) && d.op != kOpJoin) Bad("unknown op code " + std::to_string(d.op));
-  // A call in no set of this rank's is refused before the try: nobody waits for it.
-  const ProcessSetPtr pset = CallSet(d);
-  EntryPtr e;
-  try {
-    e = Describe(d, pset);
-  } catch (const ArgumentError& ex) {
-    Reject(d.op, d.name, ex.code, ex.what(), d.process_set, d.scope);
-    throw;
-  }
-  // Last, after validation: marks the point the producer reached on the caller's stream.
-  if (d.op != SHOAL_OP_BARRIER && d.input.device_type == SHOAL_DEVICE_CUDA) e->gpu = CaptureGpuOp(d, e->nbytes());
-  std::unique_lock<std::mutex> lock(mu_);
-  Admissible(d.op);
-  if (d.op == kOpJoin && !sets_.Empty())
-    throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
-                                                "exist (remove_process_set them first)");
-  if (d.op == kOpJoin) join_.SetInFlight(true);
-  e->name = names_.Name(d.op, d.name, sets_.NegotiatedIn(e->set, e->sig.scope));
-  if (e->set) e->set_key = SetKey(e->set, e->name);
-  NameState& ns = names_[e->key()];
-  if (ns.in_flight) throw Duplicate(d.op, e->name);
-  ns.in_flight = true;
-  ns.last_use = names_.Use();
-  if (d.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) ns.staged = true;
-  Register(e, cb, cb_arg);
-  if (ns.frozen) {
-    names_.Hold(e);  // numbered at the commit of the vote that froze its name
-  } else {
-    e->step = ns.calls++;
-    Push(e);
-  }
-  const int64_t handle = e->handle;
-  Start(lock, cb != nullptr);
-  return handle;
-}
-
-void Runtime::Admissible(int op) const {
-  if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
-  if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
-  if (join_.InFlight())  // its peers run its part of their ops: it has no more data
-    throw ArgumentError(op == kOpJoin ? SHOAL_DUPLICATE_NAME : SHOAL_INVALID_ARGUMENT,
-                        std::string(OpName(op)) + ": this rank called join(), which is still in flight; it takes "
-                                                  "part in no new ops until every rank has joined");
-}
-
-ArgumentError Runtime::Duplicate(int op, const std::string& name) {
-  return ArgumentError(SHOAL_DUPLICATE_NAME, std::string(OpName(op)) + ": an op named '" + name +
-                                                 "' is already in flight on this rank; wait for it or use another name");
-}
-
-void Runtime::Queue(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
-  Register(e, cb, cb_arg);
-  Push(e);
-}
-
-void Runtime::Register(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
-  e->callback = cb;
-  e->callback_arg = cb_arg;
-  e->handle = g_next_handle++;
-  handles_[e->handle] = e;
-}
-
-void Runtime::Push(const EntryPtr& e) {
-  if (e->sig.op == SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
-    QueueLocked(StartStages(e));  // the op completes after its last stage
-  } else {
-    queue_.push_back(e);
-    queued_ = queue_.size();
-  }
-}
-
 void Runtime::Start(std::unique_lock<std::mutex>& lock, bool callback) {
   if (driving_) return;  // the driver takes it next cycle
   if (waiters_ > 0) {
@@ -147,96 +72,6 @@ void Runtime::Start(std::unique_lock<std::mutex>& lock, bool callback) {
     // every cycle would make them chase each other).
     if (waiters_ > 0) done_cv_.notify_all();
   }
-}
-
-void Runtime::Reject(int op, const char* name, int code, const std::string& error, int set, int scope) {
-  // A grouped op's refusal (SHOAL_GROUPED | op) names the group.
-  const int base = (op & SHOAL_GROUPED) ? op & ~SHOAL_GROUPED : op;
-  if (!IsOpCode(base) || world().size == 1) return;
-  ProcessSetPtr pset = set ? FindSet(set) : nullptr;
-  if (set && (!pset || pset->index < 0 || pset->size() == 1)) return;  // nobody waits for this rank's call
-  // Scope is allreduce's and broadcast's (Describe); with machine scope, the machine's ranks
-  // wait. Not with a process set: Describe refuses the pair, and the set's members wait.
-  if (set != 0 || (base != SHOAL_OP_ALLREDUCE && base != SHOAL_OP_BROADCAST)) scope = SHOAL_SCOPE_WORLD;
-  std::unique_lock<std::mutex> lock(mu_);
-  if (stop_ || left_) return;
-  const std::string full = names_.Name(op, name, sets_.NegotiatedIn(set, scope));
-  if (op != SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE) {
-    if (!RejectLocked(op, full, code, error, pset, scope)) return;
-  } else {
-    NameState& ns = names_[full];
-    if (ns.in_flight) return;
-    ns.staged = true;  // its stages' names are retired with it
-    ns.last_use = names_.Use();
-    ++(ns.frozen ? ns.held_calls : ns.calls);  // the stages' refusals below carry the steps
-    for (auto& [stage, suffix, stage_scope] : kHierarchicalStages) {
-      RejectLocked(stage, full + suffix, code, error, nullptr, stage_scope);
-      names_[full + suffix].stage = true;
-    }
-  }
-  if (driving_) return;
-  if (waiters_ > 0) done_cv_.notify_all();
-  else Drive(lock, nullptr, nullptr);
-}
-
-bool Runtime::RejectLocked(int op, const std::string& name, int code, const std::string& error,
-                           const ProcessSetPtr& pset, int scope) {
-  auto e = std::make_shared<Entry>();
-  e->sig.op = op;
-  e->sig.scope = scope;  // which coordinator hears of it
-  e->name = name;
-  if (pset) {
-    e->set = pset->id;
-    e->pset = pset;
-    e->set_key = SetKey(e->set, name);
-  }
-  NameState& ns = names_[e->key()];
-  if (ns.in_flight) return false;  // the call is refused as a duplicate: it is not this step's
-  e->reject = error;
-  // A refusal at the call is a ValueError or TypeError everywhere; a failed earlier stage
-  // of a multi-stage op is a runtime failure (ShoalError) on the ranks waiting in later ones.
-  e->reject_code = code == SHOAL_INVALID_TYPE || code == SHOAL_ABORTED ? code : SHOAL_INVALID_ARGUMENT;
-  e->done = true;
-  ns.last_use = names_.Use();
-  if (ns.frozen) {
-    names_.Hold(e);
-    return true;
-  }
-  e->step = ns.calls++;
-  queue_.push_back(e);
-  queued_ = queue_.size();
-  return true;
-}
-
-void Runtime::QueueLocked(const EntryPtr& e) {
-  NameState& ns = names_[e->name];
-  ns.in_flight = true;
-  ns.stage = true;  // retired with its op's name only
-  e->step = ns.calls++;
-  e->handle = g_next_handle++;
-  handles_[e->handle] = e;
-  queue_.push_back(e);
-  queued_ = queue_.size();
-}
-
-Status Runtime::OnDriver(std::function<Status()> job) {
-  auto e = std::make_shared<Entry>();
-  e->sig.op = kOpSetControl;
-  e->name = "process_sets.control";
-  int64_t handle;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_ || left_) return Status::Error(SHOAL_ABORTED, "Shoal is shutting down");
-    e->handle = handle = g_next_handle++;
-    handles_[handle] = e;
-    set_jobs_[handle] = std::move(job);
-    queue_.push_back(e);
-    queued_ = queue_.size();
-  }
-  work_cv_.notify_one();
-  Status st = Wait(handle);  // drives the cycle that runs it, unless another thread does
-  Release(handle);
-  return st;
 }
 
 void Runtime::Leave() {
@@ -410,7 +245,7 @@ void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
   done_cv_.notify_all();
   if (e->callback) e->callback(e->handle, st.code, st.message.c_str(), e->callback_arg);
   if (timeline_.enabled()) Trace(*e, st, t_callback);
-  if (e->stages) NextStage(e, st);
+  if (e->stages) stages_.Next(e, st);
 }
 
 void Runtime::Trace(const Entry& e, const Status& st, Clock::time_point t_callback) {
@@ -468,7 +303,7 @@ bool Runtime::SafeCycle(bool start_only) {
     // touching any op's memory; later enqueues are refused.
     Log(LOG_ERROR, std::string("runtime loop failed: ") + ex.what());
     awaiting_response_.clear();
-    groups_.clear();
+    grouped_.Clear();
     neighbor_ready_.clear();
     fresh_.clear();
     neighbors_.TakeAll();

@@ -39,9 +39,12 @@
 #include "runtime/departures.h"
 #include "runtime/entry.h"
 #include "process_sets/process_sets.h"
+#include "process_sets/set_control.h"
 #include "gpu/staging.h"
 #include "neighbor/neighbor_exchange.h"
+#include "ops/groups.h"
 #include "ops/join.h"
+#include "ops/stages.h"
 #include "common/stats.h"
 #include "common/timeline.h"
 #include "neighbor/topology.h"
@@ -65,7 +68,8 @@ class Pacer {
   Clock::time_point last_progress_ = Clock::now();
 };
 
-class Runtime : private ResponseCache::Host, private DevicePath::Host {
+class Runtime : private ResponseCache::Host, private DevicePath::Host, private GroupedOps::Host,
+                private HierarchicalStages::Host, private SetControl::Host {
  public:
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
   // ignored); 0: count this process's runtimes (every rank starts and stops them together).
@@ -89,7 +93,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   // Validates and queues; throws ArgumentError for bad arguments (and tells the peers,
   // which may be waiting for this call, through Reject).
   int64_t Enqueue(const shoal_op_desc& desc, shoal_callback cb = nullptr, void* cb_arg = nullptr);
-  // A grouped op (shoal_enqueue_group; ops/groups.cc): its members' handles, in order.
+  // A grouped op (shoal_enqueue_group; ops/groups.h): its members' handles, in order.
   std::vector<int64_t> EnqueueGroup(const char* name, const shoal_op_desc* descs, int n, shoal_callback cb,
                                     void* const* cb_args);
   // desc.op == kOpJoin: Horovod's join (ops/join.cc); its result is the last rank to join.
@@ -100,13 +104,15 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   void Reject(int op, const char* name, int code, const std::string& error, int set = 0,
               int scope = SHOAL_SCOPE_WORLD);
   // Horovod's add_process_set / remove_process_set, called by every rank in the same order
-  // (process_sets/process_sets.h; semantics: shoal_add_process_set). `refusal`: this rank refuses the
-  // call (bad arguments above the core): every rank raises it. Throw ArgumentError (the same
-  // on every rank). Blocking.
-  int32_t AddProcessSet(const std::vector<int>& ranks, const std::string& refusal = "");
-  void RemoveProcessSet(int32_t id, const std::string& refusal = "");
+  // (process_sets/set_control.h; semantics: shoal_add_process_set). `refusal`: this rank refuses
+  // the call (bad arguments above the core): every rank raises it. Throw ArgumentError (the
+  // same on every rank). Blocking.
+  int32_t AddProcessSet(const std::vector<int>& ranks, const std::string& refusal = "") {
+    return set_control_.Add(ranks, refusal);
+  }
+  void RemoveProcessSet(int32_t id, const std::string& refusal = "") { set_control_.Remove(id, refusal); }
   // Set `id`'s members, or null for a set that does not exist (any thread).
-  ProcessSetPtr FindSet(int32_t id);
+  ProcessSetPtr FindSet(int32_t id) { return sets_.Find(id); }
   // This rank takes part in no more ops: tells every peer, so ops that need this rank fail
   // there instead of waiting. Later enqueues are refused. Idempotent; Stop() calls it.
   void Leave();
@@ -132,7 +138,7 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   bool Cycle(bool start_only);
   void Route(const EntryPtr& e, std::vector<Request>* to_coordinator) override;
   void Apply(const Response& r);
-  void RunCollective(const Response& r, std::vector<EntryPtr> batch);
+  void RunCollective(const Response& r, std::vector<EntryPtr> batch) override;
   void RunReduceScatter(const EntryPtr& e, GroupCollectives* engine);
   GroupCollectives* Group(int set) override;  // the engine of process set `set` (0: every rank); null if unknown here
   void RunAlltoall(const Response& r, const EntryPtr& e, GroupCollectives* engine);  // ops/alltoall.cc
@@ -147,28 +153,28 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   void Register(const EntryPtr& e, shoal_callback cb, void* cb_arg);  // its handle (mu_ held)
   void Push(const EntryPtr& e);  // onto the queue; a hierarchical op as its first stage (mu_ held)
   void Start(std::unique_lock<std::mutex>& lock, bool callback);
-  // Grouped ops (ops/groups.cc): members wait until all are here, then the group asks
-  // the coordinator once; its response runs every member (RunGroup) or fails them all.
-  void RouteGroupMember(const EntryPtr& e, std::vector<Request>* to_coordinator);
-  void ExpandGroup(const EntryPtr& e, std::vector<EntryPtr>* out);  // a group's leader: all its members
-  void RunGroup(const Response& r, std::vector<EntryPtr> members);
   void JoinedGroup(const Response& r, std::vector<EntryPtr>* batch);  // takes mu_
   void Finish(const EntryPtr& e, const Status& st) override;
   void Trace(const Entry& e, const Status& st, Clock::time_point t_callback);
   void CheckStalls();
   void OnLeave(int rank);
   bool FailIfUnreachable(const EntryPtr& e);
+  // The refusal on file of `key`'s call at `step`, taken (ok: none).
+  Status TakeRefusal(const std::string& key, int64_t step);
+  // Ranks of set `set` (0: every rank) that left, as the error of a call of `op` named `name`.
+  Status Departed(int set, int op, const std::string& name) const;
+  // GroupedOps::Host.
+  Status Unrunnable(const std::string& key, int64_t step, int set, int op, const std::string& name) override;
+  void Await(const std::string& key, const EntryPtr& first) override { awaiting_response_[key] = first; }
   // Uses up `name`'s next step (in process set `pset`, null: every rank's; machine scope: the
   // machine's) with a refusal its peers hear of; false if an op of that name is in flight here (mu_ held).
   bool RejectLocked(int op, const std::string& name, int code, const std::string& error,
                     const ProcessSetPtr& pset = nullptr, int scope = SHOAL_SCOPE_WORLD);
   // Queues an op of the runtime's own (a stage) under a handle of its own (mu_ held).
   void QueueLocked(const EntryPtr& e);
-  // Makes the stages of hierarchical op `e` (named, on its handle); returns the first (mu_ held).
-  EntryPtr StartStages(const EntryPtr& e);
-  // Stage `s` finished with `st`: queue the next stage, or finish the op.
-  void NextStage(const EntryPtr& s, const Status& st);
-  Status DivideResult(const Entry& e, int divisor);
+  // HierarchicalStages::Host (takes mu_).
+  void AfterStage(const EntryPtr& done, const EntryPtr& next, const Status& failed,
+                  const std::vector<EntryPtr>& later) override;
   // Bounded per-name state (negotiation/names.cc): past cfg_.name_limit names, idle names
   // every rank agrees on are retired (propose with a request, vote, commit).
   void Vote(const Response& r);    // the names every rank proposed (takes mu_)
@@ -176,7 +182,6 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   // Thaws set `set`'s frozen names, forgets those in `gone`, runs its held calls (mu_ held).
   void Thaw(int set, const std::set<std::string>& gone);
   void ThawIfLost(int left_rank);  // a vote's coordinator left (takes mu_)
-  void ForgetSet(int set);  // a removed set's names (driver, mu_ held)
   void FailAll(const std::string& why);
   double Now() const;
   std::chrono::microseconds CycleTime() const {
@@ -188,15 +193,13 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   void Renegotiate(const EntryPtr& e) override;
   void SendLater(Request req) override { late_requests_.push_back(std::move(req)); }
   void CountJoinedCall(const std::string& key, const Signature& sig) override { CountCall(key, sig); }
-  // Process sets (process_sets/process_sets.cc).
-  // The allgather through which every rank's add/remove calls agree: every rank's vote.
-  // Numbers `mine` (this rank's next call; `what` names it), judges the calls alike on every
-  // rank (throws ArgumentError), and gives the highest call number in `top`.
-  std::vector<SetVote> Agree(SetVote& mine, std::string* what, int64_t* top);
-  Status OnDriver(std::function<Status()> job);  // runs `job` on the progress driver; waits
-  void RunControl(const EntryPtr& e);
-  Status MakeSet(int32_t id, const std::vector<int>& ranks);  // driver
-  void DropSet(int32_t id);                                   // driver
+  // SetControl::Host.
+  Status RunOp(const shoal_op_desc& d, EntryPtr* e) override;
+  Status RunOnDriver(const EntryPtr& e) override;
+  int InFlightIn(int set) override;
+  void EndSet(const ProcessSet& s) override;
+  void ForgetSet(int set) override;  // a removed set's names, refusals on file, checked patterns, stalls
+  // Process sets as negotiation sees them (runtime/process_set_steps.cc).
   Coordinator* CoordinatorOf(int set) override;                        // driver: null if not this rank's
   const ProcessSet* SetOf(int set) const override;                     // driver: null for set 0 and unknown sets
   int IndexIn(int set, int world_rank) const;                 // driver
@@ -250,7 +253,6 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
 
   // Driver only.
   std::map<std::string, EntryPtr> awaiting_response_;  // a grouped op: by its name, its first member
-  std::map<std::string, std::vector<EntryPtr>> groups_;  // grouped ops' members, from routing to response
   CheckedPatterns neighbor_patterns_;  // neighbor ops that skip the coordinator
   Departures departures_;
   // Calls rejected on another rank that this rank has not submitted yet: name -> (step, error).
@@ -262,7 +264,9 @@ class Runtime : private ResponseCache::Host, private DevicePath::Host {
   Clock::time_point start_ = Clock::now();
   Join join_;  // Horovod's join: this rank's, and its peers'
   ProcessSets sets_;  // the process sets other than the global one
-  std::unordered_map<int64_t, std::function<Status()>> set_jobs_;  // by handle (mu_)
+  GroupedOps grouped_{this, &sets_};
+  HierarchicalStages stages_{this, backend_->world()};
+  SetControl set_control_{this, backend_.get(), &sets_, cfg_.fusion_threshold};  // adds and removes sets
   std::thread thread_;
   std::unique_ptr<WindowQueue> windows_;
 };

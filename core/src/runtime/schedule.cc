@@ -19,10 +19,10 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
     else to_coordinator->push_back(std::move(req));
     return;
   }
-  if (e->sig.op == kOpSetControl) return RunControl(e);
+  if (e->sig.op == kOpSetControl) return set_control_.Run(e);
   if (e->set && !SetOf(e->set))
     return Finish(e, Status::Error(SHOAL_INVALID_ARGUMENT, OpError(e->sig.op, e->name, e->pset->Describe() + " was removed")));
-  if (!e->group.empty()) return RouteGroupMember(e, to_coordinator);
+  if (!e->group.empty()) return grouped_.Route(e, to_coordinator);
   // Every call of a cached broadcast takes part in the root's round of its step, even one
   // refused on another rank (docs/design.md §20): the round's outcome decides.
   if (!cache_.Empty() && cache_.IsBroadcast(e->key()) && cache_.Route(e)) return;
@@ -38,18 +38,36 @@ void Runtime::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
   Ask(e, to_coordinator);
 }
 
+Status Runtime::TakeRefusal(const std::string& key, int64_t step) {
+  if (rejections_.empty()) return Status::Ok();
+  auto it = rejections_.find(key);
+  if (it == rejections_.end() || it->second.step != step) return Status::Ok();
+  const Status st = Status::Error(it->second.code, it->second.error);
+  rejections_.erase(it);
+  return st;
+}
+
+Status Runtime::Departed(int set, int op, const std::string& name) const {
+  if (!departures_.Any()) return Status::Ok();
+  const std::vector<int> gone = departures_.Members(SetOf(set));
+  return gone.empty() ? Status::Ok() : Status::Error(SHOAL_ABORTED, OpError(op, name, Departures::Describe(gone)));
+}
+
+Status Runtime::Unrunnable(const std::string& key, int64_t step, int set, int op, const std::string& name) {
+  const Status st = TakeRefusal(key, step);
+  return st.ok() ? Departed(set, op, name) : st;
+}
+
 bool Runtime::FailIfUnreachable(const EntryPtr& e) {
-  if (!rejections_.empty()) {
-    auto it = rejections_.find(e->key());
-    if (it != rejections_.end() && it->second.step == e->step) {
-      const Status st = Status::Error(it->second.code, it->second.error);
-      rejections_.erase(it);
-      Finish(e, st);
-      return true;
-    }
-  }
   const bool neighbor = e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER;
-  if (neighbor && join_.AnyPeerJoined()) {
+  // Every rank of its process set (or machine) takes part in a collective and in a negotiation.
+  Status st = neighbor ? TakeRefusal(e->key(), e->step)
+                       : Unrunnable(e->key(), e->step, sets_.NegotiatedIn(e->set, e->sig.scope), e->sig.op, e->name);
+  if (!st.ok() || !neighbor) {
+    if (!st.ok()) Finish(e, st);
+    return !st.ok();
+  }
+  if (join_.AnyPeerJoined()) {
     std::vector<int> joined;
     for (auto* list : {&e->recv_ranks, &e->send_ranks})
       for (int r : *list)
@@ -62,18 +80,19 @@ bool Runtime::FailIfUnreachable(const EntryPtr& e) {
     }
   }
   if (!departures_.Any()) return false;
+  if (!neighbor_patterns_.Skips(*e)) {
+    st = Departed(sets_.NegotiatedIn(e->set, e->sig.scope), e->sig.op, e->name);
+    if (!st.ok()) Finish(e, st);
+    return !st.ok();
+  }
   std::vector<int> gone;
-  if (neighbor && neighbor_patterns_.Skips(*e)) {
-    // A peer that left may have sent its piece before it left: only a missing one is fatal.
-    for (int r : e->recv_ranks) if (departures_.Left(r) && !neighbors_.HasPiece(r, e->name)) gone.push_back(r);
-    // Nobody takes what is sent to a rank that left (it needs nothing more): skip it.
-    for (size_t k = e->send_ranks.size(); k-- > 0;) {
-      if (!departures_.Left(e->send_ranks[k])) continue;
-      e->send_ranks.erase(e->send_ranks.begin() + k);
-      if (k < e->send_weights.size()) e->send_weights.erase(e->send_weights.begin() + k);
-    }
-  } else {  // every rank of its process set (or machine) takes part in a collective and in a negotiation
-    gone = departures_.Members(SetOf(sets_.NegotiatedIn(e->set, e->sig.scope)));
+  // A peer that left may have sent its piece before it left: only a missing one is fatal.
+  for (int r : e->recv_ranks) if (departures_.Left(r) && !neighbors_.HasPiece(r, e->name)) gone.push_back(r);
+  // Nobody takes what is sent to a rank that left (it needs nothing more): skip it.
+  for (size_t k = e->send_ranks.size(); k-- > 0;) {
+    if (!departures_.Left(e->send_ranks[k])) continue;
+    e->send_ranks.erase(e->send_ranks.begin() + k);
+    if (k < e->send_weights.size()) e->send_weights.erase(e->send_weights.begin() + k);
   }
   if (gone.empty()) return false;
   Finish(e, Status::Error(SHOAL_ABORTED, OpError(e->sig.op, e->name, Departures::Describe(gone))));
@@ -125,7 +144,7 @@ void Runtime::Apply(const Response& r) {
       continue;
     }
     it->second->t_negotiated = now;
-    ExpandGroup(it->second, &batch);
+    grouped_.Expand(it->second, &batch);
     awaiting_response_.erase(it);
   }
   if (r.op == kOpJoin) {
@@ -159,7 +178,7 @@ void Runtime::Apply(const Response& r) {
     for (auto& e : batch) Finish(e, Status::Error(code, r.error));
     return;
   }
-  if (r.op & SHOAL_GROUPED) return RunGroup(r, std::move(batch));
+  if (r.op & SHOAL_GROUPED) return grouped_.Run(r, std::move(batch));
   if (batch.size() != r.names.size()) {
     Log(LOG_ERROR, "coordinator scheduled an op this rank does not have: " + r.names[0]);
     for (auto& e : batch) Finish(e, Status::Error(SHOAL_ABORTED, "internal error: inconsistent schedule"));
@@ -261,6 +280,7 @@ void Runtime::ThawIfLost(int left_rank) {
 }
 
 void Runtime::ForgetSet(int set) {
+  std::lock_guard<std::mutex> lock(mu_);
   names_.Forget(set);
   std::string name;
   for (auto it = rejections_.begin(); it != rejections_.end();)
@@ -361,7 +381,7 @@ void Runtime::FailAwaiting(const std::function<bool(const Entry&)>& which, int c
   std::vector<EntryPtr> lost;
   for (auto a = awaiting_response_.begin(); a != awaiting_response_.end();) {
     if (which(*a->second)) {
-      ExpandGroup(a->second, &lost);  // a group waits as its first member: all of them
+      grouped_.Expand(a->second, &lost);  // a group waits as its first member: all of them
       a = awaiting_response_.erase(a);
     } else {
       ++a;
