@@ -68,7 +68,7 @@ class Pacer {
   Clock::time_point last_progress_ = Clock::now();
 };
 
-class Runtime : private ResponseCache::Host, private DevicePath::Host, private GroupedOps::Host,
+class Runtime final : private ResponseCache::Host, private DevicePath::Host, private GroupedOps::Host,
                 private HierarchicalStages::Host, private SetControl::Host {
  public:
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
