@@ -9,7 +9,7 @@ F(x) = (1/n) sum_i F_i(x), talking only to their graph neighbors.  Two problems:
   L2-regularized with 0.3 so the minimizer is unique and 300 iterations suffice), sorted by
   label before being split across ranks, so some ranks see only one class.
 
-Algorithms (reference/algorithms.md §2.6), all with full local gradients g_i = grad F_i:
+Algorithms (docs/reference/algorithms.md §2.6), all with full local gradients g_i = grad F_i:
 
 * diffusion             ATC D-SGD, x+ = W(x - lr g(x)).  Its fixed point is NOT the minimizer
                         when the F_i differ: it stalls at a bias that grows with lr.

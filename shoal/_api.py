@@ -1,7 +1,7 @@
 """The public op functions, built once per binding from its tensor adapter.
 
 `shoal` (numpy / buffer protocol) and `shoal.torch` expose the same names with the same
-semantics (BlueFog's, reference/bluefog-semantics.md §1.4–1.5, plus Horovod's `op=`).
+semantics (BlueFog's, docs/reference/bluefog-semantics.md §1.4–1.5, plus Horovod's `op=`).
 """
 import inspect
 
@@ -228,7 +228,7 @@ def build_api(adapter):
             uniform sum then divide, as BlueFog does.
         Tensor: floating dtype (float16, bfloat16, float32, float64), same shape and dtype
             on every rank; the result has that shape and dtype.
-        Semantics: BlueFog `neighbor_allreduce` (reference/bluefog-semantics.md §1.5).
+        Semantics: BlueFog `neighbor_allreduce` (docs/reference/bluefog-semantics.md §1.5).
         `enable_topo_check` (dynamic mode): the send and receive ranks must pair up.
             Checked with every rank through the coordinator until a round in which every
             rank's own pattern had been checked before (a one-peer schedule's round log2(n));
@@ -259,7 +259,7 @@ def build_api(adapter):
         `enable_topo_check` (dynamic mode): sends and receives must pair up, as for
         `neighbor_allreduce_nonblocking` (NeighborPatternError naming the edge otherwise).
         Any dtype incl. bool.
-        Semantics: BlueFog `neighbor_allgather` (reference/bluefog-semantics.md §1.4).
+        Semantics: BlueFog `neighbor_allgather` (docs/reference/bluefog-semantics.md §1.4).
         """
         return _ops.neighbor_allgather(adapter, tensor, src_ranks, dst_ranks, enable_topo_check, name)
 

@@ -5,7 +5,7 @@ the core reads only SHOAL_* variables, once, at `init()` (core/src/common/config
 calls `apply_bluefog_env()` just before starting the core: each BLUEFOG_X that is set
 gives its SHOAL_X, unless SHOAL_X is set too (the Shoal name wins). Values are read the
 way BlueFog read them (it never rejected a malformed number or log level), so a job that
-ran under BlueFog does not fail here. Table and reasons: reference/bluefog-semantics.md
+ran under BlueFog does not fail here. Table and reasons: docs/reference/bluefog-semantics.md
 §4.11 and "Shoal's differences". Horovod's HOROVOD_* tuning variables map the same way
 (a BLUEFOG_X wins over a HOROVOD_X). HOROVOD_TIMELINE names one file in Horovod (rank 0's
 Chrome trace) but a per-rank prefix here (<prefix><rank>.json): `link_horovod_timeline`

@@ -1,6 +1,6 @@
 """hierarchical_neighbor_allreduce: average within each machine, gossip between machines.
 
-Semantics of BlueFog's op (reference/bluefog-semantics.md §1.6): with S_m the sum of the
+Semantics of BlueFog's op (docs/reference/bluefog-semantics.md §1.6): with S_m the sum of the
 tensors of machine m's ranks and L ranks per machine,
     y = (self_weight·S_self + Σ_m src_machine_weights[m]·dst_w(m→self)·S_m) / L
 (uniform: (S_self + Σ_m S_m) / (L·(n_in + 1))), the same on every rank of a machine.

@@ -3,7 +3,7 @@
 A binding supplies an adapter that turns its tensors into (address, dtype code,
 shape) and back; this module validates arguments, enqueues into the core, keeps the
 tensors alive until completion, and finishes the result in `synchronize`.
-Semantics follow BlueFog's ops (reference/bluefog-semantics.md §1.4–1.5).
+Semantics follow BlueFog's ops (docs/reference/bluefog-semantics.md §1.4–1.5).
 """
 import functools
 import inspect

@@ -1,4 +1,4 @@
-"""One-sided window ops (BlueFog's `win_*`, reference/bluefog-semantics.md §1.7).
+"""One-sided window ops (BlueFog's `win_*`, docs/reference/bluefog-semantics.md §1.7).
 
 A window is a named tensor plus, on this rank, one receive buffer per in-neighbour of
 the topology at `win_create`. Neighbours write into those buffers with `win_put` /

@@ -1,6 +1,6 @@
 """Runtime control and the process's communication topology (framework-neutral).
 
-Semantics follow BlueFog's `bluefog.common.basics` (see reference/bluefog-semantics.md
+Semantics follow BlueFog's `bluefog.common.basics` (see docs/reference/bluefog-semantics.md
 §1.3): `init()` starts the runtime once and (re)sets the topology, by default the
 exponential-2 graph; the topology is a weighted `networkx.DiGraph` where edge i→j with
 weight w means rank j weights rank i's value by w.

@@ -2,7 +2,7 @@
 runtime as `shoal` and `shoal.torch`), usable eagerly and inside `tf.function`, with
 gradients; plus DistributedGradientTape, broadcast_variables and consensus_distance.
 
-Names and semantics are those of `shoal` (BlueFog's; reference/bluefog-semantics.md §1).
+Names and semantics are those of `shoal` (BlueFog's; docs/reference/bluefog-semantics.md §1).
 In eager mode a runtime failure raises `shoal.ShoalError` (`shoal.NeighborPatternError`,
 also a ValueError, when a dynamic neighbor op's send and receive ranks disagree); inside a
 graph TensorFlow raises `tf.errors.AbortedError` whose message starts with "ShoalError:"

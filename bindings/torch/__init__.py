@@ -1,7 +1,7 @@
 """shoal.torch: Shoal's ops for torch tensors (CPU in this build), BlueFog-compatible.
 
 `import shoal.torch as bf` runs BlueFog scripts: same names, same semantics
-(reference/bluefog-semantics.md §1). The blocking ops are registered with
+(docs/reference/bluefog-semantics.md §1). The blocking ops are registered with
 `torch.library` (namespace `shoal`), so they work eagerly and under `torch.compile`.
 Nothing here is compiled against torch: tensors reach the core as raw pointers.
 """

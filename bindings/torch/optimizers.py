@@ -1,6 +1,6 @@
 """Decentralized optimizers: wrap ANY torch.optim.Optimizer (SGD, Adam, AdamW, ...)
 without re-implementing its update rule. Semantics follow BlueFog's optimizers
-(reference/bluefog-semantics.md §3; update rules in algorithms.md §2.6):
+(docs/reference/bluefog-semantics.md §3; update rules in algorithms.md §2.6):
 
 * Adapt-with-combine (AWC, D-PSGD): x⁺ = Σ_j w_ij x_j − γ g_i(x_i). The parameters are
   sent as soon as the forward pass ends, so communication overlaps the backward pass.

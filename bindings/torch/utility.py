@@ -1,5 +1,5 @@
 """Model/optimizer state utilities over Shoal's ops (BlueFog/Horovod semantics,
-reference/bluefog-semantics.md §3): broadcast and average parameters, broadcast any
+docs/reference/bluefog-semantics.md §3): broadcast and average parameters, broadcast any
 optimizer's state, and move picklable objects between ranks.
 
 Parameters are written in place through their memory, as BlueFog and Horovod write

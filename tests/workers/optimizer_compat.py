@@ -1,5 +1,5 @@
 """BlueFog-compatible surface of the shoal.torch optimizers (issue 14 scope 7; BlueFog
-0.3.0 bluefog/torch/optimizers.py, reference/bluefog-semantics.md §3): constructor
+0.3.0 bluefog/torch/optimizers.py, docs/reference/bluefog-semantics.md §3): constructor
 keywords and defaults, synchronize()/skip_synchronize(), communication_type,
 num_steps_per_communication counting, the deprecated factories, window_prefix and
 unregister_window(), push-sum knobs, register_step_function, timeline switches, and the

@@ -1,5 +1,5 @@
 """Parameter and state utilities on any tensor a user hands them (BlueFog/Horovod
-semantics, reference/bluefog-semantics.md §3): leaf tensors that require grad,
+semantics, docs/reference/bluefog-semantics.md §3): leaf tensors that require grad,
 nn.Parameters, state_dict()s with buffers, integers, bools, tied and non-contiguous
 tensors, parameters()/named_parameters() as lists or generators; broadcast is bit-exact,
 the average is sum-then-divide; optimizer state with tensor and scalar entries, empty

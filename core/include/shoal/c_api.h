@@ -252,7 +252,7 @@ int shoal_timeline_start_activity(const char* tensor_name, const char* activity)
 int shoal_timeline_end_activity(const char* tensor_name);
 
 /* One-sided window ops (BlueFog's win_*), run in order on the window thread with their
- * own handle space. Semantics: reference/bluefog-semantics.md §1.7 and shoal/_win.py. */
+ * own handle space. Semantics: docs/reference/bluefog-semantics.md §1.7 and shoal/_win.py. */
 typedef enum {
   SHOAL_WIN_CREATE = 0, SHOAL_WIN_FREE = 1, SHOAL_WIN_PUT = 2, SHOAL_WIN_ACCUMULATE = 3,
   SHOAL_WIN_GET = 4, SHOAL_WIN_UPDATE = 5, SHOAL_WIN_LOCK = 6, SHOAL_WIN_UNLOCK = 7

@@ -1,5 +1,5 @@
 // Multi-stage ops: hierarchical_neighbor_allreduce as one op of the core (BlueFog's
-// semantics, reference/bluefog-semantics.md §1.6). Its stages are ops of their own, named
+// semantics, docs/reference/bluefog-semantics.md §1.6). Its stages are ops of their own, named
 // after it ("<name>.machine_sum", ".exchange", ".share"), so ranks match, negotiate, fuse
 // and cache them like any op; each is queued when the one before completes, and the op's
 // one handle completes after the last, with the division by local_size().

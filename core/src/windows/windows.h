@@ -1,4 +1,4 @@
-// One-sided window ops (BlueFog's win_*; reference/bluefog-semantics.md §1.7).
+// One-sided window ops (BlueFog's win_*; docs/reference/bluefog-semantics.md §1.7).
 //
 // Progress model: window ops never go through the background thread. They run in
 // submission order on one window thread per process (so a nonblocking put overlaps the
