@@ -16,8 +16,8 @@ thread per rank), interleaved over --rounds rounds of --steps steps after --warm
   AWC one-peer    DistributedAdaptWithCombineOptimizer, one peer per step (one-peer exp2)
   AWC delayed     the same with overlap="delayed": the exchange of x_{t+1} starts at the end
                   of step() and runs during the next forward and backward
-  AWC delayed pairs  the same over Decent-DP's pairs (rank j with j XOR 2^(t mod log2 n): the
-                  same bytes on the same links as Decent-DP, its first round within machines)
+  AWC delayed pairs  the same over Decent-DP's pairs (topology.one_peer_hypercube_schedule: j
+                  with j XOR 2^(t mod log2 n); the same bytes on the same links as Decent-DP)
   AWC int8        AWC one-peer with compression="int8" (CHOCO-SGD's compressed gossip: int8
                   with a float32 scale per 256 values, 260/1024 of float32's bytes)
   AWC int8 delayed  both
@@ -53,7 +53,6 @@ around every timed round; the table gives the mean MiB each machine link sent pe
 the prediction from the algorithm (the sends that cross machines, per step, in model sizes).
 """
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -194,12 +193,10 @@ def run_in_job(args):
         return torch.optim.SGD(m.parameters(), lr=args.lr, momentum=0.9)
 
     def one_peer(opt, push=False, then=None, pairs=False):
-        schedule = bf.topology.one_peer_exponential_schedule(size, rank)
-        if pairs:  # Decent-DP's one-peer-exp: j and j XOR 2^(t mod log2 n) average together
-            if size & (size - 1):
-                raise SystemExit("'AWC delayed pairs' needs a power-of-two number of ranks")
-            tau = max(1, (size - 1).bit_length())
-            schedule = (([rank ^ (1 << (t % tau))], [rank ^ (1 << (t % tau))]) for t in itertools.count())
+        if pairs and size & (size - 1):  # a rank without a partner would halve its model
+            raise SystemExit("'AWC delayed pairs' needs a power-of-two number of ranks")
+        schedule = (bf.topology.one_peer_hypercube_schedule if pairs  # Decent-DP's pairs
+                    else bf.topology.one_peer_exponential_schedule)(size, rank)
 
         def set_weights():
             send, recv = next(schedule)

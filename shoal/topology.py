@@ -298,6 +298,23 @@ def one_peer_exponential_schedule(size: int, rank: int) -> Iterator[SendRecv]:
     return (([(r + 2 ** (t % tau)) % n], [(r - 2 ** (t % tau)) % n]) for t in itertools.count())
 
 
+def one_peer_hypercube_schedule(size: int, rank: int) -> Iterator[SendRecv]:
+    """Pairwise exchange along the hypercube's dimensions: at step t rank r sends to and
+    receives from r XOR 2**(t mod log2 n) (the pairs of Decent-DP's "one-peer-exp"). For n a
+    power of 2, log2(n) steps with weights 1/2 average exactly, as one-peer exp-2 does, and
+    with ranks placed on machines in blocks of a power of 2 the first steps stay inside
+    machines, so fewer bytes cross them. For other n a rank whose partner would be n or
+    more sits the step out (both lists empty: keep its own value, self weight 1)."""
+    n = _check_int(size, "size")
+    r = _check_rank(rank, n, "rank")
+    tau = max(1, (n - 1).bit_length())
+
+    def step(t):
+        p = r ^ (1 << (t % tau))
+        return ([p], [p]) if p < n and n > 1 else ([], [])
+    return (step(t) for t in itertools.count())
+
+
 def _check_machines(world_size, local_size, self_rank) -> Tuple[int, int, int]:
     world, local = _check_int(world_size, "world_size"), _check_int(local_size, "local_size")
     rank = _check_rank(self_rank, world, "self_rank")

@@ -443,3 +443,23 @@ def test_acceptance_ranges():
         mats = [topo.schedule_mixing_matrix([next(g)[:2] for g in gens], n) for _ in range(m)]
         prod = np.linalg.multi_dot(mats + [np.eye(n)]) if m > 1 else mats[0]
         assert np.array_equal(prod, np.full((n, n), 1 / n)), n
+
+
+def test_one_peer_hypercube_schedule_pairs_and_averages_exactly():
+    for n in (1, 2, 4, 8, 16, 6, 12):
+        tau = max(1, (n - 1).bit_length())
+        gens = [topo.one_peer_hypercube_schedule(n, r) for r in range(n)]
+        steps = [[next(g) for g in gens] for _ in range(2 * tau)]
+        for t, step in enumerate(steps):
+            for r, (send, recv) in enumerate(step):
+                assert send == recv  # a pair averages both ways
+                if send:  # the partner pairs back, along dimension t mod log2 n
+                    assert send == [r ^ (1 << (t % tau))] and step[send[0]][0] == [r]
+        mats = [topo.schedule_mixing_matrix(step, n) for step in steps]
+        assert all(topo.is_doubly_stochastic(m) for m in mats)
+        if n & (n - 1) == 0:  # a power of 2: exact after log2(n) steps, from any start
+            for start in range(tau):
+                prod = np.linalg.multi_dot(mats[start:start + tau] + [np.eye(n)])
+                assert np.array_equal(prod, np.full((n, n), 1 / n)), (n, start)
+    # 8 ranks in machines of 2: the first step's pairs stay inside machines
+    assert [next(topo.one_peer_hypercube_schedule(8, r))[0][0] // 2 for r in range(8)] == [r // 2 for r in range(8)]
