@@ -131,10 +131,6 @@ class _NumpyArrays:
         return x + alpha * d
 
     @staticmethod
-    def where(cond, a, b):
-        return np.where(cond, a, b)
-
-    @staticmethod
     def stack_cols(a, b):
         return np.stack([a, b], axis=1)
 
@@ -247,9 +243,6 @@ class _TorchArrays:
 
     def lerp(self, x, d, alpha):
         return self.torch.add(x, d, alpha=alpha)
-
-    def where(self, cond, a, b):
-        return self.torch.where(cond, a, b)
 
     def stack_cols(self, a, b):
         return self.torch.stack([a, b], dim=1)

@@ -236,16 +236,15 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
             params = [p for p in m.parameters() if p in mine and p not in owned]
             owned.update(params)
             self._forwards[m], self._owned[m] = 0, params
-            self._hooks.append(m.register_forward_hook(
-                lambda module, inputs, output, params=params: self._on_forward(module, params)))
+            self._hooks.append(m.register_forward_hook(lambda module, inputs, output: self._on_forward(module)))
 
-    def _on_forward(self, module, params):
+    def _on_forward(self, module):
         if not (module.training and torch.is_grad_enabled()):
             return
         self._forwards[module] += 1
         self._synchronized = False  # a synchronize() before this forward pass was the last step's
         if self._forwards[module] % self.num_steps_per_communication == 0 and module not in self._early:
-            self._launch_all(params)
+            self._launch_all(self._owned[module])
         self._early.discard(module)
 
     def _launch_early(self):
