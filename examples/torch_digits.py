@@ -3,6 +3,7 @@
     shoalrun -np 4 python examples/torch_digits.py
     shoalrun -np 4 python examples/torch_digits.py --topology exp2 --optimizer atc
     shoalrun -np 4 python examples/torch_digits.py --partition dirichlet --alpha 0.1 --consensus-target 0.05
+    shoalrun --fault-tolerant -np 8 python examples/torch_digits.py --lose 3@5   # Open MPI: a rank dies
 
 Every rank keeps its own model and trains on its own shard of the 8x8 digits (1797
 images shipped with scikit-learn: no download). Ranks average parameters with their
@@ -15,8 +16,11 @@ history is saved as JSON in --out-dir and the plot there shows every run found (
 line per run): test accuracy and Ξ against the step.
 """
 import argparse
+import itertools
 import json
 import math
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -64,6 +68,9 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0, help="model initialisation, split and batch order")
     p.add_argument("--out-dir", default="digits_runs", help="histories (JSON) and the plot (PNG)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    p.add_argument("--lose", default="",
+                   help="under shoalrun --fault-tolerant: RANK@EPOCH[,RANK@EPOCH...]: that rank (as launched) "
+                        "kills itself with SIGKILL halfway through that epoch, and the survivors go on")
     return p.parse_args()
 
 
@@ -81,21 +88,37 @@ class Net(torch.nn.Module):
 
 
 class Schedule:
-    """Sets the optimizer's per-step neighbor weights for time-varying topologies."""
+    """Sets the optimizer's per-step neighbor weights for time-varying topologies; made
+    again for the survivors when a rank is lost (the job shrinks, the ranks renumber):
+    one-peer exponential needs a power-of-2 size to average exactly, Base-(k+1) does not."""
 
     def __init__(self, name, k):
-        n, r = bf.size(), bf.rank()
-        if name == "one-peer-exp":
-            self.steps = ((s, rc, 0.5, {j: 0.5 for j in rc}) for s, rc in topology.one_peer_exponential_schedule(n, r))
-        elif name == "base-k":
-            self.steps = topology.base_k_plus_1_schedule(n, k, r)
-        else:
-            self.steps = None
+        self.name, self.k, self.size, self.steps = name, k, None, None
 
-    def apply(self, opt):
+    def apply(self, opt, step):
+        """The weights of `step` (counted from 0, the same on every rank)."""
+        n, r = bf.size(), bf.rank()
+        if n != self.size:  # positioned at `step`: survivors that noticed the loss at different steps agree
+            self.size = n
+            if self.name == "one-peer-exp" and n & (n - 1) == 0:
+                self.steps = ((s, rc, 0.5, {j: 0.5 for j in rc})
+                              for s, rc in topology.one_peer_exponential_schedule(n, r))
+            elif self.name in ("one-peer-exp", "base-k"):
+                self.steps = topology.base_k_plus_1_schedule(n, self.k, r)
+            if self.steps is not None:
+                self.steps = itertools.islice(self.steps, step, None)
         if self.steps is not None:
             send, _, self_w, src = next(self.steps)
             opt.self_weight, opt.src_weights, opt.dst_weights = self_w, src, send
+
+
+def retried(op):
+    """op() again after a lost rank (fault-tolerant mode): when RankLostError is raised the
+    survivors have recovered, and every one of them calls op() next."""
+    try:
+        return op()
+    except bf.RankLostError:
+        return op()
 
 
 def lr_schedule(args, opt, n, steps_per_epoch):
@@ -183,6 +206,7 @@ def main():
         raise SystemExit("--overlap delayed is AWC's (--optimizer awc)")
     bf.init()
     r, n = bf.rank(), bf.size()
+    lose = {int(who): int(epoch) for who, _, epoch in (item.partition("@") for item in args.lose.split(",") if item)}
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     if args.topology == "ring":
@@ -212,10 +236,12 @@ def main():
         t0, losses = time.perf_counter(), []
         order = torch.randperm(len(mine), generator=gen)
         for b in range(steps_per_epoch):
+            if lose.get(r) == epoch and b == steps_per_epoch // 2:
+                os.kill(os.getpid(), signal.SIGKILL)  # --lose: this rank dies here
             idx = order[(b * args.batch_size) % max(1, len(mine)):][:args.batch_size]
             if len(idx) == 0:
                 idx = order[:args.batch_size]
-            schedule.apply(opt)
+            schedule.apply(opt, step)
             opt.zero_grad()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
@@ -225,15 +251,16 @@ def main():
             step += 1
             if progress is not None:
                 progress.update()
-        xi = bf.consensus_distance(model)
-        stats = bf.allreduce(torch.tensor([np.mean(losses), evaluate(model, x_test, y_test)], dtype=torch.float64),
-                             op=bf.Average, name="epoch_stats")
+        xi = retried(lambda: bf.consensus_distance(model))
+        stats = retried(lambda: bf.allreduce(torch.tensor([np.mean(losses), evaluate(model, x_test, y_test)],
+                                                          dtype=torch.float64), op=bf.Average, name="epoch_stats"))
+        n = bf.size()  # fewer after a lost rank
         rate = n * steps_per_epoch * args.batch_size / (time.perf_counter() - t0)
         hist["step"].append(step)
         hist["loss"].append(stats[0].item())
         hist["test_accuracy"].append(stats[1].item())
         hist["consensus_distance"].append(xi)
-        if r == 0:
+        if bf.rank() == 0:
             msg = (f"epoch {epoch:3d}  loss {stats[0]:.4f}  test accuracy {100 * stats[1]:.2f}%  "
                    f"consensus distance {xi:.3e}  {rate:,.0f} samples/s")
             if getattr(opt, "consensus_control", None) is not None:
@@ -244,9 +271,11 @@ def main():
     if hasattr(opt, "overlap"):
         opt.synchronize()  # delayed: the exchange the last step started
     # Bytes each rank sent (mean over ranks): what compression saves.
-    sent = bf.allreduce(torch.tensor([float(bf.stats()["bytes_sent"])], dtype=torch.float64), op=bf.Average,
-                        name="bytes_sent").item()
-    if r == 0:
+    sent = retried(lambda: bf.allreduce(torch.tensor([float(bf.stats()["bytes_sent"])], dtype=torch.float64),
+                                        op=bf.Average, name="bytes_sent").item())
+    if bf.losses():
+        hist["lost"] = [[when - time.time() + time.perf_counter() - start, ranks] for when, ranks in bf.losses()]
+    if bf.rank() == 0:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         hist.update(args=vars(args), seconds=time.perf_counter() - start)
@@ -261,6 +290,8 @@ def main():
             setting += f" compression={args.compression}"
         if args.overlap != "backward":
             setting += f" overlap={args.overlap}"
+        for at, ranks in hist.get("lost", []):
+            setting += f" lost={','.join(map(str, ranks))}@{at:.1f}s"
         print(summary(setting,
                       args.epochs, hist["test_accuracy"][-1], hist["consensus_distance"][-1], hist["seconds"],
                       bytes_sent=sent),

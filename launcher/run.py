@@ -149,6 +149,9 @@ def parse_args(argv):
                         "share of the CPU (cores / machines)")
     p.add_argument("--link-report", metavar="FILE",
                    help="with --machines: also write what each link carried to FILE (JSON)")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="a rank that dies does not end the job: the survivors drop it and go on "
+                        "(SHOAL_FAULT_TOLERANT=1; needs Open MPI >= 5, whose ULFM it drives)")
     p.add_argument("--tag-output", action="store_true",
                    help="prefix every output line with its rank: [R]<stdout>: or [R]<stderr>:")
     p.add_argument("--check-build", action="store_true",
@@ -211,6 +214,8 @@ def worker_env(args, base=None):
         env["SHOAL_LOG_LEVEL"] = args.log_level
     if args.timeline_filename:
         env["SHOAL_TIMELINE"] = args.timeline_filename
+    if getattr(args, "fault_tolerant", False):
+        env["SHOAL_FAULT_TOLERANT"] = "1"
     for flag, var, scale in (("fusion_threshold_mb", "SHOAL_FUSION_THRESHOLD", 1 << 20),
                              ("cycle_time_ms", "SHOAL_CYCLE_TIME", 1),
                              ("stall_check_warning_time_seconds", "SHOAL_STALL_CHECK_TIME", 1),
@@ -286,15 +291,20 @@ def check_ssh(hosts, port=None):
                      f"{res.stderr.strip() or 'exit status %d' % res.returncode}")
 
 
-def first_failure(status_dir):
-    """'rank R <description>' of the earliest record in status_dir (written by a failing rank
-    itself or by its wrapper, see rank.write_status), or None; unreadable records are skipped."""
+def failures(status_dir):
+    """The records in status_dir (written by a failing rank itself or by its wrapper, see
+    rank.write_status), earliest first: (time, rank, description); unreadable ones skipped."""
     rows = [read_status(os.path.join(status_dir, name)) for name in os.listdir(status_dir)
             if name.startswith("rank") and name.endswith(".status")]
-    rows = [row for row in rows if row is not None]
+    return sorted(row for row in rows if row is not None)
+
+
+def first_failure(status_dir):
+    """'rank R <description>' of the earliest failure record, or None."""
+    rows = failures(status_dir)
     if not rows:
         return None
-    _, rank, what = min(rows)
+    _, rank, what = rows[0]
     return f"rank {rank} {what}"
 
 
@@ -352,6 +362,10 @@ OPENMPI_DEFAULTS = ["--oversubscribe", "--bind-to", "none"]
 # its component prints an error at each window's creation). Across hosts Open MPI picks its
 # own transports (UCX on InfiniBand, say). `--mpi-args` come later and win.
 OPENMPI_ONE_HOST = ["--mca", "pml", "ob1", "--mca", "btl", "sm,tcp,self", "--mca", "osc", "^ucx"]
+# Fault-tolerant mode: ULFM on, and TCP even on one host (a shrink over the shared-memory
+# transport hung in our tests); one-sided not by UCX, as above.
+OPENMPI_FAULT_TOLERANT = ["--with-ft", "ulfm", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                          "--mca", "osc", "^ucx"]
 
 
 def build_command(args, mpiexec, flavor, env, forwarded):
@@ -361,7 +375,9 @@ def build_command(args, mpiexec, flavor, env, forwarded):
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd += OPENMPI_DEFAULTS
-        if not set(host_names(args)) - local_names():
+        if getattr(args, "fault_tolerant", False):
+            cmd += OPENMPI_FAULT_TOLERANT
+        elif not set(host_names(args)) - local_names():
             cmd += OPENMPI_ONE_HOST
     if args.hosts:
         cmd += [hosts_flag, args.hosts]
@@ -473,6 +489,10 @@ def main(argv=None):
     hosts = host_names(args)
     check_ssh(hosts, args.ssh_port)
     mpiexec = find_mpiexec()
+    if args.fault_tolerant and mpi_check(mpiexec) != "openmpi":
+        sys.exit("shoalrun: --fault-tolerant needs Open MPI >= 5 (ULFM); this Shoal is built with MPICH, whose "
+                 "fault tolerance does not work here (reinstall with SHOAL_MPI=openmpi; see the README's "
+                 "\"Fault tolerance\")")
     if mpi_check(mpiexec) != "mpich" and args.machines:
         sys.exit("shoalrun: --machines drives MPICH's Hydra launcher; this Shoal was built with Open MPI "
                  "(reinstall with the default MPI, `pip install .`, to emulate a cluster)")
@@ -572,13 +592,32 @@ def relay_without_nul(pipe, fd=2):
     return thread
 
 
+def report_losses(args, status_dir, rc):
+    """Fault-tolerant mode: print each rank that ended early, when, and whether the survivors
+    dropped it (shoal._fault writes rank<R>.dropped). The job succeeds (status 0) when every
+    rank that failed was dropped and the survivors ended well (then mpirun's status is the
+    lost ranks'); returns (status, first failure not dropped or None)."""
+    started = getattr(args, "started_at", None) or 0.0
+    kept = None
+    for when, rank, what in failures(status_dir):
+        dropped = os.path.exists(os.path.join(status_dir, f"rank{rank}.dropped"))
+        print(f"shoalrun: rank {rank} {what} at {when - started:.1f} s"
+              + ("; the survivors dropped it and went on" if dropped else ""), file=sys.stderr, flush=True)
+        if not dropped and kept is None:
+            kept = f"rank {rank} {what}"
+    return (rc if kept else 0), kept
+
+
 def run_launcher(args, cmd, env, status_dir, collector, end=None, flavor="mpich"):
+    args.started_at = time.time()
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE if flavor == "openmpi" else None)
     relay = relay_without_nul(proc.stderr) if proc.stderr else None
     if collector:  # our stdout closed (| head): the job ends, as when mpiexec wrote there
         collector.on_broken = proc.terminate
     try:
-        rc = wait_job(proc, status_dir, CLUSTER_FAILURE_GRACE if end else FAILURE_GRACE, end=end)
+        # Fault-tolerant: a failed rank is the survivors' to drop, not a reason to end the job.
+        grace = float("inf") if getattr(args, "fault_tolerant", False) else CLUSTER_FAILURE_GRACE if end else FAILURE_GRACE
+        rc = wait_job(proc, status_dir, grace, end=end)
     except KeyboardInterrupt:
         proc.terminate()
         try:  # emulated machines: the set-up's teardown ends what is left, so wait less
@@ -594,6 +633,8 @@ def run_launcher(args, cmd, env, status_dir, collector, end=None, flavor="mpich"
     if collector:
         collector.close()  # every rank's output is out before shoalrun's last word
     failed = first_failure(status_dir)
+    if getattr(args, "fault_tolerant", False) and failed:
+        rc, failed = report_losses(args, status_dir, rc)
     if rc != 0:
         print(f"shoalrun: job failed (exit status {rc})" + (f"; first failure: {failed}" if failed else ""),
               file=sys.stderr, flush=True)

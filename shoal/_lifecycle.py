@@ -15,6 +15,14 @@ import sys
 import time
 
 from ._loader import _core
+from ._process import STATE
+
+
+def launch_rank():
+    """This process's rank as numbered at launch (fault-tolerant mode renumbers the
+    survivors after a loss; shoalrun's records use the launch numbering)."""
+    rank = _core.rank()
+    return STATE.launch_ranks[rank] if STATE.launch_ranks and 0 <= rank < len(STATE.launch_ranks) else rank
 
 # (rank variable, size variable) of launchers Shoal knows; srun's step size is its own.
 LAUNCHER_VARIABLES = [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
@@ -72,7 +80,7 @@ def record_failure(description, status=1):
     except ImportError:
         return
     try:
-        write_status(directory, _core.rank(), status, description)
+        write_status(directory, launch_rank(), status, description)
     except OSError:
         pass
 
@@ -90,7 +98,8 @@ def at_exit():
 def install_excepthook():
     """An uncaught exception on one rank must end the job: its peers may be blocked
     waiting for it, and MPI_Finalize at exit would wait for them in turn. Print the
-    traceback, record the failure for shoalrun, then abort the whole job."""
+    traceback, record the failure for shoalrun, then abort the whole job (in
+    fault-tolerant mode end this rank only: the survivors drop it)."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
@@ -99,9 +108,14 @@ def install_excepthook():
             return
         first = (str(value).strip().splitlines() or [""])[0]
         record_failure(f"raised {kind.__name__}" + (f": {first[:300]}" if first else ""))
-        sys.stderr.write(f"[shoal] rank {_core.rank()}: uncaught {kind.__name__}; aborting the job\n")
+        # Fault-tolerant mode: this rank alone ends; the survivors drop it (shoal._fault).
+        alone = os.environ.get("SHOAL_FAULT_TOLERANT") == "1"
+        sys.stderr.write(f"[shoal] rank {launch_rank()}: uncaught {kind.__name__}; "
+                         f"{'this rank ends' if alone else 'aborting the job'}\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        if alone:
+            os._exit(1)
         time.sleep(0.5)  # let the launcher forward the traceback before the job ends
         _core.abort(1)
 

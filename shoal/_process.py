@@ -26,6 +26,10 @@ class ProcessState:
     ops carry push-sum weights. suspended/skip_negotiate: BlueFog switches (recorded).
     counters: generated-name counters by prefix (bounded, see `unnamed`); traced: the
     same per traced TensorFlow graph (dropped with the graph).
+    Fault-tolerant mode (shoal._fault): fault_participants (weak references to the
+    objects realigned after a loss, in registration order), fault_losses ((time, lost
+    launch ranks) per loss), launch_ranks (each current rank's rank at launch; None
+    before a loss).
     `atexit_registered` survives reset (an at-exit hook is registered once per process),
     and so does `ended_below`: op handles below it belong to a runtime that `shutdown()`
     ended (the core numbers handles once per process, so no later op reuses one).
@@ -49,6 +53,16 @@ class ProcessState:
             self.suspended = self.skip_negotiate = False
             self.counters = {}
             self.traced = weakref.WeakKeyDictionary()  # traced TF graph -> ops named in it
+            self.fault_participants, self.fault_losses, self.launch_ranks = [], [], None
+
+    def restart(self):
+        """After a loss (shoal._fault): the new runtime starts with no names, topology,
+        machine topology or windows; handles of the lost runtime stay pending (they raise)."""
+        with self.lock:
+            self.topology, self.plan = None, None
+            self.machine_topology, self.machine_plan = None, None
+            self.windows, self.mirrors = {}, {}
+            self.counters = {}
 
     def unnamed(self, prefix):
         """A generated op name "<prefix>.<k>", k cycling through UNNAMED_LIMIT values: ranks

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from . import _compat_env, _lifecycle, _ops, _win
+from . import _compat_env, _fault, _lifecycle, _ops, _win
 from . import topology as _topo
 from ._loader import _core
 from ._numpy import ADAPTER
@@ -22,6 +22,9 @@ from ._process import (STATE, in_neighbor_ranks, is_homogeneous, local_rank, loc
 
 ShoalError = _core.ShoalError
 NeighborPatternError = _core.NeighborPatternError  # ShoalError and ValueError
+RankLostError = _fault.RankLostError  # ShoalError: fault-tolerant mode, a rank died
+losses = _fault.losses
+_core.set_rank_lost_hook(_fault.on_rank_lost)
 
 
 class TopologySizeError(ValueError, TypeError):
@@ -325,7 +328,8 @@ def mpi_library_version():
     return _core.mpi_library_version()
 
 
-__all__ = ["ShoalError", "NeighborPatternError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
+__all__ = ["ShoalError", "NeighborPatternError", "RankLostError", "losses",
+           "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "machine_rank", "machine_size", "is_homogeneous",
            "mpi_threads_supported", "unified_mpi_window_model_supported", "nccl_built",
            "suspend", "resume", "is_suspended", "set_skip_negotiate_stage",

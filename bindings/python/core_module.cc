@@ -10,6 +10,10 @@ namespace shoal_py {
 
 py::object g_shoal_error;
 py::object g_neighbor_pattern_error;  // ShoalError and ValueError
+py::object g_rank_lost_error;         // ShoalError: fault-tolerant mode, a rank died
+// shoal._fault's recovery, run before a RankLostError is raised (never destroyed: it may be
+// the last reference to a Python function at interpreter exit)
+auto* g_on_rank_lost = new py::object();
 
 [[noreturn]] void Raise(int code, const char* msg) {
   switch (code) {
@@ -23,6 +27,13 @@ py::object g_neighbor_pattern_error;  // ShoalError and ValueError
     case SHOAL_NEIGHBOR_MISMATCH:
       PyErr_SetString(g_neighbor_pattern_error.ptr(), msg);
       throw py::error_already_set();
+    case SHOAL_RANK_LOST: {
+      // Every survivor recovers (collective over them) at its first such error, then raises
+      // it (docs/design.md §16): the hook returns the exception to raise.
+      py::object error = *g_on_rank_lost ? (*g_on_rank_lost)(py::str(msg)) : g_rank_lost_error(py::str(msg));
+      PyErr_SetObject(g_rank_lost_error.ptr(), error.ptr());
+      throw py::error_already_set();
+    }
     default:
       PyErr_SetString(g_shoal_error.ptr(), msg);
       throw py::error_already_set();
@@ -329,6 +340,32 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     shoal_abort(code);
   });
+  {
+    py::tuple bases = py::make_tuple(g_shoal_error);
+    g_rank_lost_error = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
+        "shoal._core.RankLostError",
+        "Fault-tolerant mode: a rank of the job died while this op needed the job. The survivors "
+        "have recovered when it is raised (shoal.RankLostError documents the rest).",
+        bases.ptr(), nullptr));
+    if (!g_rank_lost_error) throw py::error_already_set();
+    m.attr("RankLostError") = g_rank_lost_error;
+  }
+  m.def("set_rank_lost_hook", [](py::object hook) { *g_on_rank_lost = std::move(hook); });
+  // Fault-tolerant mode: shrink to the survivors and start the next runtime (collective over
+  // them); the lost ranks, numbered as before ([] if the runtime had lost none).
+  m.def("recover", [] {
+    int32_t lost[4096];
+    int32_t n = 0;
+    char err[kErrLen];
+    int rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = shoal_recover(lost, 4096, &n, err, kErrLen);
+    }
+    Check(rc, err);
+    return std::vector<int32_t>(lost, lost + std::min<int32_t>(n, 4096));
+  });
+  m.def("rank_lost", [] { return shoal_rank_lost() == 1; });
   m.def("leave", [] {
     py::gil_scoped_release nogil;
     shoal_leave();

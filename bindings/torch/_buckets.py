@@ -98,6 +98,8 @@ def synchronize(bucket, handle):
     """`shoal._ops.synchronize` of a bucket's op; an error names the bucket's parameters."""
     try:
         return _ops.synchronize(handle)
+    except basics.RankLostError:
+        raise  # its own type: the optimizers go on after it (shoal._fault)
     except basics.ShoalError as exc:
         shown = ", ".join(bucket.members[:20]) + (", ..." if len(bucket.members) > 20 else "")
         raise basics.ShoalError(f"{exc} [the op of parameters {shown}]") from exc

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from shoal import basics
+from shoal import _fault, _ops, basics
 from shoal._process import STATE
 
 
@@ -78,6 +78,10 @@ class _Distributed(torch.optim.Optimizer):
         self._timeline_hooks = []
         self._should_synchronize = True
         self._synchronized = False
+        # Fault-tolerant mode (shoal._fault): step() calls made, the step whose
+        # communication started last, and the first step that communicates after a loss.
+        self._calls, self._sent_for, self._quiet_until = 0, -1, 0
+        _fault.register(self)
         if os.environ.get("SHOAL_TIMELINE") or os.environ.get("BLUEFOG_TIMELINE"):
             self.turn_on_timeline()
 
@@ -124,14 +128,67 @@ class _Distributed(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Communicate as the optimizer does and take the wrapped optimizer's step;
-        returns the closure's loss (None without a closure)."""
+        returns the closure's loss (None without a closure). Fault-tolerant mode: a step
+        whose communication a lost rank ended, and those every survivor then agreed to
+        skip, take the local step only (`_quiet_step`)."""
+        self._stepped = False
         try:
+            if not self._communicating():
+                return self._quiet_step(closure)
             return self._step(closure)
+        except _fault.RankLostError:
+            return None if self._stepped else self._quiet_step(closure)
         except BaseException:
             # GradScaler removes its grad_scale/found_inf only after a step that returns.
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
             raise
+        finally:
+            self._calls += 1
+
+    # Fault tolerance (shoal._fault, docs/design.md §16).
+    def _communicating(self, ahead=0):
+        """False for the step calls after a loss that every survivor takes without
+        communicating (`ahead`: for the call that many after the current one)."""
+        return self._calls + ahead >= self._quiet_until
+
+    def _sending(self, launch, ahead=0):
+        """Run `launch()` (start this step's communication) unless the step is a quiet
+        one; a lost rank (RankLostError: recovered already) makes the step quiet."""
+        if not self._communicating(ahead):
+            return
+        self._sent_for = self._calls + ahead
+        try:
+            launch()
+        except _fault.RankLostError:
+            self._drop_communication()
+
+    def fault_position(self):
+        """The first step call that can communicate again if the job shrank now."""
+        return max(self._calls, self._sent_for + 1)  # a step whose exchange was lost stays quiet
+
+    def fault_align(self, step):
+        self._quiet_until = max(self._quiet_until, step)
+        self._drop_communication()
+
+    def fault_resync(self):
+        """After the alignment: what every survivor must agree on again (nothing here)."""
+
+    def _drop_communication(self):
+        """Forget the communication in flight (a lost runtime's ops: they fail)."""
+        for h in list(self._handles.values()) + [v[0] for v in self._grad_handles.values()]:
+            try:
+                h.finish() if hasattr(h, "finish") else h() if callable(h) else _ops.synchronize(h)
+            except (basics.ShoalError, ValueError):
+                pass  # failed with the lost rank, or synchronized by the frame the loss surfaced in
+        self._handles.clear()
+        self._grad_handles.clear()
+
+    def _quiet_step(self, closure):
+        """A step without communication: the wrapped optimizer's own update."""
+        self._drop_communication()
+        self._passes.clear()
+        return self._local_step(closure)
 
     def _step(self, closure):
         raise NotImplementedError
@@ -139,6 +196,7 @@ class _Distributed(torch.optim.Optimizer):
     def _local_step(self, closure=None):
         """The wrapped optimizer's step; with GradScaler's scale and overflow flag (see
         `_step_supports_amp_scaling`): skipped after an overflow, else on unscaled gradients."""
+        self._stepped = True
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf):
             return None

@@ -104,6 +104,11 @@ class _ParameterMixing(_Distributed):
             return _ops.allreduce(ADAPTER, t, True, name, inplace=flat)
         return None
 
+    def fault_resync(self):
+        """After a loss (shoal._fault): compressed gossip's public copies belonged to the
+        old graph's edges; every survivor starts them again."""
+        self._gossip.clear()
+
     def _plan(self, params):
         """The buckets of `params` (shoal.torch._buckets), made once per parameter list and
         again if a parameter changed shape, dtype or device."""
@@ -244,7 +249,7 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
         self._forwards[module] += 1
         self._synchronized = False  # a synchronize() before this forward pass was the last step's
         if self._forwards[module] % self.num_steps_per_communication == 0 and module not in self._early:
-            self._launch_all(self._owned[module])
+            self._sending(lambda: self._launch_all(self._owned[module]))
         self._early.discard(module)
 
     def _launch_early(self):
@@ -252,7 +257,7 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
         pass communicates (docs/design.md §22)."""
         for m, params in self._owned.items():
             if (self._forwards[m] + 1) % self.num_steps_per_communication == 0 and params:
-                self._launch_all(params)
+                self._sending(lambda: self._launch_all(params), ahead=1)
                 self._early.add(m)
                 self._sent_versions.update((p, p._version) for p in params)
 
@@ -335,6 +340,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterMixing):
         loss = self._local_step(closure)
         self.steps += 1
         if self._communication_due():
+            self._sent_for = self._calls  # fault-tolerant mode: this step's exchange started
             self._launch_all()
             self._finish_all()
         self._control()
@@ -481,8 +487,10 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                 "is being averaged)")
 
     def _on_grad(self, p, n):
-        if n != self.num_steps_per_communication:
-            return
+        if n == self.num_steps_per_communication:
+            self._sending(lambda: self._launch_grad(p))
+
+    def _launch_grad(self, p):
         bucket = self._bucket_of.get(p)
         if self._sparse.goes_sparse(p):
             self._launch_sparse(p, bucket)
@@ -538,7 +546,7 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
         """Wait for every gradient's average (launching, with zeros, those never produced).
         Raises GradientsInFlightError (after all averages are in) if a gradient was zeroed,
         replaced or modified in place while it was being averaged."""
-        if not self._member:
+        if not self._member or not self._communicating():
             return super().synchronize()
         for p in self._params():
             if not self._in_flight(p):
@@ -599,6 +607,22 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                         grads[0][1].copy_(out)
             self._sparse.restore()
         return touched
+
+    def _quiet_step(self, closure):
+        """Fault-tolerant mode: no update at all (the replicas stay equal: the survivors
+        took the model of the new rank 0 at the loss, `fault_resync`)."""
+        self._drop_communication()
+        self._ready.clear()
+        self._passes.clear()
+        return None
+
+    def fault_resync(self):
+        """After a loss: every survivor takes the new rank 0's parameters and optimizer
+        state (a rank may have applied the last step, another not)."""
+        from .utility import broadcast_optimizer_state, broadcast_parameters
+        params = {name: p for p, name in self._names.items()}
+        broadcast_parameters(params, root_rank=0)
+        broadcast_optimizer_state(self._opt, root_rank=0)
 
     def _step(self, closure):
         if self._gradients_pending() and getattr(self, "found_inf", None) is not None:

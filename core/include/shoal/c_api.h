@@ -24,8 +24,10 @@ typedef enum {
   SHOAL_DUPLICATE_NAME = 6,   /* a second in-flight op with the same name: ValueError */
   SHOAL_TIMEOUT = 7,          /* shoal_wait_for: not complete yet */
   SHOAL_INVALID_TYPE = 8,     /* an argument of the wrong type at the call: TypeError */
-  SHOAL_NEIGHBOR_MISMATCH = 9 /* a neighbor op's send and receive ranks disagree: a ShoalError that is also a
+  SHOAL_NEIGHBOR_MISMATCH = 9, /* a neighbor op's send and receive ranks disagree: a ShoalError that is also a
                                  ValueError (BlueFog's), shoal.NeighborPatternError */
+  SHOAL_RANK_LOST = 10        /* fault-tolerant mode: a rank of the job died; shoal_recover goes on without it:
+                                 shoal.RankLostError */
 } shoal_status;
 
 typedef enum {
@@ -139,6 +141,16 @@ void shoal_leave(void);
  * submits the same call gets `code` (SHOAL_INVALID_ARGUMENT or SHOAL_INVALID_TYPE) with
  * `message` instead of waiting for this rank. */
 void shoal_reject(int op, const char* name, int code, const char* message, int32_t process_set);
+/* Fault-tolerant mode (SHOAL_FAULT_TOLERANT=1, Open MPI >= 5 with ULFM; docs/design.md §16).
+ * After an op failed with SHOAL_RANK_LOST, every survivor calls this (collective over the
+ * survivors): the lost runtime's ops have all failed with SHOAL_RANK_LOST; the job's
+ * communicator shrinks to the survivors (renumbered 0..n-1 in their old order) and a fresh
+ * runtime starts over it. Writes the lost ranks (numbered as before the loss, ascending) to
+ * lost[0..min(*n_lost, capacity)). If the current runtime has lost no rank, does nothing and
+ * sets *n_lost = 0. Handles of the lost runtime stay valid (they report SHOAL_RANK_LOST). */
+int shoal_recover(int32_t* lost, int32_t capacity, int32_t* n_lost, char* err, size_t err_len);
+/* 1 while the current runtime has lost a rank and not yet recovered (fault-tolerant mode). */
+int shoal_rank_lost(void);
 /* 1 in a child process forked after shoal_init: queries (rank, size) work, every call
  * that communicates fails at once (the MPI state belongs to the parent), and shutdown
  * and finalize do nothing. */

@@ -18,6 +18,8 @@ namespace {
 
 shoal::Mutex g_mu;  // init/shutdown
 std::shared_ptr<Runtime> g_runtime GUARDED_BY(g_mu);  // the one runtime object
+// Runtimes ended by a lost rank (fault-tolerant mode), kept while their handles may be waited.
+std::vector<std::shared_ptr<Runtime>> g_retired GUARDED_BY(g_mu);
 
 std::shared_ptr<Runtime> Current() EXCLUDES(g_mu) {
   shoal::MutexLock lock(g_mu);
@@ -69,6 +71,46 @@ std::shared_ptr<Runtime> Usable(Status* st) {
   return rt;
 }
 
+// Starts the runtime over the job's communicator (MPI_COMM_WORLD, or the survivors').
+Status StartRuntime() REQUIRES(g_mu) {
+  try {
+    shoal::Config cfg = shoal::Config::FromEnvironment();
+    Status st;
+    auto backend = shoal::CreateMpiBackend(cfg, &st);
+    if (!st.ok()) return st;
+    shoal::SetLogContext(backend->world().rank, cfg.log_level);
+    shoal::Log(shoal::LOG_DEBUG, "configuration: " + cfg.ToString());
+    if (!backend->world().threads_multiple)
+      shoal::Log(shoal::LOG_WARNING, "MPI was initialised without MPI_THREAD_MULTIPLE; do not call MPI from other threads while Shoal runs");
+    g_runtime = std::make_shared<Runtime>(cfg, std::move(backend));
+    auto* stats = &g_runtime->stats();
+    g_runtime->AttachWindows(std::make_unique<shoal::WindowQueue>(
+        [cfg, stats](const std::atomic<bool>* stop) { return shoal::CreateMpiWindows(cfg, stats, stop); }));
+    Runtime* rt = g_runtime.get();
+    g_runtime->windows()->SetGone([rt] { return rt->departures().Message(); });
+  } catch (const std::exception& ex) {
+    return Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
+  }
+  return Status::Ok();
+}
+
+// The runtime that issued `handle`: the current one, or one a lost rank ended (its ops
+// report SHOAL_RANK_LOST until released); null if none.
+std::shared_ptr<Runtime> Owner(int64_t handle) EXCLUDES(g_mu) {
+  shoal::MutexLock lock(g_mu);
+  if (g_runtime && (g_retired.empty() || g_runtime->Find(handle))) return g_runtime;
+  for (auto& rt : g_retired)
+    if (rt->Find(handle)) return rt;
+  return g_runtime;
+}
+
+// Drops a retired runtime once none of its handles is left.
+void ForgetRetiredIfDone(const std::shared_ptr<Runtime>& rt) EXCLUDES(g_mu) {
+  shoal::MutexLock lock(g_mu);
+  if (rt == g_runtime || rt->HandleCount() > 0) return;
+  g_retired.erase(std::remove(g_retired.begin(), g_retired.end(), rt), g_retired.end());
+}
+
 template <typename F> int WorldField(F f) {
   auto rt = Current();
   return rt ? f(rt->world()) : -1;
@@ -85,25 +127,30 @@ int shoal_init(char* err, size_t len) {
   static bool at_fork = (pthread_atfork(nullptr, nullptr, OnForkInChild), true);
   (void)at_fork;
   g_parent_pid = getpid();
-  try {
-    shoal::Config cfg = shoal::Config::FromEnvironment();
-    Status st;
-    auto backend = shoal::CreateMpiBackend(cfg, &st);
-    if (!st.ok()) return Report(st, err, len);
-    shoal::SetLogContext(backend->world().rank, cfg.log_level);
-    shoal::Log(shoal::LOG_DEBUG, "configuration: " + cfg.ToString());
-    if (!backend->world().threads_multiple)
-      shoal::Log(shoal::LOG_WARNING, "MPI was initialised without MPI_THREAD_MULTIPLE; do not call MPI from other threads while Shoal runs");
-    g_runtime = std::make_shared<Runtime>(cfg, std::move(backend));
-    auto* stats = &g_runtime->stats();
-    g_runtime->AttachWindows(std::make_unique<shoal::WindowQueue>(
-        [&](const std::atomic<bool>* stop) { return shoal::CreateMpiWindows(cfg, stats, stop); }));
-    Runtime* rt = g_runtime.get();
-    g_runtime->windows()->SetGone([rt] { return rt->departures().Message(); });
-  } catch (const std::exception& ex) {
-    return Report(Status::Error(SHOAL_INVALID_ARGUMENT, ex.what()), err, len);
-  }
-  return SHOAL_OK;
+  return Report(StartRuntime(), err, len);
+}
+
+int shoal_recover(int32_t* lost, int32_t capacity, int32_t* n_lost, char* err, size_t len) {
+  *n_lost = 0;
+  if (g_forked) return Report(Forked(), err, len);
+  shoal::MutexLock lock(g_mu);
+  if (!g_runtime) return Report(NotInitialized(), err, len);
+  if (!g_runtime->Lost()) return SHOAL_OK;
+  std::shared_ptr<Runtime> old;
+  old.swap(g_runtime);
+  old->Stop();  // its ops have failed with SHOAL_RANK_LOST; waiters drop their references
+  g_retired.push_back(old);
+  std::vector<int> gone;
+  Status st = shoal::ShrinkMpiJob(&gone);
+  if (!st.ok()) return Report(st, err, len);
+  *n_lost = static_cast<int32_t>(gone.size());
+  for (int32_t i = 0; i < *n_lost && i < capacity; ++i) lost[i] = gone[i];
+  return Report(StartRuntime(), err, len);
+}
+
+int shoal_rank_lost(void) {
+  auto rt = Current();
+  return rt && rt->Lost() ? 1 : 0;
 }
 
 int shoal_shutdown(void) {
@@ -112,6 +159,7 @@ int shoal_shutdown(void) {
   {
     shoal::MutexLock lock(g_mu);
     rt.swap(g_runtime);
+    g_retired.clear();
   }
   if (rt) rt->Stop();  // wakes waiters with an error; they drop their references
   return SHOAL_OK;
@@ -273,12 +321,12 @@ int shoal_enqueue_join(int64_t* handle, char* err, size_t len) {
 }
 
 int shoal_poll(int64_t handle) {
-  auto rt = Current();
+  auto rt = Owner(handle);
   return rt ? rt->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
 }
 
 int shoal_in_use(int64_t handle) {
-  auto rt = Current();
+  auto rt = Owner(handle);
   return rt ? rt->InUse(handle) : -SHOAL_UNKNOWN_HANDLE;
 }
 
@@ -286,6 +334,7 @@ int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
   Status st;
   auto rt = Usable(&st);
   if (!rt) return Report(st, err, len);
+  rt = Owner(handle);
   return Report(rt->Wait(handle, timeout_ms), err, len);
 }
 
@@ -293,11 +342,12 @@ int shoal_wait(int64_t handle, char* err, size_t len) {
   Status st;
   auto rt = Usable(&st);
   if (!rt) return Report(st, err, len);
+  rt = Owner(handle);
   return Report(rt->Wait(handle), err, len);
 }
 
 int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape) {
-  auto rt = Current();
+  auto rt = Owner(handle);
   auto e = rt ? rt->Find(handle) : nullptr;
   if (!e || !e->done) return SHOAL_UNKNOWN_HANDLE;
   *data = e->result;
@@ -311,7 +361,7 @@ int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim
 void shoal_free_buffer(void* data) { std::free(data); }
 
 int shoal_received_splits(int64_t handle, int64_t* splits, int32_t capacity, int32_t* n) {
-  auto rt = Current();
+  auto rt = Owner(handle);
   auto e = rt ? rt->Find(handle) : nullptr;
   if (!e || !e->done) return SHOAL_UNKNOWN_HANDLE;
   *n = static_cast<int32_t>(e->recv_splits.size());
@@ -320,8 +370,10 @@ int shoal_received_splits(int64_t handle, int64_t* splits, int32_t capacity, int
 }
 
 int shoal_release(int64_t handle) {
-  auto rt = Current();
-  return rt && rt->Release(handle) ? SHOAL_OK : SHOAL_UNKNOWN_HANDLE;
+  auto rt = Owner(handle);
+  if (!rt || !rt->Release(handle)) return SHOAL_UNKNOWN_HANDLE;
+  ForgetRetiredIfDone(rt);
+  return SHOAL_OK;
 }
 
 int shoal_timeline_start_activity(const char* tensor_name, const char* activity) {

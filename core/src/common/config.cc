@@ -28,6 +28,14 @@ double EnvDouble(const char* name, double def) {
   return d;
 }
 
+bool EnvBool(const char* name, bool def) {
+  const char* v = Env(name);
+  if (!v) return def;
+  const std::string s = v;
+  if (s != "0" && s != "1") throw std::invalid_argument(std::string(name) + " must be 0 or 1, got '" + s + "'");
+  return s == "1";
+}
+
 const char* const kLevelNames[] = {"trace", "debug", "info", "warning", "error"};
 
 int ParseLogLevel(const char* v) {
@@ -56,11 +64,8 @@ Config Config::FromEnvironment() {
   if (const char* v = Env("SHOAL_GPU_BACKEND")) c.gpu_backend = v;
   if (c.gpu_backend != "nccl" && c.gpu_backend != "mpi")
     throw std::invalid_argument("SHOAL_GPU_BACKEND must be nccl or mpi, got '" + c.gpu_backend + "'");
-  if (const char* v = Env("SHOAL_CUDA_AWARE_MPI")) {
-    const std::string s = v;
-    if (s != "0" && s != "1") throw std::invalid_argument("SHOAL_CUDA_AWARE_MPI must be 0 or 1, got '" + s + "'");
-    c.cuda_aware_mpi = s == "1";
-  }
+  c.cuda_aware_mpi = EnvBool("SHOAL_CUDA_AWARE_MPI", c.cuda_aware_mpi);
+  c.fault_tolerant = EnvBool("SHOAL_FAULT_TOLERANT", c.fault_tolerant);
   const double limit = EnvDouble("SHOAL_NAME_LIMIT", static_cast<double>(c.name_limit));
   if (limit < 16)
     throw std::invalid_argument("SHOAL_NAME_LIMIT must be at least 16 (names), got " + std::to_string(static_cast<int64_t>(limit)));
@@ -75,7 +80,7 @@ std::string Config::ToString() const {
     << " SHOAL_STALL_SHUTDOWN_TIME=" << stall_shutdown_time
     << " SHOAL_RANKS_PER_MACHINE=" << ranks_per_machine
     << " SHOAL_LOG_LEVEL=" << kLevelNames[log_level] << " SHOAL_TIMELINE=" << timeline << " SHOAL_GPU_BACKEND=" << gpu_backend
-    << " SHOAL_CUDA_AWARE_MPI=" << cuda_aware_mpi << " SHOAL_NAME_LIMIT=" << name_limit;
+    << " SHOAL_CUDA_AWARE_MPI=" << cuda_aware_mpi << " SHOAL_FAULT_TOLERANT=" << fault_tolerant << " SHOAL_NAME_LIMIT=" << name_limit;
   return s.str();
 }
 

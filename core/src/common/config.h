@@ -17,6 +17,7 @@ struct Config {
   std::string timeline;                // SHOAL_TIMELINE: per-rank trace prefix; "" = off
   std::string gpu_backend = "mpi";     // SHOAL_GPU_BACKEND: nccl (CUDA tensors' collectives and neighbor ops) or mpi
   bool cuda_aware_mpi = true;          // SHOAL_CUDA_AWARE_MPI=0: stage neighbor ops even where MPI is CUDA-aware
+  bool fault_tolerant = false;         // SHOAL_FAULT_TOLERANT=1: survive lost ranks (Open MPI's ULFM; docs/design.md §16)
   size_t name_limit = 16384;           // SHOAL_NAME_LIMIT: op names kept before idle ones are retired (negotiation/names.cc)
 
   static Config FromEnvironment();  // throws std::invalid_argument on a malformed value

@@ -96,11 +96,23 @@ class Backend : public GroupCollectives {
   virtual Status AddSet(int id, const std::vector<int>& ranks) = 0;
   virtual void RemoveSet(int id) = 0;
   virtual GroupCollectives* OfSet(int id) = 0;
+
+  // Fault-tolerant mode (docs/design.md §16): true once an operation failed because a rank
+  // of the job died; the engine has then made sure every survivor hears of it (MPI: it
+  // revoked the control communicator). Any thread.
+  virtual bool Lost() const { return false; }
 };
 
 // MPI engine: initialises MPI if nobody has, duplicates its communicators.
 std::unique_ptr<Backend> CreateMpiBackend(const Config& cfg, Status* st);
 void FinalizeMpiIfOwned();
+// Fault tolerance (docs/design.md §16). Whether this MPI can survive a lost rank (Open MPI
+// with ULFM), and if not, why.
+bool MpiFaultTolerant(std::string* why);
+// Collective over the survivors of the job's communicator (MPI_COMM_WORLD or the last
+// shrink's): shrinks it to them; later backends (CreateMpiBackend) and windows use the new
+// one. `lost`: the ranks gone, numbered as before. Blocks until every survivor calls it.
+Status ShrinkMpiJob(std::vector<int>* lost);
 void AbortJob(int exit_code);
 std::string MpiLibraryVersion();
 

@@ -52,6 +52,7 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
 }
 
 void Runtime::Admissible(int op) const {
+  if (Lost()) throw ArgumentError(SHOAL_RANK_LOST, std::string(OpName(op)) + ": " + kLostRank);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shutting down");
   if (left_) throw ArgumentError(SHOAL_ABORTED, "this rank has left the job (shoal.shutdown() or exit)");
   if (join_.InFlight())  // its peers run its part of their ops: it has no more data

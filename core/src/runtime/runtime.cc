@@ -47,7 +47,8 @@ void Runtime::Stop() {
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [&] { return !driving_; });
   }
-  FailAll("Shoal was shut down before the op completed");
+  FailAll(backend_->Lost() ? kLostRank : "Shoal was shut down before the op completed",
+          backend_->Lost() ? SHOAL_RANK_LOST : SHOAL_ABORTED);
   cache_.KeepRoundBuffers();
   devices_.Stop();
   timeline_.Close();
@@ -113,6 +114,11 @@ EntryPtr Runtime::Find(int64_t handle) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = handles_.find(handle);
   return it == handles_.end() ? nullptr : it->second;
+}
+
+size_t Runtime::HandleCount() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return handles_.size();
 }
 
 int Runtime::Poll(int64_t handle) {
@@ -282,7 +288,7 @@ void Runtime::Trace(const Entry& e, const Status& st, Clock::time_point t_callba
   if (base != SHOAL_OP_NEIGHBOR_ALLGATHER) span("COMPUTE_AVERAGE", e.t_reduce_start, e.t_reduce_end);
 }
 
-void Runtime::FailAll(const std::string& why) {
+void Runtime::FailAll(const std::string& why, int code) {
   std::vector<EntryPtr> pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -292,25 +298,29 @@ void Runtime::FailAll(const std::string& why) {
     queued_ = 0;
   }
   for (auto& e : pending)
-    Finish(e, Status::Error(SHOAL_ABORTED, OpError(e->sig.op, e->name, why)));
+    Finish(e, Status::Error(code, OpError(e->sig.op, e->name, why)));
 }
 
 bool Runtime::SafeCycle(bool start_only) {
+  std::string failure;
   try {
-    return Cycle(start_only);
+    const bool progressed = Cycle(start_only);
+    if (!backend_->Lost()) return progressed;
   } catch (const std::exception& ex) {
-    // Unrecoverable (MPI failure, corrupt message): fail everything and stop
-    // touching any op's memory; later enqueues are refused.
-    Log(LOG_ERROR, std::string("runtime loop failed: ") + ex.what());
-    awaiting_response_.clear();
-    grouped_.Clear();
-    neighbor_ready_.clear();
-    fresh_.clear();
-    neighbors_.TakeAll();
-    stop_ = true;
-    FailAll(std::string("Shoal's runtime failed: ") + ex.what());
-    return false;
+    failure = ex.what();
   }
+  // Unrecoverable (MPI failure, corrupt message, a lost rank): fail everything and stop
+  // touching any op's memory; later enqueues are refused.
+  if (!backend_->Lost()) Log(LOG_ERROR, "runtime loop failed: " + failure);
+  awaiting_response_.clear();
+  grouped_.Clear();
+  neighbor_ready_.clear();
+  fresh_.clear();
+  neighbors_.TakeAll();
+  stop_ = true;
+  if (backend_->Lost()) FailAll(kLostRank, SHOAL_RANK_LOST);
+  else FailAll("Shoal's runtime failed: " + failure);
+  return false;
 }
 
 void Runtime::Loop() {

@@ -118,12 +118,18 @@ class Runtime final : private ResponseCache::Host, private DevicePath::Host, pri
   void Leave();
   // The ranks that left the job (Message(): any thread).
   const Departures& departures() const { return departures_; }
+  // Fault-tolerant mode: a rank of the job died; every op here failed with SHOAL_RANK_LOST
+  // and later ones are refused with it (the C API's shoal_recover starts the next runtime).
+  bool Lost() const { return backend_->Lost(); }
+  static constexpr const char* kLostRank =
+      "a rank of the job was lost (fault-tolerant mode: the survivors go on without it)";
   int Poll(int64_t handle);
   // 1 while the op's tensors may still be read or written (see shoal_in_use).
   int InUse(int64_t handle);
   // Blocks until the op completes, or (timeout_ms >= 0) returns SHOAL_TIMEOUT.
   Status Wait(int64_t handle, int64_t timeout_ms = -1);
   EntryPtr Find(int64_t handle);
+  size_t HandleCount();
   bool Release(int64_t handle);
 
  private:
@@ -182,7 +188,7 @@ class Runtime final : private ResponseCache::Host, private DevicePath::Host, pri
   // Thaws set `set`'s frozen names, forgets those in `gone`, runs its held calls (mu_ held).
   void Thaw(int set, const std::set<std::string>& gone);
   void ThawIfLost(int left_rank);  // a vote's coordinator left (takes mu_)
-  void FailAll(const std::string& why);
+  void FailAll(const std::string& why, int code = SHOAL_ABORTED);
   double Now() const;
   std::chrono::microseconds CycleTime() const {
     return std::chrono::microseconds(static_cast<int64_t>(cfg_.cycle_time_ms * 1000));

@@ -16,18 +16,12 @@
 
 #include "common/config.h"
 #include "engines/backend.h"
+#include "engines/mpi/mpi_fault.h"
 
 namespace shoal {
 namespace {
 
 bool g_we_initialized_mpi = false;
-
-std::string MpiError(int code, const char* what) {
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(code, msg, &len);
-  return std::string(what) + " failed: " + std::string(msg, len);
-}
 
 MPI_Datatype ReduceType(int dtype) {
   switch (dtype) {
@@ -83,6 +77,7 @@ struct Op {
 // The requests in flight of one backend (its groups' collectives too).
 class Requests {
  public:
+  explicit Requests(LossWatch* watch) : watch_(watch) {}
   // Never throws: a failure to start is reported through the op's callback.
   template <typename F> void Start(Op op, F&& start) {
     int rc;
@@ -93,7 +88,7 @@ class Requests {
       return;
     }
     if (rc != MPI_SUCCESS) {
-      op.done(Status::Error(SHOAL_ABORTED, MpiError(rc, op.Describe().c_str())));
+      op.done(watch_->Error(rc, op.Describe()));
       return;
     }
     ops_.push_back(std::move(op));
@@ -107,7 +102,7 @@ class Requests {
       if (rc != MPI_SUCCESS || flag) {
         Op op = std::move(*it);
         it = ops_.erase(it);
-        op.done(rc == MPI_SUCCESS ? Status::Ok() : Status::Error(SHOAL_ABORTED, MpiError(rc, op.Describe().c_str())));
+        op.done(rc == MPI_SUCCESS ? Status::Ok() : watch_->Error(rc, op.Describe()));
         any = true;
       } else {
         ++it;
@@ -119,6 +114,7 @@ class Requests {
   size_t size() const { return ops_.size(); }
 
  private:
+  LossWatch* watch_;
   std::list<Op> ops_;
 };
 
@@ -127,13 +123,15 @@ class Requests {
 // group owns its communicators; its requests complete in the backend's Progress().
 class MpiGroup : public GroupCollectives {
  public:
-  MpiGroup(Requests* requests, MPI_Comm comm, MPI_Comm local, int channels)
-      : requests_(requests), comm_(comm), local_(local), channels_(channels, MPI_COMM_NULL) {
+  MpiGroup(Requests* requests, const LossWatch* watch, MPI_Comm comm, MPI_Comm local, int channels)
+      : requests_(requests), watch_(watch), comm_(comm), local_(local), channels_(channels, MPI_COMM_NULL) {
     for (MPI_Comm c : {comm_, local_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
   }
   ~MpiGroup() override {
     // Requests still open here belong to peers that never answered; freeing the
-    // communicators defers to MPI, which completes or discards them.
+    // communicators defers to MPI, which completes or discards them. After a lost rank
+    // they are left alone: freeing a communicator with a dead member is not fault tolerant.
+    if (watch_->lost()) return;
     for (MPI_Comm& c : channels_)
       if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
     if (local_ != comm_ && local_ != MPI_COMM_NULL) MPI_Comm_free(&local_);
@@ -243,13 +241,14 @@ class MpiGroup : public GroupCollectives {
   MPI_Comm Comm(int scope) const { return scope == SHOAL_SCOPE_MACHINE ? local_ : comm_; }
 
   Requests* requests_;
+  const LossWatch* watch_;
   MPI_Comm comm_, local_;
   std::vector<MPI_Comm> channels_;
 };
 
 class MpiBackend : public Backend {
  public:
-  MpiBackend(const Config& cfg, Status* st) {
+  MpiBackend(const Config& cfg, Status* st) : watch_(cfg.fault_tolerant), requests_(&watch_) {
     int inited = 0, finalized = 0;
     MPI_Initialized(&inited);
     MPI_Finalized(&finalized);
@@ -266,9 +265,16 @@ class MpiBackend : public Backend {
     }
     info_.threads_multiple = provided == MPI_THREAD_MULTIPLE;
     MPI_Comm coll = MPI_COMM_NULL, local = MPI_COMM_NULL;
-    MPI_Comm_dup(MPI_COMM_WORLD, &ctrl_);
-    MPI_Comm_dup(MPI_COMM_WORLD, &coll);
-    MPI_Comm_dup(MPI_COMM_WORLD, &sets_parent_);
+    std::string why;
+    if (cfg.fault_tolerant && !MpiFaultTolerant(&why)) {
+      *st = Status::Error(SHOAL_INVALID_ARGUMENT, why);
+      return;
+    }
+    MPI_Comm job = MpiJobComm();
+    MPI_Comm_dup(job, &ctrl_);
+    MPI_Comm_dup(job, &coll);
+    MPI_Comm_dup(job, &sets_parent_);
+    watch_.Watch(ctrl_);
     for (MPI_Comm c : {ctrl_, sets_parent_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
     MPI_Comm_rank(ctrl_, &info_.rank);
     MPI_Comm_size(ctrl_, &info_.size);
@@ -276,7 +282,7 @@ class MpiBackend : public Backend {
       MPI_Comm_split(ctrl_, info_.rank / cfg.ranks_per_machine, info_.rank, &local);
     else
       MPI_Comm_split_type(ctrl_, MPI_COMM_TYPE_SHARED, info_.rank, MPI_INFO_NULL, &local);
-    world_ = std::make_unique<MpiGroup>(&requests_, coll, local, kChannels);
+    world_ = std::make_unique<MpiGroup>(&requests_, &watch_, coll, local, kChannels);
     world_->MakeChannels();
     MPI_Comm_rank(local, &info_.local_rank);
     MPI_Comm_size(local, &info_.local_size);
@@ -308,7 +314,7 @@ class MpiBackend : public Backend {
     // ctrl_ is never freed: a message still unmatched on it (in flight at shutdown) would
     // match the probes of a later runtime's communicator that got its context id back
     // (Open MPI 4.1 reuses it; seen as lost neighbor messages after init, shutdown, init).
-    if (sets_parent_ != MPI_COMM_NULL) MPI_Comm_free(&sets_parent_);
+    if (sets_parent_ != MPI_COMM_NULL && !watch_.lost()) MPI_Comm_free(&sets_parent_);
   }
 
   const WorldInfo& world() const override { return info_; }
@@ -352,7 +358,7 @@ class MpiBackend : public Backend {
       if (flag || rc != MPI_SUCCESS) break;
     }
     if (rc != MPI_SUCCESS) {
-      *st = Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Improbe"));
+      *st = watch_.Error(rc, "MPI_Improbe");
       return false;
     }
     if (!flag) return false;
@@ -363,7 +369,7 @@ class MpiBackend : public Backend {
     rc = MPI_Mrecv(msg->data(), count, MPI_BYTE, &m, &s);
     *src = s.MPI_SOURCE;
     *tag = s.MPI_TAG;
-    if (rc != MPI_SUCCESS) *st = Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Mrecv"));
+    if (rc != MPI_SUCCESS) *st = watch_.Error(rc, "MPI_Mrecv");
     return true;
   }
 
@@ -405,7 +411,7 @@ class MpiBackend : public Backend {
     MPI_Group_free(&group);
     MPI_Group_free(&world);
     if (rc != MPI_SUCCESS) return Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Comm_create_group"));
-    auto set = std::make_unique<MpiGroup>(&requests_, comm, comm, kSetChannels);
+    auto set = std::make_unique<MpiGroup>(&requests_, &watch_, comm, comm, kSetChannels);
     Status st = set->MakeChannels();
     if (!st.ok()) return st;
     sets_[id] = std::move(set);
@@ -421,9 +427,11 @@ class MpiBackend : public Backend {
 
   bool Progress() override { return requests_.Progress(); }
   size_t num_in_flight() const override { return requests_.size(); }
+  bool Lost() const override { return watch_.lost(); }
 
  private:
   WorldInfo info_;
+  LossWatch watch_;
   Requests requests_;
   MPI_Comm ctrl_ = MPI_COMM_NULL;
   MPI_Comm sets_parent_ = MPI_COMM_NULL;  // process sets are made from it (AddSet)

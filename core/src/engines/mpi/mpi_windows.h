@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "engines/mpi/mpi_fault.h"
 #include "windows/windows.h"
 
 namespace shoal {
@@ -80,7 +81,7 @@ class MpiWindows : public WindowEngine {
  public:
   MpiWindows(const Config& cfg, Stats* stats, const std::atomic<bool>* stop)
       : cfg_(cfg), stats_(stats), stop_(stop) {
-    MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
+    MPI_Comm_dup(MpiJobComm(), &comm_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);

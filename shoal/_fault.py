@@ -1,0 +1,132 @@
+"""Fault-tolerant mode: the survivors of a lost rank go on (docs/design.md §16).
+
+On by `shoalrun --fault-tolerant` (SHOAL_FAULT_TOLERANT=1; Open MPI >= 5, whose ULFM
+revokes and shrinks). When a rank dies, every op of the job that is pending or submitted
+later on a survivor fails with `RankLostError`; the first one on each survivor runs
+`on_rank_lost` before it is raised, which every survivor reaches (the core revokes the
+job's control communicator, so each survivor's next op fails too):
+
+1. the core shrinks the job to the survivors, renumbered 0..n-1 in their old order, and
+   starts a fresh runtime over them: names, negotiation, caches start again alike on
+   every survivor (`shoal_recover`);
+2. the static topology is rebuilt over n-1 ranks: a graph of one of Shoal's families
+   (exponential-2, ring, ...) as the same family, any other graph as the survivors' part
+   with Metropolis–Hastings weights (doubly stochastic again; renormalizing the old
+   weights would bias the average);
+3. the optimizers that registered (`register`) agree on the step from which every
+   survivor communicates again: one allreduce (max) of each one's `fault_position()`,
+   then `fault_align(step)` (and `fault_resync()`, e.g. a broadcast of the model).
+
+Process sets other than the global one, machine topologies and windows of the lost
+runtime are not recreated: add them again after a loss.
+"""
+import os
+import time
+import weakref
+
+import networkx as nx
+import numpy as np
+
+from . import topology as _topo
+from ._loader import _core
+from ._process import STATE
+
+RankLostError = _core.RankLostError
+RankLostError.__doc__ = (
+    "Fault-tolerant mode (shoalrun --fault-tolerant): a rank of the job died while this op "
+    "needed it. A ShoalError. When it is raised, the survivors have already shrunk the job "
+    "(renumbered ranks: shoal.size() is smaller), rebuilt the topology and realigned the "
+    "optimizers; later ops run on the survivors. `lost_ranks`: the lost ranks as numbered "
+    "at launch; `lost_at`: time.time() of the recovery.")
+
+# Shoal's graph families, rebuilt at the new size after a loss (their default arguments).
+_FAMILIES = (_topo.exponential_two_graph, _topo.ring_graph, _topo.symmetric_exponential_graph,
+             _topo.fully_connected_graph, _topo.star_graph, _topo.mesh_grid_2d_graph)
+
+
+def survivors_graph(graph, lost):
+    """The topology over the survivors of `graph` (n nodes) without the ranks `lost`
+    (numbered 0..n-1): the same family at n - len(lost) for a graph of `_FAMILIES`
+    (weights exactly as the family's), else the induced graph of the survivors relabelled
+    in order, with Metropolis–Hastings weights (symmetric, doubly stochastic). Returns
+    (graph, weighted): whether the new graph's weights must be used."""
+    n = graph.number_of_nodes()
+    for make in _FAMILIES:
+        try:
+            if _topo.is_topology_equivalent(make(n), graph):
+                return make(n - len(lost)), None
+        except ValueError:
+            continue
+    keep = [r for r in range(n) if r not in set(lost)]
+    sub = nx.relabel_nodes(graph.subgraph(keep), {r: i for i, r in enumerate(keep)})
+    return _topo.metropolis_hastings_weights(sub), True
+
+
+def register(participant):
+    """Register an object taking part in recovery (a distributed optimizer): it has
+    `fault_position()` -> int (the first step it can communicate in again if the job
+    shrank now), `fault_align(step)` and `fault_resync()`. Kept by weak reference; every
+    rank registers the same objects in the same order."""
+    STATE.fault_participants.append(weakref.ref(participant))
+
+
+def losses():
+    """The losses so far: a list of (time.time(), [lost ranks as numbered at launch])."""
+    return list(STATE.fault_losses)
+
+
+def on_rank_lost(message):
+    """The exception to raise for an op that failed with SHOAL_RANK_LOST; recovers first
+    if the current runtime is the one that lost a rank (collective over the survivors)."""
+    from . import basics  # imports this module
+    with STATE.lock:
+        lost = _core.recover()
+        if lost:
+            _recovered(lost, basics)
+        when, launch_ranks = STATE.fault_losses[-1] if STATE.fault_losses else (time.time(), [])
+    error = RankLostError(f"{message}; lost rank(s) {launch_ranks} (as numbered at launch); the job goes on "
+                          f"with {_core.size()} ranks")
+    error.lost_ranks, error.lost_at = launch_ranks, when
+    return error
+
+
+def _record_drop(loss, writer):
+    """Tell shoalrun which ranks the survivors dropped (a file per rank in its status
+    directory; the new rank 0 writes them): their failure does not fail the job."""
+    directory = os.environ.get("SHOAL_STATUS_DIR")
+    if not (writer and directory):
+        return
+    when, ranks = loss
+    for r in ranks:
+        try:
+            with open(os.path.join(directory, f"rank{r}.dropped"), "w") as f:
+                f.write(f"{when:.6f}\n")
+        except OSError:
+            pass  # the report then counts the rank as failed: the job's status says so
+
+
+def _recovered(lost, basics):
+    """After the core's shrink: the Python side's state for the new runtime, then the
+    participants' alignment. Runs on every survivor in the same order."""
+    launch = STATE.launch_ranks or list(range(_core.size() + len(lost)))
+    STATE.fault_losses.append((time.time(), [launch[r] for r in lost]))
+    _record_drop(STATE.fault_losses[-1], _core.rank() == 0)
+    STATE.launch_ranks = [r for i, r in enumerate(launch) if i not in set(lost)]
+    graph, plan = STATE.topology, STATE.plan
+    STATE.restart()
+    if graph is not None:
+        new, weighted = survivors_graph(graph, lost)
+        basics.set_topology(new, plan["weighted"] if weighted is None else weighted)
+    participants = [p() for p in STATE.fault_participants]
+    participants = [p for p in participants if p is not None]
+    STATE.fault_participants = [weakref.ref(p) for p in participants]
+    if not participants:
+        return
+    from . import _ops
+    from ._numpy import ADAPTER
+    positions = np.array([p.fault_position() for p in participants], dtype=np.int64)
+    agreed = _ops.allreduce(ADAPTER, positions, name="shoal.recovery.align", op=_ops.Max, block=True)
+    for p, step in zip(participants, agreed.tolist()):
+        p.fault_align(int(step))
+    for p in participants:
+        p.fault_resync()

@@ -1,0 +1,171 @@
+"""Fault-tolerant mode (shoalrun --fault-tolerant, Open MPI's ULFM): ranks die; the
+survivors recover and go on. Usage: lost_rank.py SCENARIO DIR [KILLS]
+
+KILLS: "RANK@ITER[:how],..." (launch ranks; how: exit (os._exit(3), the default), kill
+(SIGKILL), raise (an uncaught exception)). Scenarios:
+  ops        a loop of allreduce, neighbor_allreduce, broadcast and allgather (numpy);
+             after each loss the survivors realign the loop (allreduce max) and check
+             exact results over the survivors
+  inflight   the victim dies while the survivors wait on nonblocking ops that involve it
+  usergraph  a user graph (not one of Shoal's families): rebuilt with Metropolis-Hastings
+  awc | atc | gradient | delayed   a torch optimizer trains least squares through the losses
+Every survivor prints one "RESULT {json}" line; the victim records when it died in DIR.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import networkx as nx
+import numpy as np
+
+import shoal
+from shoal import topology
+
+
+def kills(spec):
+    out = {}
+    for item in filter(None, spec.split(",")):
+        who, _, rest = item.partition("@")
+        it, _, how = rest.partition(":")
+        out[int(who)] = (int(it), how or "exit")
+    return out
+
+
+def die(directory, how):
+    with open(os.path.join(directory, f"died.{LAUNCH}"), "w") as f:
+        f.write(f"{time.time():.6f}\n")
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "raise":
+        raise RuntimeError("this rank fails on purpose")
+    os._exit(3)
+
+
+def check_ops(x_rank):
+    """Exact results of one round over the current ranks (x = rank)."""
+    n, r = shoal.size(), shoal.rank()
+    total = shoal.allreduce(np.full(3, float(x_rank)), op=shoal.Sum, name="sum")
+    assert np.array_equal(total, np.full(3, float(n * (n - 1) // 2))), (total, n)
+    got = shoal.neighbor_allreduce(np.full(3, float(x_rank)), name="nar")
+    self_w, src = topology.recv_weights(topology.exponential_two_graph(n), r)
+    want = self_w * r + sum(w * j for j, w in src.items())
+    assert np.allclose(got, want, atol=1e-12), (got, want)
+    root = n - 1
+    b = shoal.broadcast(np.full(2, float(r)), root_rank=root, name="bcast")
+    assert np.array_equal(b, np.full(2, float(root)))
+    g = shoal.allgather(np.full((1, 2), float(r)), name="gather")
+    assert np.array_equal(g[:, 0], np.arange(n, dtype=float))
+
+
+def run_ops(directory, plan, iters=30, inflight=False):
+    losses, first_after = [], []
+    it = 0
+    while it < iters:
+        if LAUNCH in plan and plan[LAUNCH][0] == it:
+            if inflight:
+                shoal.barrier()  # the others are waiting on ops that need this rank when it dies
+                time.sleep(0.3)
+            die(directory, plan[LAUNCH][1])
+        try:
+            if inflight and any(v[0] == it for v in plan.values()):
+                hs = [shoal.allreduce_nonblocking(np.ones(4), name="ia"),
+                      shoal.neighbor_allreduce_nonblocking(np.ones(4), name="inar")]
+                shoal.barrier()
+                for h in hs:
+                    shoal.synchronize(h)
+            check_ops(shoal.rank())
+            if len(first_after) < len(losses):
+                first_after.append(time.time())
+            it += 1
+        except shoal.RankLostError as e:
+            losses.append({"lost": e.lost_ranks, "at": e.lost_at, "iter": it, "size": shoal.size()})
+            # The loop realigns: every survivor resumes at the furthest iteration any reached.
+            it = int(shoal.allreduce(np.array([it], dtype=np.int64), op=shoal.Max, name="align")[0])
+    assert topology.is_topology_equivalent(shoal.load_topology(), topology.exponential_two_graph(shoal.size()))
+    return {"losses": losses, "first_after": first_after}
+
+
+def run_usergraph(directory, plan):
+    n = shoal.size()  # 4: a star around rank 0 with one more edge (1-2), of no family of Shoal's
+    g = topology.metropolis_hastings_weights(nx.Graph([(0, 1), (0, 2), (0, 3), (1, 2)]))
+    shoal.set_topology(g, is_weighted=True)
+    out = run_ops_plain(directory, plan)
+    keep = [r for r in range(n) if r not in plan]
+    sub = nx.relabel_nodes(g.subgraph(keep), {r: i for i, r in enumerate(keep)})
+    want = topology.metropolis_hastings_weights(sub)
+    out["mh"] = topology.is_topology_equivalent(shoal.load_topology(), want)
+    w = topology.mixing_matrix(shoal.load_topology())
+    out["doubly_stochastic"] = bool(np.allclose(w.sum(0), 1) and np.allclose(w.sum(1), 1))
+    return out
+
+
+def run_ops_plain(directory, plan, iters=20):
+    losses, it = [], 0
+    while it < iters:
+        if LAUNCH in plan and plan[LAUNCH][0] == it:
+            die(directory, plan[LAUNCH][1])
+        try:
+            shoal.neighbor_allreduce(np.ones(3), name="nar")
+            it += 1
+        except shoal.RankLostError as e:
+            losses.append({"lost": e.lost_ranks, "iter": it, "size": shoal.size()})
+            it = int(shoal.allreduce(np.array([it], dtype=np.int64), op=shoal.Max, name="align")[0])
+    return {"losses": losses}
+
+
+def run_optimizer(kind, directory, plan, steps=80):
+    import torch
+    import shoal.torch as bf
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    bf.broadcast_parameters(model.state_dict(), root_rank=0)
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    if kind == "gradient":
+        opt = bf.DistributedGradientAllreduceOptimizer(base, model)
+    elif kind == "atc":
+        opt = bf.DistributedAdaptThenCombineOptimizer(base, model)
+    else:
+        overlap = "delayed" if kind == "delayed" else "backward"
+        opt = bf.DistributedAdaptWithCombineOptimizer(base, model, overlap=overlap)
+    g = torch.Generator().manual_seed(LAUNCH)
+    w = torch.arange(8.0)[:, None] / 8
+    size_before, first_after, losses = bf.size(), [], 0
+    for step in range(steps):
+        if LAUNCH in plan and plan[LAUNCH][0] == step:
+            die(directory, plan[LAUNCH][1])
+        x = torch.randn(32, 8, generator=g)
+        opt.zero_grad()
+        ((model(x) - x @ w) ** 2).mean().backward()
+        opt.step()
+        if bf.size() < size_before:  # a loss was recovered in this step
+            size_before, losses = bf.size(), losses + 1
+            first_after.append(None)
+        elif first_after and first_after[-1] is None:
+            first_after[-1] = time.time()  # the first step completed after it
+    if hasattr(opt, "overlap"):
+        opt.synchronize()
+    weight = model.weight.detach().clone()
+    mean = bf.allreduce(weight, op=bf.Average, name="mean")
+    spread = bf.allreduce(torch.tensor([float((weight - mean).norm())]), op=bf.Max, name="spread").item()
+    gathered = bf.allgather(weight, name="replicas")
+    identical = all(torch.equal(gathered[0], row) for row in gathered)
+    return {"error": float((weight - w.T).norm()), "spread": spread, "identical": identical, "losses": losses,
+            "first_after": first_after, "quiet_until": opt._quiet_until, "lost": shoal.losses()}
+
+
+if __name__ == "__main__":
+    scenario, directory = sys.argv[1], sys.argv[2]
+    plan = kills(sys.argv[3] if len(sys.argv) > 3 else "")
+    shoal.init()
+    LAUNCH = shoal.rank()
+    if scenario in ("ops", "inflight"):
+        result = run_ops(directory, plan, inflight=scenario == "inflight")
+    elif scenario == "usergraph":
+        result = run_usergraph(directory, plan)
+    else:
+        result = run_optimizer(scenario, directory, plan)
+    result.update(launch=LAUNCH, rank=shoal.rank(), size=shoal.size())
+    print("RESULT " + json.dumps(result), flush=True)
+    shoal.shutdown()
