@@ -37,7 +37,7 @@ def build(tmp_path_factory):
                     "-DCMAKE_UNITY_BUILD=ON"], check=True, capture_output=True, timeout=300)
     subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join",
                     "test_stages", "test_collectives", "test_process_sets", "test_names", "test_cached_broadcast",
-                    "test_machine_local"],
+                    "test_machine_local", "test_fault_tolerance"],
                    check=True, capture_output=True, timeout=1200)
     return build
 
@@ -47,7 +47,7 @@ def build(tmp_path_factory):
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join", "test_stages", "test_collectives",
                                     "test_process_sets", "test_names", "test_cached_broadcast",
-                                    "test_machine_local"])
+                                    "test_machine_local", "test_fault_tolerance"])
 def test_unit_tests_under_thread_sanitizer(build, binary):
     out = subprocess.run([str(build / binary)], capture_output=True, text=True, timeout=600,
                          env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})

@@ -252,6 +252,11 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
             self._sending(lambda: self._launch_all(self._owned[module]))
         self._early.discard(module)
 
+    def _drop_communication(self):
+        super()._drop_communication()
+        self._sent_versions.clear()  # a lost early exchange: the next communicating forward sends
+        self._early.clear()
+
     def _launch_early(self):
         """Delayed mixing: start now the exchange of every module whose next forward
         pass communicates (docs/design.md §22)."""

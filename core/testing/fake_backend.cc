@@ -17,6 +17,7 @@ FakeWorld::FakeWorld(int size, uint64_t seed, int max_delay_us, int ranks_per_ma
 void FakeWorld::Kill(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   dead_[rank] = 1;
+  any_dead_ = true;
   inbox_[rank].clear();
   for (auto& box : inbox_)  // what it sent and nobody took yet vanishes with it
     box.erase(std::remove_if(box.begin(), box.end(), [&](const Msg& m) { return m.src == rank; }), box.end());

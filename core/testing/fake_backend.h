@@ -3,12 +3,14 @@
 // order per (source, destination, tag) but may be delayed at random (so arrival order
 // across sources and tags varies with the seed); collectives rendezvous in issue order.
 // Faults: Kill(rank) makes a rank vanish mid-run (its messages are dropped, sends to it
-// fail), as a crashed process does. Ranks form machines of `ranks_per_machine` contiguous
+// fail), as a crashed process does; in a fault-tolerant world (SetFaultTolerant) every
+// backend then reports Lost(), as ULFM's revoke tells every survivor. Ranks form machines of `ranks_per_machine` contiguous
 // ranks (0: one machine), as SHOAL_RANKS_PER_MACHINE makes them; machine-scope
 // collectives rendezvous per machine, in their own order. Process sets (AddSet) have
 // collectives of their own (OfSet), over their members only, one order per (set, channel),
 // as MPI communicators do.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -32,6 +34,7 @@ class FakeWorld {
   int size() const { return size_; }
   int ranks_per_machine() const { return per_machine_; }
   void Kill(int rank);
+  void SetFaultTolerant() { fault_tolerant_ = true; }
 
  private:
   friend class FakeBackend;
@@ -64,6 +67,7 @@ class FakeWorld {
   const int max_delay_us_;
   std::vector<std::deque<Msg>> inbox_;  // by destination, in send order
   std::vector<char> dead_;
+  std::atomic<bool> fault_tolerant_{false}, any_dead_{false};
   std::map<std::tuple<int, int, int>, Clock::time_point> last_due_;
   std::map<std::pair<int, uint64_t>, Coll> colls_;  // by (process set, sequence number)
   // Process sets being made: id -> members arrived (AddSet waits until all have).
@@ -138,6 +142,7 @@ class FakeBackend : public Backend {
   GroupCollectives* OfSet(int id) override;
   bool Progress() override;
   size_t num_in_flight() const override;
+  bool Lost() const override { return w_->fault_tolerant_ && w_->any_dead_; }
 
  private:
   friend class FakeGroup;

@@ -9,6 +9,7 @@ KILLS: "RANK@ITER[:how],..." (launch ranks; how: exit (os._exit(3), the default)
   inflight   the victim dies while the survivors wait on nonblocking ops that involve it
   usergraph  a user graph (not one of Shoal's families): rebuilt with Metropolis-Hastings
   awc | atc | gradient | delayed   a torch optimizer trains least squares through the losses
+             (+metric: with a user allreduce after every step)
 Every survivor prints one "RESULT {json}" line; the victim records when it died in DIR.
 """
 import json
@@ -116,8 +117,10 @@ def run_ops_plain(directory, plan, iters=20):
 
 
 def run_optimizer(kind, directory, plan, steps=80):
+    """`kind` + "+metric": a user allreduce after every step too (a loss may surface there)."""
     import torch
     import shoal.torch as bf
+    kind, metric = kind.partition("+")[0], kind.endswith("+metric")
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     bf.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -137,8 +140,14 @@ def run_optimizer(kind, directory, plan, steps=80):
             die(directory, plan[LAUNCH][1])
         x = torch.randn(32, 8, generator=g)
         opt.zero_grad()
-        ((model(x) - x @ w) ** 2).mean().backward()
+        loss = ((model(x) - x @ w) ** 2).mean()
+        loss.backward()
         opt.step()
+        if metric:
+            try:
+                bf.allreduce(loss.detach(), name="metric")
+            except bf.RankLostError:
+                bf.allreduce(loss.detach(), name="metric")  # every survivor calls it again
         if bf.size() < size_before:  # a loss was recovered in this step
             size_before, losses = bf.size(), losses + 1
             first_after.append(None)

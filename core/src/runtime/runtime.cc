@@ -216,7 +216,10 @@ bool Runtime::Release(int64_t handle) {
 }
 
 void Runtime::Finish(const EntryPtr& e, const Status& st_in) {
-  const Status st = e->gpu ? devices_.Complete(*e, st_in) : st_in;
+  Status st = e->gpu ? devices_.Complete(*e, st_in) : st_in;
+  // A failure while the job lost a rank is the loss's, whatever failed first (a send to the
+  // dead rank, a peer's leave notice): one error on every survivor (docs/design.md §16).
+  if (!st.ok() && st.code != SHOAL_RANK_LOST && backend_->Lost()) st.code = SHOAL_RANK_LOST;
   if (st.ok()) {
     switch (e->sig.op) {
       case SHOAL_OP_ALLREDUCE: ++stats_.allreduce; break;

@@ -1,0 +1,167 @@
+// Fault-tolerant mode in one process (docs/design.md §16): N runtimes as threads over a
+// fault-tolerant fake world (fake_backend.h), one rank killed at each point of an op's life
+// (before the survivors submit it, while the coordinator waits for its request, in the
+// middle of a neighbor exchange, inside a fused batch; the coordinator itself among them).
+// Every survivor's op then ends, without a hang, either complete with exact data (it
+// finished before the loss) or with SHOAL_RANK_LOST, later calls are refused with
+// SHOAL_RANK_LOST, and a fresh job of the survivors (the shrink) runs exactly. At 2, 4, 8.
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "testing/runtime_harness.h"
+
+using namespace shoal;
+using namespace shoal::testing;
+
+namespace {
+
+enum Point { kBeforeSubmission, kDuringNegotiation, kMidExchange, kInFusedBatch };
+const char* const kPointNames[] = {"before submission", "during negotiation", "mid-exchange", "in a fused batch"};
+
+Config FaultConfig() {
+  Config c = TestConfig(8 << 20);
+  c.fault_tolerant = true;
+  c.stall_check_time = 30;  // a lost rank must end the ops, not the stall check
+  c.stall_shutdown_time = 60;
+  return c;
+}
+
+// An op of a survivor ended by the loss: complete with `exact` data, or SHOAL_RANK_LOST.
+void CheckEnded(const Status& st, bool exact, int r, const char* what) {
+  if (st.ok()) {
+    CHECK(exact, "rank %d %s: completed with wrong data", r, what);
+  } else {
+    CHECK(st.code == SHOAL_RANK_LOST, "rank %d %s: code %d, not SHOAL_RANK_LOST: %s", r, what, st.code,
+          st.message.c_str());
+  }
+}
+
+// Enqueues `a`; false if the loss came first (refused with SHOAL_RANK_LOST, checked).
+bool Submit(Op& a, Runtime& rt, int r) {
+  try {
+    a.Enqueue(rt);
+    return true;
+  } catch (const ArgumentError& ex) {
+    CHECK(ex.code == SHOAL_RANK_LOST, "rank %d: %s refused with code %d: %s", r, a.name.c_str(), ex.code, ex.what());
+    return false;
+  }
+}
+
+// Later calls on the lost runtime are refused with SHOAL_RANK_LOST.
+void CheckRefused(Runtime& rt, int r) {
+  Op later;
+  later.op = SHOAL_OP_ALLREDUCE;
+  later.name = "later";
+  later.x = Data(r, 9, 4);
+  try {
+    later.Enqueue(rt);
+    CHECK(false, "rank %d: an op after the loss was accepted", r);
+  } catch (const ArgumentError& ex) {
+    CHECK(ex.code == SHOAL_RANK_LOST, "rank %d: refused with code %d: %s", r, ex.code, ex.what());
+  }
+}
+
+void TestLoss(int n, int victim, Point point) {
+  g_case = std::string("rank ") + std::to_string(victim) + " lost " + kPointNames[point] + " n=" + std::to_string(n);
+  Job job(n, FaultConfig(), 40 + n + victim, point == kMidExchange ? 300 : 100);
+  job.world->SetFaultTolerant();
+  const auto t0 = std::chrono::steady_clock::now();
+  job.Run([&](int r, Runtime& rt) {
+    if (point == kBeforeSubmission) {
+      if (r == victim) job.world->Kill(victim);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (r != victim) CheckRefused(rt, r);
+      return;
+    }
+    if (point == kDuringNegotiation) {  // the coordinator waits for the victim's request
+      if (r == victim) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        job.world->Kill(victim);
+        return;
+      }
+      Op a;
+      a.op = SHOAL_OP_ALLREDUCE;
+      a.name = "negotiated";
+      a.x = Data(r, 0, 16);
+      if (Submit(a, rt, r)) CheckEnded(a.Wait(rt), false, r, "allreduce");
+      CheckRefused(rt, r);
+      return;
+    }
+    if (point == kMidExchange) {  // a large neighbor exchange, the victim dies after sending part
+      Op a;
+      a.name = "exchange";
+      a.x = Data(r, 1, 1 << 18);
+      a.recv = a.send = {(r + n - 1) % n, (r + 1) % n};
+      if (n == 2) a.recv = a.send = {1 - r};
+      const bool submitted = Submit(a, rt, r);
+      if (r == victim) {
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+        job.world->Kill(victim);
+        return;
+      }
+      if (submitted) {
+        const Status st = a.Wait(rt);
+        double sum = a.x[5];
+        for (int src : a.recv) sum += Data(src, 1, 1 << 18)[5];
+        CheckEnded(st, st.ok() && a.out[5] == sum / static_cast<double>(a.recv.size() + 1), r, "neighbor_allreduce");
+      }
+      for (int i = 0; i < 5000 && !rt.Lost(); ++i)  // an exchange without the victim may end before it dies
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      CheckRefused(rt, r);
+      return;
+    }
+    // In a fused batch: every rank submits five allreduces; the victim dies after three.
+    std::vector<Op> ops(5);
+    for (int k = 0; k < 5; ++k) {
+      ops[k].op = SHOAL_OP_ALLREDUCE;
+      ops[k].name = "fused." + std::to_string(k);
+      ops[k].x = Data(r, k, 64);
+      if (r == victim && k == 3) {
+        job.world->Kill(victim);
+        return;
+      }
+      if (!Submit(ops[k], rt, r)) ops[k].handle = 0;
+    }
+    for (int k = 0; k < 5; ++k) {
+      if (ops[k].handle == 0) continue;
+      double sum = 0;
+      for (int q = 0; q < n; ++q) sum += Data(q, k, 64)[3];
+      const Status st = ops[k].Wait(rt);
+      // Ops the victim never submitted cannot complete.
+      CheckEnded(st, st.ok() && k < 3 && ops[k].out[3] == sum, r, ("allreduce " + ops[k].name).c_str());
+    }
+    CheckRefused(rt, r);
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(secs < 10, "the survivors took %.1f s to end their ops", secs);
+
+  // The shrink: a fresh job over the n-1 survivors (renumbered) runs exactly.
+  if (n < 3) return;
+  Job survivors(n - 1, FaultConfig(), 7, 100);
+  survivors.world->SetFaultTolerant();
+  survivors.Run([&](int r, Runtime& rt) {
+    Op a;
+    a.op = SHOAL_OP_ALLREDUCE;
+    a.name = "after";
+    a.x = Data(r, 2, 8);
+    a.Enqueue(rt);
+    const Status st = a.Wait(rt);
+    double sum = 0;
+    for (int q = 0; q < n - 1; ++q) sum += Data(q, 2, 8)[4];
+    CHECK(st.ok() && a.out[4] == sum, "survivor %d after the shrink: %s", r, st.message.c_str());
+  });
+}
+
+}  // namespace
+
+int main() {
+  for (int n : {2, 4, 8})
+    for (int point : {kBeforeSubmission, kDuringNegotiation, kMidExchange, kInFusedBatch})
+      for (int victim : {0, n - 1})  // rank 0 is the coordinator
+        TestLoss(n, victim, static_cast<Point>(point));
+  std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
+  return g_failed ? 1 : 0;
+}
