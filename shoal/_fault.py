@@ -22,6 +22,7 @@ runtime are not recreated: add them again after a loss.
 """
 import os
 import time
+import warnings
 import weakref
 
 import networkx as nx
@@ -59,15 +60,23 @@ def survivors_graph(graph, lost):
             continue
     keep = [r for r in range(n) if r not in set(lost)]
     sub = nx.relabel_nodes(graph.subgraph(keep), {r: i for i, r in enumerate(keep)})
+    if len(keep) > 1 and not nx.is_weakly_connected(sub):
+        parts = sorted(sorted(c) for c in nx.weakly_connected_components(sub))
+        warnings.warn(f"the topology over the survivors of ranks {sorted(lost)} falls apart into {parts} (new ranks): "
+                      "they no longer average with each other; set a connected topology (shoal.set_topology)",
+                      RuntimeWarning, stacklevel=2)
     return _topo.metropolis_hastings_weights(sub), True
 
 
 def register(participant):
     """Register an object taking part in recovery (a distributed optimizer): it has
     `fault_position()` -> int (the first step it can communicate in again if the job
-    shrank now), `fault_align(step)` and `fault_resync()`. Kept by weak reference; every
-    rank registers the same objects in the same order."""
-    STATE.fault_participants.append(weakref.ref(participant))
+    shrank now), `fault_align(step)` and `fault_resync()`. Every rank registers the same
+    objects in the same order: each gets the same serial number everywhere. Kept by weak
+    reference (one that is gone on some ranks and not yet collected on others still agrees
+    by its number)."""
+    STATE.fault_serial += 1
+    STATE.fault_participants.append((STATE.fault_serial, weakref.ref(participant)))
 
 
 def losses():
@@ -117,16 +126,20 @@ def _recovered(lost, basics):
     if graph is not None:
         new, weighted = survivors_graph(graph, lost)
         basics.set_topology(new, plan["weighted"] if weighted is None else weighted)
-    participants = [p() for p in STATE.fault_participants]
-    participants = [p for p in participants if p is not None]
-    STATE.fault_participants = [weakref.ref(p) for p in participants]
-    if not participants:
+    live = [(k, ref()) for k, ref in STATE.fault_participants]
+    live = [(k, p) for k, p in live if p is not None]
+    STATE.fault_participants = [(k, weakref.ref(p)) for k, p in live]
+    if not STATE.fault_serial:  # no rank ever registered one (every rank counts alike)
         return
     from . import _ops
     from ._numpy import ADAPTER
-    positions = np.array([p.fault_position() for p in participants], dtype=np.int64)
-    agreed = _ops.allreduce(ADAPTER, positions, name="shoal.recovery.align", op=_ops.Max, block=True)
-    for p, step in zip(participants, agreed.tolist()):
-        p.fault_align(int(step))
-    for p in participants:
+    # (serial, position) of each live participant, and a row that every rank sends.
+    rows = np.array([(-1, 0)] + [(k, p.fault_position()) for k, p in live], dtype=np.int64)
+    every = _ops.synchronize(_ops.allgather(ADAPTER, rows, name="shoal.recovery.align"))
+    agreed = {}
+    for k, position in every.tolist():
+        agreed[k] = max(agreed.get(k, position), position)
+    for k, p in live:
+        p.fault_align(agreed[k])
+    for _, p in live:
         p.fault_resync()

@@ -26,8 +26,8 @@ class ProcessState:
     ops carry push-sum weights. suspended/skip_negotiate: BlueFog switches (recorded).
     counters: generated-name counters by prefix (bounded, see `unnamed`); traced: the
     same per traced TensorFlow graph (dropped with the graph).
-    Fault-tolerant mode (shoal._fault): fault_participants (weak references to the
-    objects realigned after a loss, in registration order), fault_losses ((time, lost
+    Fault-tolerant mode (shoal._fault): fault_participants ((serial, weak reference) of
+    each object realigned after a loss), fault_serial (how many registered), fault_losses ((time, lost
     launch ranks) per loss), launch_ranks (each current rank's rank at launch; None
     before a loss).
     `atexit_registered` survives reset (an at-exit hook is registered once per process),
@@ -54,6 +54,7 @@ class ProcessState:
             self.counters = {}
             self.traced = weakref.WeakKeyDictionary()  # traced TF graph -> ops named in it
             self.fault_participants, self.fault_losses, self.launch_ranks = [], [], None
+            self.fault_serial = 0
 
     def restart(self):
         """After a loss (shoal._fault): the new runtime starts with no names, topology,

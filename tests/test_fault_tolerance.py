@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -86,6 +88,41 @@ def test_a_rank_lost_while_ops_are_in_flight_on_it(tmp_path):
 
 
 @openmpi_only
+@pytest.mark.parametrize("optimizer", ["delayed", "gradient"])
+def test_a_loss_at_the_last_step_surfaces_in_synchronize(tmp_path, optimizer):
+    """Killed at the last step: the survivors' loss surfaces in the final synchronize()."""
+    rc, results, out, _ = run_lost(tmp_path, 4, optimizer, "2@79:kill")
+    check_survivors(rc, results, out, 4, [2])
+
+
+@openmpi_only
+def test_a_rank_that_never_sees_the_loss_ends_while_the_others_recover(tmp_path):
+    """A ring; the dead rank's neighbors recover, rank 0 finishes and exits meanwhile
+    (no MPI_Finalize in this mode: it would wait for their shrink and they for it)."""
+    rc, out, _ = _run(4, "lost_rank.py", ["ringend", tmp_path, "2@9:exit"], None, 120, launch=("--fault-tolerant",))
+    assert rc is not None, f"hung:\n{out[-4000:]}"
+    results = {json.loads(line[7:])["launch"]: json.loads(line[7:]) for line in out.splitlines()
+               if line.startswith("RESULT ")}
+    assert sorted(results) == [0, 1, 3] and rc == 0, out[-4000:]
+
+
+@openmpi_only
+def test_a_window_alive_at_the_loss(tmp_path):
+    rc, results, out, _ = run_lost(tmp_path, 4, "window", "2@5:exit")
+    check_survivors(rc, results, out, 4, [2])
+
+
+@openmpi_only
+def test_a_stopped_rank_is_not_taken_for_dead(tmp_path):
+    """Only a process that ended is lost (mpirun's daemons see it; MPI's own heartbeat
+    detector, which would suspect a starved rank, is off): 8 s stopped changes nothing."""
+    rc, results, out, _ = run_lost(tmp_path, 4, "stopped", "")
+    assert rc == 0 and sorted(results) == [0, 1, 2, 3], out[-4000:]
+    assert all(r["losses"] == [] and r["size"] == 4 for r in results.values()), results
+    assert results[0]["stopped_for"] >= 8, results[0]
+
+
+@openmpi_only
 def test_a_user_graph_gets_metropolis_hastings_weights_over_the_survivors(tmp_path):
     rc, results, out, _ = run_lost(tmp_path, 4, "usergraph", "1@5:kill")
     check_survivors(rc, results, out, 4, [1])
@@ -94,7 +131,8 @@ def test_a_user_graph_gets_metropolis_hastings_weights_over_the_survivors(tmp_pa
 
 
 @openmpi_only
-@pytest.mark.parametrize("optimizer", ["awc", "atc", "delayed", "gradient", "delayed+metric", "gradient+metric"])
+@pytest.mark.parametrize("optimizer", ["awc", "atc", "delayed", "gradient", "delayed+metric", "gradient+metric",
+                                       "awc+gc"])
 def test_optimizers_train_on_through_a_loss(tmp_path, optimizer):
     rc, results, out, died = run_lost(tmp_path, 4, optimizer, "2@20:kill")
     check_survivors(rc, results, out, 4, [2])
@@ -151,3 +189,37 @@ def test_the_report_counts_only_dropped_ranks_as_lost(tmp_path, capsys):
     assert run.report_losses(args, str(tmp_path), 1) == (1, "rank 1 raised ValueError: x")
     os.remove(tmp_path / "rank2.dropped")
     assert run.report_losses(args, str(tmp_path), 137)[0] == 137
+
+
+class _Job:
+    """A launcher process for wait_job: runs until end() is called."""
+
+    def __init__(self):
+        self.ended = False
+
+    def wait(self, timeout=None):
+        if self.ended:
+            return 9
+        time.sleep(min(timeout or 0, 0.05))
+        raise subprocess.TimeoutExpired("mpirun", timeout)
+
+    def end(self):
+        self.ended = True
+
+
+def test_an_undropped_failure_ends_a_fault_tolerant_job_after_the_grace(tmp_path):
+    """A rank that died before init() can never be dropped (MPI cannot shrink then): the
+    launcher ends the job after the grace instead of waiting forever; a dropped one not."""
+    from shoal.launcher import run
+    from shoal.launcher.rank import write_status
+    write_status(str(tmp_path), 2, 3, "exited with status 3")
+    job, start = _Job(), time.monotonic()
+    assert run.wait_job(job, str(tmp_path), grace=0.5, end=job.end, undropped=True) == 9
+    assert job.ended and time.monotonic() - start >= 0.5
+    (tmp_path / "rank2.dropped").write_text("1.0\n")
+    job = _Job()
+    threading.Timer(1.5, job.end).start()  # the job ends by itself: wait_job must not end it first
+    start = time.monotonic()
+    assert run.wait_job(job, str(tmp_path), grace=0.5, end=lambda: pytest.fail("ended a job whose loss was dropped"),
+                        undropped=True) == 9
+    assert time.monotonic() - start >= 1.4

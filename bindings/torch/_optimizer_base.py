@@ -174,6 +174,13 @@ class _Distributed(torch.optim.Optimizer):
     def fault_resync(self):
         """After the alignment: what every survivor must agree on again (nothing here)."""
 
+    def _lost_exchange(self):
+        """A loss surfaced while waiting for this step's exchange (synchronize()): the
+        exchange is dropped and the step taken without it (the alignment, run by the
+        recovery, already covers this step)."""
+        self._drop_communication()
+        self._quiet_until = max(self._quiet_until, self._calls + 1)
+
     def _drop_communication(self):
         """Forget the communication in flight (a lost runtime's ops: they fail)."""
         for h in list(self._handles.values()) + [v[0] for v in self._grad_handles.values()]:

@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from shoal import _consensus, _hierarchical, _ops, process_sets
+from shoal import _consensus, _fault, _hierarchical, _ops, process_sets
 
 from . import _buckets
 from ._sparse_grads import SparseGradients
@@ -280,7 +280,10 @@ class DistributedAdaptWithCombineOptimizer(_ParameterMixing):
                 f"parameters {changed} were changed in place while their exchange (started at the end of "
                 "step(), overlap='delayed') was in flight; change parameters only through step(), or call "
                 "opt.synchronize() before changing them")
-        self._finish_all()  # the next forward pass still starts nothing: its exchange was this one
+        try:
+            self._finish_all()  # the next forward pass still starts nothing: its exchange was this one
+        except _fault.RankLostError:
+            self._lost_exchange()
         super().synchronize()
 
     def _step(self, closure):
@@ -337,7 +340,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterMixing):
 
     def synchronize(self):
         """Wait for a combine still in flight (none: ATC combines inside step())."""
-        self._finish_all()
+        try:
+            self._finish_all()
+        except _fault.RankLostError:
+            self._lost_exchange()
         super().synchronize()
 
     def _step(self, closure):
@@ -570,7 +576,11 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                         self._launch_bucket(bucket)
         for bucket in [b for b, ready in self._ready.items() if ready]:
             self._launch_bucket(bucket)  # members frozen after the plan: the others still go
-        touched = self._wait_gradients()
+        try:
+            touched = self._wait_gradients()
+        except _fault.RankLostError:  # the averages are lost: the step takes no update
+            self._lost_exchange()
+            return super().synchronize()
         self.communications += 1
         if not touched:
             super().synchronize()
@@ -640,4 +650,6 @@ class DistributedGradientAllreduceOptimizer(_Distributed):
                 "use opt.synchronize(); scaler.unscale_(opt); with opt.skip_synchronize(): "
                 "scaler.step(opt) (Horovod's form)")
         self._synchronize_for_step()
+        if not self._communicating():  # a loss surfaced in synchronize(): no update (fault_resync)
+            return self._quiet_step(closure)
         return self._local_step(closure)

@@ -8,6 +8,11 @@ KILLS: "RANK@ITER[:how],..." (launch ranks; how: exit (os._exit(3), the default)
              exact results over the survivors
   inflight   the victim dies while the survivors wait on nonblocking ops that involve it
   usergraph  a user graph (not one of Shoal's families): rebuilt with Metropolis-Hastings
+  stopped    no rank dies: launch rank 2 is stopped (SIGSTOP) for 8 s mid-loop by rank 0,
+             and nobody may take it for dead
+  ringend    a ring; a rank dies before the last op, so rank 0 (no neighbor of it) finishes
+             and shuts down without seeing the loss while its neighbors recover
+  window     a window exists when a rank dies; the survivors go on with collectives and exit
   awc | atc | gradient | delayed   a torch optimizer trains least squares through the losses
              (+metric: with a user allreduce after every step)
 Every survivor prints one "RESULT {json}" line; the victim records when it died in DIR.
@@ -42,6 +47,14 @@ def die(directory, how):
     if how == "raise":
         raise RuntimeError("this rank fails on purpose")
     os._exit(3)
+
+
+def retried(op):
+    """op() again after a loss that surfaced in it (every survivor calls it next)."""
+    try:
+        return op()
+    except shoal.RankLostError:
+        return op()
 
 
 def check_ops(x_rank):
@@ -116,11 +129,64 @@ def run_ops_plain(directory, plan, iters=20):
     return {"losses": losses}
 
 
+def run_stopped(iters=20):
+    pids = shoal.allgather(np.array([[os.getpid()]], dtype=np.int64), name="pids")[:, 0]
+    losses, stopped_for = [], 0.0
+    for it in range(iters):
+        if it == 5 and shoal.rank() == 0:
+            t = time.time()
+            os.kill(int(pids[2]), signal.SIGSTOP)
+            time.sleep(8)
+            os.kill(int(pids[2]), signal.SIGCONT)
+            stopped_for = time.time() - t
+        try:
+            check_ops(shoal.rank())
+        except shoal.RankLostError as e:
+            losses.append(e.lost_ranks)
+    return {"losses": losses, "stopped_for": stopped_for}
+
+
+def run_ringend(directory, plan, iters=10):
+    shoal.set_topology(topology.ring_graph(shoal.size()))
+    losses = []
+    for it in range(iters):
+        if LAUNCH in plan and plan[LAUNCH][0] == it:
+            time.sleep(0.3)
+            die(directory, plan[LAUNCH][1])
+        try:
+            shoal.neighbor_allreduce(np.ones(2), name="nar")
+        except shoal.RankLostError as e:
+            losses.append(e.lost_ranks)
+    return {"losses": losses}
+
+
+def run_window(directory, plan, iters=10):
+    shoal.win_create(np.full(4, float(LAUNCH)), name="w")
+    losses = []
+    for it in range(iters):
+        if LAUNCH in plan and plan[LAUNCH][0] == it:
+            die(directory, plan[LAUNCH][1])
+        try:
+            total = shoal.allreduce(np.ones(2), op=shoal.Sum, name="a")
+            assert total[0] == shoal.size(), total
+        except shoal.RankLostError as e:
+            losses.append(e.lost_ranks)
+    return {"losses": losses}
+
+
 def run_optimizer(kind, directory, plan, steps=80):
     """`kind` + "+metric": a user allreduce after every step too (a loss may surface there)."""
     import torch
     import shoal.torch as bf
-    kind, metric = kind.partition("+")[0], kind.endswith("+metric")
+    kind, variant = kind.partition("+")[::2]
+    metric = variant == "metric"
+    if variant == "gc":  # an optimizer made and dropped first, collected on rank 0 only
+        import gc
+        first = torch.nn.Linear(1, 1)
+        dropped = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(first.parameters(), lr=0.1), first)
+        del dropped, first
+        if LAUNCH == 0:
+            gc.collect()
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     bf.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -156,7 +222,7 @@ def run_optimizer(kind, directory, plan, steps=80):
     if hasattr(opt, "overlap"):
         opt.synchronize()
     weight = model.weight.detach().clone()
-    mean = bf.allreduce(weight, op=bf.Average, name="mean")
+    mean = retried(lambda: bf.allreduce(weight, op=bf.Average, name="mean"))
     spread = bf.allreduce(torch.tensor([float((weight - mean).norm())]), op=bf.Max, name="spread").item()
     gathered = bf.allgather(weight, name="replicas")
     identical = all(torch.equal(gathered[0], row) for row in gathered)
@@ -173,6 +239,12 @@ if __name__ == "__main__":
         result = run_ops(directory, plan, inflight=scenario == "inflight")
     elif scenario == "usergraph":
         result = run_usergraph(directory, plan)
+    elif scenario == "stopped":
+        result = run_stopped()
+    elif scenario == "ringend":
+        result = run_ringend(directory, plan)
+    elif scenario == "window":
+        result = run_window(directory, plan)
     else:
         result = run_optimizer(scenario, directory, plan)
     result.update(launch=LAUNCH, rank=shoal.rank(), size=shoal.size())

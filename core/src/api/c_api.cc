@@ -1,5 +1,6 @@
 // The C ABI over the one Runtime of this process.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 
@@ -18,6 +19,7 @@ namespace {
 
 shoal::Mutex g_mu;  // init/shutdown
 std::shared_ptr<Runtime> g_runtime GUARDED_BY(g_mu);  // the one runtime object
+std::atomic<bool> g_fault_tolerant{false};  // the last runtime started in fault-tolerant mode
 // Runtimes ended by a lost rank (fault-tolerant mode), kept while their handles may be waited.
 std::vector<std::shared_ptr<Runtime>> g_retired GUARDED_BY(g_mu);
 
@@ -75,6 +77,7 @@ std::shared_ptr<Runtime> Usable(Status* st) {
 Status StartRuntime() REQUIRES(g_mu) {
   try {
     shoal::Config cfg = shoal::Config::FromEnvironment();
+    g_fault_tolerant = cfg.fault_tolerant;
     Status st;
     auto backend = shoal::CreateMpiBackend(cfg, &st);
     if (!st.ok()) return st;
@@ -140,12 +143,26 @@ int shoal_recover(int32_t* lost, int32_t capacity, int32_t* n_lost, char* err, s
   old.swap(g_runtime);
   old->Stop();  // its ops have failed with SHOAL_RANK_LOST; waiters drop their references
   g_retired.push_back(old);
-  std::vector<int> gone;
-  Status st = shoal::ShrinkMpiJob(&gone);
-  if (!st.ok()) return Report(st, err, len);
+  // Shrink until a runtime starts: a rank may die (or end) while the survivors make the
+  // next one's communicators. `alive`: the old numbering of each rank still in the job.
+  std::vector<int> alive(old->world().size), gone;
+  for (size_t r = 0; r < alive.size(); ++r) alive[r] = static_cast<int>(r);
+  Status st;
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    std::vector<int> now;
+    st = shoal::ShrinkMpiJob(&now);
+    if (!st.ok()) break;
+    for (auto it = now.rbegin(); it != now.rend(); ++it) {  // descending: erasing keeps the rest in place
+      gone.push_back(alive[*it]);
+      alive.erase(alive.begin() + *it);
+    }
+    st = StartRuntime();
+    if (st.code != SHOAL_RANK_LOST) break;
+  }
+  std::sort(gone.begin(), gone.end());
   *n_lost = static_cast<int32_t>(gone.size());
   for (int32_t i = 0; i < *n_lost && i < capacity; ++i) lost[i] = gone[i];
-  return Report(StartRuntime(), err, len);
+  return Report(st, err, len);
 }
 
 int shoal_rank_lost(void) {
@@ -169,7 +186,10 @@ int shoal_is_initialized(void) { return Current() ? 1 : 0; }
 void shoal_finalize_mpi(void) {
   if (g_forked) return;
   shoal_shutdown();
-  shoal::FinalizeMpiIfOwned();
+  // Fault-tolerant mode: no MPI_Finalize. It waits for every live rank, and one may still
+  // be recovering from a loss this rank never saw: it would wait for this one to join its
+  // shrink, and both would wait forever. A process that ends is a loss the others survive.
+  if (!g_fault_tolerant) shoal::FinalizeMpiIfOwned();
 }
 
 void shoal_abort(int exit_code) {

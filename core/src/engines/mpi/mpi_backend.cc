@@ -112,6 +112,7 @@ class Requests {
   }
 
   size_t size() const { return ops_.size(); }
+  Status Failure(int rc, const std::string& what) { return watch_->Error(rc, what); }
 
  private:
   LossWatch* watch_;
@@ -142,7 +143,7 @@ class MpiGroup : public GroupCollectives {
   Status MakeChannels() {
     for (MPI_Comm& c : channels_) {
       int rc = MPI_Comm_dup(comm_, &c);
-      if (rc != MPI_SUCCESS) return Status::Error(SHOAL_ABORTED, MpiError(rc, "MPI_Comm_dup"));
+      if (rc != MPI_SUCCESS) return requests_->Failure(rc, "MPI_Comm_dup");
       MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
     }
     return Status::Ok();
@@ -270,20 +271,30 @@ class MpiBackend : public Backend {
       *st = Status::Error(SHOAL_INVALID_ARGUMENT, why);
       return;
     }
+    if (cfg.fault_tolerant)  // an error about a dead peer is reported, not fatal, whatever it came on
+      for (MPI_Comm c : {MPI_COMM_WORLD, MPI_COMM_SELF}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    // Collective over the job's ranks: with a dead one, fails (fault-tolerant mode: with
+    // SHOAL_RANK_LOST, and the caller shrinks again).
+    auto ok = [&](int rc, const char* what) {
+      if (rc != MPI_SUCCESS && st->ok()) *st = watch_.Error(rc, what);
+      return st->ok();
+    };
     MPI_Comm job = MpiJobComm();
-    MPI_Comm_dup(job, &ctrl_);
-    MPI_Comm_dup(job, &coll);
-    MPI_Comm_dup(job, &sets_parent_);
+    if (!ok(MPI_Comm_dup(job, &ctrl_), "MPI_Comm_dup")) return;
     watch_.Watch(ctrl_);
+    if (!ok(MPI_Comm_dup(job, &coll), "MPI_Comm_dup") || !ok(MPI_Comm_dup(job, &sets_parent_), "MPI_Comm_dup")) return;
     for (MPI_Comm c : {ctrl_, sets_parent_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
     MPI_Comm_rank(ctrl_, &info_.rank);
     MPI_Comm_size(ctrl_, &info_.size);
-    if (cfg.ranks_per_machine > 0)
-      MPI_Comm_split(ctrl_, info_.rank / cfg.ranks_per_machine, info_.rank, &local);
-    else
-      MPI_Comm_split_type(ctrl_, MPI_COMM_TYPE_SHARED, info_.rank, MPI_INFO_NULL, &local);
+    const int rc = cfg.ranks_per_machine > 0
+                       ? MPI_Comm_split(ctrl_, info_.rank / cfg.ranks_per_machine, info_.rank, &local)
+                       : MPI_Comm_split_type(ctrl_, MPI_COMM_TYPE_SHARED, info_.rank, MPI_INFO_NULL, &local);
+    if (!ok(rc, "MPI_Comm_split")) return;
     world_ = std::make_unique<MpiGroup>(&requests_, &watch_, coll, local, kChannels);
-    world_->MakeChannels();
+    if (Status made = world_->MakeChannels(); !made.ok()) {
+      *st = watch_.lost() ? Status::Error(SHOAL_RANK_LOST, made.message) : made;
+      return;
+    }
     MPI_Comm_rank(local, &info_.local_rank);
     MPI_Comm_size(local, &info_.local_size);
     {
@@ -300,7 +311,7 @@ class MpiBackend : public Backend {
     // Homogeneous: equal local sizes and contiguous placement (rank = m*L + l).
     int mine[2] = {info_.local_size, info_.rank % info_.local_size == info_.local_rank};
     std::vector<int> all(2 * info_.size);
-    MPI_Allgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, ctrl_);
+    if (!ok(MPI_Allgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, ctrl_), "MPI_Allgather")) return;
     info_.homogeneous = true;
     for (int r = 0; r < info_.size; ++r)
       info_.homogeneous &= all[2 * r] == info_.local_size && all[2 * r + 1];
