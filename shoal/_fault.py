@@ -84,14 +84,14 @@ def losses():
     return list(STATE.fault_losses)
 
 
-def on_rank_lost(message):
+def on_rank_lost(message, set_topology):
     """The exception to raise for an op that failed with SHOAL_RANK_LOST; recovers first
-    if the current runtime is the one that lost a rank (collective over the survivors)."""
-    from . import basics  # imports this module
+    if the current runtime is the one that lost a rank (collective over the survivors).
+    `set_topology`: shoal.basics.set_topology (which imports this module)."""
     with STATE.lock:
         lost = _core.recover()
         if lost:
-            _recovered(lost, basics)
+            _recovered(lost, set_topology)
         when, launch_ranks = STATE.fault_losses[-1] if STATE.fault_losses else (time.time(), [])
     error = RankLostError(f"{message}; lost rank(s) {launch_ranks} (as numbered at launch); the job goes on "
                           f"with {_core.size()} ranks")
@@ -114,7 +114,7 @@ def _record_drop(loss, writer):
             pass  # the report then counts the rank as failed: the job's status says so
 
 
-def _recovered(lost, basics):
+def _recovered(lost, set_topology):
     """After the core's shrink: the Python side's state for the new runtime, then the
     participants' alignment. Runs on every survivor in the same order."""
     launch = STATE.launch_ranks or list(range(_core.size() + len(lost)))
@@ -125,7 +125,7 @@ def _recovered(lost, basics):
     STATE.restart()
     if graph is not None:
         new, weighted = survivors_graph(graph, lost)
-        basics.set_topology(new, plan["weighted"] if weighted is None else weighted)
+        set_topology(new, plan["weighted"] if weighted is None else weighted)
     live = [(k, ref()) for k, ref in STATE.fault_participants]
     live = [(k, p) for k, p in live if p is not None]
     STATE.fault_participants = [(k, weakref.ref(p)) for k, p in live]

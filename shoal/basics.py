@@ -24,7 +24,6 @@ ShoalError = _core.ShoalError
 NeighborPatternError = _core.NeighborPatternError  # ShoalError and ValueError
 RankLostError = _fault.RankLostError  # ShoalError: fault-tolerant mode, a rank died
 losses = _fault.losses
-_core.set_rank_lost_hook(_fault.on_rank_lost)
 
 
 class TopologySizeError(ValueError, TypeError):
@@ -340,3 +339,6 @@ __all__ = ["ShoalError", "NeighborPatternError", "RankLostError", "losses",
            "out_neighbor_machine_ranks", "stats", "reset_stats", "timeline_start_activity",
            "timeline_end_activity", "timeline_context",
            "mpi_library_version"]
+
+
+_core.set_rank_lost_hook(lambda message: _fault.on_rank_lost(message, set_topology))

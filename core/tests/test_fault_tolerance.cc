@@ -50,6 +50,11 @@ bool Submit(Op& a, Runtime& rt, int r) {
   }
 }
 
+// Until the victim's thread has killed it (the survivors' threads may get there first).
+void WaitForLoss(Runtime& rt) {
+  for (int i = 0; i < 10000 && !rt.Lost(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
 // Later calls on the lost runtime are refused with SHOAL_RANK_LOST.
 void CheckRefused(Runtime& rt, int r) {
   Op later;
@@ -71,9 +76,12 @@ void TestLoss(int n, int victim, Point point) {
   const auto t0 = std::chrono::steady_clock::now();
   job.Run([&](int r, Runtime& rt) {
     if (point == kBeforeSubmission) {
-      if (r == victim) job.world->Kill(victim);
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      if (r != victim) CheckRefused(rt, r);
+      if (r == victim) {
+        job.world->Kill(victim);
+        return;
+      }
+      WaitForLoss(rt);
+      CheckRefused(rt, r);
       return;
     }
     if (point == kDuringNegotiation) {  // the coordinator waits for the victim's request
@@ -108,8 +116,7 @@ void TestLoss(int n, int victim, Point point) {
         for (int src : a.recv) sum += Data(src, 1, 1 << 18)[5];
         CheckEnded(st, st.ok() && a.out[5] == sum / static_cast<double>(a.recv.size() + 1), r, "neighbor_allreduce");
       }
-      for (int i = 0; i < 5000 && !rt.Lost(); ++i)  // an exchange without the victim may end before it dies
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      WaitForLoss(rt);  // an exchange without the victim may end before it dies
       CheckRefused(rt, r);
       return;
     }
