@@ -55,6 +55,7 @@ class ProcessState:
             self.traced = weakref.WeakKeyDictionary()  # traced TF graph -> ops named in it
             self.fault_participants, self.fault_losses, self.launch_ranks = [], [], None
             self.fault_serial = 0
+            self.elastic_depth = 0  # inside hvd.elastic.run: a lost rank restores the commit
 
     def restart(self):
         """After a loss (shoal._fault): the new runtime starts with no names, topology,

@@ -113,6 +113,17 @@ def test_a_window_alive_at_the_loss(tmp_path):
 
 
 @openmpi_only
+def test_horovod_elastic_scripts_restore_the_commit_and_go_on(tmp_path):
+    """hvd.elastic.run: every survivor restores the last commit, runs the reset callbacks,
+    syncs and calls the function again on 3 ranks; the replicas end identical."""
+    rc, results, out, _ = run_lost(tmp_path, 4, "elastic", "2@33:kill")
+    check_survivors(rc, results, out, 4, [2])
+    for r in results.values():
+        assert r["calls"] == [4, 3] and r["resets"] == [3] and r["epoch"] == 4, r
+        assert r["identical"] and r["error"] < 0.01, r
+
+
+@openmpi_only
 def test_a_stopped_rank_is_not_taken_for_dead(tmp_path):
     """Only a process that ended is lost (mpirun's daemons see it; MPI's own heartbeat
     detector, which would suspect a starved rank, is off): 8 s stopped changes nothing."""

@@ -137,6 +137,9 @@ class _Distributed(torch.optim.Optimizer):
                 return self._quiet_step(closure)
             return self._step(closure)
         except _fault.RankLostError:
+            if STATE.elastic_depth:  # hvd.elastic.run restores the last commit on every survivor
+                self._drop_communication()
+                raise
             return None if self._stepped else self._quiet_step(closure)
         except BaseException:
             # GradScaler removes its grad_scale/found_inf only after a step that returns.
@@ -162,6 +165,8 @@ class _Distributed(torch.optim.Optimizer):
             launch()
         except _fault.RankLostError:
             self._drop_communication()
+            if STATE.elastic_depth:
+                raise
 
     def fault_position(self):
         """The first step call that can communicate again if the job shrank now."""
@@ -174,11 +179,18 @@ class _Distributed(torch.optim.Optimizer):
     def fault_resync(self):
         """After the alignment: what every survivor must agree on again (nothing here)."""
 
+    def fault_restart(self):
+        """hvd.elastic.run restored the last commit on every survivor: no step to skip."""
+        self._drop_communication()
+        self._quiet_until = self._calls
+
     def _lost_exchange(self):
         """A loss surfaced while waiting for this step's exchange (synchronize()): the
         exchange is dropped and the step taken without it (the alignment, run by the
-        recovery, already covers this step)."""
+        recovery, already covers this step); in hvd.elastic.run it propagates."""
         self._drop_communication()
+        if STATE.elastic_depth:
+            raise  # the RankLostError being handled (called from an except clause)
         self._quiet_until = max(self._quiet_until, self._calls + 1)
 
     def _drop_communication(self):

@@ -13,6 +13,7 @@ KILLS: "RANK@ITER[:how],..." (launch ranks; how: exit (os._exit(3), the default)
   ringend    a ring; a rank dies before the last op, so rank 0 (no neighbor of it) finishes
              and shuts down without seeing the loss while its neighbors recover
   window     a window exists when a rank dies; the survivors go on with collectives and exit
+  elastic    a Horovod elastic script (hvd.elastic.run, TorchState, commit every 5 batches)
   awc | atc | gradient | delayed   a torch optimizer trains least squares through the losses
              (+metric: with a user allreduce after every step)
 Every survivor prints one "RESULT {json}" line; the victim records when it died in DIR.
@@ -174,6 +175,45 @@ def run_window(directory, plan, iters=10):
     return {"losses": losses}
 
 
+def run_elastic(directory, plan, epochs=4, batches=20):
+    import torch
+    import shoal.torch as hvd
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, epoch=0, batch=0)
+    w = torch.arange(8.0)[:, None] / 8
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+    calls = []
+
+    @hvd.elastic.run
+    def train(state):
+        calls.append(hvd.size())
+        g = torch.Generator().manual_seed(1000 * state.epoch + state.batch + 7 * LAUNCH)
+        while state.epoch < epochs:
+            while state.batch < batches:
+                step = state.epoch * batches + state.batch
+                if LAUNCH in plan and plan[LAUNCH][0] == step:
+                    die(directory, plan[LAUNCH][1])
+                x = torch.randn(16, 8, generator=g)
+                opt.zero_grad()
+                ((model(x) - x @ w) ** 2).mean().backward()
+                opt.step()
+                state.batch += 1
+                if state.batch % 5 == 0:
+                    state.commit()
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.commit()
+
+    train(state)
+    weight = model.weight.detach().clone()
+    gathered = hvd.allgather(weight, name="replicas")
+    return {"error": float((weight - w.T).norm()), "identical": all(torch.equal(gathered[0], r) for r in gathered),
+            "calls": calls, "resets": resets, "epoch": state.epoch}
+
+
 def run_optimizer(kind, directory, plan, steps=80):
     """`kind` + "+metric": a user allreduce after every step too (a loss may surface there)."""
     import torch
@@ -245,6 +285,8 @@ if __name__ == "__main__":
         result = run_ringend(directory, plan)
     elif scenario == "window":
         result = run_window(directory, plan)
+    elif scenario == "elastic":
+        result = run_elastic(directory, plan)
     else:
         result = run_optimizer(scenario, directory, plan)
     result.update(launch=LAUNCH, rank=shoal.rank(), size=shoal.size())
