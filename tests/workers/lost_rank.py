@@ -12,7 +12,8 @@ KILLS: "RANK@ITER[:how],..." (launch ranks; how: exit (os._exit(3), the default)
              and nobody may take it for dead
   ringend    a ring; a rank dies before the last op, so rank 0 (no neighbor of it) finishes
              and shuts down without seeing the loss while its neighbors recover
-  window     a window exists when a rank dies; the survivors go on with collectives and exit
+  window     window puts to the neighbors each round when a rank dies; the survivors go on
+             with collectives and exit
   elastic    a Horovod elastic script (hvd.elastic.run, TorchState, commit every 5 batches)
   awc | atc | gradient | delayed   a torch optimizer trains least squares through the losses
              (+metric: with a user allreduce after every step)
@@ -162,11 +163,17 @@ def run_ringend(directory, plan, iters=10):
 
 
 def run_window(directory, plan, iters=10):
-    shoal.win_create(np.full(4, float(LAUNCH)), name="w")
+    """Puts into the neighbors' windows each round until the loss (a put into the dead rank
+    completes without effect: ULFM's one-sided ops are not fault tolerant; it must not hang),
+    then collectives only (the window belonged to the lost runtime)."""
+    x = np.full(4, float(LAUNCH))
+    shoal.win_create(x, name="w")
     losses = []
     for it in range(iters):
         if LAUNCH in plan and plan[LAUNCH][0] == it:
             die(directory, plan[LAUNCH][1])
+        if not losses:
+            shoal.win_put(x, name="w")
         try:
             total = shoal.allreduce(np.ones(2), op=shoal.Sum, name="a")
             assert total[0] == shoal.size(), total
