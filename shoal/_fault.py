@@ -17,8 +17,11 @@ job's control communicator, so each survivor's next op fails too):
    survivor communicates again: one allreduce (max) of each one's `fault_position()`,
    then `fault_align(step)` (and `fault_resync()`, e.g. a broadcast of the model).
 
-Process sets other than the global one, machine topologies and windows of the lost
-runtime are not recreated: add them again after a loss.
+4. process sets are added again over their surviving members (renumbered; a set with none
+   left gets process_set_id None).
+
+Machine topologies and windows of the lost runtime are not recreated: set and create them
+again after a loss.
 """
 import os
 import time
@@ -31,6 +34,7 @@ import numpy as np
 from . import topology as _topo
 from ._loader import _core
 from ._process import STATE
+from .process_sets import shrink_process_sets
 
 RankLostError = _core.RankLostError
 RankLostError.__doc__ = (
@@ -126,6 +130,7 @@ def _recovered(lost, set_topology):
     if graph is not None:
         new, weighted = survivors_graph(graph, lost)
         set_topology(new, plan["weighted"] if weighted is None else weighted)
+    shrink_process_sets([r for r in range(len(launch)) if r not in set(lost)])
     live = [(k, ref()) for k, ref in STATE.fault_participants]
     live = [(k, p) for k, p in live if p is not None]
     STATE.fault_participants = [(k, weakref.ref(p)) for k, p in live]

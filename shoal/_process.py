@@ -29,7 +29,7 @@ class ProcessState:
     Fault-tolerant mode (shoal._fault): fault_participants ((serial, weak reference) of
     each object realigned after a loss), fault_serial (how many registered), fault_losses ((time, lost
     launch ranks) per loss), launch_ranks (each current rank's rank at launch; None
-    before a loss).
+    before a loss); process_sets (id -> ProcessSet added, re-added over the survivors).
     `atexit_registered` survives reset (an at-exit hook is registered once per process),
     and so does `ended_below`: op handles below it belong to a runtime that `shutdown()`
     ended (the core numbers handles once per process, so no later op reuses one).
@@ -56,6 +56,7 @@ class ProcessState:
             self.fault_participants, self.fault_losses, self.launch_ranks = [], [], None
             self.fault_serial = 0
             self.elastic_depth = 0  # inside hvd.elastic.run: a lost rank restores the commit
+            self.process_sets = {}  # id -> the ProcessSet added (shrunk after a loss)
 
     def restart(self):
         """After a loss (shoal._fault): the new runtime starts with no names, topology,

@@ -122,6 +122,7 @@ def add_process_set(process_set):
     _process.require_init()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     ps.process_set_id = _core.add_process_set(ps.ranks or [], ps._refusal or "")
+    _process.STATE.process_sets[ps.process_set_id] = ps
     return ps
 
 
@@ -141,8 +142,23 @@ def remove_process_set(process_set):
     if process_set.process_set_id in (None, 0):
         return False
     _core.remove_process_set(process_set.process_set_id)
+    _process.STATE.process_sets.pop(process_set.process_set_id, None)
     process_set.process_set_id = None
     return True
+
+
+def shrink_process_sets(survivors):
+    """Fault-tolerant mode, after a loss (shoal._fault; every survivor, in the same order):
+    add each set again over its surviving members, renumbered (`survivors`: the old rank of
+    each new one); a set with none left gets process_set_id None. The ProcessSet objects
+    keep their identity; their ids and ranks change."""
+    new_rank = {old: new for new, old in enumerate(survivors)}
+    sets, _process.STATE.process_sets = _process.STATE.process_sets, {}
+    for _, ps in sorted(sets.items()):
+        ps.ranks = [new_rank[r] for r in ps.ranks if r in new_rank]
+        ps.process_set_id = None
+        if ps.ranks:
+            add_process_set(ps)
 
 
 def id_of(process_set, what):

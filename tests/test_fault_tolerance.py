@@ -124,6 +124,16 @@ def test_horovod_elastic_scripts_restore_the_commit_and_go_on(tmp_path):
 
 
 @openmpi_only
+def test_process_sets_shrink_to_their_survivors(tmp_path):
+    """Sets [0, 1], [1, 2, 3], [2]; launch rank 2 dies: [0, 1], [1, 2] (renumbered), none."""
+    rc, results, out, _ = run_lost(tmp_path, 4, "psets", "2@5:kill")
+    check_survivors(rc, results, out, 4, [2])
+    for r in results.values():
+        assert [ranks for _, ranks in r["sets"]] == [[0, 1], [1, 2], []], r
+        assert r["sets"][2][0] is None and r["sets"][0][0] != r["sets"][1][0], r
+
+
+@openmpi_only
 def test_a_stopped_rank_is_not_taken_for_dead(tmp_path):
     """Only a process that ended is lost (mpirun's daemons see it; MPI's own heartbeat
     detector, which would suspect a starved rank, is off): 8 s stopped changes nothing."""

@@ -15,6 +15,7 @@ KILLS: "RANK@ITER[:how],..." (launch ranks; how: exit (os._exit(3), the default)
   window     window puts to the neighbors each round when a rank dies; the survivors go on
              with collectives and exit
   elastic    a Horovod elastic script (hvd.elastic.run, TorchState, commit every 5 batches)
+  psets      process sets [0, 1], [1, 2, 3] and [2] (launch ranks); launch rank 2 dies
   awc | atc | gradient | delayed   a torch optimizer trains least squares through the losses
              (+metric: with a user allreduce after every step)
 Every survivor prints one "RESULT {json}" line; the victim records when it died in DIR.
@@ -221,6 +222,25 @@ def run_elastic(directory, plan, epochs=4, batches=20):
             "calls": calls, "resets": resets, "epoch": state.epoch}
 
 
+def run_psets(directory, plan, iters=12):
+    sets = [shoal.add_process_set(r) for r in ([0, 1], [1, 2, 3], [2])]
+    losses, it = [], 0
+    while it < iters:
+        if LAUNCH in plan and plan[LAUNCH][0] == it:
+            die(directory, plan[LAUNCH][1])
+        try:
+            for ps in sets:
+                if ps.process_set_id is not None and shoal.rank() in ps.ranks:
+                    got = shoal.allreduce(np.full(2, float(shoal.rank())), op=shoal.Sum, name=f"s{sets.index(ps)}",
+                                          process_set=ps)
+                    assert got[0] == sum(ps.ranks), (got, ps)
+            it += 1
+        except shoal.RankLostError as e:
+            losses.append(e.lost_ranks)
+            it = int(shoal.allreduce(np.array([it], dtype=np.int64), op=shoal.Max, name="align")[0])
+    return {"losses": losses, "sets": [[ps.process_set_id, ps.ranks] for ps in sets]}
+
+
 def run_optimizer(kind, directory, plan, steps=80):
     """`kind` + "+metric": a user allreduce after every step too (a loss may surface there)."""
     import torch
@@ -294,6 +314,8 @@ if __name__ == "__main__":
         result = run_window(directory, plan)
     elif scenario == "elastic":
         result = run_elastic(directory, plan)
+    elif scenario == "psets":
+        result = run_psets(directory, plan)
     else:
         result = run_optimizer(scenario, directory, plan)
     result.update(launch=LAUNCH, rank=shoal.rank(), size=shoal.size())
