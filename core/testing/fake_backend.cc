@@ -159,7 +159,11 @@ void FakeBackend::Collective(const FakeGroup& group, FakeWorld::Coll mine, Callb
     c.bufs.assign(members, nullptr);
     c.sends.assign(members, nullptr);
     c.counts.assign(members, 0);
+    c.in.assign(members, 0);
+    for (int i = 0; i < members; ++i)
+      c.ranks.push_back(group.set_ != 0 ? group.ranks_[i] : machine ? info_.machine_ranks[i] : i);
   }
+  c.in[me] = 1;
   c.bufs[me] = mine.bufs.empty() ? nullptr : mine.bufs[0];
   c.sends[me] = mine.sends.empty() ? nullptr : mine.sends[0];
   c.counts[me] = mine.count;
@@ -313,7 +317,19 @@ bool FakeBackend::Progress() {
     for (auto c = pending_colls_.begin(); c != pending_colls_.end();) {
       auto it = w_->colls_.find(c->first);
       if (!it->second.complete) {
-        ++c;
+        // A member that died before it arrived: the collective cannot complete (MPI ends the
+        // job, or fails it under ULFM).
+        const FakeWorld::Coll& k = it->second;
+        int dead = -1;
+        for (size_t i = 0; i < k.ranks.size() && dead < 0; ++i)
+          if (!k.in[i] && w_->dead_[k.ranks[i]]) dead = k.ranks[i];
+        if (dead < 0) {
+          ++c;
+          continue;
+        }
+        run.push_back({std::move(c->second),
+                       Status::Error(SHOAL_ABORTED, "fake backend: rank " + std::to_string(dead) + " is dead")});
+        c = pending_colls_.erase(c);
         continue;
       }
       const Status st = it->second.error.empty() ? Status::Ok()

@@ -55,6 +55,8 @@ class FakeWorld {
     std::vector<int64_t> recv_split;                    // alltoall: what one rank expects
     std::vector<std::vector<int64_t>> sent, received;   // alltoall: the above, by rank
     std::string error;  // the ranks' calls do not match: the collective fails everywhere
+    std::vector<int> ranks;  // the members' world ranks
+    std::vector<char> in;    // by member: arrived (one dead before it did fails the others)
     int64_t count = 0;
     int dtype = 0, root = 0, reduce_op = 0;
   };

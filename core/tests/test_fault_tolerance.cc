@@ -71,6 +71,9 @@ void CheckRefused(Runtime& rt, int r) {
 
 void TestLoss(int n, int victim, Point point) {
   g_case = std::string("rank ") + std::to_string(victim) + " lost " + kPointNames[point] + " n=" + std::to_string(n);
+  // Each rank's ops outlive every runtime: a killed rank's runtime may still run the ops its
+  // thread submitted (a real dead process frees its runtime with them).
+  std::vector<std::vector<Op>> held(n, std::vector<Op>(5));
   Job job(n, FaultConfig(), 40 + n + victim, point == kMidExchange ? 300 : 100);
   job.world->SetFaultTolerant();
   const auto t0 = std::chrono::steady_clock::now();
@@ -90,7 +93,7 @@ void TestLoss(int n, int victim, Point point) {
         job.world->Kill(victim);
         return;
       }
-      Op a;
+      Op& a = held[r][0];
       a.op = SHOAL_OP_ALLREDUCE;
       a.name = "negotiated";
       a.x = Data(r, 0, 16);
@@ -99,7 +102,7 @@ void TestLoss(int n, int victim, Point point) {
       return;
     }
     if (point == kMidExchange) {  // a large neighbor exchange, the victim dies after sending part
-      Op a;
+      Op& a = held[r][0];
       a.name = "exchange";
       a.x = Data(r, 1, 1 << 18);
       a.recv = a.send = {(r + n - 1) % n, (r + 1) % n};
@@ -121,7 +124,7 @@ void TestLoss(int n, int victim, Point point) {
       return;
     }
     // In a fused batch: every rank submits five allreduces; the victim dies after three.
-    std::vector<Op> ops(5);
+    std::vector<Op>& ops = held[r];
     for (int k = 0; k < 5; ++k) {
       ops[k].op = SHOAL_OP_ALLREDUCE;
       ops[k].name = "fused." + std::to_string(k);
