@@ -18,10 +18,13 @@ job's control communicator, so each survivor's next op fails too):
    then `fault_align(step)` (and `fault_resync()`, e.g. a broadcast of the model).
 
 4. process sets are added again over their surviving members (renumbered; a set with none
-   left gets process_set_id None).
+   left gets process_set_id None);
+5. windows are created again, in their creation order, over the new topology: the same
+   tensors (their current values), names and zero_init; receive buffers hold what a fresh
+   win_create puts there and associated p starts again at 1 (what was in flight to or
+   from the lost rank is gone; push-sum's mass is renormalized over the survivors).
 
-Machine topologies and windows of the lost runtime are not recreated: set and create them
-again after a loss.
+Machine topologies of the lost runtime are not recreated: set them again after a loss.
 """
 import os
 import time
@@ -125,12 +128,14 @@ def _recovered(lost, set_topology):
     STATE.fault_losses.append((time.time(), [launch[r] for r in lost]))
     _record_drop(STATE.fault_losses[-1], _core.rank() == 0)
     STATE.launch_ranks = [r for i, r in enumerate(launch) if i not in set(lost)]
-    graph, plan = STATE.topology, STATE.plan
+    graph, plan, windows = STATE.topology, STATE.plan, list(STATE.window_makers.values())
     STATE.restart()
     if graph is not None:
         new, weighted = survivors_graph(graph, lost)
         set_topology(new, plan["weighted"] if weighted is None else weighted)
     shrink_process_sets([r for r in range(len(launch)) if r not in set(lost)])
+    for make in windows:  # in creation order: the same on every survivor
+        make()
     live = [(k, ref()) for k, ref in STATE.fault_participants]
     live = [(k, p) for k, p in live if p is not None]
     STATE.fault_participants = [(k, weakref.ref(p)) for k, p in live]

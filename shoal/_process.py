@@ -22,7 +22,8 @@ class ProcessState:
     "self_weight", "recv_weights"}), read here without a call into the core;
     machine_*: the same for the graph over machines. pending: op handle -> (objects kept alive, finish() -> result).
     windows: window name -> registered tensor; mirrors: name -> host copy of a device
-    tensor; win_pending: window handle -> (kept objects, finish or None); with_p: window
+    tensor; window_makers: name -> win_create again (a fault-tolerant recovery recreates
+    each window); win_pending: window handle -> (kept objects, finish or None); with_p: window
     ops carry push-sum weights. suspended/skip_negotiate: BlueFog switches (recorded).
     counters: generated-name counters by prefix (bounded, see `unnamed`); traced: the
     same per traced TensorFlow graph (dropped with the graph).
@@ -49,6 +50,7 @@ class ProcessState:
             self.machine_topology, self.machine_plan = None, None
             self.pending = {}
             self.windows, self.mirrors, self.win_pending = {}, {}, {}
+            self.window_makers = {}
             self.with_p = False
             self.suspended = self.skip_negotiate = False
             self.counters = {}
@@ -60,7 +62,8 @@ class ProcessState:
 
     def restart(self):
         """After a loss (shoal._fault): the new runtime starts with no names, topology,
-        machine topology or windows; handles of the lost runtime stay pending (they raise)."""
+        machine topology or windows; handles of the lost runtime stay pending (they raise;
+        its window ops keep their tensors: one may still be stuck in MPI on the lost rank)."""
         with self.lock:
             self.topology, self.plan = None, None
             self.machine_topology, self.machine_plan = None, None

@@ -17,6 +17,9 @@ Associated p follows BlueFog's arithmetic exactly: p starts at 1 and every p slo
 multiply p by `self_weight`; `win_get` leaves p slots alone; `win_update` combines p and
 the slots with the data's weights, and its `reset` zeroes the slots only while p is on.
 
+Fault-tolerant mode: after a lost rank the recovery creates every window again over the
+new topology (shoal/_fault.py); the lost runtime's window ops raise RankLostError.
+
 Differences from BlueFog: `win_get` reads the owner's value as of its last window op on
 that name (create, put, accumulate, update), not its live memory; errors raise instead of
 returning False.
@@ -102,6 +105,8 @@ def _wait(handle):
         _core.win_wait(handle)
     except KeyboardInterrupt:
         raise  # the op still runs: its tensors stay alive and the handle stays valid
+    except _core.RankLostError:
+        raise  # the lost runtime's window thread may still run it: its tensors stay alive
     except BaseException:
         _forget(handle)
         raise
@@ -154,6 +159,7 @@ def build_win_api(adapter):
         _wait(h)
         with STATE.lock:
             STATE.windows[name] = tensor
+            STATE.window_makers[name] = lambda: win_create(tensor, name, zero_init)
             if host is not tensor:
                 STATE.mirrors[name] = host
         return True
@@ -176,9 +182,11 @@ def build_win_api(adapter):
             if name is None:
                 STATE.windows.clear()
                 STATE.mirrors.clear()
+                STATE.window_makers.clear()
             else:
                 STATE.windows.pop(name, None)
                 STATE.mirrors.pop(name, None)
+                STATE.window_makers.pop(name, None)
         return True
 
     def _put(op, what, tensor, name, self_weight, dst_weights, require_mutex):

@@ -58,11 +58,34 @@ def test_a_lost_rank_is_dropped_and_ops_stay_exact(tmp_path, how):
 @pytest.mark.parametrize("scenario,kills,lost", [
     ("ops", "0@10:kill", [0]),        # the coordinator (rank 0) lost
     ("inflight", "2@10:kill", [2]),   # while the survivors wait on ops that need it
-    ("window", "2@5:exit", [2]),      # window puts into it each round (no hang)
-], ids=["coordinator", "ops-in-flight", "window-puts"])
+], ids=["coordinator", "ops-in-flight"])
 def test_the_survivors_go_on(tmp_path, scenario, kills, lost):
     rc, results, out, _ = run_lost(tmp_path, 4, scenario, kills)
     check_survivors(rc, results, out, 4, lost)
+
+
+@openmpi_only
+def test_windows_are_recreated_over_the_survivors(tmp_path):
+    """Puts into the dying rank's window do not hang; every round, the one the loss
+    interrupted run again, combines exactly the in-neighbours' values in the window the
+    recovery recreated over the new topology."""
+    rc, results, out, _ = run_lost(tmp_path, 4, "window", "2@5:exit")
+    check_survivors(rc, results, out, 4, [2])
+    for r in results.values():
+        assert r["losses"] == [[2]] and r["exact_rounds"] == 12 and r["windows"] == ["w"], r
+
+
+@openmpi_only
+@pytest.mark.parametrize("optimizer", ["pushsum", "winput"])
+def test_window_optimizers_train_on_through_a_loss(tmp_path, optimizer):
+    """Asynchronous: a survivor may be many steps ahead of the victim and see the loss only
+    in close(); each goes on from its own step in windows recreated over the survivors."""
+    rc, results, out, _ = run_lost(tmp_path, 4, optimizer, "2@20:kill")
+    check_survivors(rc, results, out, 4, [2])
+    for r in results.values():
+        assert [lost for _, lost in r["lost"]] == [[2]] and r["windows"] == ["bias", "weight"], r
+        # Trained (1.48 at the start): without a loss these asynchronous runs end at 0.0003-0.24.
+        assert r["error"] < 0.5 and r["communications"] >= 76, r  # of 79: they went on mixing
 
 
 @openmpi_only

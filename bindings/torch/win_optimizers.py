@@ -20,11 +20,13 @@ and free them in `close()` / `unregister_window()` (collective; never from `__de
 which runs at a different moment on each rank). The topology cannot change while they
 exist. Both communicate every `num_steps_per_communication` backward passes (gradient
 accumulation or local steps, as the other optimizers), and skip only the local update
-on a step where GradScaler found an overflow (see optimizers.py).
+on a step where GradScaler found an overflow (see optimizers.py). Fault-tolerant mode
+(docs/design.md §16): after a loss the recovery recreates their windows and each rank goes
+on from its own step with the default weights over the new topology.
 """
 import torch
 
-from shoal import _ops, _win, basics
+from shoal import _fault, _ops, _win, basics
 
 from ._adapter import ADAPTER
 from ._optimizer_base import _Distributed
@@ -78,6 +80,14 @@ class _WindowOptimizer(_Distributed):
         for h in puts.values():
             _win.win_wait(h)
 
+    def fault_align(self, step):
+        """After a loss (shoal._fault): the recovery recreated the windows; the puts in
+        flight were the lost runtime's. No step to agree on: the ranks are asynchronous
+        (one may be many steps ahead), so each goes on from its own step; only the step
+        the loss surfaced in goes without communication."""
+        self._puts = {}
+        self._drop_communication()
+
     def _begin_step(self):
         self._wait_all()  # always: the local step must not change what a put still reads
         if self.force_barrier:  # after the wait: every put of the last step has landed
@@ -120,6 +130,11 @@ class DistributedWinPutOptimizer(_WindowOptimizer):
             self.communications += 1
         super().synchronize()
 
+    def fault_align(self, step):
+        super().fault_align(step)
+        self._sent = False  # the recreated windows' buffers hold this rank's own value
+        self.self_weight = self.dst_weights = None  # ranks were renumbered: the defaults again
+
     def _step(self, closure):
         self._begin_step()
         self._synchronize_for_step()
@@ -161,11 +176,20 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
     def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
         _win.turn_on_win_ops_with_associated_p()
         super().__init__(optimizer, model, num_steps_per_communication, window_prefix, zero_init=True)
+        self._default_weights()
+        # x = z·p stays a normal number for |z| and p above sqrt(smallest normal).
+        self._p_floor = {name: torch.finfo(p.dtype).tiny ** 0.5 for p, name in self._windows.items()}
+
+    def _default_weights(self):
         outs = basics.out_neighbor_ranks()
         self.self_weight = 1.0 / (len(outs) + 1)
         self.dst_weights = {d: self.self_weight for d in outs}
-        # x = z·p stays a normal number for |z| and p above sqrt(smallest normal).
-        self._p_floor = {name: torch.finfo(p.dtype).tiny ** 0.5 for p, name in self._windows.items()}
+
+    def fault_align(self, step):
+        """After a loss: the windows start again with p = 1 and the parameters holding z;
+        the push weights are the defaults over the new out-neighbours."""
+        super().fault_align(step)
+        self._default_weights()
 
     @property
     def p(self):
@@ -199,12 +223,17 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
         with torch.no_grad():
             for p, name in self._windows.items():
                 p.data.mul_(weights[name])  # z -> x
-                # No mutexes needed: a value and its p arrive in one MPI access epoch, which
-                # the owner's collect (an exclusive epoch) never splits.
-                if push:
-                    _WIN["win_accumulate"](p.data, name, self_weight=self.self_weight,
-                                           dst_weights=self.dst_weights)
-                _WIN["win_update_then_collect"](name, require_mutex=False)
-                p.data.div_(_win.win_associated_p(name))  # x -> z
+                try:
+                    # No mutexes needed: a value and its p arrive in one MPI access epoch,
+                    # which the owner's collect (an exclusive epoch) never splits.
+                    if push:
+                        _WIN["win_accumulate"](p.data, name, self_weight=self.self_weight,
+                                               dst_weights=self.dst_weights)
+                    _WIN["win_update_then_collect"](name, require_mutex=False)
+                    weight = _win.win_associated_p(name)
+                except _fault.RankLostError:
+                    p.data.div_(weights[name])  # z again: the recreated window's p is 1
+                    raise
+                p.data.div_(weight)  # x -> z
         self.communications += 1
         return loss

@@ -12,11 +12,12 @@ KILLS: "RANK@ITER[:how],..." (launch ranks; how: exit (os._exit(3), the default)
              and nobody may take it for dead
   ringend    a ring; a rank dies before the last op, so rank 0 (no neighbor of it) finishes
              and shuts down without seeing the loss while its neighbors recover
-  window     window puts to the neighbors each round when a rank dies; the survivors go on
-             with collectives and exit
+  window     window puts to the neighbors and an exact win_update each round when a rank
+             dies; the survivors go on in the recreated window
   elastic    a Horovod elastic script (hvd.elastic.run, TorchState, commit every 5 batches)
   psets      process sets [0, 1], [1, 2, 3] and [2] (launch ranks); launch rank 2 dies
-  awc | atc | gradient | delayed   a torch optimizer trains least squares through the losses
+  awc | atc | gradient | delayed | pushsum | winput   a torch optimizer trains least
+             squares through the losses
              (+metric: with a user allreduce after every step)
 Every survivor prints one "RESULT {json}" line; the victim records when it died in DIR.
 """
@@ -163,24 +164,33 @@ def run_ringend(directory, plan, iters=10):
     return {"losses": losses}
 
 
-def run_window(directory, plan, iters=10):
-    """Puts into the neighbors' windows each round until the loss (a put into the dead rank
-    completes without effect: ULFM's one-sided ops are not fault tolerant; it must not hang),
-    then collectives only (the window belonged to the lost runtime)."""
+def run_window(directory, plan, iters=12):
+    """Each round: put this rank's value (its launch rank) into the out-neighbours' windows,
+    a barrier, then win_update (a copy) must be exactly the uniform average of the value and
+    the in-neighbours' (as launch ranks). A round a loss interrupts runs again: the recovery
+    recreated the window over the new topology (a put into the dead rank must not hang)."""
     x = np.full(4, float(LAUNCH))
     shoal.win_create(x, name="w")
-    losses = []
-    for it in range(iters):
+    alive, losses, exact, it = list(range(shoal.size())), [], 0, 0
+    while it < iters:
         if LAUNCH in plan and plan[LAUNCH][0] == it:
             die(directory, plan[LAUNCH][1])
-        if not losses:
-            shoal.win_put(x, name="w")
         try:
-            total = shoal.allreduce(np.ones(2), op=shoal.Sum, name="a")
-            assert total[0] == shoal.size(), total
+            shoal.win_put(x, name="w")
+            shoal.barrier()
+            got = shoal.win_update("w", clone=True)
+            shoal.barrier()  # nobody puts the next round's value before everyone combined
         except shoal.RankLostError as e:
             losses.append(e.lost_ranks)
-    return {"losses": losses}
+            alive = [r for r in alive if r not in e.lost_ranks]
+            it = int(shoal.allreduce(np.array([it], dtype=np.int64), op=shoal.Max, name="align")[0])
+            continue
+        values = [float(LAUNCH)] + [float(alive[r]) for r in shoal.in_neighbor_ranks()]
+        exact += bool(np.array_equal(got, np.full(4, sum(values) / len(values))))
+        it += 1
+    names = shoal.get_current_created_window_names()
+    shoal.win_free("w")
+    return {"losses": losses, "exact_rounds": exact, "windows": names}
 
 
 def run_elastic(directory, plan, epochs=4, batches=20):
@@ -262,6 +272,10 @@ def run_optimizer(kind, directory, plan, steps=80):
         opt = bf.DistributedGradientAllreduceOptimizer(base, model)
     elif kind == "atc":
         opt = bf.DistributedAdaptThenCombineOptimizer(base, model)
+    elif kind == "pushsum":
+        opt = bf.DistributedPushSumOptimizer(base, model)
+    elif kind == "winput":
+        opt = bf.DistributedWinPutOptimizer(base, model)
     else:
         overlap = "delayed" if kind == "delayed" else "backward"
         opt = bf.DistributedAdaptWithCombineOptimizer(base, model, overlap=overlap)
@@ -288,13 +302,17 @@ def run_optimizer(kind, directory, plan, steps=80):
             first_after[-1] = time.time()  # the first step completed after it
     if hasattr(opt, "overlap"):
         opt.synchronize()
+    windows = shoal.get_current_created_window_names()
+    if hasattr(opt, "close"):
+        retried(opt.close)  # collects what is still in flight (collective)
     weight = model.weight.detach().clone()
     mean = retried(lambda: bf.allreduce(weight, op=bf.Average, name="mean"))
     spread = bf.allreduce(torch.tensor([float((weight - mean).norm())]), op=bf.Max, name="spread").item()
     gathered = bf.allgather(weight, name="replicas")
     identical = all(torch.equal(gathered[0], row) for row in gathered)
     return {"error": float((weight - w.T).norm()), "spread": spread, "identical": identical, "losses": losses,
-            "first_after": first_after, "quiet_until": opt._quiet_until, "lost": shoal.losses()}
+            "first_after": first_after, "quiet_until": opt._quiet_until, "lost": shoal.losses(), "windows": windows,
+            "communications": getattr(opt, "communications", None)}
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ Status StartRuntime() REQUIRES(g_mu) {
         [cfg, stats](const std::atomic<bool>* stop) { return shoal::CreateMpiWindows(cfg, stats, stop); }));
     Runtime* rt = g_runtime.get();
     g_runtime->windows()->SetGone([rt] { return rt->departures().Message(); });
+    if (cfg.fault_tolerant) g_runtime->windows()->SetLost([rt] { return rt->Lost(); });
   } catch (const std::exception& ex) {
     return Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
   }
@@ -415,6 +416,7 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
   auto rt = Usable(&st);
   if (!rt) return Report(st, err, len);
   if (!rt->windows()) return Report(NotInitialized(), err, len);
+  if (rt->Lost()) return Report(Status::Error(SHOAL_RANK_LOST, std::string("window op: ") + Runtime::kLostRank), err, len);
   shoal::WinArgs a;
   a.name = d->name ? d->name : "";
   a.data = d->tensor.data;

@@ -2,6 +2,10 @@
 
 namespace shoal {
 
+Status WindowQueue::Lost() {
+  return Status::Error(SHOAL_RANK_LOST, "window op: a rank of the job was lost (fault-tolerant mode: the survivors go on without it)");
+}
+
 WindowQueue::WindowQueue(
     const std::function<std::unique_ptr<WindowEngine>(const std::atomic<bool>*)>& make)
     : engine_(make(&stop_)), thread_([this] { Loop(); }) {}
@@ -23,6 +27,21 @@ void WindowQueue::Stop() {
   done_cv_.notify_all();
 }
 
+void WindowQueue::Abandon() {
+  {
+    MutexLock lock(mu_);
+    stop_ = true;
+    for (auto& [h, job] : queue_) {
+      job->status = Lost();
+      job->done = true;
+    }
+    queue_.clear();
+  }
+  cv_.notify_all();
+  done_cv_.notify_all();
+  if (thread_.joinable()) thread_.detach();
+}
+
 int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline_ok, bool needs_all) {
   auto job = std::make_shared<Job>();
   job->fn = std::move(fn);
@@ -30,7 +49,9 @@ int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline
   job->needs_all = needs_all;
   MutexLock lock(mu_);
   if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shut down");
-  int64_t h = next_++;
+  // Numbered once per process: a handle of a runtime that a loss ended is never another's.
+  static std::atomic<int64_t> next{1};
+  int64_t h = next++;
   jobs_[h] = job;
   queue_.emplace_back(h, job);
   cv_.notify_one();
@@ -41,15 +62,21 @@ void WindowQueue::RunFront() {
   auto job = queue_.front().second;
   queue_.pop_front();
   running_ = true;
+  const auto lost = lost_;
   // The caller's lock object still owns mu_: it is taken back below, whatever the job throws.
   mu_.Unlock();
   Status st;
-  try {
-    st = job->fn(*engine_);
-  } catch (const std::exception& ex) {
-    st = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
-  } catch (...) {
-    st = Status::Error(SHOAL_INVALID_ARGUMENT, "window op: unknown exception");
+  if (lost && lost()) {
+    st = Lost();
+  } else {
+    try {
+      st = job->fn(*engine_);
+    } catch (const std::exception& ex) {
+      st = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
+    } catch (...) {
+      st = Status::Error(SHOAL_INVALID_ARGUMENT, "window op: unknown exception");
+    }
+    if (!st.ok() && lost && lost()) st = Lost();
   }
   mu_.Lock();
   job->status = st;
@@ -82,7 +109,7 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
   auto job = it->second;
   // A waiter whose job is next runs it itself: a blocking window op then costs no
   // thread hand-off (the window thread only carries ops nobody is waiting for yet).
-  if (job->inline_ok && !job->done && !running_ && !stop_ && !queue_.empty() && queue_.front().second == job)
+  if (job->inline_ok && !lost_ && !job->done && !running_ && !stop_ && !queue_.empty() && queue_.front().second == job)
     RunFront();
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(timeout_ms < 0 ? int64_t{1} << 40 : timeout_ms);
@@ -90,6 +117,7 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
     auto until = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
     while (!job->done && lock.WaitUntil(done_cv_, until) == std::cv_status::no_timeout) {}
     if (job->done) break;
+    if (lost_ && lost_()) return Lost();
     if (job->needs_all && gone_) {
       std::string gone = gone_();
       if (!gone.empty()) return Status::Error(SHOAL_ABORTED, "window op: " + gone);

@@ -78,6 +78,19 @@ class WindowQueue {
     MutexLock lock(mu_);
     gone_ = std::move(gone);
   }
+  // Fault-tolerant mode (docs/design.md §16): once `lost` is true the job lost a rank.
+  // ULFM's one-sided ops are not fault tolerant (a flush to a dead rank may never return),
+  // so jobs then fail with SHOAL_RANK_LOST: those not started without running, waits
+  // without waiting for the job, jobs that failed with their error. Every job runs on the
+  // window thread (none inline on a waiter), which Abandon() can leave stuck in MPI.
+  void SetLost(std::function<bool()> lost) EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    lost_ = std::move(lost);
+  }
+  // Instead of Stop() once the job lost a rank: queued jobs fail with SHOAL_RANK_LOST and
+  // the window thread is left to end by itself. The queue must then never be destroyed
+  // (the thread may still use it): the caller leaks it, with its MPI windows.
+  void Abandon() EXCLUDES(mu_);
   int Poll(int64_t handle) EXCLUDES(mu_);  // 1 done, 0 pending, -SHOAL_UNKNOWN_HANDLE
   Status Wait(int64_t handle, int64_t timeout_ms = -1) EXCLUDES(mu_);
   bool Release(int64_t handle) EXCLUDES(mu_);
@@ -86,6 +99,7 @@ class WindowQueue {
 
  private:
   void Loop() EXCLUDES(mu_);
+  static Status Lost();
   // Runs the job at the head of the queue, without mu_ while it runs.
   void RunFront() REQUIRES(mu_);
   struct Job {
@@ -99,9 +113,9 @@ class WindowQueue {
   std::condition_variable cv_, done_cv_;
   std::deque<std::pair<int64_t, std::shared_ptr<Job>>> queue_ GUARDED_BY(mu_);
   std::map<int64_t, std::shared_ptr<Job>> jobs_ GUARDED_BY(mu_);
-  int64_t next_ GUARDED_BY(mu_) = 1;
   bool running_ GUARDED_BY(mu_) = false;  // a job is running (on the window thread or a waiter)
   std::function<std::string()> gone_ GUARDED_BY(mu_);
+  std::function<bool()> lost_ GUARDED_BY(mu_);
   std::thread thread_;
 };
 
