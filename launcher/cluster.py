@@ -161,7 +161,8 @@ def stale_prefixes():
 
 MACHINE_SCRIPT = """#!/bin/sh
 # Runs a command on machine HOST of this emulated cluster, as ssh would: $0 [-opts] HOST CMD...
-# (Hydra's launcher calls it so; the command is one shell string or words joined by spaces).
+# (Hydra's and PRRTE's launchers call it so; the command is one shell string, which may set
+# variables first, or words joined by spaces).
 while [ "${1#-}" != "$1" ]; do shift; done
 host=$1; shift
 case $host in
@@ -172,7 +173,7 @@ esac
 # A mount namespace of its own, where the cluster's hosts file covers /etc/hosts (the host's
 # file is untouched): the machines' names resolve, as a cluster's DNS would have them.
 exec nsenter --net=%s/$ns unshare --uts --mount --propagation private sh -c \
-  'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec sh -c "exec $*"' "$name" %s "$@"
+  'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec sh -c "$*"' "$name" %s "$@"
 """
 
 

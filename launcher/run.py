@@ -376,9 +376,12 @@ OPENMPI_ONE_HOST = ["--mca", "pml", "ob1", "--mca", "btl", "sm,tcp,self", "--mca
 # alive at a loss made a survivor abort at exit: not tested for post-failure use, Open MPI
 # warns). A rank is lost when its process ends (mpirun's daemons see it), never for being
 # slow: MPI's heartbeat detector, which suspects a rank that misses heartbeats for 10 s (a
-# stopped or starved one), stays off.
+# stopped or starved one), stays off. Ranks end without MPI_Finalize in this mode (core:
+# shoal_finalize_mpi), which PRRTE otherwise takes for an abnormal end and answers by
+# killing the ranks still ending (seen on emulated machines after a loss).
 OPENMPI_FAULT_TOLERANT = ["--with-ft", "ulfm", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
-                          "--mca", "osc", "rdma", "--mca", "mpi_ft_detector", "false"]
+                          "--mca", "osc", "rdma", "--mca", "mpi_ft_detector", "false",
+                          "--prtemca", "prte_allowed_exit_without_sync", "1"]
 
 
 def build_command(args, mpiexec, flavor, env, forwarded):
@@ -394,9 +397,13 @@ def build_command(args, mpiexec, flavor, env, forwarded):
             cmd += OPENMPI_ONE_HOST
     if args.hosts:
         cmd += [hosts_flag, args.hosts]
-    if args.machines:  # Hydra on machine 0 reaches the others through the cluster's script
+    if args.machines and flavor == "mpich":  # Hydra on machine 0 reaches the others through the cluster's script
         cmd += [hosts_flag, args.emulated.hosts(), "-launcher", "ssh", "-launcher-exec", args.emulated.script,
                 "-localhost", args.emulated.address(0)]
+    elif args.machines:  # mpirun on machine 0 starts its daemons (prted, beside it) through the same script
+        cmd += [hosts_flag, args.emulated.hosts(), "--prefix", os.path.dirname(os.path.dirname(mpiexec)),
+                "--prtemca", "plm_ssh_agent", args.emulated.script,
+                "--mca", "btl_tcp_if_include", "eth0", "--prtemca", "oob_tcp_if_include", "eth0"]
     if args.hostfile:
         cmd += [hostfile_flag, args.hostfile]
     if args.network_interface:
@@ -506,9 +513,6 @@ def main(argv=None):
         sys.exit("shoalrun: --fault-tolerant needs Open MPI >= 5 (ULFM); this Shoal is built with MPICH, whose "
                  "fault tolerance does not work here (reinstall with SHOAL_MPI=openmpi; see the README's "
                  "\"Fault tolerance\")")
-    if mpi_check(mpiexec) != "mpich" and args.machines:
-        sys.exit("shoalrun: --machines drives MPICH's Hydra launcher; this Shoal was built with Open MPI "
-                 "(reinstall with the default MPI, `pip install .`, to emulate a cluster)")
     env, forwarded = worker_env(args)
     if args.machines:  # MPI by TCP over the links; -x VAR keeps the user's value
         explicit = {item.partition("=")[0] for item in args.env}

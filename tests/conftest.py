@@ -22,6 +22,20 @@ from pathlib import Path
 
 import pytest
 
+
+def _can_emulate():
+    """Whether this host can run the emulated cluster (launcher/cluster.py): root, its tools,
+    and network, UTS and mount namespaces."""
+    import shutil
+    from shoal.launcher import cluster
+    return os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS) and subprocess.run(
+        ["unshare", "--net", "--uts", "--mount", "true"], capture_output=True).returncode == 0
+
+
+CAN_EMULATE = _can_emulate()
+needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason="needs root and iproute2/util-linux "
+                                                          "(network namespaces) to emulate machines")
+
 WORKERS = Path(__file__).parent / "workers"
 # One BLAS / OpenMP thread per process: two test workers already share the cores with the
 # ranks they start, and OpenBLAS's idle threads spin, which on oversubscribed cores costs

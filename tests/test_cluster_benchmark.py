@@ -2,25 +2,19 @@
 short job of the delayed-mixing configurations on 2 emulated machines."""
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import shoalrun_cmd
-from shoal.launcher import cluster
+from conftest import needs_netns, shoalrun_cmd
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "cluster_training.py"
 _spec = importlib.util.spec_from_file_location("cluster_training", SCRIPT)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
-
-CAN_EMULATE = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS) and subprocess.run(
-    ["unshare", "--net", "--uts", "--mount", "true"], capture_output=True).returncode == 0
 
 
 @pytest.mark.parametrize("size,per_machine", [(4, 2), (8, 2), (8, 4), (16, 4)])
@@ -66,7 +60,7 @@ def test_missing_decent_dp_says_how_to_install(monkeypatch):
 
 
 @pytest.mark.mpich_only("--machines drives MPICH's Hydra launcher")
-@pytest.mark.skipif(not CAN_EMULATE, reason="needs root and iproute2/util-linux (network namespaces)")
+@needs_netns
 def test_delayed_configurations_on_2_machines(tmp_path):
     """4 ranks on 2 machines, the new configurations beside AWC one-peer: every one runs,
     the table's rows and predictions are the configurations' own, and the summary line is

@@ -12,15 +12,16 @@ import time
 
 import pytest
 
-from conftest import _run, installed_mpi
+from conftest import _run, installed_mpi, needs_netns
 
 openmpi_only = pytest.mark.skipif(installed_mpi() != "openmpi", reason=(
     "fault tolerance needs Open MPI's ULFM; CI runs these in its Open MPI stage (SHOAL_MPI=openmpi)"))
 
 
-def run_lost(tmp_path, np_, scenario, kills, timeout=120, env=None):
+def run_lost(tmp_path, np_, scenario, kills, timeout=120, env=None, launch=()):
     """(exit status, the survivors' RESULT dicts by launch rank, output, death times)."""
-    rc, out, _ = _run(np_, "lost_rank.py", [scenario, tmp_path, kills], env, timeout, launch=("--fault-tolerant",))
+    rc, out, _ = _run(np_, "lost_rank.py", [scenario, tmp_path, kills], env, timeout,
+                      launch=("--fault-tolerant", *launch))
     assert rc is not None, f"the job hung for {timeout} s:\n{out[-4000:]}"
     results = {}
     for line in out.splitlines():
@@ -103,6 +104,19 @@ def test_a_whole_machine_lost(tmp_path):
     check_survivors(rc, results, out, 4, [2, 3])
     for r in results.values():
         assert sorted(sum((loss["lost"] for loss in r["losses"]), [])) == [2, 3], r
+
+
+@openmpi_only
+@needs_netns
+def test_every_rank_of_an_emulated_machine_lost_at_once(tmp_path):
+    """8 ranks on 4 emulated machines (their links crossed by TCP): both ranks of machine 2
+    are killed together; one loss of two ranks, the 6 survivors go on exactly. (MPI's daemon
+    on that machine stays: Open MPI 5.0's runtime ends the job when it loses a daemon.)"""
+    rc, results, out, _ = run_lost(tmp_path, 8, "ops", "4@10:machine", launch=("--machines", "4"))
+    check_survivors(rc, results, out, 8, [4, 5])
+    for r in results.values():
+        assert [loss["lost"] for loss in r["losses"]] == [[4, 5]], r
+        assert 0 < r["first_after"][0] - r["losses"][0]["at"] <= 5.0, r
 
 
 @openmpi_only
@@ -203,6 +217,7 @@ def test_fault_tolerant_launch_command():
     words = run.build_command(args, "mpirun", "openmpi", {}, [])
     assert words[words.index("--with-ft") + 1] == "ulfm"
     assert words[words.index("btl") + 1] == "tcp,self"  # a shrink over shared memory hung
+    assert words[words.index("prte_allowed_exit_without_sync") + 1] == "1"  # no MPI_Finalize in this mode
     env, forwarded = run.worker_env(args, {})
     assert env["SHOAL_FAULT_TOLERANT"] == "1" and "SHOAL_FAULT_TOLERANT" in forwarded
 

@@ -118,13 +118,18 @@ def test_a_launcher_of_another_mpi_is_a_clear_error(tmp_path, version):
     assert "cannot start it" in str(exc.value)
 
 
-def test_emulated_machines_under_open_mpi_say_what_they_need():
-    from conftest import installed_mpi
-    if installed_mpi() != "openmpi":
-        pytest.skip("MPICH drives --machines (tests/test_cluster.py)")
-    out = subprocess.run([sys.executable, "-m", "shoal.launcher.run", "-np", "2", "--machines", "2", "--dry-run",
-                          "python", "x.py"], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "--machines drives MPICH's Hydra launcher" in out.stderr, out.stderr
+def test_emulated_machines_under_open_mpi_start_daemons_through_the_machine_script(tmp_path):
+    """Open MPI on the emulated cluster (tests/test_cluster.py runs it): mpirun on machine 0,
+    its daemons started on the others by the cluster's script, MPI and PRRTE on eth0."""
+    from shoal.launcher import cluster, run
+    args = run.parse_args(["-np", "4", "--machines", "2", "python", "x.py"])
+    args.emulated = cluster.Cluster(cluster.placement(4, 2), None, None, workdir=str(tmp_path))
+    words = run.build_command(args, "mpirun", "openmpi", {}, [])
+    assert words[:2] == [args.emulated.script, args.emulated.address(0)], words
+    inner = shlex.split(words[2])
+    assert inner[inner.index("plm_ssh_agent") + 1] == args.emulated.script
+    assert inner[inner.index("-H") + 1] == args.emulated.hosts() == f"{args.emulated.address(0)}:2,{args.emulated.address(1)}:2"
+    assert inner[inner.index("oob_tcp_if_include") + 1] == inner[inner.index("btl_tcp_if_include") + 1] == "eth0"
 
 
 def test_open_mpi_transports_are_chosen_on_one_host_only(tmp_path):

@@ -2,7 +2,8 @@
 survivors recover and go on. Usage: lost_rank.py SCENARIO DIR [KILLS]
 
 KILLS: "RANK@ITER[:how],..." (launch ranks; how: exit (os._exit(3), the default), kill
-(SIGKILL), raise (an uncaught exception)). Scenarios:
+(SIGKILL), raise (an uncaught exception), machine (SIGKILL to every rank of its emulated
+machine, its network namespace; MPI's daemon there stays)). Scenarios:
   ops        a loop of allreduce, neighbor_allreduce, broadcast and allgather (numpy);
              after each loss the survivors realign the loop (allreduce max) and check
              exact results over the survivors
@@ -46,6 +47,17 @@ def kills(spec):
 def die(directory, how):
     with open(os.path.join(directory, f"died.{LAUNCH}"), "w") as f:
         f.write(f"{time.time():.6f}\n")
+    if how == "machine":  # every rank of this emulated machine (its network namespace) at once
+        mine, me = os.readlink("/proc/self/ns/net"), os.path.abspath(sys.argv[0]).encode()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    ours = f.read().split(b"\0")[1:2] == [me]  # python SCRIPT: a rank, not its wrapper
+                if ours and int(pid) != os.getpid() and os.readlink(f"/proc/{pid}/ns/net") == mine:
+                    os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass  # ended meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "raise":
