@@ -28,7 +28,7 @@ import time
 NETNS_DIR = "/run/netns"
 PREFIX = "shoal-"
 SUBNET = "198.18.0.0/15"  # RFC 2544: set aside for benchmarking network devices
-TOOLS = ("ip", "tc", "nsenter", "unshare", "hostname", "mount")
+TOOLS = ("ip", "tc", "nsenter", "unshare", "hostname", "mount", "bash")
 DONE = b"done"  # what shoalrun tells its reaper once it has removed the set-up itself
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
           "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
@@ -162,7 +162,8 @@ def stale_prefixes():
 MACHINE_SCRIPT = """#!/bin/sh
 # Runs a command on machine HOST of this emulated cluster, as ssh would: $0 [-opts] HOST CMD...
 # (Hydra's and PRRTE's launchers call it so; the command is one shell string, which may set
-# variables first, or words joined by spaces).
+# variables first, or words joined by spaces). bash, not sh: it replaces itself with the
+# last command even after assignments, so the launcher's pid is the command's (signals).
 while [ "${1#-}" != "$1" ]; do shift; done
 host=$1; shift
 case $host in
@@ -173,7 +174,7 @@ esac
 # A mount namespace of its own, where the cluster's hosts file covers /etc/hosts (the host's
 # file is untouched): the machines' names resolve, as a cluster's DNS would have them.
 exec nsenter --net=%s/$ns unshare --uts --mount --propagation private sh -c \
-  'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec sh -c "$*"' "$name" %s "$@"
+  'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec bash -c "$*"' "$name" %s "$@"
 """
 
 

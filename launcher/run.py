@@ -22,6 +22,7 @@ import importlib.metadata
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -401,7 +402,8 @@ def build_command(args, mpiexec, flavor, env, forwarded):
         cmd += [hosts_flag, args.emulated.hosts(), "-launcher", "ssh", "-launcher-exec", args.emulated.script,
                 "-localhost", args.emulated.address(0)]
     elif args.machines:  # mpirun on machine 0 starts its daemons (prted, beside it) through the same script
-        cmd += [hosts_flag, args.emulated.hosts(), "--prefix", os.path.dirname(os.path.dirname(mpiexec)),
+        prefix = os.path.dirname(os.path.dirname(os.path.realpath(shutil.which(mpiexec) or mpiexec)))
+        cmd += [hosts_flag, args.emulated.hosts(), "--prefix", prefix,
                 "--prtemca", "plm_ssh_agent", args.emulated.script,
                 "--mca", "btl_tcp_if_include", "eth0", "--prtemca", "oob_tcp_if_include", "eth0"]
     if args.hostfile:
@@ -566,7 +568,7 @@ def run_job(args, mpiexec, env, forwarded, collector):
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.default_int_handler)
         try:
-            return run_launcher(args, cmd, env, status_dir, collector, end=args.emulated.end_processes)
+            return run_launcher(args, cmd, env, status_dir, collector, end=args.emulated.end_processes, flavor=flavor)
         finally:
             try:
                 report(args)
@@ -618,9 +620,15 @@ def report_losses(args, status_dir, rc):
     kept = None
     for when, rank, what in failures(status_dir):
         dropped = os.path.exists(os.path.join(status_dir, f"rank{rank}.dropped"))
+        # A survivor killed while it exited, after it had shut Shoal down (shoal._lifecycle.
+        # record_finish): Open MPI's runtime, after a loss, sometimes ends ranks still exiting.
+        finished = what.startswith("killed by signal") and os.path.exists(
+            os.path.join(status_dir, f"rank{rank}.finished"))
         print(f"shoalrun: rank {rank} {what} at {when - started:.1f} s"
-              + ("; the survivors dropped it and went on" if dropped else ""), file=sys.stderr, flush=True)
-        if not dropped and kept is None:
+              + ("; the survivors dropped it and went on" if dropped else
+                 "; it had finished (shut Shoal down): MPI's runtime ended it as it exited" if finished else ""),
+              file=sys.stderr, flush=True)
+        if not dropped and not finished and kept is None:
             kept = f"rank {rank} {what}"
     return (rc if kept else 0), kept
 

@@ -19,13 +19,16 @@ job's control communicator, so each survivor's next op fails too):
 
 4. process sets are added again over their surviving members (renumbered; a set with none
    left gets process_set_id None);
-5. windows are created again, in their creation order, over the new topology: the same
+5. windows that every survivor has are created again, in their creation order, over the
+   new topology (one allgather agrees on them and on step 3's positions): the same
    tensors (their current values), names and zero_init; receive buffers hold what a fresh
    win_create puts there and associated p starts again at 1 (what was in flight to or
    from the lost rank is gone; push-sum's mass is renormalized over the survivors).
 
 Machine topologies of the lost runtime are not recreated: set them again after a loss.
 """
+import collections
+import hashlib
 import os
 import time
 import warnings
@@ -128,28 +131,47 @@ def _recovered(lost, set_topology):
     STATE.fault_losses.append((time.time(), [launch[r] for r in lost]))
     _record_drop(STATE.fault_losses[-1], _core.rank() == 0)
     STATE.launch_ranks = [r for i, r in enumerate(launch) if i not in set(lost)]
-    graph, plan, windows = STATE.topology, STATE.plan, list(STATE.window_makers.values())
+    graph, plan, windows = STATE.topology, STATE.plan, list(STATE.window_makers.items())
     STATE.restart()
     if graph is not None:
         new, weighted = survivors_graph(graph, lost)
         set_topology(new, plan["weighted"] if weighted is None else weighted)
     shrink_process_sets([r for r in range(len(launch)) if r not in set(lost)])
-    for make in windows:  # in creation order: the same on every survivor
-        make()
     live = [(k, ref()) for k, ref in STATE.fault_participants]
     live = [(k, p) for k, p in live if p is not None]
     STATE.fault_participants = [(k, weakref.ref(p)) for k, p in live]
-    if not STATE.fault_serial:  # no rank ever registered one (every rank counts alike)
-        return
     from . import _ops
     from ._numpy import ADAPTER
-    # (serial, position) of each live participant, and a row that every rank sends.
-    rows = np.array([(-1, 0)] + [(k, p.fault_position()) for k, p in live], dtype=np.int64)
-    every = _ops.synchronize(_ops.allgather(ADAPTER, rows, name="shoal.recovery.align"))
+    # One allgather: (serial, position) of each live participant, (-2, hash) of each window,
+    # and a row that every rank sends.
+    rows = np.array([(-1, 0)] + [(k, p.fault_position()) for k, p in live]
+                    + [(-2, _name_hash(name)) for name, _ in windows], dtype=np.int64)
+    every = _ops.synchronize(_ops.allgather(ADAPTER, rows, name="shoal.recovery.align")).tolist()
+    # Windows every survivor has, again in creation order; one that a loss cut in win_create
+    # or win_free on some survivors only is dropped everywhere (create it again on every rank).
+    have = collections.Counter(h for k, h in every if k == -2)
+    for name, make in windows:
+        if have[_name_hash(name)] == _core.size():
+            make()
+        else:
+            STATE.window_makers.pop(name, None)
+            warnings.warn(f"window {name!r} existed on only some survivors of the loss (a win_create or win_free "
+                          "it cut short): not created again; create it again on every rank", RuntimeWarning,
+                          stacklevel=2)
     agreed = {}
-    for k, position in every.tolist():
-        agreed[k] = max(agreed.get(k, position), position)
+    for k, position in every:
+        if k >= 0:
+            agreed[k] = max(agreed.get(k, position), position)
     for k, p in live:
         p.fault_align(agreed[k])
     for _, p in live:
         p.fault_resync()
+
+
+def _name_hash(name):
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def enabled():
+    """Whether this process runs in fault-tolerant mode (SHOAL_FAULT_TOLERANT=1)."""
+    return os.environ.get("SHOAL_FAULT_TOLERANT") == "1"

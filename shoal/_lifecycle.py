@@ -85,11 +85,26 @@ def record_failure(description, status=1):
         pass
 
 
+def record_finish():
+    """Fault-tolerant mode: tell `shoalrun` this rank has finished (it shuts Shoal down). Its
+    ranks end without MPI_Finalize, and after a loss Open MPI's runtime has been seen to kill
+    a survivor that was already exiting: shoalrun does not count that as a failure."""
+    directory = os.environ.get("SHOAL_STATUS_DIR")
+    if not directory or os.environ.get("SHOAL_FAULT_TOLERANT") != "1" or not _core.is_initialized():
+        return
+    try:
+        with open(os.path.join(directory, f"rank{launch_rank()}.finished"), "w") as f:
+            f.write(f"{time.time():.6f}\n")
+    except OSError:
+        pass  # then such a kill counts as a failure, as without this record
+
+
 def at_exit():
     """Registered with atexit by init(): leave, free windows (collective), finalize."""
     if _core.forked():
         return
     from . import _win
+    record_finish()
     _core.leave()
     _win.free_all_at_exit()
     _core.finalize_mpi()

@@ -41,6 +41,9 @@ class ProcessState:
         self.atexit_registered = False
         self.ended_below, self.pending = 0, {}
         self.calls = threading.local()  # per thread: inside an op entry point (shoal._ops._told)
+        # Fault-tolerant mode: the kept objects of window ops of runtimes a loss ended (one
+        # may still be stuck in MPI on the lost rank, reading them): kept for good.
+        self.abandoned = []
         self.reset()
 
     def reset(self):
@@ -62,12 +65,14 @@ class ProcessState:
 
     def restart(self):
         """After a loss (shoal._fault): the new runtime starts with no names, topology,
-        machine topology or windows; handles of the lost runtime stay pending (they raise;
-        its window ops keep their tensors: one may still be stuck in MPI on the lost rank)."""
+        machine topology or windows; handles of the lost runtime stay pending (they raise);
+        its window ops' tensors are kept for good (`abandoned`)."""
         with self.lock:
             self.topology, self.plan = None, None
             self.machine_topology, self.machine_plan = None, None
             self.windows, self.mirrors = {}, {}
+            self.abandoned.append(self.win_pending)
+            self.win_pending = {}
             self.counters = {}
 
     def unnamed(self, prefix):

@@ -85,6 +85,7 @@ def shutdown():
     side's per-process state (`shoal._process.STATE`)."""
     if _core.forked():
         return  # the runtime belongs to the parent
+    _lifecycle.record_finish()
     _core.leave()  # first: peers waiting for this rank fail instead of waiting
     _win.free_all_at_exit()  # collective, like BlueFog's windows at shutdown
     with STATE.lock:

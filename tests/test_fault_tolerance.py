@@ -67,13 +67,15 @@ def test_the_survivors_go_on(tmp_path, scenario, kills, lost):
 
 @openmpi_only
 def test_windows_are_recreated_over_the_survivors(tmp_path):
-    """Puts into the dying rank's window do not hang; every round, the one the loss
-    interrupted run again, combines exactly the in-neighbours' values in the window the
-    recovery recreated over the new topology."""
+    """Puts into the dying rank's window do not hang; every round (the one the loss
+    interrupted run again) combines exactly the in-neighbours' values, in the window the
+    recovery recreated over the new topology after the loss."""
     rc, results, out, _ = run_lost(tmp_path, 4, "window", "2@5:exit")
     check_survivors(rc, results, out, 4, [2])
     for r in results.values():
-        assert r["losses"] == [[2]] and r["exact_rounds"] == 12 and r["windows"] == ["w"], r
+        # Every round a survivor completed is exact; one whose last barrier completed on the
+        # others but failed here is skipped by the realignment.
+        assert r["losses"] == [[2]] and r["wrong"] == [] and r["exact_rounds"] >= 11 and r["windows"] == ["w"], r
 
 
 @openmpi_only
@@ -234,6 +236,25 @@ def test_the_report_counts_only_dropped_ranks_as_lost(tmp_path, capsys):
     assert run.report_losses(args, str(tmp_path), 1) == (1, "rank 1 raised ValueError: x")
     os.remove(tmp_path / "rank2.dropped")
     assert run.report_losses(args, str(tmp_path), 137)[0] == 137
+
+
+def test_a_survivor_killed_after_it_finished_is_not_a_failure(tmp_path, capsys):
+    """After a loss Open MPI's runtime has killed survivors that were exiting: a rank that
+    had shut Shoal down (rank<R>.finished) and was then killed by a signal does not fail the
+    job; killed before it finished, or failing otherwise after it, it does."""
+    from shoal.launcher import run
+    from shoal.launcher.rank import write_status
+    args = run.parse_args(["-np", "4", "--fault-tolerant", "python", "x.py"])
+    write_status(str(tmp_path), 2, 137, "killed by signal 9 (SIGKILL)")
+    (tmp_path / "rank2.dropped").write_text("1.0\n")
+    write_status(str(tmp_path), 3, 143, "killed by signal 15 (SIGTERM)")
+    assert run.report_losses(args, str(tmp_path), 137) == (137, "rank 3 killed by signal 15 (SIGTERM)")
+    (tmp_path / "rank3.finished").write_text("2.0\n")
+    assert run.report_losses(args, str(tmp_path), 137) == (0, None)
+    assert "rank 3 killed by signal 15 (SIGTERM)" in capsys.readouterr().err
+    write_status(str(tmp_path), 1, 1, "exited with status 1")
+    (tmp_path / "rank1.finished").write_text("2.0\n")
+    assert run.report_losses(args, str(tmp_path), 1) == (1, "rank 1 exited with status 1")
 
 
 class _Job:

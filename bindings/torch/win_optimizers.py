@@ -220,8 +220,10 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
         # then NaN). Below the floor it keeps its mass (self weight 1: still
         # column-stochastic) until its neighbours' pushes arrive.
         push = all(pw >= self._p_floor[name] for name, pw in weights.items())
+        keep = _fault.enabled()  # a loss mid-round restores z (the recreated window's p is 1)
         with torch.no_grad():
             for p, name in self._windows.items():
+                z = p.data.clone() if keep else None
                 p.data.mul_(weights[name])  # z -> x
                 try:
                     # No mutexes needed: a value and its p arrive in one MPI access epoch,
@@ -232,7 +234,7 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
                     _WIN["win_update_then_collect"](name, require_mutex=False)
                     weight = _win.win_associated_p(name)
                 except _fault.RankLostError:
-                    p.data.div_(weights[name])  # z again: the recreated window's p is 1
+                    p.data.copy_(z)  # whichever stage the loss cut (accumulate scales p.data)
                     raise
                 p.data.div_(weight)  # x -> z
         self.communications += 1

@@ -183,7 +183,7 @@ def run_window(directory, plan, iters=12):
     recreated the window over the new topology (a put into the dead rank must not hang)."""
     x = np.full(4, float(LAUNCH))
     shoal.win_create(x, name="w")
-    alive, losses, exact, it = list(range(shoal.size())), [], 0, 0
+    alive, losses, exact, it, wrong = list(range(shoal.size())), [], 0, 0, []
     while it < iters:
         if LAUNCH in plan and plan[LAUNCH][0] == it:
             die(directory, plan[LAUNCH][1])
@@ -198,11 +198,14 @@ def run_window(directory, plan, iters=12):
             it = int(shoal.allreduce(np.array([it], dtype=np.int64), op=shoal.Max, name="align")[0])
             continue
         values = [float(LAUNCH)] + [float(alive[r]) for r in shoal.in_neighbor_ranks()]
-        exact += bool(np.array_equal(got, np.full(4, sum(values) / len(values))))
+        if np.array_equal(got, np.full(4, sum(values) / len(values))):
+            exact += 1
+        else:
+            wrong.append((it, got.tolist(), values))
         it += 1
     names = shoal.get_current_created_window_names()
     shoal.win_free("w")
-    return {"losses": losses, "exact_rounds": exact, "windows": names}
+    return {"losses": losses, "exact_rounds": exact, "windows": names, "wrong": wrong}
 
 
 def run_elastic(directory, plan, epochs=4, batches=20):

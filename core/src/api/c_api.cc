@@ -88,7 +88,7 @@ Status StartRuntime() REQUIRES(g_mu) {
     g_runtime = std::make_shared<Runtime>(cfg, std::move(backend));
     auto* stats = &g_runtime->stats();
     g_runtime->AttachWindows(std::make_unique<shoal::WindowQueue>(
-        [cfg, stats](const std::atomic<bool>* stop) { return shoal::CreateMpiWindows(cfg, stats, stop); }));
+        [cfg, stats](shoal::WindowCancel* cancel) { return shoal::CreateMpiWindows(cfg, stats, cancel); }));
     Runtime* rt = g_runtime.get();
     g_runtime->windows()->SetGone([rt] { return rt->departures().Message(); });
     if (cfg.fault_tolerant) g_runtime->windows()->SetLost([rt] { return rt->Lost(); });
@@ -144,6 +144,10 @@ int shoal_recover(int32_t* lost, int32_t capacity, int32_t* n_lost, char* err, s
   old.swap(g_runtime);
   old->Stop();  // its ops have failed with SHOAL_RANK_LOST; waiters drop their references
   g_retired.push_back(old);
+  // Never destroyed: its abandoned window thread may still be in MPI and use it (its stats,
+  // its timeline, its loss state).
+  static auto* const abandoned = new std::vector<std::shared_ptr<Runtime>>();
+  abandoned->push_back(old);
   // Shrink until a runtime starts: a rank may die (or end) while the survivors make the
   // next one's communicators. `alive`: the old numbering of each rank still in the job.
   std::vector<int> alive(old->world().size), gone;
@@ -516,11 +520,12 @@ int shoal_win_versions(const char* name, int32_t* ranks, int64_t* versions, int3
   auto rt = Usable(&st);
   if (!rt) return Report(st, err, len);
   if (!rt->windows()) return Report(NotInitialized(), err, len);
-  std::vector<int> r;
-  std::vector<int64_t> v;
+  // Jobs own what they write: a waiter may stop waiting after a lost rank (windows.h).
+  auto out = std::make_shared<std::pair<std::vector<int>, std::vector<int64_t>>>();
   std::string nm = name;
-  st = rt->windows()->Run([&](shoal::WindowEngine& w) { return w.Versions(nm, &r, &v); });
+  st = rt->windows()->Run([out, nm](shoal::WindowEngine& w) { return w.Versions(nm, &out->first, &out->second); });
   if (!st.ok()) return Report(st, err, len);
+  const auto& [r, v] = *out;
   *n = static_cast<int32_t>(r.size());
   for (size_t i = 0; i < r.size() && static_cast<int32_t>(i) < cap; ++i) {
     ranks[i] = r[i];
@@ -534,8 +539,11 @@ int shoal_win_associated_p(const char* name, double* p, char* err, size_t len) {
   auto rt = Usable(&st);
   if (!rt) return Report(st, err, len);
   if (!rt->windows()) return Report(NotInitialized(), err, len);
+  auto out = std::make_shared<double>(0.0);
   std::string nm = name;
-  return Report(rt->windows()->Run([&](shoal::WindowEngine& w) { return w.AssociatedP(nm, p); }), err, len);
+  st = rt->windows()->Run([out, nm](shoal::WindowEngine& w) { return w.AssociatedP(nm, out.get()); });
+  if (st.ok()) *p = *out;
+  return Report(st, err, len);
 }
 
 int shoal_win_names(char* buf, size_t len) {
@@ -543,14 +551,14 @@ int shoal_win_names(char* buf, size_t len) {
   auto rt = Usable(&st0);
   if (!rt) return -Report(st0, buf, len);
   if (!rt->windows()) return -Report(NotInitialized(), buf, len);
-  std::vector<std::string> names;
-  Status st = rt->windows()->Run([&](shoal::WindowEngine& w) {
-    names = w.Names();
+  auto names = std::make_shared<std::vector<std::string>>();
+  Status st = rt->windows()->Run([names](shoal::WindowEngine& w) {
+    *names = w.Names();
     return Status::Ok();
   });
   if (!st.ok()) return -Report(st, buf, len);
   std::string out;
-  for (auto& n : names) out += n + "\n";
+  for (auto& n : *names) out += n + "\n";
   Report(Status::Error(0, out), buf, len);
   return static_cast<int>(out.size() + 1);  // bytes needed, with the terminator
 }

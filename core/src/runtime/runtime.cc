@@ -34,7 +34,7 @@ Runtime::Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t g
 
 void Runtime::Stop() {
   if (!stop_) Leave();
-  if (windows_ && Lost()) windows_.release()->Abandon();  // its thread may be stuck in MPI: leaked
+  if (windows_ && Lost()) windows_->Abandon();  // its thread may be stuck in MPI (see ~Runtime)
   else if (windows_) windows_->Stop();
   {
     std::unique_lock<std::mutex> lock(mu_);

@@ -74,7 +74,10 @@ class Runtime final : private ResponseCache::Host, private DevicePath::Host, pri
   // `generation`: which start-up of the job this is (leave notices of an earlier one are
   // ignored); 0: count this process's runtimes (every rank starts and stops them together).
   Runtime(const Config& cfg, std::unique_ptr<Backend> backend, uint64_t generation = 0);
-  ~Runtime() { Stop(); }
+  ~Runtime() {
+    Stop();
+    if (Lost()) (void)windows_.release();  // abandoned (WindowQueue::Abandon): its thread may still use it
+  }
   // Stops the loop; pending ops fail with SHOAL_ABORTED. Idempotent.
   void Stop();
 

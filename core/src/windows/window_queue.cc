@@ -6,14 +6,13 @@ Status WindowQueue::Lost() {
   return Status::Error(SHOAL_RANK_LOST, "window op: a rank of the job was lost (fault-tolerant mode: the survivors go on without it)");
 }
 
-WindowQueue::WindowQueue(
-    const std::function<std::unique_ptr<WindowEngine>(const std::atomic<bool>*)>& make)
-    : engine_(make(&stop_)), thread_([this] { Loop(); }) {}
+WindowQueue::WindowQueue(const std::function<std::unique_ptr<WindowEngine>(WindowCancel*)>& make)
+    : engine_(make(&cancel_)), thread_([this] { Loop(); }) {}
 
 void WindowQueue::Stop() {
   {
     MutexLock lock(mu_);
-    if (stop_.exchange(true)) return;
+    if (cancel_.stop.exchange(true)) return;
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
@@ -30,7 +29,7 @@ void WindowQueue::Stop() {
 void WindowQueue::Abandon() {
   {
     MutexLock lock(mu_);
-    stop_ = true;
+    cancel_.stop = true;
     for (auto& [h, job] : queue_) {
       job->status = Lost();
       job->done = true;
@@ -48,7 +47,7 @@ int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline
   job->inline_ok = inline_ok;
   job->needs_all = needs_all;
   MutexLock lock(mu_);
-  if (stop_) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shut down");
+  if (cancel_.stop) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shut down");
   // Numbered once per process: a handle of a runtime that a loss ended is never another's.
   static std::atomic<int64_t> next{1};
   int64_t h = next++;
@@ -89,8 +88,8 @@ void WindowQueue::RunFront() {
 void WindowQueue::Loop() {
   UniqueLock lock(mu_);
   for (;;) {
-    while (!stop_ && (queue_.empty() || running_)) lock.Wait(cv_);
-    if (stop_) return;
+    while (!cancel_.stop && (queue_.empty() || running_)) lock.Wait(cv_);
+    if (cancel_.stop) return;
     RunFront();
   }
 }
@@ -109,7 +108,7 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
   auto job = it->second;
   // A waiter whose job is next runs it itself: a blocking window op then costs no
   // thread hand-off (the window thread only carries ops nobody is waiting for yet).
-  if (job->inline_ok && !lost_ && !job->done && !running_ && !stop_ && !queue_.empty() && queue_.front().second == job)
+  if (job->inline_ok && !lost_ && !job->done && !running_ && !cancel_.stop && !queue_.empty() && queue_.front().second == job)
     RunFront();
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(timeout_ms < 0 ? int64_t{1} << 40 : timeout_ms);
@@ -117,7 +116,13 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
     auto until = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
     while (!job->done && lock.WaitUntil(done_cv_, until) == std::cv_status::no_timeout) {}
     if (job->done) break;
-    if (lost_ && lost_()) return Lost();
+    if (lost_ && lost_()) {
+      // The job may be stuck in MPI on the lost rank: stop waiting, and from here on it
+      // writes nothing of the caller's (a write in progress ends first).
+      cancel_.orphaned = true;
+      std::lock_guard<std::mutex> writing(cancel_.writing);
+      return Lost();
+    }
     if (job->needs_all && gone_) {
       std::string gone = gone_();
       if (!gone.empty()) return Status::Error(SHOAL_ABORTED, "window op: " + gone);

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -56,14 +57,21 @@ class WindowEngine {
   virtual std::vector<std::string> Names() const = 0;
 };
 
-std::unique_ptr<WindowEngine> CreateMpiWindows(const Config& cfg, Stats* stats,
-                                               const std::atomic<bool>* stop);
+// What tells window jobs to give up, shared by the window thread and the engine: `stop` ends
+// long waits; `orphaned` (fault-tolerant mode: a waiter stopped waiting for a running job after
+// a lost rank) forbids writing the caller's memory, which a job writes only holding `writing`.
+struct WindowCancel {
+  std::atomic<bool> stop{false}, orphaned{false};
+  std::mutex writing;
+};
+
+std::unique_ptr<WindowEngine> CreateMpiWindows(const Config& cfg, Stats* stats, WindowCancel* cancel);
 
 // The window thread: runs submitted jobs one at a time, in order; handles in their own space.
 class WindowQueue {
  public:
-  // `make` builds the engine; it gets the flag that tells long waits to give up.
-  explicit WindowQueue(const std::function<std::unique_ptr<WindowEngine>(const std::atomic<bool>*)>& make);
+  // `make` builds the engine; it gets what tells its jobs to give up.
+  explicit WindowQueue(const std::function<std::unique_ptr<WindowEngine>(WindowCancel*)>& make);
   ~WindowQueue() { Stop(); }
   void Stop() EXCLUDES(mu_);  // pending jobs fail with SHOAL_ABORTED; idempotent
   // `inline_ok`: a waiter may run the job itself (it cannot block for long, so the
@@ -81,8 +89,9 @@ class WindowQueue {
   // Fault-tolerant mode (docs/design.md §16): once `lost` is true the job lost a rank.
   // ULFM's one-sided ops are not fault tolerant (a flush to a dead rank may never return),
   // so jobs then fail with SHOAL_RANK_LOST: those not started without running, waits
-  // without waiting for the job, jobs that failed with their error. Every job runs on the
-  // window thread (none inline on a waiter), which Abandon() can leave stuck in MPI.
+  // without waiting for the job (which may then no longer write the caller's memory), jobs
+  // that failed with their error. In this mode every job runs on the window thread (none
+  // inline on a waiter, loss or not), which Abandon() can leave stuck in MPI.
   void SetLost(std::function<bool()> lost) EXCLUDES(mu_) {
     MutexLock lock(mu_);
     lost_ = std::move(lost);
@@ -107,7 +116,7 @@ class WindowQueue {
     bool done = false, inline_ok = false, needs_all = false;  // done: under the queue's mu_
     Status status;                                            // under the queue's mu_
   };
-  std::atomic<bool> stop_{false};
+  WindowCancel cancel_;
   std::unique_ptr<WindowEngine> engine_;  // used by whoever runs a job (running_: one at a time)
   Mutex mu_;
   std::condition_variable cv_, done_cv_;

@@ -87,8 +87,9 @@ Status MpiWindows::Put(const WinArgs& a, bool accumulate) {
       (accumulate ? stats_->win_accumulates : stats_->win_puts) += 1;
       stats_->bytes_sent += w->nbytes;
     }
-    if (a.self_weight != 1.0) Scale(a.data, a.data, w->dtype, w->count, a.self_weight);
     Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
+    auto writing = WritingCaller();  // after the locks: never held across an MPI wait
+    if (a.self_weight != 1.0) Scale(a.data, a.data, w->dtype, w->count, a.self_weight);
     std::memcpy(w->base, a.data, w->nbytes);  // publish the new local value
     if (a.with_p) w->OwnP() *= a.self_weight;
     return Status::Ok();
@@ -136,6 +137,7 @@ Status MpiWindows::Update(const WinArgs& a) {
       Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
       std::vector<const void*> srcs;
       for (int k : slots) srcs.push_back(w->base + (1 + k) * w->nbytes);
+      auto writing = WritingCaller();  // after the locks: never held across an MPI wait
       Combine(a.data, srcs, a.data, w->dtype, w->count, a.uniform, a.self_weight, a.weights);
       double p = a.uniform ? w->OwnP() : a.self_weight * w->OwnP();
       for (size_t i = 0; i < slots.size(); ++i) p += (a.uniform ? 1.0 : a.weights[i]) * w->SlotP(slots[i]);
@@ -254,7 +256,7 @@ void MpiWindows::SpinLock(Window* w, int owner, int k, bool acquire) {
     }
     if (!acquire || old == 0) return;
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (*stop_) throw MpiFailure("Shoal was shut down while waiting for a window mutex");
+    if (cancel_->stop) throw MpiFailure("Shoal was shut down while waiting for a window mutex");
     if (cfg_.stall_shutdown_time > 0 && waited > cfg_.stall_shutdown_time)
       throw Stalled("the mutex of rank " + std::to_string(owner) + " (slot " + std::to_string(k) +
                     ") stayed taken for more than " + std::to_string(static_cast<int>(waited)) + " s");

@@ -254,7 +254,7 @@ Status MpiWindows::Await(MPI_Request* req, const std::string& what) {
     Check(MPI_Test(req, &flag, MPI_STATUS_IGNORE), "MPI_Test");
     if (flag) return Status::Ok();
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (*stop_ || (cfg_.stall_shutdown_time > 0 && waited > cfg_.stall_shutdown_time)) {
+    if (cancel_->stop || (cfg_.stall_shutdown_time > 0 && waited > cfg_.stall_shutdown_time)) {
       broken_ = true;
       broken_why_ = what + " never completed";
       return Status::Error(SHOAL_ABORTED, what + ": other ranks did not join within " +
@@ -270,8 +270,14 @@ Status MpiWindows::Await(MPI_Request* req, const std::string& what) {
 
 }  // namespace mpiwin
 
-std::unique_ptr<WindowEngine> CreateMpiWindows(const Config& cfg, Stats* stats, const std::atomic<bool>* stop) {
-  return std::make_unique<mpiwin::MpiWindows>(cfg, stats, stop);
+std::unique_lock<std::mutex> mpiwin::MpiWindows::WritingCaller() {
+  std::unique_lock<std::mutex> lock(cancel_->writing);
+  if (cancel_->orphaned) throw MpiFailure("a rank of the job was lost and the caller stopped waiting");
+  return lock;
+}
+
+std::unique_ptr<WindowEngine> CreateMpiWindows(const Config& cfg, Stats* stats, WindowCancel* cancel) {
+  return std::make_unique<mpiwin::MpiWindows>(cfg, stats, cancel);
 }
 
 }  // namespace shoal

@@ -79,8 +79,8 @@ class Epoch {
 
 class MpiWindows : public WindowEngine {
  public:
-  MpiWindows(const Config& cfg, Stats* stats, const std::atomic<bool>* stop)
-      : cfg_(cfg), stats_(stats), stop_(stop) {
+  MpiWindows(const Config& cfg, Stats* stats, WindowCancel* cancel)
+      : cfg_(cfg), stats_(stats), cancel_(cancel) {
     MPI_Comm_dup(MpiJobComm(), &comm_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
@@ -136,7 +136,9 @@ class MpiWindows : public WindowEngine {
 
   Config cfg_;
   Stats* stats_;
-  const std::atomic<bool>* stop_;
+  WindowCancel* cancel_;
+  // Held while a job writes the caller's memory; throws once the caller stopped waiting.
+  std::unique_lock<std::mutex> WritingCaller();
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   std::map<std::string, std::unique_ptr<Window>> windows_;
