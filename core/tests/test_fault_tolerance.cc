@@ -5,6 +5,9 @@
 // Every survivor's op then ends, without a hang, either complete with exact data (it
 // finished before the loss) or with SHOAL_RANK_LOST, later calls are refused with
 // SHOAL_RANK_LOST, and a fresh job of the survivors (the shrink) runs exactly. At 2, 4, 8.
+// Also the window queue after a loss (windows/windows.h): a job stuck in the engine (a
+// flush to a dead rank) is left by its waiter and then writes nothing of the caller's, jobs
+// behind it fail, and Abandon() returns without it.
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "testing/runtime_harness.h"
+#include "windows/windows.h"
 
 using namespace shoal;
 using namespace shoal::testing;
@@ -165,9 +169,74 @@ void TestLoss(int n, int victim, Point point) {
   });
 }
 
+// A window engine whose put blocks until released (a flush to a dead rank), then writes the
+// caller's tensor as MpiWindows does: holding the write lock, and not once orphaned.
+class StuckEngine : public WindowEngine {
+ public:
+  explicit StuckEngine(WindowCancel* cancel) : cancel_(cancel) {}
+  std::atomic<bool> release{false}, entered{false}, wrote{false};
+  Status Put(const WinArgs& a, bool) override {
+    entered = true;
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::lock_guard<std::mutex> writing(cancel_->writing);
+    if (cancel_->orphaned) return Status::Error(SHOAL_ABORTED, "orphaned");
+    static_cast<double*>(a.data)[0] = 42.0;
+    wrote = true;
+    return Status::Ok();
+  }
+  Status Create(const WinArgs&) override { return Status::Ok(); }
+  Status Free(const std::string&) override { return Status::Ok(); }
+  Status Get(const WinArgs&) override { return Status::Ok(); }
+  Status Update(const WinArgs&) override { return Status::Ok(); }
+  Status Mutex(const WinArgs&, bool) override { return Status::Ok(); }
+  Status Versions(const std::string&, std::vector<int>*, std::vector<int64_t>*) override { return Status::Ok(); }
+  Status AssociatedP(const std::string&, double*) override { return Status::Ok(); }
+  std::vector<std::string> Names() const override { return {}; }
+
+ private:
+  WindowCancel* cancel_;
+};
+
+void TestAbandonedWindows() {
+  g_case = "window queue after a loss";
+  StuckEngine* engine = nullptr;
+  // Leaked, as the runtime leaks an abandoned queue: its thread may outlive Abandon().
+  auto* q = new WindowQueue([&](WindowCancel* c) {
+    auto e = std::make_unique<StuckEngine>(c);
+    engine = e.get();
+    return e;
+  });
+  std::atomic<bool> lost{false};
+  q->SetLost([&lost] { return lost.load(); });
+  auto data = std::make_shared<std::vector<double>>(1, 1.0);
+  WinArgs a;
+  a.data = data->data();
+  const int64_t stuck = q->Submit([a](WindowEngine& w) { return w.Put(a, false); }, true);
+  const int64_t behind = q->Submit([a](WindowEngine& w) { return w.Put(a, false); }, true);
+  // The caller waits for the stuck job; its rank is then lost.
+  for (int i = 0; i < 5000 && !engine->entered; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread loser([&lost] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    lost = true;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = q->Wait(stuck);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  loser.join();
+  CHECK(st.code == SHOAL_RANK_LOST && waited < 2.0, "the waiter of a stuck job: code %d after %.2f s: %s", st.code,
+        waited, st.message.c_str());
+  q->Abandon();  // returns with the job still stuck
+  CHECK(q->Wait(behind).code == SHOAL_RANK_LOST, "a job queued behind the stuck one did not fail with SHOAL_RANK_LOST");
+  engine->release = true;  // the flush returns at last: the job must not write the caller's tensor
+  for (int i = 0; i < 5000 && q->Poll(stuck) != 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(q->Poll(stuck) == 1 && !engine->wrote && (*data)[0] == 1.0,
+        "the orphaned job wrote the caller's tensor (%g) or never ended", (*data)[0]);
+}
+
 }  // namespace
 
 int main() {
+  TestAbandonedWindows();
   for (int n : {2, 4, 8})
     for (int point : {kBeforeSubmission, kDuringNegotiation, kMidExchange, kInFusedBatch})
       for (int victim : {0, n - 1})  // rank 0 is the coordinator
