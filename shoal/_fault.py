@@ -38,6 +38,7 @@ import networkx as nx
 import numpy as np
 
 from . import topology as _topo
+from ._lifecycle import record_mark
 from ._loader import _core
 from ._process import STATE
 from .process_sets import shrink_process_sets
@@ -110,18 +111,12 @@ def on_rank_lost(message, set_topology):
 
 
 def _record_drop(loss, writer):
-    """Tell shoalrun which ranks the survivors dropped (a file per rank in its status
-    directory; the new rank 0 writes them): their failure does not fail the job."""
-    directory = os.environ.get("SHOAL_STATUS_DIR")
-    if not (writer and directory):
-        return
-    when, ranks = loss
-    for r in ranks:
-        try:
-            with open(os.path.join(directory, f"rank{r}.dropped"), "w") as f:
-                f.write(f"{when:.6f}\n")
-        except OSError:
-            pass  # the report then counts the rank as failed: the job's status says so
+    """Tell shoalrun which ranks the survivors dropped (the new rank 0 writes a file per
+    rank): their failure does not fail the job."""
+    if writer:
+        when, ranks = loss
+        for r in ranks:
+            record_mark(r, "dropped", when)
 
 
 def _recovered(lost, set_topology):

@@ -85,18 +85,27 @@ def record_failure(description, status=1):
         pass
 
 
-def record_finish():
-    """Fault-tolerant mode: tell `shoalrun` this rank has finished (it shuts Shoal down). Its
-    ranks end without MPI_Finalize, and after a loss Open MPI's runtime has been seen to kill
-    a survivor that was already exiting: shoalrun does not count that as a failure."""
+def record_mark(rank, kind, when=None):
+    """Fault-tolerant mode: file `rank<R>.<kind>` (a time) in shoalrun's status directory,
+    if it started this rank: `dropped` (the survivors went on without R, shoal._fault) or
+    `finished`. Either way shoalrun does not count R's end as the job's failure; without the
+    file (no directory, a write error) it does."""
     directory = os.environ.get("SHOAL_STATUS_DIR")
-    if not directory or os.environ.get("SHOAL_FAULT_TOLERANT") != "1" or not _core.is_initialized():
+    if not directory:
         return
     try:
-        with open(os.path.join(directory, f"rank{launch_rank()}.finished"), "w") as f:
-            f.write(f"{time.time():.6f}\n")
+        with open(os.path.join(directory, f"rank{rank}.{kind}"), "w") as f:
+            f.write(f"{time.time() if when is None else when:.6f}\n")
     except OSError:
-        pass  # then such a kill counts as a failure, as without this record
+        pass
+
+
+def record_finish():
+    """Fault-tolerant mode: this rank has finished (it shuts Shoal down). Its ranks end
+    without MPI_Finalize, and after a loss Open MPI's runtime has been seen to kill a
+    survivor that was already exiting: shoalrun does not count that as a failure."""
+    if os.environ.get("SHOAL_FAULT_TOLERANT") == "1" and _core.is_initialized():
+        record_mark(launch_rank(), "finished")
 
 
 def at_exit():
