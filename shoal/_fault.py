@@ -29,7 +29,6 @@ Machine topologies of the lost runtime are not recreated: set them again after a
 """
 import collections
 import hashlib
-import os
 import time
 import warnings
 import weakref
@@ -38,7 +37,7 @@ import networkx as nx
 import numpy as np
 
 from . import topology as _topo
-from ._lifecycle import record_mark
+from ._lifecycle import fault_tolerant as enabled, record_mark  # noqa: F401 - enabled: the optimizers'
 from ._loader import _core
 from ._process import STATE
 from .process_sets import shrink_process_sets
@@ -165,8 +164,3 @@ def _recovered(lost, set_topology):
 
 def _name_hash(name):
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def enabled():
-    """Whether this process runs in fault-tolerant mode (SHOAL_FAULT_TOLERANT=1)."""
-    return os.environ.get("SHOAL_FAULT_TOLERANT") == "1"

@@ -85,6 +85,11 @@ def record_failure(description, status=1):
         pass
 
 
+def fault_tolerant():
+    """Whether this process runs in fault-tolerant mode (SHOAL_FAULT_TOLERANT=1, shoal._fault)."""
+    return os.environ.get("SHOAL_FAULT_TOLERANT") == "1"
+
+
 def record_mark(rank, kind, when=None):
     """Fault-tolerant mode: file `rank<R>.<kind>` (a time) in shoalrun's status directory,
     if it started this rank: `dropped` (the survivors went on without R, shoal._fault) or
@@ -104,7 +109,7 @@ def record_finish():
     """Fault-tolerant mode: this rank has finished (it shuts Shoal down). Its ranks end
     without MPI_Finalize, and after a loss Open MPI's runtime has been seen to kill a
     survivor that was already exiting: shoalrun does not count that as a failure."""
-    if os.environ.get("SHOAL_FAULT_TOLERANT") == "1" and _core.is_initialized():
+    if fault_tolerant() and _core.is_initialized():
         record_mark(launch_rank(), "finished")
 
 
@@ -133,7 +138,7 @@ def install_excepthook():
         first = (str(value).strip().splitlines() or [""])[0]
         record_failure(f"raised {kind.__name__}" + (f": {first[:300]}" if first else ""))
         # Fault-tolerant mode: this rank alone ends; the survivors drop it (shoal._fault).
-        alone = os.environ.get("SHOAL_FAULT_TOLERANT") == "1"
+        alone = fault_tolerant()
         sys.stderr.write(f"[shoal] rank {launch_rank()}: uncaught {kind.__name__}; "
                          f"{'this rank ends' if alone else 'aborting the job'}\n")
         sys.stderr.flush()
