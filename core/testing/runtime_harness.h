@@ -59,7 +59,7 @@ struct Job {
     auto since = std::chrono::steady_clock::now();
     while (std::chrono::steady_clock::now() < deadline) {
       bool quiet = arrived == static_cast<int>(rt.size()) && agreed();
-      for (auto& r : rt) quiet = quiet && !r->Voting();
+      for (auto& r : rt) quiet = quiet && !r->submissions().Voting();
       if (!quiet) since = std::chrono::steady_clock::now();
       else if (std::chrono::steady_clock::now() - since > std::chrono::milliseconds(50)) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -146,7 +146,7 @@ struct Op {
   }
   Status Wait(Runtime& rt) {
     Status st = rt.Wait(handle);
-    rt.Release(handle);
+    rt.submissions().Release(handle);
     return st;
   }
 };
@@ -217,14 +217,14 @@ struct TypedOp {
 inline Status WaitTake(Runtime& rt, int64_t h, std::vector<char>* result = nullptr,
                        std::vector<int64_t>* shape = nullptr, std::vector<int64_t>* recv_splits = nullptr) {
   Status st = rt.Wait(h);
-  EntryPtr e = rt.Find(h);
+  EntryPtr e = rt.submissions().Find(h);
   if (st.ok() && e && result) {
     const char* p = static_cast<const char*>(e->result);
     result->assign(p, p + e->result_nbytes);
     if (shape) *shape = e->result_shape;
     if (recv_splits) *recv_splits = e->recv_splits;
   }
-  rt.Release(h);
+  rt.submissions().Release(h);
   return st;
 }
 

@@ -35,7 +35,7 @@ int JoinNow(Runtime& rt, Status* st) {
   d.op = kOpJoin;
   const int64_t h = rt.Enqueue(d);
   *st = rt.Wait(h);
-  rt.Release(h);
+  rt.submissions().Release(h);
   return 0;
 }
 

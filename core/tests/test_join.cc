@@ -38,9 +38,9 @@ static int RunJoin(Runtime& rt, Status* st) {
   const int64_t h = rt.Enqueue(d);
   *st = rt.Wait(h);
   int32_t last = -1;
-  EntryPtr e = rt.Find(h);
+  EntryPtr e = rt.submissions().Find(h);
   if (st->ok() && e && e->result_nbytes == sizeof(last)) std::memcpy(&last, e->result, sizeof(last));
-  rt.Release(h);
+  rt.submissions().Release(h);
   return last;
 }
 
@@ -179,8 +179,8 @@ static void TestWhileJoined(int n) {
       CHECK(refused, "rank %d: an op during its join was not refused", r);
       st = rt.Wait(h);
       int32_t got = -1;
-      if (EntryPtr e = rt.Find(h)) std::memcpy(&got, e->result, sizeof(got));
-      rt.Release(h);
+      if (EntryPtr e = rt.submissions().Find(h)) std::memcpy(&got, e->result, sizeof(got));
+      rt.submissions().Release(h);
       CHECK(st.ok() && got == 0, "rank %d: join returned %d (%s)", r, got, st.message.c_str());
       return;
     }

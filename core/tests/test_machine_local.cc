@@ -57,7 +57,7 @@ struct Local {
   }
   Status Wait(Runtime& rt) {
     Status st = rt.Wait(handle);
-    rt.Release(handle);
+    rt.submissions().Release(handle);
     return st;
   }
   Status Run(Runtime& rt) {
@@ -166,7 +166,7 @@ void TestBroadcastAndGroup(int n, int L) {
     std::vector<int64_t> hs = rt.EnqueueGroup("grp", descs.data(), 3, nullptr, nullptr);
     for (int k = 0; k < 3; ++k) {
       st = rt.Wait(hs[k]);
-      rt.Release(hs[k]);
+      rt.submissions().Release(hs[k]);
       CHECK(st.ok() && members[k].out == MachineSum(m, L, 10 + k, 2 + k), "rank %d group member %d: %s", r, k,
             st.message.c_str());
     }

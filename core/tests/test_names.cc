@@ -86,7 +86,7 @@ void TestFreshNames(int n) {
     }
     CHECK(job.Settle([&] { return RetiredAlike(job); }), "rank %d: the ranks' retired names never agreed", r);
     retired[r] = rt.stats().names_retired;
-    names[r] = rt.NameCount();
+    names[r] = rt.submissions().NameCount();
   });
   SameRetirement(retired, names, limit);
 }
@@ -122,7 +122,7 @@ void TestHeldCalls(int n) {
     CHECK(job.Settle([&] { return RetiredAlike(job); }), "rank %d: the ranks' retired names never agreed", r);
     retired[r] = rt.stats().names_retired;
     held[r] = rt.stats().held_calls;
-    names[r] = rt.NameCount();
+    names[r] = rt.submissions().NameCount();
   });
   SameRetirement(retired, names, limit);
   int64_t total = 0;

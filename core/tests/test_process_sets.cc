@@ -46,12 +46,12 @@ struct Call {
   }
   Status Wait(Runtime& rt) {
     Status st = rt.Wait(handle);
-    EntryPtr e = rt.Find(handle);
+    EntryPtr e = rt.submissions().Find(handle);
     if (st.ok() && e && e->result) {
       result_shape = e->result_shape;
       out.assign(static_cast<const double*>(e->result), static_cast<const double*>(e->result) + e->result_nbytes / 8);
     }
-    rt.Release(handle);
+    rt.submissions().Release(handle);
     return st;
   }
   Status Run(Runtime& rt) {
@@ -422,10 +422,10 @@ static void TestFreshNames() {
     }
     CHECK(job.Settle([&] { return RetiredAlike(job, 2); }), "rank %d: the ranks' retired names never agreed", r);
     retired[r] = rt.stats().names_retired;
-    const size_t before = rt.NameCount();
+    const size_t before = rt.submissions().NameCount();
     CHECK(Remove(rt, even).ok() && Remove(rt, odd).ok(), "rank %d: removes", r);
     // The removed sets' names are forgotten (at least the 2 of their last ops).
-    CHECK(rt.NameCount() + 2 <= before, "rank %d: %zu names before the removes, %zu after", r, before, rt.NameCount());
+    CHECK(rt.submissions().NameCount() + 2 <= before, "rank %d: %zu names before the removes, %zu after", r, before, rt.submissions().NameCount());
   });
   for (int r = 0; r < 4; ++r)
     CHECK(retired[r] > 0 && retired[r] == retired[r % 2], "rank %d retired %lld names, rank %d %lld", r,

@@ -460,7 +460,7 @@ static void TestReduceOps(int n, int64_t fusion) {
     }
     for (auto& t : ts) {
       Status st = rt.Wait(t.handle);
-      rt.Release(t.handle);
+      rt.submissions().Release(t.handle);
       CHECK(st.ok() && t.out == t.want, "rank %d op %s dtype %s: %s", r, ReduceOpName(t.rop), DtypeName(t.dtype),
             st.message.c_str());
     }
@@ -522,7 +522,7 @@ static void TestReduceScatter(int n) {
           d.reduce_op = rop;
           const int64_t h = rt.Enqueue(d);
           Status st = rt.Wait(h);
-          EntryPtr e = rt.Find(h);
+          EntryPtr e = rt.submissions().Find(h);
           const int64_t rows = d0 / n + (r < d0 % n ? 1 : 0), first = r * (d0 / n) + std::min<int64_t>(r, d0 % n);
           bool same = st.ok() && e->result_shape == std::vector<int64_t>({rows, 2}) &&
                       e->result_nbytes == static_cast<size_t>(rows * 2) * es;
@@ -536,7 +536,7 @@ static void TestReduceScatter(int n) {
             if (dtype == SHOAL_FLOAT16) { uint16_t v; std::memcpy(&v, p, 2); got = HalfToFloat(v); }
             same = got == want;
           }
-          rt.Release(h);
+          rt.submissions().Release(h);
           CHECK(same, "rank %d d0 %lld %s %s: %s", r, static_cast<long long>(d0), DtypeName(dtype), ReduceOpName(rop),
                 st.message.c_str());
         }

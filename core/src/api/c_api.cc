@@ -102,16 +102,16 @@ Status StartRuntime() REQUIRES(g_mu) {
 // report SHOAL_RANK_LOST until released); null if none.
 std::shared_ptr<Runtime> Owner(int64_t handle) EXCLUDES(g_mu) {
   shoal::MutexLock lock(g_mu);
-  if (g_runtime && (g_retired.empty() || g_runtime->Find(handle))) return g_runtime;
+  if (g_runtime && (g_retired.empty() || g_runtime->submissions().Find(handle))) return g_runtime;
   for (auto& rt : g_retired)
-    if (rt->Find(handle)) return rt;
+    if (rt->submissions().Find(handle)) return rt;
   return g_runtime;
 }
 
 // Drops a retired runtime once none of its handles is left.
 void ForgetRetiredIfDone(const std::shared_ptr<Runtime>& rt) EXCLUDES(g_mu) {
   shoal::MutexLock lock(g_mu);
-  if (rt == g_runtime || rt->HandleCount() > 0) return;
+  if (rt == g_runtime || rt->submissions().HandleCount() > 0) return;
   g_retired.erase(std::remove(g_retired.begin(), g_retired.end(), rt), g_retired.end());
 }
 
@@ -347,12 +347,12 @@ int shoal_enqueue_join(int64_t* handle, char* err, size_t len) {
 
 int shoal_poll(int64_t handle) {
   auto rt = Owner(handle);
-  return rt ? rt->Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
+  return rt ? rt->submissions().Poll(handle) : -SHOAL_UNKNOWN_HANDLE;
 }
 
 int shoal_in_use(int64_t handle) {
   auto rt = Owner(handle);
-  return rt ? rt->InUse(handle) : -SHOAL_UNKNOWN_HANDLE;
+  return rt ? rt->submissions().InUse(handle) : -SHOAL_UNKNOWN_HANDLE;
 }
 
 int shoal_wait_for(int64_t handle, int64_t timeout_ms, char* err, size_t len) {
@@ -373,7 +373,7 @@ int shoal_wait(int64_t handle, char* err, size_t len) {
 
 int shoal_take_result(int64_t handle, void** data, size_t* nbytes, int32_t* ndim, int64_t* shape) {
   auto rt = Owner(handle);
-  auto e = rt ? rt->Find(handle) : nullptr;
+  auto e = rt ? rt->submissions().Find(handle) : nullptr;
   if (!e || !e->done) return SHOAL_UNKNOWN_HANDLE;
   *data = e->result;
   *nbytes = e->result_nbytes;
@@ -387,7 +387,7 @@ void shoal_free_buffer(void* data) { std::free(data); }
 
 int shoal_received_splits(int64_t handle, int64_t* splits, int32_t capacity, int32_t* n) {
   auto rt = Owner(handle);
-  auto e = rt ? rt->Find(handle) : nullptr;
+  auto e = rt ? rt->submissions().Find(handle) : nullptr;
   if (!e || !e->done) return SHOAL_UNKNOWN_HANDLE;
   *n = static_cast<int32_t>(e->recv_splits.size());
   for (int32_t i = 0; i < *n && i < capacity; ++i) splits[i] = e->recv_splits[i];
@@ -396,7 +396,7 @@ int shoal_received_splits(int64_t handle, int64_t* splits, int32_t capacity, int
 
 int shoal_release(int64_t handle) {
   auto rt = Owner(handle);
-  if (!rt || !rt->Release(handle)) return SHOAL_UNKNOWN_HANDLE;
+  if (!rt || !rt->submissions().Release(handle)) return SHOAL_UNKNOWN_HANDLE;
   ForgetRetiredIfDone(rt);
   return SHOAL_OK;
 }

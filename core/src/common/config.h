@@ -1,5 +1,6 @@
 // Runtime configuration: every SHOAL_* environment variable, parsed once at init().
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -20,6 +21,9 @@ struct Config {
   bool fault_tolerant = false;         // SHOAL_FAULT_TOLERANT=1: survive lost ranks (Open MPI's ULFM; docs/design.md §16)
   size_t name_limit = 16384;           // SHOAL_NAME_LIMIT: op names kept before idle ones are retired (negotiation/names.cc)
 
+  std::chrono::microseconds CycleTime() const {
+    return std::chrono::microseconds(static_cast<int64_t>(cycle_time_ms * 1000));
+  }
   static Config FromEnvironment();  // throws std::invalid_argument on a malformed value
   // Read where no Config is at hand: the CUDA plugin loads once per process, maybe before
   // init(); MPI_Abort may come before init() or after shutdown().

@@ -92,6 +92,14 @@ void Timeline::End(const std::string& tensor) {
   Write(e.str());
 }
 
+void Timeline::FlushEvery(std::chrono::milliseconds period) {
+  if (!enabled_) return;
+  const TimePoint now = std::chrono::steady_clock::now();
+  if (now - last_flush_ <= period) return;
+  last_flush_ = now;
+  Flush();
+}
+
 void Timeline::Flush() {
   MutexLock lock(mu_);
   if (file_ && dirty_) {

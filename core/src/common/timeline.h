@@ -31,6 +31,8 @@ class Timeline {
   void Begin(const std::string& tensor, const std::string& activity) EXCLUDES(mu_);
   void End(const std::string& tensor) EXCLUDES(mu_);
   void Flush() EXCLUDES(mu_);
+  // Flush() if the last was longer ago than `period` (one thread: the progress driver).
+  void FlushEvery(std::chrono::milliseconds period) EXCLUDES(mu_);
 
  private:
   int Track(const std::string& tensor) REQUIRES(mu_);
@@ -43,6 +45,7 @@ class Timeline {
   int rank_ GUARDED_BY(mu_) = 0;
   std::map<std::string, int> tracks_ GUARDED_BY(mu_);
   bool dirty_ GUARDED_BY(mu_) = false;
+  TimePoint last_flush_ = std::chrono::steady_clock::now();  // FlushEvery's thread only
 };
 
 std::string JsonEscape(const std::string& s);

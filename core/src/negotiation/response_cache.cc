@@ -25,6 +25,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "negotiation/negotiation.h"
+#include "ops/collectives.h"
+#include "runtime/submissions.h"
 #include "ops/fusion.h"
 
 namespace shoal {
@@ -81,9 +84,10 @@ double GetCount(const void* p, int dtype) {
 
 }  // namespace
 
-ResponseCache::ResponseCache(Host* host, const Config& cfg, Stats* stats, std::shared_ptr<BufferPool> pool)
-    : host_(host), warn_(cfg.stall_check_time > 0 ? cfg.stall_check_time : cfg.stall_shutdown_time),
-      kill_(cfg.stall_shutdown_time), stats_(stats), pool_(std::move(pool)) {}
+ResponseCache::ResponseCache(Host* host, Negotiation* negotiation, CollectiveOps* collectives, Submissions* submissions,
+                             const Config& cfg, Stats* stats)
+    : host_(host), negotiation_(negotiation), collectives_(collectives), submissions_(submissions), warn_(cfg.stall_check_time > 0 ? cfg.stall_check_time : cfg.stall_shutdown_time),
+      kill_(cfg.stall_shutdown_time), stats_(stats), pool_(collectives->pool()) {}
 
 void ResponseCache::Add(const Response& r, const std::vector<EntryPtr>& batch, int set_size, int index, bool doom) {
   if (r.channel < 0 || r.channel >= (r.set ? Backend::kSetChannels : Backend::kChannels)) return;
@@ -168,7 +172,7 @@ void ResponseCache::Contribute(const BatchPtr& b, bool ready) {
   b->waited_since = {};
   ++stats_->global_collectives;
   if (ready) ++stats_->cache_hits;
-  GroupCollectives* engine = host_->Group(b->set);  // there while the set is (DropSet drops its batches)
+  GroupCollectives* engine = collectives_->Engine(b->set);  // there while the set is (DropSet drops its batches)
   if (!engine) return OnRound(b, Status::Error(SHOAL_ABORTED, "internal error: a cached batch of a removed process set"));
   engine->AllreduceOn(b->channel, b->buf->data(), b->total + 1, b->wire, [this, b](const Status& st) { OnRound(b, st); });
 }
@@ -180,7 +184,7 @@ void ResponseCache::OnRound(const BatchPtr& b, const Status& st) {
   std::vector<EntryPtr> round = std::move(b->in_round);
   b->in_round.clear();
   if (all_ready && b->ready_round) {
-    Coordinator* c = host_->CoordinatorOf(b->set);
+    Coordinator* c = negotiation_->CoordinatorOf(b->set);
     for (size_t k = 0; k < round.size(); ++k) {
       const EntryPtr& e = round[k];
       if (c) c->RoundDone(e->name, e->step);
@@ -217,7 +221,7 @@ void ResponseCache::Bury(const BatchPtr& b, bool channel_free) {
     auto it = members_.find(n);
     if (it != members_.end() && it->second.first == b) members_.erase(it);
   }
-  if (Coordinator* c = host_->CoordinatorOf(b->set)) {
+  if (Coordinator* c = negotiation_->CoordinatorOf(b->set)) {
     c->ForgetRounds(b->names);
     auto slot = cached_.find(Slot(b->set, b->channel));
     if (channel_free && slot != cached_.end() && slot->second == b) {
@@ -231,7 +235,7 @@ void ResponseCache::Bury(const BatchPtr& b, bool channel_free) {
 void ResponseCache::DoomAll(int with_rank, bool joining) {
   for (auto& kv : cached_) {
     const BatchPtr b = kv.second;
-    const ProcessSet* s = host_->SetOf(b->set);
+    const ProcessSet* s = negotiation_->SetOf(b->set);
     if (with_rank >= 0 && s && !s->Has(with_rank)) continue;
     if (b->root < 0 || b->dead) {
       Doom(b);
@@ -327,7 +331,7 @@ void ResponseCache::Check(Clock::time_point now) {
           Request req{e->name, e->sig, e->step, {}, 0, false, {}, {}};
           req.probe = true;
           req.set = b->set;
-          host_->SendLater(std::move(req));
+          negotiation_->SendLater(std::move(req));
         }
     }
     if (!b->ready_round) continue;
@@ -407,7 +411,7 @@ void ResponseCache::Broadcast(const BatchPtr& b, const EntryPtr& e) {
   b->round_start = now;
   ++stats_->global_collectives;
   if (matches) ++stats_->cache_hits;
-  GroupCollectives* engine = host_->Group(b->set);
+  GroupCollectives* engine = collectives_->Engine(b->set);
   if (!engine) return OnRound(b, Status::Error(SHOAL_ABORTED, "internal error: a cached broadcast of a removed process set"));
   engine->BroadcastOn(b->channel, p, b->total + 1, b->dtype, b->root, [this, b](const Status& st) { OnRound(b, st); });
 }
@@ -421,7 +425,7 @@ void ResponseCache::OnBroadcast(const BatchPtr& b, const Status& st) {
   const bool failed = b->fail_next;
   if (st.ok() && !b->abandoned && !failed && (*bytes)[0] == 1) {
     if (e) Deliver(b, e, bytes->data() + DtypeSize(b->dtype));
-    else if (b->root != b->index) host_->CountJoinedCall(b->keys[0], b->sigs[0]);
+    else if (b->root != b->index) submissions_->CountCall(b->keys[0], b->sigs[0].op);  // a joined rank's
     if (!b->later.empty()) {
       EntryPtr next = b->later.front();
       b->later.erase(b->later.begin());
@@ -451,7 +455,7 @@ void ResponseCache::Deliver(const BatchPtr& b, const EntryPtr& e, const char* da
   if (!e->reject.empty()) return;  // refused at the call here: the root dooms the name when it hears
   const Signature& root = b->sigs[0];
   if (e->sig == root) {
-    if (Coordinator* c = host_->CoordinatorOf(b->set)) c->RoundDone(e->name, e->step);
+    if (Coordinator* c = negotiation_->CoordinatorOf(b->set)) c->RoundDone(e->name, e->step);
     if (b->root != b->index) std::memcpy(e->output.data, data, e->nbytes());
     return host_->Finish(e, Status::Ok());
   }
@@ -465,7 +469,7 @@ void ResponseCache::Deliver(const BatchPtr& b, const EntryPtr& e, const char* da
                                         " (the other ranks completed this step)");
   Request req{e->name, e->sig, e->step, error, SHOAL_MISMATCH, false, {}, {}};
   req.set = b->set;
-  host_->SendLater(std::move(req));
+  negotiation_->SendLater(std::move(req));
   host_->Finish(e, Status::Error(SHOAL_MISMATCH, error));
 }
 

@@ -20,26 +20,28 @@
 
 namespace shoal {
 
+class CollectiveOps;
+class Negotiation;
+class Submissions;
+
 class ResponseCache {
  public:
   // What the cache needs of the runtime that runs it.
   class Host {
    public:
-    virtual GroupCollectives* Group(int set) = 0;     // the engine of process set `set` (0: every rank)
-    virtual Coordinator* CoordinatorOf(int set) = 0;  // null where this rank does not coordinate `set`
-    virtual const ProcessSet* SetOf(int set) const = 0;
     virtual void Finish(const EntryPtr& e, const Status& st) = 0;
     // An op of a batch that died goes to the coordinator after all.
     virtual void Renegotiate(const EntryPtr& e) = 0;
-    virtual void SendLater(Request req) = 0;  // to the coordinator with the next cycle's requests
-    // A joined rank's call of `key` that the other ranks ran without it (its step advances).
-    virtual void CountJoinedCall(const std::string& key, const Signature& sig) = 0;
 
    protected:
     ~Host() = default;
   };
 
-  ResponseCache(Host* host, const Config& cfg, Stats* stats, std::shared_ptr<BufferPool> pool);
+  // `negotiation`: the coordinators of the batches' rounds, and requests for the next cycle;
+  // `collectives`: the engines that run the rounds, and the fusion buffers; `submissions`: where
+  // a joined rank's calls that the other ranks ran without it are counted.
+  ResponseCache(Host* host, Negotiation* negotiation, CollectiveOps* collectives, Submissions* submissions,
+                const Config& cfg, Stats* stats);
 
   bool Empty() const { return cached_.empty(); }
   bool Has(const std::string& key) const { return members_.count(key) > 0; }  // a member's name (SetKey)
@@ -83,6 +85,9 @@ class ResponseCache {
   void Bury(const BatchPtr& b, bool channel_free);
 
   Host* host_;
+  Negotiation* negotiation_;
+  CollectiveOps* collectives_;
+  Submissions* submissions_;
   double warn_, kill_;  // stall times (s)
   Stats* stats_;
   std::shared_ptr<BufferPool> pool_;

@@ -7,7 +7,8 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "runtime/runtime.h"
+#include "ops/collectives.h"
+#include "process_sets/process_sets.h"
 
 namespace shoal {
 
@@ -37,18 +38,20 @@ std::string AlltoallCounts(const Response& r, Entry& e, int size, int rank, std:
   return "";
 }
 
-void Runtime::RunAlltoall(const Response& r, const EntryPtr& e, GroupCollectives* engine) {
+void CollectiveOps::RunAlltoall(const Response& r, const EntryPtr& e, GroupCollectives* engine) {
   std::vector<int64_t> send, recv;
   bool any = false;
-  const std::string bad = AlltoallCounts(r, *e, SetSize(e->set), IndexIn(e->set, world().rank), &send, &recv, &any);
+  const WorldInfo& w = backend_->world();  // over the members of its process set, in rank order
+  const int size = e->pset ? e->pset->size() : w.size, rank = e->pset ? e->pset->index : w.rank;
+  const std::string bad = AlltoallCounts(r, *e, size, rank, &send, &recv, &any);
   if (!bad.empty()) {
     Log(LOG_ERROR, "coordinator scheduled alltoall '" + e->name + "' with " + bad);
-    return Finish(e, Status::Error(SHOAL_ABORTED, "internal error: inconsistent schedule"));
+    return host_->Finish(e, Status::Error(SHOAL_ABORTED, "internal error: inconsistent schedule"));
   }
-  if (!any) return Finish(e, Status::Ok());
+  if (!any) return host_->Finish(e, Status::Ok());
   engine->Alltoallv(e->input.data, send, e->result, recv, e->sig.dtype, [this, e](const Status& st) {
     e->t_comm_end = Clock::now();
-    Finish(e, st);
+    host_->Finish(e, st);
   });
 }
 

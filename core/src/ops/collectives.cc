@@ -1,11 +1,14 @@
 // Collectives on host memory (and the device path's entry): one negotiated batch run on
 // its group's engine; allreduce batches fused into one buffer.
+#include "ops/collectives.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
+#include "gpu/device_path.h"
 #include "ops/fusion.h"
-#include "runtime/runtime.h"
+#include "process_sets/process_sets.h"
 
 namespace shoal {
 std::vector<int64_t> GatherCounts(Entry& e, const std::vector<int64_t>& first_dims) {
@@ -36,25 +39,25 @@ std::vector<int64_t> ScatterCounts(Entry& e, int size, int rank) {
   return counts;
 }
 
-GroupCollectives* Runtime::Group(int set) { return set == 0 ? backend_.get() : backend_->OfSet(set); }
+GroupCollectives* CollectiveOps::Engine(int set) { return set == 0 ? backend_ : backend_->OfSet(set); }
 
-void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
-  const WorldInfo& w = world();
+void CollectiveOps::Run(const Response& r, std::vector<EntryPtr> batch) {
+  const WorldInfo& w = backend_->world();
   const ProcessSet* pset = batch[0]->pset.get();
-  ++stats_.global_collectives;
+  ++stats_->global_collectives;
   const auto t0 = Clock::now();
   for (auto& e : batch) e->t_comm_start = t0;
-  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return devices_.Run(r, batch);
+  if (r.op != SHOAL_OP_BARRIER && batch[0]->gpu && batch[0]->gpu->nccl) return devices_->Run(r, batch);
   // The engine of its group: every rank's, or its process set's.
-  GroupCollectives* engine = Group(batch[0]->set);
+  GroupCollectives* engine = Engine(batch[0]->set);
   if (!engine) {
-    for (auto& e : batch) Finish(e, Status::Error(SHOAL_ABORTED, "internal error: no communicator for " + pset->Describe()));
+    for (auto& e : batch) host_->Finish(e, Status::Error(SHOAL_ABORTED, "internal error: no communicator for " + pset->Describe()));
     return;
   }
   // Completion of the communication itself (the timeline's COMMUNICATE phase).
   auto communicated = [](const EntryPtr& e) { e->t_comm_end = Clock::now(); };
   if (r.op == SHOAL_OP_BARRIER) {
-    engine->Barrier([this, communicated, e = batch[0]](const Status& st) { communicated(e); Finish(e, st); });
+    engine->Barrier([this, communicated, e = batch[0]](const Status& st) { communicated(e); host_->Finish(e, st); });
     return;
   }
   if (r.op == SHOAL_OP_BROADCAST) {
@@ -62,10 +65,10 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
     const int me = e->sig.scope == SHOAL_SCOPE_MACHINE ? w.local_rank : w.rank;  // the root's scope
     if (me == e->sig.root_rank && e->output.data != e->input.data)
       std::memcpy(e->output.data, e->input.data, e->nbytes());
-    if (e->count() == 0) return Finish(e, Status::Ok());
+    if (e->count() == 0) return host_->Finish(e, Status::Ok());
     const int root = pset ? pset->IndexOf(e->sig.root_rank) : e->sig.root_rank;
     engine->Broadcast(e->output.data, e->count(), e->sig.dtype, root, e->sig.scope,
-                      [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
+                      [this, communicated, e](const Status& st) { communicated(e); host_->Finish(e, st); });
     return;
   }
   if (r.op == SHOAL_OP_REDUCESCATTER) return RunReduceScatter(batch[0], engine);
@@ -73,9 +76,9 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   if (r.op == SHOAL_OP_ALLGATHER) {
     EntryPtr e = batch[0];
     const std::vector<int64_t> counts = GatherCounts(*e, r.first_dims[0]);
-    if (e->result_nbytes == 0) return Finish(e, Status::Ok());
+    if (e->result_nbytes == 0) return host_->Finish(e, Status::Ok());
     engine->Allgatherv(e->input.data, e->count(), e->result, counts, e->sig.dtype,
-                       [this, communicated, e](const Status& st) { communicated(e); Finish(e, st); });
+                       [this, communicated, e](const Status& st) { communicated(e); host_->Finish(e, st); });
     return;
   }
   // Allreduce: a batch (fused when > 1 or half precision) reduced in one call. The
@@ -88,7 +91,7 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
   int64_t total = 0;
   for (auto& e : batch) total += e->count();
   if (total == 0) {
-    for (auto& e : batch) Finish(e, Status::Ok());
+    for (auto& e : batch) host_->Finish(e, Status::Ok());
     return;
   }
   const int divisor = average ? n : 1;
@@ -100,13 +103,13 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
       e->t_reduce_start = Clock::now();
       if (st.ok()) FusedBuffer::Unpack(e->output.data, e->sig.dtype, e->output.data, e->count(), divisor);
       e->t_reduce_end = Clock::now();
-      Finish(e, st);
+      host_->Finish(e, st);
     });
     return;
   }
-  auto fused = std::make_shared<FusedBuffer>(*fusion_pool_, dtype, total);
+  auto fused = std::make_shared<FusedBuffer>(*pool_, dtype, total);
   fused->Pack(batch);
-  if (batch.size() > 1) ++stats_.fused_batches;
+  if (batch.size() > 1) ++stats_->fused_batches;
   engine->Allreduce(fused->data(), total, fused->wire(), rop, scope, [this, communicated, fused, batch, divisor](const Status& st) {
     for (size_t k = 0; k < batch.size(); ++k) {
       const EntryPtr& e = batch[k];
@@ -114,26 +117,27 @@ void Runtime::RunCollective(const Response& r, std::vector<EntryPtr> batch) {
       e->t_reduce_start = Clock::now();
       if (st.ok()) fused->UnpackMember(k, *e, divisor);
       e->t_reduce_end = Clock::now();
-      Finish(e, st);
+      host_->Finish(e, st);
     }
   });
 }
 
-void Runtime::RunReduceScatter(const EntryPtr& e, GroupCollectives* engine) {
+void CollectiveOps::RunReduceScatter(const EntryPtr& e, GroupCollectives* engine) {
   // Over the members of its process set, in rank order.
-  const int size = e->pset ? e->pset->size() : world().size, rank = e->pset ? e->pset->index : world().rank;
+  const WorldInfo& w = backend_->world();
+  const int size = e->pset ? e->pset->size() : w.size, rank = e->pset ? e->pset->index : w.rank;
   const int dtype = e->sig.dtype;
   const std::vector<int64_t> counts = ScatterCounts(*e, size, rank);
   const int64_t mine = counts[rank];
-  if (e->count() == 0) return Finish(e, Status::Ok());
+  if (e->count() == 0) return host_->Finish(e, Status::Ok());
   // Half types are reduced in float32 and rounded once, as allreduce does.
   std::shared_ptr<FusedBuffer> in, out;
   const void* send = e->input.data;
   void* recv = e->result;
   if (FusedBuffer::WireDtype(dtype) != dtype) {
-    in = std::make_shared<FusedBuffer>(*fusion_pool_, dtype, e->count());
+    in = std::make_shared<FusedBuffer>(*pool_, dtype, e->count());
     in->Pack({e});
-    out = std::make_shared<FusedBuffer>(*fusion_pool_, dtype, mine);
+    out = std::make_shared<FusedBuffer>(*pool_, dtype, mine);
     send = in->data();
     recv = out->data();
   }
@@ -146,7 +150,7 @@ void Runtime::RunReduceScatter(const EntryPtr& e, GroupCollectives* engine) {
       else FusedBuffer::Unpack(e->result, e->sig.dtype, e->result, mine, divisor);
     }
     e->t_reduce_end = Clock::now();
-    Finish(e, st);
+    host_->Finish(e, st);
   });
 }
 

@@ -11,6 +11,9 @@
 
 #include "ops/groups.h"
 
+#include "negotiation/negotiation.h"
+#include "ops/collectives.h"
+
 namespace shoal {
 
 void GroupedOps::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) {
@@ -23,14 +26,14 @@ void GroupedOps::Route(const EntryPtr& e, std::vector<Request>* to_coordinator) 
   const int gop = SHOAL_GROUPED | e->sig.op;
   const int set = sets_->NegotiatedIn(e->set, e->sig.scope);
   // A refusal of this call on another rank, or a rank of its set that left: every member fails.
-  const Status st = host_->Unrunnable(group, e->group_step, set, gop, shown);
+  const Status st = negotiation_->Unrunnable(group, e->group_step, set, gop, shown);
   if (!st.ok()) {
     std::vector<EntryPtr> members = std::move(parts);
     groups_.erase(group);
     for (auto& m : members) host_->Finish(m, st);
     return;
   }
-  host_->Await(group, parts[0]);
+  negotiation_->Await(group, parts[0]);
   Request req;
   req.set = set;
   req.name = shown;
@@ -74,7 +77,7 @@ void GroupedOps::Run(const Response& r, std::vector<EntryPtr> members) {
     sub.first_dims.clear();
     if (at < r.first_dims.size() && !r.first_dims[at].empty()) sub.first_dims = {r.first_dims[at]};
     at += c;
-    host_->RunCollective(sub, std::move(batch));
+    collectives_->Run(sub, std::move(batch));
   }
 }
 

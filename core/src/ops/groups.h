@@ -13,25 +13,15 @@
 
 namespace shoal {
 
+class CollectiveOps;
+class Negotiation;
+
 class GroupedOps {
  public:
-  // What the grouped ops need of the runtime that runs them (driver only, mu_ not held).
-  class Host {
-   public:
-    // Why a call of `op` named `name` (per-name key `key`, step `step`) negotiated in set
-    // `set` cannot run: a refusal of it on another rank, or a rank of `set` that left; ok
-    // if it can run.
-    virtual Status Unrunnable(const std::string& key, int64_t step, int set, int op, const std::string& name) = 0;
-    // `first`, for its group `key`, waits for its coordinator's response (the runtime's Apply).
-    virtual void Await(const std::string& key, const EntryPtr& first) = 0;
-    virtual void Finish(const EntryPtr& e, const Status& st) = 0;
-    virtual void RunCollective(const Response& r, std::vector<EntryPtr> batch) = 0;
-
-   protected:
-    ~Host() = default;
-  };
-
-  GroupedOps(Host* host, const ProcessSets* sets) : host_(host), sets_(sets) {}
+  // `negotiation`: where a group waits for its response, and hears of refusals; `collectives`:
+  // what runs its chunks.
+  GroupedOps(Finisher* host, const ProcessSets* sets, Negotiation* negotiation, CollectiveOps* collectives)
+      : host_(host), sets_(sets), negotiation_(negotiation), collectives_(collectives) {}
 
   // Member `e` is ready: once every member of its group is, the group's one request goes
   // into `to_coordinator` (or, refused elsewhere or missing a rank that left, every member fails).
@@ -43,8 +33,10 @@ class GroupedOps {
   void Clear() { groups_.clear(); }  // the runtime failed: its ops are failed elsewhere
 
  private:
-  Host* host_;
+  Finisher* host_;
   const ProcessSets* sets_;  // which set negotiates a group (read on the driver)
+  Negotiation* negotiation_;
+  CollectiveOps* collectives_;
   std::map<std::string, std::vector<EntryPtr>> groups_;  // by the group's key: its members, by index
 };
 

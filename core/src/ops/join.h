@@ -1,7 +1,8 @@
 // Horovod's join: a rank that ran out of data calls join(); until every rank has joined it
 // takes part in the other ranks' allreduces contributing the identity of the reduction, in
 // their reducescatters (zeros) and in their barriers (how: join.cc). This class holds this
-// rank's join and what it knows of its peers'. Driver only, but for InFlight().
+// rank's join and what it knows of its peers', and runs the join's steps. Driver only, but
+// for InFlight().
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -10,33 +11,46 @@
 
 #include "engines/backend.h"
 #include "negotiation/coordinator.h"
+#include "runtime/departures.h"
 #include "runtime/entry.h"
 
 namespace shoal {
 
+class NeighborExchange;
+class ResponseCache;
+class Submissions;
+
 class Join {
  public:
-  explicit Join(int world_size) : peer_joined_at_(world_size, -1) {}
+  // What the join needs of the runtime (driver only).
+  class Host {
+   public:
+    virtual void Finish(const EntryPtr& e, const Status& st) = 0;
+    virtual void Ask(const EntryPtr& e, std::vector<Request>* to_coordinator) = 0;  // negotiate `e`
+    // Every earlier call of this rank's went to its coordinator (none queued, held or in a live cached batch).
+    virtual bool Submitted() = 0;
 
-  // Whether `msg` is a peer's join notice, and its runtime generation and join count.
-  static bool IsNotice(const ByteVec& msg, uint64_t* generation, int64_t* epoch);
-  // This rank's call of `name` (step `step`) that it runs on the identity of `sig`'s reduction.
-  static EntryPtr IdentityEntry(const std::string& name, const Signature& sig, int64_t step);
+   protected:
+    ~Host() = default;
+  };
 
-  // This rank joins with op `e`: the notice for every peer.
-  Bytes Start(const EntryPtr& e, uint64_t generation);
-  bool Joining() const { return joining_ != nullptr; }
-  bool RequestDue() const { return joining_ && !sent_; }  // its request has yet to go to the coordinator
-  EntryPtr TakeRequest() {
-    sent_ = true;
-    return joining_;
-  }
-  void Abandon() { joining_ = nullptr; }  // failed (a rank left): so is the job
-  // Every rank joined (response `r`): each of `batch` gets the last rank to join as its result.
+  // `submissions`: where this rank's calls are counted (a joined rank's too); `generation`: the
+  // runtime's (notices of an earlier runtime are ignored).
+  Join(Host* host, Submissions* submissions, Backend* backend, const Departures* departures, ResponseCache* cache,
+       NeighborExchange* neighbors, uint64_t generation);
+
+  // This rank joins with op `e`: every peer hears of it; cached batches go back to the coordinator.
+  void Route(const EntryPtr& e);
+  // The join's request, into `to_coordinator` once this rank's earlier requests went (a cycle's last).
+  void SendRequest(std::vector<Request>* to_coordinator);
+  // `msg` from `rank` on the neighbor tag: true if it is a join notice (and was handled).
+  bool OnMessage(int rank, const ByteVec& msg);
+  // Response `r` (its name `i`) runs while this rank is joined: this rank's identity entries into `batch`.
+  void AddIdentities(const Response& r, size_t i, std::vector<EntryPtr>* batch);
+  // Every rank joined (response `r`): each of `batch` completes with the last rank to join as its result.
   void Complete(const Response& r, const std::vector<EntryPtr>& batch);
+  void Abandon() { joining_ = nullptr; }  // failed (a rank left): so is the job
 
-  // Peer `rank` announced its join number `epoch`: false if that join completed here already.
-  bool OnNotice(int rank, int64_t epoch);
   bool PeerJoined(int rank) const { return peer_joined_at_[rank] == epoch_; }
   bool AnyPeerJoined() const { return any_notice_ && AnyPeerJoinedNow(); }
   // A batch cached now would miss a joined rank in its rounds.
@@ -48,7 +62,16 @@ class Join {
 
  private:
   bool AnyPeerJoinedNow() const;
+  // This rank's call of `name` (step `step`) that it runs on the identity of `sig`'s reduction.
+  EntryPtr IdentityEntry(const std::string& name, const Signature& sig);
 
+  Host* host_;
+  Submissions* submissions_;
+  Backend* backend_;
+  const Departures* departures_;
+  ResponseCache* cache_;
+  NeighborExchange* neighbors_;
+  const uint64_t generation_;
   EntryPtr joining_;  // this rank's join until it completes
   bool sent_ = false;  // its request went to the coordinator
   int64_t epoch_ = 0;  // joins completed

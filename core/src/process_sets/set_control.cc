@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "runtime/submissions.h"
+
 namespace shoal {
 namespace {
 
@@ -69,7 +71,7 @@ void SetControl::Remove(int32_t id, const std::string& refusal) {
   mine.kind = SetVote::kRemove;
   mine.id = id;
   if (!refusal.empty()) mine.code = SHOAL_INVALID_TYPE, mine.refusal = refusal;
-  mine.busy = host_->InFlightIn(id);
+  mine.busy = submissions_->InFlightIn(id);
   std::string what;
   int64_t top = 0;
   const std::vector<SetVote> votes = Agree(mine, &what, &top);

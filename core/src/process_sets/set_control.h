@@ -14,6 +14,8 @@
 
 namespace shoal {
 
+class Submissions;
+
 class SetControl {
  public:
   // What the calls need of the runtime that runs them.
@@ -24,7 +26,6 @@ class SetControl {
     // Queues `e`, an op of the runtime's own that its driver hands to Run, and waits for it
     // (a user thread); SHOAL_ABORTED at once if the runtime stops or left.
     virtual Status RunOnDriver(const EntryPtr& e) = 0;
-    virtual int InFlightIn(int set) = 0;  // ops of set `set` not done on this rank (takes its mutex)
     virtual void Finish(const EntryPtr& e, const Status& st) = 0;
     // Driver: set `s` is being removed: what the runtime keeps of it (cached batches, a vote
     // on retiring its names) goes, and ops waiting for its coordinator fail.
@@ -36,8 +37,8 @@ class SetControl {
   };
 
   // `fusion_threshold`: the coordinators' of the sets this rank leads.
-  SetControl(Host* host, Backend* backend, ProcessSets* sets, int64_t fusion_threshold)
-      : host_(host), backend_(backend), sets_(sets), fusion_threshold_(fusion_threshold) {}
+  SetControl(Host* host, Submissions* submissions, Backend* backend, ProcessSets* sets, int64_t fusion_threshold)
+      : host_(host), submissions_(submissions), backend_(backend), sets_(sets), fusion_threshold_(fusion_threshold) {}
 
   // User threads, every rank in the same order (semantics: shoal_add_process_set). Blocking.
   // `refusal`: this rank refuses the call (bad arguments above the core): every rank raises it.
@@ -57,6 +58,7 @@ class SetControl {
   void DropSet(int32_t id);                                   // driver
 
   Host* host_;
+  Submissions* submissions_;  // ops of a set still in flight here
   Backend* backend_;
   ProcessSets* sets_;
   int64_t fusion_threshold_;

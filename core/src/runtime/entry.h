@@ -67,8 +67,9 @@ struct Entry {
   std::atomic<int> sends_pending{0};  // messages with this entry's data not yet sent
   bool direct_sends = false;          // some leave from input memory: finish only once sent
   Status send_error;                  // of a direct send
-  // Completion (guarded by the runtime's handle mutex).
-  bool done = false;
+  // Completion (Submissions::Complete): `status` is written once, before `done`, so a thread
+  // that reads `done` true reads the final status.
+  std::atomic<bool> done{false};
   Status status;
   shoal_callback callback = nullptr;  // optional completion callback (C ABI)
   void* callback_arg = nullptr;
@@ -83,5 +84,14 @@ struct Entry {
 };
 
 using EntryPtr = std::shared_ptr<Entry>;
+
+// Where an op ends (Scheduler::Finish): its status, counters, handle and callback.
+class Finisher {
+ public:
+  virtual void Finish(const EntryPtr& e, const Status& st) = 0;
+
+ protected:
+  ~Finisher() = default;
+};
 
 }  // namespace shoal

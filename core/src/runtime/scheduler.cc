@@ -1,0 +1,200 @@
+#include "runtime/scheduler.h"
+
+#include <atomic>
+#include <thread>
+
+namespace shoal {
+
+Scheduler::Scheduler(Host* host, const Config& cfg, Backend* backend, Stats* stats, Submissions* submissions,
+                     ProcessSets* sets, SetControl* set_control, uint64_t generation)
+    : host_(host), backend_(backend), stats_(stats), submissions_(submissions), sets_(sets), set_control_(set_control),
+      generation_(generation), devices_(this, cfg, backend, stats),
+      neighbors_(backend, devices_.plane(), cfg.fusion_threshold, stats, !cfg.timeline.empty()),
+      departures_(backend->world().size), collectives_(this, backend, &devices_, stats),
+      negotiation_(this, backend, sets, &departures_, &grouped_, stats, cfg.fusion_threshold),
+      cache_(this, &negotiation_, &collectives_, submissions, cfg, stats), stalls_(cfg, stats),
+      grouped_(this, sets, &negotiation_, &collectives_),
+      join_(this, submissions, backend, &departures_, &cache_, &neighbors_, generation) {}
+
+bool Scheduler::Cycle(const std::vector<EntryPtr>& fresh, bool start_only) {
+  bool progressed = false;
+  std::vector<Request> to_coordinator;
+  for (auto& e : fresh) {
+    if (e->gpu) devices_.Stage(e, &to_coordinator);
+    else Route(e, &to_coordinator);
+  }
+  progressed |= !fresh.empty();
+  negotiation_.TakeLater(&to_coordinator);
+  progressed |= devices_.Poll(&to_coordinator);
+  join_.SendRequest(&to_coordinator);  // after the rank's own requests
+
+  if (!to_coordinator.empty()) {
+    ++stats_->coordinator_rounds;
+    negotiation_.Send(&to_coordinator);
+  }
+  // Every arrived message. The control tag is probed first: that probe also runs MPI's
+  // progress, so neighbor data that just arrived is matched by the next probe in this same
+  // cycle (probing neighbor data first, or MPI_ANY_TAG, left small messages unseen for up
+  // to hundreds of microseconds with the MPICH wheel).
+  constexpr int kRequestTag = Negotiation::kRequestTag, kResponseTag = Negotiation::kResponseTag;
+  static const std::vector<int> kCoordinatorTags = {kRequestTag, NeighborExchange::kTag},
+                                kWorkerTags = {kResponseTag, NeighborExchange::kTag},
+                                kLeaderTags = {kRequestTag, kResponseTag, NeighborExchange::kTag};  // of a process set
+  Status st;
+  int src = -1, tag = -1;
+  while (!start_only) {
+    if (!spare_) spare_ = recv_pool_->Get(0);
+    if (!backend_->Receive(negotiation_.Coordinates() ? kCoordinatorTags : sets_->Leader() ? kLeaderTags : kWorkerTags, &tag, &src,
+                           spare_.get(), &st))
+      break;
+    if (!st.ok()) throw std::runtime_error(st.message);
+    progressed = true;
+    Bytes msg = std::move(spare_);
+    if (tag == NeighborExchange::kTag) {
+      uint64_t generation = 0;
+      if (DevicePlane::IsLinkMessage(*msg)) {
+        devices_.plane()->OnLinkMessage(src, *msg);
+      } else if (NeighborExchange::IsLeaveNotice(*msg, &generation)) {
+        if (generation == generation_) OnLeave(src);  // else: from a runtime before a shutdown
+      } else if (!join_.OnMessage(src, *msg)) {
+        neighbors_.Accept(src, std::move(msg));
+      }
+    } else if (tag == kRequestTag) {
+      negotiation_.OnRequests(src, *msg);
+    } else if (tag == kResponseTag && !negotiation_.Coordinates()) {
+      negotiation_.OnResponses(*msg);
+    } else {
+      throw std::runtime_error("unexpected message with tag " + std::to_string(tag) + " from rank " + std::to_string(src));
+    }
+  }
+  if (!st.ok()) throw std::runtime_error(st.message);
+  if (!start_only) progressed |= negotiation_.Answer();  // of the coordinators this rank runs
+
+  if (!neighbor_ready_.empty()) {
+    neighbors_.Start(neighbor_ready_);
+    neighbor_ready_.clear();
+    progressed = true;
+  }
+  if (start_only) return progressed;
+  progressed |= backend_->Progress();  // first: sends and separate data that completed
+  for (auto& done : neighbors_.Complete()) {
+    Finish(done.first, done.second);
+    progressed = true;
+  }
+  if (!cache_.Empty()) cache_.Check(Clock::now());
+  CheckStalls();
+  return progressed;
+}
+
+bool Scheduler::Busy() {
+  return negotiation_.Waiting() || !neighbors_.Idle() || backend_->num_in_flight() > 0 || devices_.Busy();
+}
+
+void Scheduler::Finish(const EntryPtr& e, const Status& st_in) {
+  Status st = e->gpu ? devices_.Complete(*e, st_in) : st_in;
+  // A failure while the job lost a rank is the loss's, whatever failed first (a send to the
+  // dead rank, a peer's leave notice): one error on every survivor (docs/design.md §16).
+  if (!st.ok() && st.code != SHOAL_RANK_LOST && backend_->Lost()) st.code = SHOAL_RANK_LOST;
+  if (st.ok()) {
+    switch (e->sig.op) {
+      case SHOAL_OP_ALLREDUCE: ++stats_->allreduce; break;
+      case SHOAL_OP_BROADCAST: ++stats_->broadcast; break;
+      case SHOAL_OP_ALLGATHER: ++stats_->allgather; break;
+      case SHOAL_OP_BARRIER: ++stats_->barrier; break;
+      case SHOAL_OP_NEIGHBOR_ALLREDUCE: ++stats_->neighbor_allreduce; break;
+      case SHOAL_OP_NEIGHBOR_ALLGATHER: ++stats_->neighbor_allgather; break;
+      case SHOAL_OP_REDUCESCATTER: ++stats_->reducescatter; break;
+      case SHOAL_OP_HIERARCHICAL_NEIGHBOR_ALLREDUCE: ++stats_->hierarchical_neighbor_allreduce; break;
+      case SHOAL_OP_ALLTOALL: ++stats_->alltoall; break;
+    }
+  } else {
+    ++stats_->errors;
+    Log(LOG_DEBUG, "op failed: " + st.message);
+    if (e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER)
+      neighbors_.Failed(e->name, e->step);  // its peers' pieces of that step are not data for the next
+  }
+  // Before the op is done: a thread it wakes may call join() again.
+  if (e->sig.op == kOpJoin) join_.SetInFlight(false);
+  host_->Complete(e, st);
+}
+
+void Scheduler::Leave() {
+  cache_.DoomAll();  // every rank dooms them when it hears of this; this rank's rounds first
+  auto pending = std::make_shared<std::atomic<int>>(0);
+  const WorldInfo& w = backend_->world();
+  for (int r = 0; r < w.size; ++r) {
+    if (r == w.rank || departures_.Left(r)) continue;
+    ++*pending;
+    backend_->Send(r, NeighborExchange::kTag, NeighborExchange::LeaveNotice(generation_),
+                   [pending](const Status&) { --*pending; });
+  }
+  // Small messages complete at once; a peer that is gone must not hold this rank here.
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while ((*pending > 0 || cache_.InFlight()) && Clock::now() < deadline) {
+    if (!backend_->Progress()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void Scheduler::Stop() {
+  cache_.KeepRoundBuffers();
+  devices_.Stop();
+}
+
+void Scheduler::Abandon() {
+  negotiation_.Clear();
+  grouped_.Clear();
+  neighbor_ready_.clear();
+  neighbors_.TakeAll();
+}
+
+bool Scheduler::Submitted() {
+  // Doomed batches hand their ops to the negotiation's late requests, which this cycle sent.
+  // Calls held for a vote on retiring names (negotiation/names.cc) are this rank's calls
+  // before the join: they reach the coordinator first (queued at the commit, sent the
+  // cycle after).
+  return !cache_.HoldsOwnOps() && devices_.Idle() && submissions_->Idle();
+}
+
+// Retiring idle names (negotiation/names.cc): the table decides; the scheduler sends the
+// vote, and forgets the retired names' negotiated state.
+void Scheduler::Retire(const Response& r) {
+  if (r.names.empty()) {  // the names every rank proposed: this rank's vote
+    if (r.set && !negotiation_.SetOf(r.set)) return;  // removed meanwhile (ForgetSet forgot its proposal)
+    Request vote;
+    if (submissions_->Vote(r, &vote)) negotiation_.SendLater(std::move(vote));  // sent next cycle, whatever the user threads do
+    return;
+  }
+  std::set<std::string> gone;  // the vote's outcome
+  if (r.kind == Response::EXECUTE)
+    for (auto& n : r.retired) gone.insert(SetKey(r.set, n));
+  Thaw(r.set, gone);
+}
+
+void Scheduler::Thaw(int set, const std::set<std::string>& gone) {
+  const NameTable::Thawed out = submissions_->Thaw(set, gone);  // the held calls queued
+  for (auto& key : out.retired) {
+    neighbor_patterns_.Forget(key);
+    stalls_.Forget(key);
+  }
+  stats_->names_retired += out.ops_retired;
+  stats_->held_calls += static_cast<int64_t>(out.calls.size());
+}
+
+void Scheduler::EndSet(const ProcessSet& s) {
+  const int id = s.id;
+  cache_.Drop(id);
+  if (submissions_->Voting(id)) Thaw(id, {});  // its coordinator will not answer the vote
+  // Submitted by another thread meanwhile.
+  negotiation_.FailAwaiting([id](const Entry& e) { return e.set == id; }, SHOAL_INVALID_ARGUMENT,
+                            s.Describe() + " was removed");
+}
+
+void Scheduler::ForgetSet(int set) {
+  submissions_->Forget(set);
+  negotiation_.ForgetSet(set);
+  std::string name;
+  neighbor_patterns_.ForgetIf([&](const std::string& key) { return KeyInSet(key, set, &name); });
+  stalls_.ForgetSet(set);
+}
+
+}  // namespace shoal
