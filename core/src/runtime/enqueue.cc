@@ -24,8 +24,14 @@ int64_t Runtime::Enqueue(const shoal_op_desc& d, shoal_callback cb, void* cb_arg
   if (d.op == kOpJoin && !sets_.Empty())
     throw ArgumentError(SHOAL_INVALID_ARGUMENT, "join: not supported while process sets other than the global one "
                                                 "exist (remove_process_set them first)");
-  if (d.op == kOpJoin) scheduler_.SetJoining();
-  const int64_t handle = submissions_.Add(e, d.name, sets_.NegotiatedIn(e->set, e->sig.scope), cb, cb_arg);
+  if (d.op == kOpJoin) scheduler_.SetJoining(true);
+  int64_t handle;
+  try {
+    handle = submissions_.Add(e, d.name, sets_.NegotiatedIn(e->set, e->sig.scope), cb, cb_arg);
+  } catch (const ArgumentError&) {
+    if (d.op == kOpJoin) scheduler_.SetJoining(false);  // refused (a name in flight): no join
+    throw;
+  }
   Start(lock, cb != nullptr);
   return handle;
 }

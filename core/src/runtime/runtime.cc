@@ -226,7 +226,12 @@ bool Runtime::SafeCycle(bool start_only) {
   if (!backend_->Lost()) Log(LOG_ERROR, "runtime loop failed: " + failure);
   scheduler_.Abandon();
   fresh_.clear();
-  stop_ = true;
+  {
+    // Under the mutex: an Enqueue admitted before this point has queued its op (FailAll
+    // below fails it); one after it is refused. The cycle runs with the mutex released.
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
   if (backend_->Lost()) FailAll(kLostRank, SHOAL_RANK_LOST);
   else FailAll("Shoal's runtime failed: " + failure);
   return false;

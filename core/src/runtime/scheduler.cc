@@ -113,8 +113,9 @@ void Scheduler::Finish(const EntryPtr& e, const Status& st_in) {
     if (e->sig.op == SHOAL_OP_NEIGHBOR_ALLREDUCE || e->sig.op == SHOAL_OP_NEIGHBOR_ALLGATHER)
       neighbors_.Failed(e->name, e->step);  // its peers' pieces of that step are not data for the next
   }
-  // Before the op is done: a thread it wakes may call join() again.
-  if (e->sig.op == kOpJoin) join_.SetInFlight(false);
+  // Before the op is done (a thread it wakes may call join() again), and only the first time
+  // (a later join may be in flight by a repeated finish).
+  if (e->sig.op == kOpJoin && !e->done) join_.SetInFlight(false);
   host_->Complete(e, st);
 }
 

@@ -39,7 +39,7 @@ class Scheduler final : private Finisher, private Negotiation::Host, private Res
    public:
     // `e` is over with `st` (the scheduler's part done): its handle, waiters and callback.
     virtual void Complete(const EntryPtr& e, const Status& st) = 0;
-    // Fails every op not completed, with `code` and "<op> '<name>': <why>" (takes the runtime's mutex).
+    // Fails every op not completed, with `code` and "<op> '<name>': <why>".
     virtual void FailAll(const std::string& why, int code) = 0;
 
    protected:
@@ -66,7 +66,7 @@ class Scheduler final : private Finisher, private Negotiation::Host, private Res
   const Departures& departures() const { return departures_; }  // Message(): any thread
   // Any thread: this rank's join is in flight (it takes part in no new ops; ops/join.h).
   bool Joining() const { return join_.InFlight(); }
-  void SetJoining() { join_.SetInFlight(true); }
+  void SetJoining(bool v) { join_.SetInFlight(v); }
 
   // Process-set changes (process_sets/set_control.h): set `s` is being removed; set `set` is gone.
   void EndSet(const ProcessSet& s);

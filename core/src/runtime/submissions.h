@@ -1,8 +1,9 @@
 // The ops this rank's threads submitted, from the call to their handle's release: each op's
 // name and step (negotiation/names.h, and the vote that retires idle names), the queue the
 // progress driver takes each cycle, and the handles user threads poll and wait on.
-// Any thread. Its own mutex, never held while it calls out; the runtime's mutex, where
-// both are held, is taken first (docs/design.md, "Core layout").
+// Any thread. Its own mutex; under it, it calls out only to code that takes no lock
+// (HierarchicalStages::Start, the proposal's `busy` test). The runtime's mutex, where both
+// are held, is taken first (docs/design.md, "Core layout").
 #pragma once
 #include <atomic>
 #include <functional>
