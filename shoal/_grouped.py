@@ -37,11 +37,13 @@ def _linger(handles, keep):
         _core.linger(h, keep)
 
 
-def _submit_group(op, name, adapter, tensors, outputs, keep, result, code=0, scope=WORLD, process_set=0):
+def _submit_group(op, name, adapter, tensors, outputs, keep, result, code=0, scope=WORLD, process_set=0,
+                  scaling=None):
     """Enqueue the grouped form of `op` over `tensors` (prepared, with `outputs` or None
     each): one negotiation for the list, every member runs or every member fails with the
-    same error. `code`: the reduce op's; `process_set`: the core's id of the set. Returns one handle; `synchronize` gives
-    [result(i, member handle), ...]."""
+    same error. `code`: the reduce op's; `process_set`: the core's id of the set; `scaling`:
+    Horovod's for every member (shoal._horovod.scaling). Returns one handle; `synchronize`
+    gives [result(i, member handle), ...]."""
     name = op_name(name)
     items = []
     for t, o in zip(tensors, outputs):
@@ -49,7 +51,8 @@ def _submit_group(op, name, adapter, tensors, outputs, keep, result, code=0, sco
         out_ptr = ptr if o is None or o is t else adapter.describe(o)[0]
         items.append((ptr, dtype, shape, out_ptr) + tuple(adapter.device(t)))
     STATE.calls.reached = True
-    handles = _core.enqueue_group(op, name, items, reduce_op=code, scope=scope, process_set=process_set)
+    handles = _core.enqueue_group(op, name, items, reduce_op=code, scope=scope, process_set=process_set,
+                                  scaling=scaling)
     first, rest = handles[0], _Members(handles[1:], keep)
 
     def finish():
@@ -68,15 +71,15 @@ def _tensor_list(tensors, what):
 
 @_told(GROUPED | ALLREDUCE)
 def grouped_allreduce(adapter, tensors, average=None, name=None, op=None, inplace=False, scope=WORLD,
-                      process_set=None):
-    """See `shoal.grouped_allreduce_nonblocking` for the semantics."""
+                      process_set=None, scaling=None):
+    """See `shoal.grouped_allreduce_nonblocking` for the semantics; `scaling`: Horovod's."""
     rop = reduce_op(average, op)
     pset = process_sets.id_of(process_set, "grouped_allreduce")
     tensors = _tensor_list(tensors, "grouped_allreduce")
     pairs = [adapter.prepare(t, inplace, "grouped_allreduce") for t in tensors]
     outs = [p[1] for p in pairs]
     return _submit_group(ALLREDUCE, name, adapter, [p[0] for p in pairs], outs, (tensors, pairs),
-                         lambda i, h: outs[i], code=rop.code, scope=scope, process_set=pset)
+                         lambda i, h: outs[i], code=rop.code, scope=scope, process_set=pset, scaling=scaling)
 
 
 def _gathered(adapter, srcs):
@@ -97,11 +100,11 @@ def grouped_allgather(adapter, tensors, name=None, process_set=None):
 
 
 @_told(GROUPED | REDUCESCATTER)
-def grouped_reducescatter(adapter, tensors, op=None, name=None, process_set=None):
-    """See `shoal.grouped_reducescatter_nonblocking` for the semantics."""
+def grouped_reducescatter(adapter, tensors, op=None, name=None, process_set=None, scaling=None):
+    """See `shoal.grouped_reducescatter_nonblocking` for the semantics; `scaling`: Horovod's."""
     rop = reducescatter_op(op)
     pset = process_sets.id_of(process_set, "grouped_reducescatter")
     tensors = _tensor_list(tensors, "grouped_reducescatter")
     srcs = [adapter.prepare(t, False, "grouped_reducescatter", need_output=False)[0] for t in tensors]
     return _submit_group(REDUCESCATTER, name, adapter, srcs, [None] * len(srcs), (tensors, srcs),
-                         _gathered(adapter, srcs), code=rop.code, process_set=pset)
+                         _gathered(adapter, srcs), code=rop.code, process_set=pset, scaling=scaling)

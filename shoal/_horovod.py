@@ -39,6 +39,26 @@ def check_process_set(process_set, what):
     raise NotImplementedError(f"{what}: process_set={process_set!r}: only the global process set is supported here")
 
 
+def factor(value, what):
+    """A scaling factor as a float: any real number (numpy scalars, a one-element tensor:
+    what Horovod's C++ binding converts to double); TypeError for bool and non-numbers."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def scaling(prescale_factor, postscale_factor, integer_average):
+    """Horovod's scaling of an allreduce or reducescatter for the core (`_core.enqueue`'s
+    `scaling`; shoal_op_desc.horovod_scaling): (prescale, postscale) as floats, or None when
+    there is nothing to do. The core multiplies each rank's input by the prescale and the
+    result by the postscale (after Average's division), integers truncated toward zero as
+    Horovod's ScaleBuffer; `integer_average` (op=Average of an integer tensor) asks for
+    Horovod's truncated integer average, which Shoal's own names refuse. TypeError for a
+    factor that is not a number."""
+    pre, post = factor(prescale_factor, "prescale_factor"), factor(postscale_factor, "postscale_factor")
+    return (pre, post) if integer_average or pre != 1.0 or post != 1.0 else None
+
+
 # ---- Compression: Horovod's compress(tensor) -> (tensor, ctx) / decompress(tensor, ctx) ----
 
 class Compressor:

@@ -131,10 +131,11 @@ def op_name(name):
 
 
 def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce_op=0, root=0,
-            scope=WORLD, peers=None, splits=None, process_set=0):
+            scope=WORLD, peers=None, splits=None, process_set=0, scaling=None):
     """Enqueue one op; returns its handle, or with `block` waits and returns finish().
     `peers`: a neighbor op's lists (`_core.NeighborArgs`, see `peers_of`); `splits`: an
-    alltoall's rows per rank; `process_set`: the core's id of the set that runs it."""
+    alltoall's rows per rank; `process_set`: the core's id of the set that runs it;
+    `scaling`: Horovod's (shoal._horovod.scaling), for allreduce and reducescatter."""
     name = op_name(name)
     ptr, dtype, shape = adapter.describe(tensor)
     out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
@@ -142,7 +143,7 @@ def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce
     STATE.calls.reached = True
     handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, peers=peers, reduce_op=reduce_op, root=root,
                            scope=scope, device_type=device_type, device_id=device_id, stream=stream,
-                           block=block, keep=keep, splits=splits, process_set=process_set)
+                           block=block, keep=keep, splits=splits, process_set=process_set, scaling=scaling)
     if block:  # waited for and released by the core already
         return finish()
     with STATE.lock:
@@ -163,25 +164,16 @@ def _submit_gather(op, name, adapter, tensor, **kw):
     return holder["h"]
 
 
-def then(handle, fn):
-    """Continue the op behind `handle` with `fn(result)` at `synchronize` (a binding's
-    finishing step, e.g. Horovod's postscale)."""
-    with STATE.lock:
-        keep, finish = STATE.pending[handle]
-        STATE.pending[handle] = (keep, lambda: fn(finish()))
-    return handle
-
-
 # Each op below enqueues and returns a handle for `synchronize`, or with block=True waits
 # and returns the result (one call into the core instead of two).
 @_told(ALLREDUCE)
 def allreduce(adapter, tensor, average=None, name=None, op=None, inplace=False, scope=WORLD,
-              block=False, process_set=None):
+              block=False, process_set=None, scaling=None):
     rop = reduce_op(average, op)
     pset = process_sets.id_of(process_set, "allreduce")
     src, out = adapter.prepare(tensor, inplace, "allreduce")
     return _submit(ALLREDUCE, name, adapter, src, out, (tensor, src, out), lambda: out, block,
-                   reduce_op=rop.code, scope=scope, process_set=pset)
+                   reduce_op=rop.code, scope=scope, process_set=pset, scaling=scaling)
 
 
 def root_int(root_rank):
@@ -222,10 +214,11 @@ def allgather(adapter, tensor, name=None, process_set=None):
 
 
 @_told(REDUCESCATTER)
-def reducescatter(adapter, tensor, op=None, name=None, process_set=None):
-    """See `shoal.reducescatter_nonblocking` for the semantics."""
+def reducescatter(adapter, tensor, op=None, name=None, process_set=None, scaling=None):
+    """See `shoal.reducescatter_nonblocking` for the semantics; `scaling`: Horovod's."""
     pset = process_sets.id_of(process_set, "reducescatter")
-    return _submit_gather(REDUCESCATTER, name, adapter, tensor, reduce_op=reducescatter_op(op).code, process_set=pset)
+    return _submit_gather(REDUCESCATTER, name, adapter, tensor, reduce_op=reducescatter_op(op).code, process_set=pset,
+                          scaling=scaling)
 
 
 def split_list(splits):

@@ -159,13 +159,22 @@ shoal_op_desc Describe(int op, py::handle input, int dtype, const std::vector<in
   return d;
 }
 
+// Horovod's scaling on a desc: `scaling` is None or (prescale_factor, postscale_factor).
+void SetScaling(shoal_op_desc* d, const std::optional<std::pair<double, double>>& scaling) {
+  if (!scaling) return;
+  d->horovod_scaling = 1;
+  d->prescale_factor = scaling->first;
+  d->postscale_factor = scaling->second;
+}
+
 // Any op, from its parts (the shoal._ops path); `peers`: a neighbor op's lists (None: no
 // peers); `splits`: an alltoall's rows per rank (None: even); `process_set`: the set's id
-// (0: every rank).
+// (0: every rank); `scaling`: Horovod's (see SetScaling).
 int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, const std::vector<int64_t>& shape,
                 py::handle output, const NeighborArgs* peers, int reduce_op, int root, int scope, int device_type,
                 int device_id, uintptr_t stream, bool block, py::object keep,
-                const std::optional<std::vector<int64_t>>& splits, int process_set) {
+                const std::optional<std::vector<int64_t>>& splits, int process_set,
+                const std::optional<std::pair<double, double>>& scaling) {
   static const NeighborArgs kNoPeers{};
   shoal_op_desc d =
       Describe(op, input, dtype, shape, output, reduce_op, scope, device_type, device_id, stream, process_set);
@@ -176,13 +185,15 @@ int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, co
     d.n_splits = static_cast<int32_t>(splits->size());
     d.splits = splits->data();
   }
+  SetScaling(&d, scaling);
   return Submit(d, block, keep.is_none() ? py::object(py::make_tuple(input, output)) : keep);
 }
 
 // A grouped op (shoal_enqueue_group): `tensors` is a list of (input, dtype, shape, output,
-// device type, device id, stream); returns the members' handles.
+// device type, device id, stream); returns the members' handles. `scaling` as Enqueue's,
+// for every member.
 std::vector<int64_t> EnqueueGroup(int op, const std::string& name, const py::list& tensors, int reduce_op, int scope,
-                                  int process_set) {
+                                  int process_set, const std::optional<std::pair<double, double>>& scaling) {
   if (!g_lingering->empty()) ReleaseLingering();
   const size_t n = tensors.size();
   std::vector<std::vector<int64_t>> shapes(n);
@@ -192,6 +203,7 @@ std::vector<int64_t> EnqueueGroup(int op, const std::string& name, const py::lis
     shapes[i] = t[2].cast<std::vector<int64_t>>();
     descs[i] = Describe(op, t[0], t[1].cast<int>(), shapes[i], t[3], reduce_op, scope, t[4].cast<int>(),
                         t[5].cast<int>(), t[6].cast<uintptr_t>(), process_set);
+    SetScaling(&descs[i], scaling);
   }
   std::vector<int64_t> handles(n);
   char err[kErrLen];
@@ -460,9 +472,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("shape"), py::arg("output"), py::kw_only(), py::arg("peers") = py::none(),
         py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("scope") = 0, py::arg("device_type") = 0,
         py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false, py::arg("keep") = py::none(),
-        py::arg("splits") = py::none(), py::arg("process_set") = 0);
+        py::arg("splits") = py::none(), py::arg("process_set") = 0, py::arg("scaling") = py::none());
   m.def("enqueue_group", &EnqueueGroup, py::arg("op"), py::arg("name"), py::arg("tensors"), py::kw_only(),
-        py::arg("reduce_op") = 0, py::arg("scope") = 0, py::arg("process_set") = 0);
+        py::arg("reduce_op") = 0, py::arg("scope") = 0, py::arg("process_set") = 0, py::arg("scaling") = py::none());
   m.def("received_splits", [](int64_t h) {  // of a completed alltoall
     std::vector<int64_t> v(shoal_size() > 0 ? shoal_size() : 1);
     int32_t n = 0;

@@ -2,8 +2,8 @@
 // shoal::neighbor_allreduce (bindings/torch/_ops.py), which torch.compile's graphs call: the
 // dispatcher hands them the schema's arguments, already checked and resolved when the
 // graph was traced, so a plain tensor goes to the core in one call as the eager entry
-// points' do (native_entry.cc). Anything else (another tensor type, an integer average, an
-// argument out of range) calls the Python kernel given at creation, which converts, computes
+// points' do (native_entry.cc). Anything else (another tensor type, an argument out of
+// range) calls the Python kernel given at creation, which converts, computes
 // or raises exactly as before (docs/design.md §2).
 #include <climits>
 #include <utility>
@@ -58,13 +58,27 @@ PyObject* Zero() {
   return zero;
 }
 
-// shoal::allreduce(Tensor tensor, int reduce_op, bool local, str name, int process_set=0).
-// An integer Average is the fallback's (it truncates the sum's quotient toward zero).
+PyObject* One() {
+  static PyObject* const one = PyFloat_FromDouble(1.0);
+  return one;
+}
+
+// Horovod's scaling of `d` (as shoal._horovod.scaling asks for it in the Python kernels):
+// the factors (exact floats), and Horovod's truncated average of an integer tensor.
+void Scaling(PyObject* pre, PyObject* post, shoal_op_desc* d) {
+  d->prescale_factor = PyFloat_AS_DOUBLE(pre);
+  d->postscale_factor = PyFloat_AS_DOUBLE(post);
+  d->horovod_scaling = d->prescale_factor != 1.0 || d->postscale_factor != 1.0 ||
+                       (d->reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloat(d->input.dtype));
+}
+
+// shoal::allreduce(Tensor tensor, int reduce_op, bool local, str name, int process_set=0,
+// float prescale=1.0, float postscale=1.0).
 PyObject* KernelAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  static const char* const kParams[] = {"tensor", "reduce_op", "local", "name", "process_set"};
-  constexpr Py_ssize_t kN = 5;
+  static const char* const kParams[] = {"tensor", "reduce_op", "local", "name", "process_set", "prescale", "postscale"};
+  constexpr Py_ssize_t kN = 7;
   auto* st = *static_cast<Native**>(PyModule_GetState(self));
-  PyObject* a[kN] = {nullptr, nullptr, nullptr, nullptr, Zero()};
+  PyObject* a[kN] = {nullptr, nullptr, nullptr, nullptr, Zero(), One(), One()};
   bool given[kN] = {};
   const bool simple = Parse(args, nargs, kwnames, kParams, kN, a, given) && given[0] && given[1] && given[2] &&
                       given[3];
@@ -78,12 +92,13 @@ PyObject* KernelAllreduce(PyObject* self, PyObject* const* args, Py_ssize_t narg
     PyObject *op, *code;
     while (name && !known && PyDict_Next(st->ops.ptr(), &pos, &op, &code))
       known = PyLong_CheckExact(code) && PyLong_AsLongLong(code) == rop;
-    if (!known || (rop == SHOAL_REDUCE_AVERAGE && !IsFloat(in.dtype))) return Fallback(*st, args, nargs, kwnames);
+    if (!known || !PyFloat_CheckExact(a[5]) || !PyFloat_CheckExact(a[6])) return Fallback(*st, args, nargs, kwnames);
     shoal_op_desc d;
     py::object out = Describe(*st, a[0], in, SHOAL_OP_ALLREDUCE, name, &d);
     d.reduce_op = static_cast<int>(rop);
     d.scope = a[2] == Py_True ? SHOAL_SCOPE_MACHINE : SHOAL_SCOPE_WORLD;
     d.process_set = static_cast<int32_t>(pset);
+    Scaling(a[5], a[6], &d);
     return Finish(*st, d, a[0], std::move(out));
   });
 }

@@ -7,15 +7,11 @@ Eager and inside tf.function.
 """
 import tensorflow as tf
 
-from shoal import _gradients, _ops, _process, process_sets
+from shoal import _gradients, _ops, process_sets
 from shoal._ops import Average, Sum
 
 from . import _horovod
-from .ops import _grad_name, _lib, _name, _run, _scale, allreduce_grad
-
-
-def _is_float(t):
-    return t.dtype.is_floating or t.dtype.is_complex
+from .ops import _attrs, _grad_name, _lib, _name, _run, _times, allreduce_grad, factors, scaling_attrs
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=_horovod.global_process_set):
@@ -58,24 +54,11 @@ def _tensors(tensors, what):
 
 
 def _extras(tensors, rop, prescale_factor, postscale_factor, compression):
-    """(compressed tensors prescaled, their contexts, core reduce op code, finish(outs)) of a
-    grouped op with Horovod's arguments. One reduce op serves the group: with op=Average
-    and an integer member, the core sums and each member is divided by size() here
-    (integers truncated toward zero, Horovod's integer average)."""
+    """(compressed tensors, their contexts, the kernel's scaling attributes) of a grouped op
+    with Horovod's arguments. One reduce op serves the group: with op=Average, integer
+    members are averaged as Horovod's (truncated toward zero) by the core."""
     sent, ctxs = zip(*[compression.compress(t) for t in tensors])
-    divide = rop is Average and not all(_is_float(t) for t in sent)
-    pre, post = float(prescale_factor), float(postscale_factor)
-
-    def finish(outs, n):
-        done = []
-        for o in outs:
-            if divide and not _is_float(o):
-                o = tf.truncatediv(o, tf.cast(n, o.dtype)) if post == 1.0 else _scale(o, post / n)
-            else:
-                o = _scale(o / tf.cast(n, o.dtype) if divide else o, post)
-            done.append(o)
-        return [compression.decompress(o, c) for o, c in zip(done, ctxs)]
-    return [_scale(t, pre) for t in sent], (Sum.code if divide else rop.code), finish
+    return list(sent), ctxs, scaling_attrs(rop, sent, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=_horovod.Compression.none,
@@ -96,11 +79,11 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     _horovod.check_op(op, what)
     compression = _horovod.check_compression(compression, what)
     rop = _ops.reduce_op(average, op)
-    xs, code, finish = _extras(_tensors(tensors, what), rop, prescale_factor, postscale_factor, compression)
+    xs, ctxs, attrs = _extras(_tensors(tensors, what), rop, prescale_factor, postscale_factor, compression)
     scope = int(bool(is_hierarchical_local))
-    outs = _run(what, lambda: _lib.shoal_grouped_allreduce(xs, op_name=_name(what, name, ps), reduce_op=code,
-                                                           scope=scope, process_set=ps))
-    return finish(outs, _process.local_size() if is_hierarchical_local else process_sets.layout(ps)[0])
+    outs = _run(what, lambda: _lib.shoal_grouped_allreduce(xs, op_name=_name(what, name, ps), reduce_op=rop.code,
+                                                           scope=scope, process_set=ps, **attrs))
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=_horovod.global_process_set):
@@ -128,11 +111,11 @@ def grouped_reducescatter(tensors, device_dense="", compression=_horovod.Compres
     ps = process_sets.id_of(process_set, what)
     _horovod.check_op(op, what)
     compression = _horovod.check_compression(compression, what)
-    xs, code, finish = _extras(_tensors(tensors, what), _ops.reducescatter_op(op), prescale_factor, postscale_factor,
-                               compression)
-    outs = _run(what, lambda: _lib.shoal_grouped_reducescatter(xs, op_name=_name(what, name, ps), reduce_op=code,
-                                                               process_set=ps))
-    return finish(outs, process_sets.layout(ps)[0])
+    rop = _ops.reducescatter_op(op)
+    xs, ctxs, attrs = _extras(_tensors(tensors, what), rop, prescale_factor, postscale_factor, compression)
+    outs = _run(what, lambda: _lib.shoal_grouped_reducescatter(xs, op_name=_name(what, name, ps), reduce_op=rop.code,
+                                                               process_set=ps, **attrs))
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
 
 
 def _filled(op, grads):
@@ -143,10 +126,11 @@ def _filled(op, grads):
 @tf.RegisterGradient("ShoalGroupedAllreduce")
 def _grouped_allreduce_grad(op, *grads):
     forward, scope, name, ps = op.get_attr("reduce_op"), op.get_attr("scope"), _grad_name(op), op.get_attr("process_set")
-    grads = _filled(op, grads)
-    if forward in (Sum.code, Average.code):
-        return _lib.shoal_grouped_allreduce(grads, op_name=name, reduce_op=forward, scope=scope, process_set=ps)
-    return [allreduce_grad(x, y, g, forward, scope, f"{name}.{i}" if name else "", ps)
+    grads, (pre, post) = _filled(op, grads), factors(op)
+    if forward in (Sum.code, Average.code):  # as allreduce's: the factors swapped
+        return _lib.shoal_grouped_allreduce(grads, op_name=name, reduce_op=forward, scope=scope, process_set=ps,
+                                            **_attrs((post, pre) if (pre, post) != (1.0, 1.0) else None))
+    return [allreduce_grad(x, y, g, forward, scope, f"{name}.{i}" if name else "", ps, pre, post)
             for i, (x, y, g) in enumerate(zip(op.inputs, op.outputs, grads))]
 
 
@@ -167,10 +151,11 @@ def _grouped_allgather_grad(op, *grads):
 
 @tf.RegisterGradient("ShoalGroupedReducescatter")
 def _grouped_reducescatter_grad(op, *grads):
-    ps = op.get_attr("process_set")
-    gathered = _lib.shoal_grouped_allgather(_filled(op, grads), op_name=_grad_name(op), process_set=ps)
+    ps, (pre, post) = op.get_attr("process_set"), factors(op)
+    gathered = _lib.shoal_grouped_allgather([_times(g, post) for g in _filled(op, grads)], op_name=_grad_name(op),
+                                            process_set=ps)
     n = process_sets.layout(ps)[0]
-    return [_gradients.reducescatter_grad(g, op.get_attr("reduce_op"), n) for g in gathered]
+    return [_times(_gradients.reducescatter_grad(g, op.get_attr("reduce_op"), n), pre) for g in gathered]
 
 
 __all__ = ["alltoall", "grouped_allreduce", "grouped_allgather", "grouped_reducescatter"]

@@ -7,6 +7,7 @@ import tensorflow as tf
 import shoal
 from shoal import _gradients, _hierarchical, _metrics, _ops, _sparse, process_sets
 from shoal._gradients import grad_name
+from shoal._horovod import factor, scaling
 from shoal._process import STATE
 
 from . import _build, _horovod
@@ -64,14 +65,21 @@ def _run(op, fn):
         raise
 
 
-def _scale(t, factor):
-    """t * factor; integer tensors truncate toward zero (Horovod's ScaleBuffer)."""
-    if factor == 1.0:
-        return t
-    if t.dtype.is_floating or t.dtype.is_complex:
-        return t * tf.cast(factor, t.dtype)
-    v = tf.cast(t, tf.float64) * factor
-    return tf.cast(tf.math.sign(v) * tf.math.floor(tf.math.abs(v)), t.dtype)  # toward zero (TF has no trunc)
+def scaling_attrs(rop, tensors, prescale_factor, postscale_factor):
+    """The kernel attributes of Horovod's scaling of an op on `tensors` (a grouped op's
+    members), done by the core (shoal._horovod.scaling): the factors (float attributes, as
+    Horovod's own ops have them), and op=Average of integer tensors as Horovod's truncated
+    average (bool is no integer here: the core refuses it)."""
+    integer_average = rop is Average and any(not (t.dtype.is_floating or t.dtype.is_complex) and t.dtype != tf.bool
+                                             for t in tensors)
+    return _attrs(scaling(prescale_factor, postscale_factor, integer_average))
+
+
+def _attrs(scaling):
+    """The kernel attributes of a (prescale, postscale) pair, or of None (no scaling)."""
+    if scaling is None:
+        return {}
+    return {"horovod_scaling": True, "prescale_factor": scaling[0], "postscale_factor": scaling[1]}
 
 
 def _sparse_allreduce(slices, rop, name, pre, post, process_set):
@@ -113,23 +121,15 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
     _horovod.check_op(op, "allreduce")
     compression = _horovod.check_compression(compression, "allreduce")
     rop = _ops.reduce_op(average, op)
-    pre, post = float(prescale_factor), float(postscale_factor)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, rop, name, pre, post, process_set)
+        return _sparse_allreduce(tensor, rop, name, factor(prescale_factor, "prescale_factor"),
+                                 factor(postscale_factor, "postscale_factor"), process_set)
     ps = process_sets.id_of(process_set, "allreduce")
-    tensor = tf.convert_to_tensor(tensor)
-    sent, ctx = compression.compress(tensor)
-    integer_average = rop is Average and not (sent.dtype.is_floating or sent.dtype.is_complex)
-    scope = int(bool(is_hierarchical_local))
-    code = Sum.code if integer_average else rop.code
-    sent = _scale(sent, pre)
+    sent, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    attrs = scaling_attrs(rop, [sent], prescale_factor, postscale_factor)
     out = _run("allreduce", lambda: _lib.shoal_allreduce(
-        sent, op_name=_name("allreduce", name, ps), reduce_op=code, scope=scope, process_set=ps))
-    if integer_average:
-        n = shoal.local_size() if is_hierarchical_local else process_sets.layout(ps)[0]
-        out = tf.truncatediv(out, tf.cast(n, out.dtype)) if post == 1.0 else _scale(out, post / n)
-    else:
-        out = _scale(out, post)
+        sent, op_name=_name("allreduce", name, ps), reduce_op=rop.code, scope=int(bool(is_hierarchical_local)),
+        process_set=ps, **attrs))
     return compression.decompress(out, ctx)
 
 
@@ -179,17 +179,9 @@ def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none
     if rop is not Average and rop is not Sum:
         raise ValueError(f"reducescatter: op must be Average or Sum (as in Horovod), got {rop!r}")
     sent, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    integer_average = rop is Average and not (sent.dtype.is_floating or sent.dtype.is_complex)
-    code = Sum.code if integer_average else rop.code
-    sent = _scale(sent, float(prescale_factor))
+    attrs = scaling_attrs(rop, [sent], prescale_factor, postscale_factor)
     out = _run("reducescatter", lambda: _lib.shoal_reducescatter(
-        sent, op_name=_name("reducescatter", name, ps), reduce_op=code, process_set=ps))
-    post = float(postscale_factor)
-    if integer_average:
-        n = process_sets.layout(ps)[0]
-        out = tf.truncatediv(out, tf.cast(n, out.dtype)) if post == 1.0 else _scale(out, post / n)
-    else:
-        out = _scale(out, post)
+        sent, op_name=_name("reducescatter", name, ps), reduce_op=rop.code, process_set=ps, **attrs))
     return compression.decompress(out, ctx)
 
 
@@ -238,34 +230,53 @@ def _grad_name(op):
     return grad_name(name.decode() if isinstance(name, bytes) else name)
 
 
+def factors(op):
+    """(prescale, postscale) of a Shoal op node (1.0 each without Horovod's scaling)."""
+    if not op.get_attr("horovod_scaling"):
+        return 1.0, 1.0
+    return op.get_attr("prescale_factor"), op.get_attr("postscale_factor")
+
+
+def _times(t, f):
+    return t * tf.cast(f, t.dtype) if f != 1.0 else t
+
+
 @tf.RegisterGradient("ShoalAllreduce")
 def _allreduce_grad(op, grad):
     return allreduce_grad(op.inputs[0], op.outputs[0], grad, op.get_attr("reduce_op"), op.get_attr("scope"),
-                          _grad_name(op), op.get_attr("process_set"))
+                          _grad_name(op), op.get_attr("process_set"), *factors(op))
 
 
-def allreduce_grad(x, y, grad, forward, scope, name, ps=0):
-    """The gradient of y = allreduce(x) with reduce op code `forward` (a grouped allreduce's
-    members too), its backward ops named `name` and suffixes, in process set `ps` (core id)."""
+def allreduce_grad(x, y, grad, forward, scope, name, ps=0, pre=1.0, post=1.0):
+    """The gradient of y = post * allreduce(pre * x) with reduce op code `forward` (a grouped
+    allreduce's members too), its backward ops named `name` and suffixes, in process set
+    `ps` (core id), as bindings/torch/_ops.py's: Sum and Average the same allreduce with the
+    factors swapped; Min, Max, Product the derivative at the scaled input, times pre."""
     rop = _gradients.reduce_op_grad(forward)
+    if forward in (Sum.code, Average.code):
+        return _lib.shoal_allreduce(grad, op_name=name, reduce_op=rop, scope=scope, process_set=ps,
+                                    **_attrs((post, pre) if (pre, post) != (1.0, 1.0) else None))
 
     def allreduce_sum(t, suffix):
         return _lib.shoal_allreduce(t, op_name=name + suffix if name else "", reduce_op=rop, scope=scope,
                                     process_set=ps)
 
+    x, grad = _times(x, pre), _times(grad, post)
     if forward in (Min.code, Max.code):
-        return _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
-    if forward == Product.code:
-        if scope != _ops.WORLD:
-            raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
-                                      "not implemented (it needs a machine-local allgather)")
+        if post != 1.0:  # the extremum itself, not its postscaled value (ranks agree on scaling)
+            y = _lib.shoal_allreduce(x, op_name=name + ".extremum" if name else "", reduce_op=forward, scope=scope,
+                                     process_set=ps)
+        g = _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
+        return _times(g, pre)
+    if scope != _ops.WORLD:
+        raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
+                                  "not implemented (it needs a machine-local allgather)")
 
-        def others_product(t, suffix):
-            every = _lib.shoal_allgather(tf.expand_dims(t, 0), op_name=name + suffix if name else "", process_set=ps)
-            r = process_sets.layout(ps)[1]
-            return tf.reduce_prod(tf.concat([every[:r], every[r + 1:]], 0), 0)
-        return _gradients.product_grad(x, grad, allreduce_sum, others_product)
-    return allreduce_sum(grad, "")
+    def others_product(t, suffix):
+        every = _lib.shoal_allgather(tf.expand_dims(t, 0), op_name=name + suffix if name else "", process_set=ps)
+        r = process_sets.layout(ps)[1]
+        return tf.reduce_prod(tf.concat([every[:r], every[r + 1:]], 0), 0)
+    return _times(_gradients.product_grad(x, grad, allreduce_sum, others_product), pre)
 
 
 @tf.RegisterGradient("ShoalBroadcast")
@@ -289,9 +300,10 @@ def _allgather_grad(op, grad):
 
 @tf.RegisterGradient("ShoalReducescatter")
 def _reducescatter_grad(op, grad):
-    ps = op.get_attr("process_set")
-    gathered = _lib.shoal_allgather(grad, op_name=_grad_name(op), process_set=ps)
-    return _gradients.reducescatter_grad(gathered, op.get_attr("reduce_op"), process_sets.layout(ps)[0])
+    # y = post * RS(pre * x): each rank's gradient times its postscale, gathered; times pre.
+    ps, (pre, post) = op.get_attr("process_set"), factors(op)
+    gathered = _lib.shoal_allgather(_times(grad, post), op_name=_grad_name(op), process_set=ps)
+    return _times(_gradients.reducescatter_grad(gathered, op.get_attr("reduce_op"), process_sets.layout(ps)[0]), pre)
 
 
 @tf.RegisterGradient("ShoalNeighborAllreduce")

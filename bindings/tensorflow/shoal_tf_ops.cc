@@ -103,7 +103,7 @@ std::vector<double> Weights(const Tensor& t) {
 
 // The part of an op's description its kernel fixes, from the node's attributes: the op,
 // its name (kept in `name`, which must outlive `d`) and whichever of reduce op, scope, root,
-// weights mode, topology check and process set the op has.
+// weights mode, topology check, process set and Horovod's scaling the op has.
 Status FixedPart(OpKernelConstruction* c, int op, std::string* name, shoal_op_desc* d) {
   *d = shoal_op_desc{};
   d->op = op;
@@ -117,6 +117,16 @@ Status FixedPart(OpKernelConstruction* c, int op, std::string* name, shoal_op_de
   if (c->HasAttr("topo_check")) TF_RETURN_IF_ERROR(c->GetAttr("topo_check", &topo_check));
   d->uniform = uniform;
   d->topo_check = topo_check;
+  if (c->HasAttr("horovod_scaling")) {  // float attributes, as Horovod's own ops have
+    bool scaling = false;
+    float pre = 1.0f, post = 1.0f;
+    TF_RETURN_IF_ERROR(c->GetAttr("horovod_scaling", &scaling));
+    TF_RETURN_IF_ERROR(c->GetAttr("prescale_factor", &pre));
+    TF_RETURN_IF_ERROR(c->GetAttr("postscale_factor", &post));
+    d->horovod_scaling = scaling;
+    d->prescale_factor = pre;
+    d->postscale_factor = post;
+  }
   return OkStatus();
 }
 
@@ -305,16 +315,20 @@ Status GatherShape(shape_inference::InferenceContext* c) {
   return OkStatus();
 }
 
-// process_set: shoal_op_desc's (0: every rank).
+// process_set: shoal_op_desc's (0: every rank); horovod_scaling and the factors: its
+// Horovod's scaling.
+#define SHOAL_SCALING \
+  Attr("horovod_scaling: bool = false").Attr("prescale_factor: float = 1.0").Attr("postscale_factor: float = 1.0")
 REGISTER_OP("ShoalAllreduce").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
-    .Attr("scope: int = 0").Attr("process_set: int = 0").Input("tensor: T").Output("sum: T").SetShapeFn(SameShape);
+    .Attr("scope: int = 0").Attr("process_set: int = 0").SHOAL_SCALING.Input("tensor: T").Output("sum: T")
+    .SetShapeFn(SameShape);
 REGISTER_OP("ShoalBroadcast").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("root_rank: int")
     .Attr("scope: int = 0").Attr("process_set: int = 0").Input("tensor: T").Output("output: T")
     .SetShapeFn(SameShape);
 REGISTER_OP("ShoalAllgather").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("process_set: int = 0")
     .Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
 REGISTER_OP("ShoalReducescatter").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
-    .Attr("process_set: int = 0").Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
+    .Attr("process_set: int = 0").SHOAL_SCALING.Input("tensor: T").Output("output: T").SetShapeFn(GatherShape);
 
 REGISTER_OP("ShoalAlltoall").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("process_set: int = 0")
     .Input("tensor: T").Input("splits: int64")
@@ -344,9 +358,10 @@ Status EachGatherShape(shape_inference::InferenceContext* c) {
 #define SHOAL_GROUPED_OP(Name) \
   REGISTER_OP(Name).Attr(SHOAL_LIST_TYPES).Attr("op_name: string").Attr("process_set: int = 0")   \
       .Input("tensors: T").Output("outputs: T")
-SHOAL_GROUPED_OP("ShoalGroupedAllreduce").Attr("reduce_op: int").Attr("scope: int = 0").SetShapeFn(EachSameShape);
+SHOAL_GROUPED_OP("ShoalGroupedAllreduce").Attr("reduce_op: int").Attr("scope: int = 0").SHOAL_SCALING
+    .SetShapeFn(EachSameShape);
 SHOAL_GROUPED_OP("ShoalGroupedAllgather").SetShapeFn(EachGatherShape);
-SHOAL_GROUPED_OP("ShoalGroupedReducescatter").Attr("reduce_op: int").SetShapeFn(EachGatherShape);
+SHOAL_GROUPED_OP("ShoalGroupedReducescatter").Attr("reduce_op: int").SHOAL_SCALING.SetShapeFn(EachGatherShape);
 // Neighbor averaging over ranks, and the hierarchical op's over machines (ranks: machine ids).
 #define SHOAL_NEIGHBOR_OP(Name)                                                                       \
   REGISTER_OP(Name).Attr(SHOAL_TYPES).Attr("op_name: string").Attr("uniform: bool").Attr("topo_check: bool") \

@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from shoal import _ops, _sparse, basics, process_sets
+from shoal import _ops, _sparse
 from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 
 from shoal._api import build_api
@@ -48,11 +48,6 @@ def _in_set(process_set):
     """The keyword of `process_set=` for Shoal's ops: none for the global set (the C
     entries' one-call path takes only plain calls)."""
     return {} if process_set is global_process_set or process_set is None else {"process_set": process_set}
-
-
-def _set_size(process_set, what):
-    """The number of ranks an op in `process_set` (None or a ProcessSet) reduces over."""
-    return process_sets.layout(process_sets.id_of(process_set, what))[0]
 
 
 def _cast_compressor(dtype, doc):
@@ -94,45 +89,8 @@ class Compression:
     randomk = staticmethod(_gossip.RandomK)
 
 
-# ---- Allreduce with Horovod's arguments ----
-
-def _factor(value, what):
-    """A scaling factor as a float: any real number (numpy scalars, a one-element tensor:
-    what Horovod's C++ binding converts to double); TypeError for bool and non-numbers."""
-    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
-        raise TypeError(f"{what} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
-def _scale_(t, factor):
-    """t *= factor in place; integer tensors truncate toward zero, as Horovod's
-    ScaleBuffer converts `factor * x` back to the integer type."""
-    with torch.no_grad():
-        if t.is_floating_point():
-            t.mul_(factor)
-        else:
-            t.copy_((t.double() * factor).trunc())
-    return t
-
-
-def _allreduce_finish(out, integer_average, n, postscale):
-    """After the sum: Horovod's integer average (truncated toward zero) and postscale."""
-    with torch.no_grad():
-        if integer_average:
-            if postscale == 1.0:
-                out.div_(n, rounding_mode="trunc")
-            else:
-                out.copy_((out.double() * (postscale / n)).trunc())
-        elif postscale != 1.0:
-            _scale_(out, postscale)
-    return out
-
-
-def _integer_average(rop, tensor):
-    """Whether this is Horovod's truncated integer average (bool is no integer here: the
-    core refuses it, naming the op asked for)."""
-    return rop is Average and not tensor.is_floating_point() and tensor.dtype != torch.bool
-
+# ---- Allreduce with Horovod's arguments (the factors and the integer average are the
+# core's: shoal._horovod.scaling) ----
 
 @_ops._told(_ops.ALLREDUCE)
 def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -142,22 +100,9 @@ def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=
     ADAPTER._check(tensor, what)
     _check_op(op, what)
     rop = _ops.reduce_op(average, op)
-    n = basics.local_size() if is_hierarchical_local else _set_size(process_set, what)
-    pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
-    integer_average = _integer_average(rop, tensor)
-    src = tensor
-    if inplace:
-        ADAPTER.prepare(tensor, True, what)  # its checks first: nothing is scaled if it refuses
-        if pre != 1.0:
-            _scale_(tensor, pre)
-    elif pre != 1.0:
-        src = _scale_(tensor.detach().clone(memory_format=torch.contiguous_format), pre)
     scope = _ops.MACHINE if is_hierarchical_local else _ops.WORLD
-    h = _ops.allreduce(ADAPTER, src, None, name, op=Sum if integer_average else rop,
-                       inplace=inplace or src is not tensor, scope=scope, process_set=process_set)
-    if integer_average or post != 1.0:
-        _ops.then(h, lambda out: _allreduce_finish(out, integer_average, n, post))
-    return h
+    return _ops.allreduce(ADAPTER, tensor, None, name, op=rop, inplace=inplace, scope=scope, process_set=process_set,
+                          scaling=_torch_ops.scaling(rop, (tensor,), prescale_factor, postscale_factor))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -236,27 +181,12 @@ def allreduce(tensor, *args, **kwargs):
     a = _bind("allreduce", tensor, args, kwargs)
     ADAPTER._check(a["tensor"], "allreduce")
     compression = check_compression(a["compression"], "allreduce")
-    for key in ("prescale_factor", "postscale_factor"):
-        a[key] = _factor(a[key], key)
-    extra = (a["prescale_factor"] != 1.0 or a["postscale_factor"] != 1.0
-             or not a["tensor"].is_floating_point())
-    if not extra:
-        # Horovod's allreduce: compress, the differentiable allreduce, decompress.
-        _check_op(a["op"], "allreduce")
-        sent, ctx = compression.compress(a["tensor"])
-        out = _torch_ops.allreduce(sent, a["average"], a["is_hierarchical_local"], a["name"], a["op"],
-                                   **_in_set(a["process_set"]))
-        return compression.decompress(out, ctx)
+    _check_op(a["op"], "allreduce")
     sent, ctx = compression.compress(a["tensor"])
-    if sent.requires_grad and torch.is_grad_enabled():
-        # Differentiable: scale around the registered op (the gradient is scaled the same way).
-        _check_op(a["op"], "allreduce")
-        out = _torch_ops.allreduce(sent * a["prescale_factor"], a["average"], a["is_hierarchical_local"],
-                                   a["name"], a["op"], **_in_set(a["process_set"])) * a["postscale_factor"]
-        return compression.decompress(out, ctx)
-    h = _allreduce_submit(sent, a["average"], a["name"], a["op"], a["prescale_factor"], a["postscale_factor"],
-                          a["process_set"], a["is_hierarchical_local"], what="allreduce")
-    return compression.decompress(_ops.synchronize(h), ctx)
+    out = _torch_ops.allreduce(sent, a["average"], a["is_hierarchical_local"], a["name"], a["op"],
+                               prescale_factor=a["prescale_factor"], postscale_factor=a["postscale_factor"],
+                               **_in_set(a["process_set"]))
+    return compression.decompress(out, ctx)
 
 
 allreduce.__signature__ = _SIGS["allreduce"][0]
@@ -337,23 +267,14 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 # ---- Reducescatter: Horovod's names, positional order and extras ----
 
-def _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_set, what):
-    """(reduce op for the core, prescale, finish(out)) of a Horovod reducescatter; the
-    integer average is the sum divided by size(), truncated toward zero (as allreduce)."""
+def _reducescatter_op(tensor, op, what):
+    """Horovod's reducescatter op (Average or Sum), after the checks of its arguments."""
     ADAPTER._check(tensor, what)
     _check_op(op, what)
     rop = _ops.reduce_op(None, op)
     if rop is not Average and rop is not Sum:
         raise ValueError(f"{what}: op must be hvd.Average or hvd.Sum (as in Horovod), got {rop!r}")
-    pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
-    integer_average = _integer_average(rop, tensor)
-    # Only the integer average needs the set's size (asked of the core, which torch.compile
-    # cannot trace: a floating reducescatter stays in the graph).
-    n = _set_size(process_set, what) if integer_average else None
-
-    def finish(out):
-        return _allreduce_finish(out, integer_average, n, post) if integer_average or post != 1.0 else out
-    return (Sum if integer_average else rop), pre, finish
+    return rop
 
 
 @_ops._told(_ops.REDUCESCATTER)
@@ -372,16 +293,10 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     an op other than Average/Sum; NotImplementedError for Adasum; ShoalError when ranks
     disagree on shape, dtype or op."""
     compression = check_compression(compression, "reducescatter")
-    rop, pre, finish = _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_set,
-                                          "reducescatter")
+    rop = _reducescatter_op(tensor, op, "reducescatter")
     sent, ctx = compression.compress(tensor)
-    if pre != 1.0:
-        sent = sent * pre if sent.is_floating_point() else _scale_(sent.clone(), pre)
-    out = _torch_ops.reducescatter(sent, rop, name, **_in_set(process_set))
-    if postscale_factor != 1.0 and out.is_floating_point():
-        out = out * _factor(postscale_factor, "postscale_factor")  # differentiable
-    else:
-        out = finish(out)
+    out = _torch_ops.reducescatter(sent, rop, name, prescale_factor=prescale_factor,
+                                   postscale_factor=postscale_factor, **_in_set(process_set))
     return compression.decompress(out, ctx)
 
 
@@ -390,10 +305,9 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                         postscale_factor=1.0):
     """Horovod's `reducescatter_async`: start a `reducescatter` (same arguments, not
     differentiable); returns a handle for `synchronize`/`poll`."""
-    rop, pre, finish = _reducescatter_ops(tensor, op, prescale_factor, postscale_factor, process_set,
-                                          "reducescatter_async")
-    src = _scale_(tensor.detach().clone(memory_format=torch.contiguous_format), pre) if pre != 1.0 else tensor
-    return _ops.then(TORCH_API["reducescatter_nonblocking"](src, rop, name, **_in_set(process_set)), finish)
+    rop = _reducescatter_op(tensor, op, "reducescatter_async")
+    return _ops.reducescatter(ADAPTER, tensor, rop, name, process_set=process_set,
+                              scaling=_torch_ops.scaling(rop, (tensor,), prescale_factor, postscale_factor))
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):

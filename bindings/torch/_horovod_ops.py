@@ -5,21 +5,21 @@ names, positional order, return conventions): `alltoall[_async]`, `grouped_allre
 The ops are shoal._ops / shoal._grouped's (one core op each: shoal_enqueue_group makes a
 group one negotiation, every member run or every member failed with one error); here they
 are registered with torch.library (`torch.ops.shoal.alltoall`, `grouped_*`) with autograd
-from shoal/_gradients.py's formulas, and Horovod's extras (compression, prescale/postscale,
-the integer average) wrap them as in `_horovod.py`.
+from shoal/_gradients.py's formulas; Horovod's compression wraps them as in `_horovod.py`,
+and its prescale/postscale factors and integer average are the core's (shoal._horovod.scaling).
 """
 import types
 
 import torch
 
-from shoal import _gradients, _grouped, _ops, basics, process_sets
+from shoal import _gradients, _grouped, _ops, process_sets
 from shoal._gradients import grad_name
 from shoal._horovod import check_compression, check_op, global_process_set
 from shoal._ops import Average, Sum
 
 from . import _ops as _torch_ops
 from ._adapter import ADAPTER
-from ._horovod import TORCH_API, Compression, _allreduce_finish, _factor, _in_set, _scale_, _set_size
+from ._horovod import TORCH_API, Compression, _in_set
 
 
 def _rop(code):
@@ -40,10 +40,11 @@ def _alltoall_fake(tensor, splits, name, process_set):
             torch.empty((process_sets.layout(process_set)[0],), dtype=torch.int32))
 
 
-def _grouped_allreduce_impl(tensors, reduce_op, local, name, process_set):
-    return _ops.synchronize(_grouped.grouped_allreduce(ADAPTER, list(tensors), None, name or None, op=_rop(reduce_op),
-                                                       scope=_ops.MACHINE if local else _ops.WORLD,
-                                                       process_set=process_set))
+def _grouped_allreduce_impl(tensors, reduce_op, local, name, process_set, prescale, postscale):
+    rop = _rop(reduce_op)
+    return _ops.synchronize(_grouped.grouped_allreduce(
+        ADAPTER, list(tensors), None, name or None, op=rop, scope=_ops.MACHINE if local else _ops.WORLD,
+        process_set=process_set, scaling=_torch_ops.scaling(rop, tensors, prescale, postscale)))
 
 
 def _grouped_allgather_impl(tensors, name, process_set):
@@ -57,12 +58,14 @@ def _grouped_allgather_fake(tensors, name, process_set):
     return [t.new_empty((ctx.new_dynamic_size(),) + tuple(t.shape[1:])) for t in tensors]
 
 
-def _grouped_reducescatter_impl(tensors, reduce_op, name, process_set):
-    return _ops.synchronize(_grouped.grouped_reducescatter(ADAPTER, list(tensors), _rop(reduce_op), name or None,
-                                                           process_set))
+def _grouped_reducescatter_impl(tensors, reduce_op, name, process_set, prescale, postscale):
+    rop = _rop(reduce_op)
+    return _ops.synchronize(_grouped.grouped_reducescatter(
+        ADAPTER, list(tensors), rop, name or None, process_set,
+        scaling=_torch_ops.scaling(rop, tensors, prescale, postscale)))
 
 
-def _grouped_reducescatter_fake(tensors, reduce_op, name, process_set):
+def _grouped_reducescatter_fake(tensors, reduce_op, name, process_set, prescale, postscale):
     size, rank = process_sets.layout(process_set)
     return [t.new_empty((_ops.reducescatter_rows(t.shape[0], size, rank) if t.dim() else 0,) + tuple(t.shape[1:]))
             for t in tensors]
@@ -70,12 +73,14 @@ def _grouped_reducescatter_fake(tensors, reduce_op, name, process_set):
 
 _torch_ops._define("alltoall(Tensor tensor, int[]? splits, str name, int process_set) -> (Tensor, Tensor)",
                    _alltoall_impl, _alltoall_fake)
-_torch_ops._define("grouped_allreduce(Tensor[] tensors, int reduce_op, bool local, str name, int process_set) "
-                   "-> Tensor[]", _grouped_allreduce_impl, lambda tensors, *args: [torch.empty_like(t) for t in tensors])
+_torch_ops._define("grouped_allreduce(Tensor[] tensors, int reduce_op, bool local, str name, int process_set, "
+                   "float prescale, float postscale) -> Tensor[]", _grouped_allreduce_impl,
+                   lambda tensors, *args: [torch.empty_like(t) for t in tensors])
 _torch_ops._define("grouped_allgather(Tensor[] tensors, str name, int process_set) -> Tensor[]",
                    _grouped_allgather_impl, _grouped_allgather_fake)
-_torch_ops._define("grouped_reducescatter(Tensor[] tensors, int reduce_op, str name, int process_set) -> Tensor[]",
-                   _grouped_reducescatter_impl, _grouped_reducescatter_fake)
+_torch_ops._define("grouped_reducescatter(Tensor[] tensors, int reduce_op, str name, int process_set, "
+                   "float prescale, float postscale) -> Tensor[]", _grouped_reducescatter_impl,
+                   _grouped_reducescatter_fake)
 
 
 # ---- Autograd: shoal/_gradients.py's formulas, member by member ----
@@ -92,23 +97,26 @@ def _alltoall_backward(ctx, grad, _received_grad):
 
 
 def _grouped_allreduce_setup(ctx, inputs, output):
-    ctx.reduce_op, ctx.local, ctx.name, ctx.ps, ctx.n = inputs[1], inputs[2], inputs[3], inputs[4], len(inputs[0])
+    ctx.reduce_op, ctx.local, ctx.name, ctx.ps, ctx.pre, ctx.post = inputs[1:7]
+    ctx.n = len(inputs[0])
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code, _ops.Product.code):
         ctx.save_for_backward(*inputs[0], *output)
 
 
 def _grouped_allreduce_backward(ctx, grads):
-    grads, name = [g.contiguous() for g in grads], grad_name(ctx.name)
-    if ctx.reduce_op in (Sum.code, Average.code):  # the same grouped allreduce of the gradients
-        return torch.ops.shoal.grouped_allreduce(grads, ctx.reduce_op, ctx.local, name, ctx.ps), None, None, None, None
+    grads, name, none = [g.contiguous() for g in grads], grad_name(ctx.name), (None,) * 6
+    if ctx.reduce_op in (Sum.code, Average.code):  # the grouped allreduce of the gradients, factors swapped
+        return (torch.ops.shoal.grouped_allreduce(grads, ctx.reduce_op, ctx.local, name, ctx.ps, ctx.post, ctx.pre),
+                *none)
     # Min/Max/Product: each member as allreduce's gradient (bindings/torch/_ops.py).
     saved = ctx.saved_tensors
     out = []
     for i, g in enumerate(grads):
         one = types.SimpleNamespace(reduce_op=ctx.reduce_op, local=ctx.local, saved_tensors=(saved[i], saved[ctx.n + i]),
-                                    name=f"{ctx.name}.{i}" if ctx.name else "", process_set=ctx.ps)
+                                    name=f"{ctx.name}.{i}" if ctx.name else "", process_set=ctx.ps, pre=ctx.pre,
+                                    post=ctx.post)
         out.append(_torch_ops._allreduce_backward(one, g)[0])
-    return out, None, None, None, None
+    return (out, *none)
 
 
 def _grouped_allgather_setup(ctx, inputs, output):
@@ -118,7 +126,7 @@ def _grouped_allgather_setup(ctx, inputs, output):
 def _grouped_allgather_backward(ctx, grads):
     name = grad_name(ctx.name)
     totals = torch.ops.shoal.grouped_allreduce([g.contiguous() for g in grads], _gradients.GATHER_GRAD_OP, False,
-                                               name, ctx.ps)
+                                               name, ctx.ps, 1.0, 1.0)
     every = torch.ops.shoal.grouped_allgather([torch.tensor([r], dtype=torch.int64) for r in ctx.rows],
                                               name + ".rows" if name else "", ctx.ps)
     me = process_sets.layout(ctx.ps)[1]
@@ -127,13 +135,16 @@ def _grouped_allgather_backward(ctx, grads):
 
 
 def _grouped_reducescatter_setup(ctx, inputs, output):
-    ctx.reduce_op, ctx.name, ctx.ps = inputs[1], inputs[2], inputs[3]
+    ctx.reduce_op, ctx.name, ctx.ps, ctx.pre, ctx.post = inputs[1:6]
 
 
 def _grouped_reducescatter_backward(ctx, grads):
-    gathered = torch.ops.shoal.grouped_allgather([g.contiguous() for g in grads], grad_name(ctx.name), ctx.ps)
+    # As reducescatter's (bindings/torch/_ops.py), member by member.
+    grads = [(g * ctx.post if ctx.post != 1.0 else g).contiguous() for g in grads]
+    gathered = torch.ops.shoal.grouped_allgather(grads, grad_name(ctx.name), ctx.ps)
     n = process_sets.layout(ctx.ps)[0]
-    return [_gradients.reducescatter_grad(g, ctx.reduce_op, n) for g in gathered], None, None, None
+    out = [_gradients.reducescatter_grad(g, ctx.reduce_op, n) for g in gathered]
+    return [g * ctx.pre if ctx.pre != 1.0 else g for g in out], None, None, None, None, None
 
 
 if hasattr(torch.library, "register_autograd"):  # torch >= 2.4
@@ -179,31 +190,13 @@ def _tensors(tensors, what):
 
 
 def _extras(tensors, average, op, prescale_factor, postscale_factor, process_set, what, scatter=False):
-    """(reduce op for the core, prescale, postscale, integer average) of a grouped op with
-    Horovod's arguments. One reduce op serves the group: with op=Average and an integer
-    member, the core sums and every member is divided by size() here (integers truncated
-    toward zero, as Horovod's integer average)."""
+    """(reduce op, the core's scaling) of a grouped op with Horovod's arguments, after their
+    checks. One reduce op serves the group: with op=Average, integer members are averaged
+    as Horovod's (truncated toward zero) by the core, floating ones as usual."""
     process_sets.id_of(process_set, what)  # its TypeError/ValueError before anything runs
     check_op(op, what)
     rop = _ops.reducescatter_op(op) if scatter else _ops.reduce_op(average, op)
-    pre, post = _factor(prescale_factor, "prescale_factor"), _factor(postscale_factor, "postscale_factor")
-    integer_average = rop is Average and any(not t.is_floating_point() for t in tensors)
-    return (Sum if integer_average else rop), pre, post, integer_average
-
-
-def _finish(outs, divide, n, post):
-    """Each member after the core's reduction: divided by n if asked (integers toward zero),
-    then multiplied by the postscale factor."""
-    for o in outs:
-        if divide and not o.is_floating_point():
-            _allreduce_finish(o, True, n, post)
-            continue
-        with torch.no_grad():
-            if divide:
-                o.div_(n)
-            if post != 1.0:
-                _scale_(o, post)
-    return outs
+    return rop, _torch_ops.scaling(rop, tensors, prescale_factor, postscale_factor)
 
 
 def _differentiable(tensors):
@@ -214,22 +207,10 @@ def _differentiable(tensors):
 def _grouped_allreduce_submit(tensors, average, name, op, prescale_factor, postscale_factor, process_set,
                               is_hierarchical_local=False, inplace=False, what="grouped_allreduce_async"):
     tensors = _tensors(tensors, what)
-    rop, pre, post, divide = _extras(tensors, average, op, prescale_factor, postscale_factor, process_set, what)
-    srcs = tensors
-    if inplace:
-        for t in tensors:
-            ADAPTER.prepare(t, True, what)  # its checks first: nothing is scaled if it refuses
-        for t in tensors if pre != 1.0 else ():
-            _scale_(t, pre)
-    elif pre != 1.0:
-        srcs = [_scale_(t.detach().clone(memory_format=torch.contiguous_format), pre) for t in tensors]
+    rop, scaling = _extras(tensors, average, op, prescale_factor, postscale_factor, process_set, what)
     scope = _ops.MACHINE if is_hierarchical_local else _ops.WORLD
-    h = _grouped.grouped_allreduce(ADAPTER, srcs, None, name, op=rop, inplace=inplace or srcs is not tensors,
-                                   scope=scope, process_set=process_set)
-    if divide or post != 1.0:
-        n = basics.local_size() if is_hierarchical_local else _set_size(process_set, what)
-        _ops.then(h, lambda outs: _finish(outs, divide, n, post))
-    return h
+    return _grouped.grouped_allreduce(ADAPTER, tensors, None, name, op=rop, inplace=inplace, scope=scope,
+                                      process_set=process_set, scaling=scaling)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -264,11 +245,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     compression = check_compression(compression, what)
     sent, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
     if _differentiable(sent):
-        rop, pre, post, _ = _extras(sent, average, op, prescale_factor, postscale_factor, process_set, what)
-        xs = [t * pre if pre != 1.0 else t for t in sent]
-        outs = torch.ops.shoal.grouped_allreduce(xs, rop.code, bool(is_hierarchical_local), _ops.op_name(name),
-                                                 process_sets.id_of(process_set, what))
-        outs = [o * post if post != 1.0 else o for o in outs]
+        rop, scaling = _extras(sent, average, op, prescale_factor, postscale_factor, process_set, what)
+        outs = torch.ops.shoal.grouped_allreduce(list(sent), rop.code, bool(is_hierarchical_local), _ops.op_name(name),
+                                                 process_sets.id_of(process_set, what), *(scaling or (1.0, 1.0)))
     else:
         outs = _ops.synchronize(_grouped_allreduce_submit(list(sent), average, name, op, prescale_factor,
                                                           postscale_factor, process_set, is_hierarchical_local,
@@ -305,14 +284,8 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 def _grouped_reducescatter_submit(tensors, name, op, process_set, prescale_factor, postscale_factor,
                                   what="grouped_reducescatter_async"):
     tensors = _tensors(tensors, what)
-    rop, pre, post, divide = _extras(tensors, None, op, prescale_factor, postscale_factor, process_set, what,
-                                     scatter=True)
-    srcs = [_scale_(t.detach().clone(memory_format=torch.contiguous_format), pre) for t in tensors] \
-        if pre != 1.0 else tensors
-    h = _grouped.grouped_reducescatter(ADAPTER, srcs, rop, name, process_set)
-    if divide or post != 1.0:
-        _ops.then(h, lambda outs: _finish(outs, divide, _set_size(process_set, what), post))
-    return h
+    rop, scaling = _extras(tensors, None, op, prescale_factor, postscale_factor, process_set, what, scatter=True)
+    return _grouped.grouped_reducescatter(ADAPTER, tensors, rop, name, process_set, scaling=scaling)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
@@ -336,11 +309,9 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     compression = check_compression(compression, what)
     sent, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
     if _differentiable(sent):
-        rop, pre, post, _ = _extras(sent, None, op, prescale_factor, postscale_factor, process_set, what, scatter=True)
-        xs = [t * pre if pre != 1.0 else t for t in sent]
-        outs = torch.ops.shoal.grouped_reducescatter(xs, rop.code, _ops.op_name(name),
-                                                     process_sets.id_of(process_set, what))
-        outs = [o * post if post != 1.0 else o for o in outs]
+        rop, scaling = _extras(sent, None, op, prescale_factor, postscale_factor, process_set, what, scatter=True)
+        outs = torch.ops.shoal.grouped_reducescatter(list(sent), rop.code, _ops.op_name(name),
+                                                     process_sets.id_of(process_set, what), *(scaling or (1.0, 1.0)))
     else:
         outs = _ops.synchronize(_grouped_reducescatter_submit(list(sent), name, op, process_set, prescale_factor,
                                                               postscale_factor, what=what))

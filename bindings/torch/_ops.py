@@ -11,7 +11,7 @@ import sys
 import torch
 
 import shoal as _numpy_api
-from shoal import _gradients, _ops, _process, process_sets
+from shoal import _gradients, _horovod, _ops, process_sets
 from shoal._loader import _core
 from shoal._gradients import grad_name
 
@@ -34,23 +34,23 @@ def _define(schema, impl, fake, kernel=None):
     _register_fake(name)(fake)
 
 
-def _integer_average(rop, tensor):
-    """Whether an Average of `tensor` is Horovod's integer average: the sum, then integer
-    division truncated toward zero, exact (bool is no integer here: the core refuses it)."""
-    return rop is _ops.Average and not tensor.is_floating_point() and tensor.dtype != torch.bool
+def scaling(rop, tensors, prescale, postscale):
+    """Horovod's scaling of an op on `tensors` (a sequence: a grouped op's members) for the
+    core (shoal._horovod.scaling): the factors, and op=Average of integer tensors as
+    Horovod's truncated average (bool is no integer here: the core refuses it). torch's ops
+    truncate the integer average wherever they are called from (eager, compiled,
+    nonblocking, grouped), as Horovod's do."""
+    integer_average = rop is _ops.Average and any(not t.is_floating_point() and t.dtype != torch.bool
+                                                  for t in tensors)
+    return _horovod.scaling(prescale, postscale, integer_average)
 
 
-# `process_set`: the core's id of the set that runs the op (0: every rank). The eager entry
-# points truncate an integer average (bindings/torch/_horovod.py); the kernels do the same,
-# so a compiled call gives what the eager call gives.
-def _allreduce_impl(tensor, reduce_op, local, name, process_set=0):
+# `process_set`: the core's id of the set that runs the op (0: every rank); `prescale`,
+# `postscale`: Horovod's factors, applied by the core.
+def _allreduce_impl(tensor, reduce_op, local, name, process_set=0, prescale=1.0, postscale=1.0):
     rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
-    whole = _integer_average(rop, tensor)
-    out = _ops.allreduce(ADAPTER, tensor, None, name or None, op=_ops.Sum if whole else rop,
-                         scope=_ops.MACHINE if local else _ops.WORLD, block=True, process_set=process_set)
-    if whole:
-        out.div_(_process.local_size() if local else process_sets.layout(process_set)[0], rounding_mode="trunc")
-    return out
+    return _ops.allreduce(ADAPTER, tensor, None, name or None, op=rop, scope=_ops.MACHINE if local else _ops.WORLD,
+                          block=True, process_set=process_set, scaling=scaling(rop, (tensor,), prescale, postscale))
 
 
 def _broadcast_impl(tensor, root_rank, name, process_set=0):
@@ -70,18 +70,17 @@ def _allgather_fake(tensor, name, process_set=0):
     return tensor.new_empty((torch.library.get_ctx().new_dynamic_size(),) + tuple(tensor.shape[1:]))
 
 
-def _reducescatter_impl(tensor, reduce_op, name, process_set=0):
+def _reducescatter_impl(tensor, reduce_op, name, process_set=0, prescale=1.0, postscale=1.0):
     rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
-    whole = _integer_average(rop, tensor)
-    a = None if whole else _plain(tensor, _NUMPY_DTYPES)  # the eager entry's path (below)
+    scaled = scaling(rop, (tensor,), prescale, postscale)
+    a = None if scaled else _plain(tensor, _NUMPY_DTYPES)  # the eager entry's path (below)
     if a is not None:
         return torch.from_numpy(_numpy_api.reducescatter(a, rop, name or None, process_set))
-    out = _ops.synchronize(_ops.reducescatter(ADAPTER, tensor, _ops.Sum if whole else rop, name or None,
-                                              process_set=process_set))
-    return out.div_(process_sets.layout(process_set)[0], rounding_mode="trunc") if whole else out
+    return _ops.synchronize(_ops.reducescatter(ADAPTER, tensor, rop, name or None, process_set=process_set,
+                                               scaling=scaled))
 
 
-def _reducescatter_fake(tensor, reduce_op, name, process_set=0):
+def _reducescatter_fake(tensor, reduce_op, name, process_set=0, prescale=1.0, postscale=1.0):
     size, rank = process_sets.layout(process_set)
     rows = _ops.reducescatter_rows(tensor.shape[0], size, rank) if tensor.dim() else 0
     return tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
@@ -95,13 +94,14 @@ def _neighbor_impl(tensor, self_weight, recv_ranks, recv_weights, send_ranks, se
     return _ops.neighbor_allreduce_submit(ADAPTER, tensor, name or None, peers, block=True)
 
 
-_define("allreduce(Tensor tensor, int reduce_op, bool local, str name, int process_set=0) -> Tensor", _allreduce_impl,
-        lambda tensor, reduce_op, local, name, process_set=0: torch.empty_like(tensor), _core.native_kernel_allreduce)
+_define("allreduce(Tensor tensor, int reduce_op, bool local, str name, int process_set=0, float prescale=1.0, "
+        "float postscale=1.0) -> Tensor", _allreduce_impl, lambda tensor, *args: torch.empty_like(tensor),
+        _core.native_kernel_allreduce)
 _define("broadcast(Tensor tensor, int root_rank, str name, int process_set=0) -> Tensor", _broadcast_impl,
         lambda tensor, root_rank, name, process_set=0: torch.empty_like(tensor), _core.native_kernel_broadcast)
 _define("allgather(Tensor tensor, str name, int process_set=0) -> Tensor", _allgather_impl, _allgather_fake)
-_define("reducescatter(Tensor tensor, int reduce_op, str name, int process_set=0) -> Tensor", _reducescatter_impl,
-        _reducescatter_fake)
+_define("reducescatter(Tensor tensor, int reduce_op, str name, int process_set=0, float prescale=1.0, "
+        "float postscale=1.0) -> Tensor", _reducescatter_impl, _reducescatter_fake)
 _define("neighbor_allreduce(Tensor tensor, float self_weight, int[] recv_ranks, "
         "float[] recv_weights, int[] send_ranks, float[] send_weights, bool uniform, bool topo_check, "
         "str name) "
@@ -215,9 +215,9 @@ def native(fallback, make, traced=None):
     return call
 
 
-def _native(op, make):
-    """Decorates the torch entry point `fn` of `op` as `native(...)` whose fallback is
-    `shoal._ops._told(op)(fn)`; traced code runs `fn` (nothing to tell at trace time)."""
+def _entry(op):
+    """Decorates the torch entry point `fn` of `op` as `shoal._ops._told(op)(fn)`; traced
+    code runs `fn` (nothing to tell at trace time)."""
     def wrap(fn):
         told = _ops._told(op)(fn)
 
@@ -226,7 +226,15 @@ def _native(op, make):
             if torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
             return told(*args, **kwargs)
-        return native(call, make, traced=fn)
+        return call
+    return wrap
+
+
+def _native(op, make):
+    """Decorates the torch entry point `fn` of `op` as `native(...)` whose fallback is
+    `_entry(op)(fn)`."""
+    def wrap(fn):
+        return native(_entry(op)(fn), make, traced=fn)
     return wrap
 
 
@@ -256,16 +264,20 @@ def make_allreduce(fallback, doc, module, torch):
 
 
 @_native(_ops.ALLREDUCE, make_allreduce)
-def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, process_set=None):
+def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=None, process_set=None, *,
+              prescale_factor=1.0, postscale_factor=1.0):
     """Blocking allreduce of a torch tensor; semantics as `shoal.allreduce` (sum, sum then
     divide by size(), min, max or product; BlueFog's `average=` or Horovod's `op=`; over
-    the members of `process_set`, a `shoal.ProcessSet`, if given). Differentiable
-    (shoal/_gradients.py; the backward op runs in the same set); op=Product with
-    is_hierarchical_local has no gradient (NotImplementedError at backward)."""
+    the members of `process_set`, a `shoal.ProcessSet`, if given), with Horovod's
+    prescale/postscale factors and truncated integer average (shoal._horovod.scaling).
+    Differentiable (shoal/_gradients.py; the backward op runs in the same set); op=Product
+    with is_hierarchical_local has no gradient (NotImplementedError at backward)."""
     ADAPTER._check(tensor, "allreduce")
     rop = _ops.reduce_op(average, op)
+    pre = _horovod.factor(prescale_factor, "prescale_factor")
+    post = _horovod.factor(postscale_factor, "postscale_factor")
     return torch.ops.shoal.allreduce(tensor, rop.code, bool(is_hierarchical_local), _ops.op_name(name),
-                                     process_sets.id_of(process_set, "allreduce"))
+                                     process_sets.id_of(process_set, "allreduce"), pre, post)
 
 
 def make_broadcast(fallback, doc, module, torch):
@@ -297,15 +309,19 @@ def allgather(tensor, name=None, process_set=None):
     return torch.ops.shoal.allgather(tensor, _ops.op_name(name), process_sets.id_of(process_set, "allgather"))
 
 
-@_told(_ops.REDUCESCATTER, _numpy_api.reducescatter, _NUMPY_DTYPES)
-def reducescatter(tensor, op=None, name=None, process_set=None):
+@_entry(_ops.REDUCESCATTER)
+def reducescatter(tensor, op=None, name=None, process_set=None, *, prescale_factor=1.0, postscale_factor=1.0):
     """Blocking reducescatter along dim 0 (op Average or Sum); as `shoal.reducescatter`
-    (over `process_set`'s members if given). Differentiable, as Horovod's: the gradient is
-    the allgather of the gradients, times the number of ranks for Sum (shoal/_gradients.py)."""
+    (over `process_set`'s members if given), with Horovod's prescale/postscale factors and
+    truncated integer average (shoal._horovod.scaling). Differentiable, as Horovod's: the
+    gradient is the allgather of the gradients, times the number of ranks for Sum
+    (shoal/_gradients.py), times the factors."""
     ADAPTER._check(tensor, "reducescatter")
     rop = _ops.Average if op is None else _ops.reduce_op(None, op)
+    pre = _horovod.factor(prescale_factor, "prescale_factor")
+    post = _horovod.factor(postscale_factor, "postscale_factor")
     return torch.ops.shoal.reducescatter(tensor, rop.code, _ops.op_name(name),
-                                         process_sets.id_of(process_set, "reducescatter"))
+                                         process_sets.id_of(process_set, "reducescatter"), pre, post)
 
 
 @_native(_ops.NEIGHBOR_ALLREDUCE, _core.native_neighbor_allreduce)
@@ -327,37 +343,53 @@ def _process_set(inputs, at):
     return inputs[at] if len(inputs) > at else 0
 
 
+def _factors(inputs, at):
+    """(prescale, postscale) from a registered op's inputs (left out when both are 1.0)."""
+    return tuple(inputs[i] if len(inputs) > i else 1.0 for i in (at, at + 1))
+
+
 def _allreduce_setup(ctx, inputs, output):
     ctx.reduce_op, ctx.local, ctx.name = inputs[1], inputs[2], inputs[3]
     ctx.process_set = _process_set(inputs, 4)
+    ctx.pre, ctx.post = _factors(inputs, 5)
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code, _ops.Product.code):
         ctx.save_for_backward(inputs[0], output)
 
 
 def _allreduce_backward(ctx, grad):
-    grad, name, ps = grad.contiguous(), grad_name(ctx.name), ctx.process_set
+    grad, name, ps, pre, post = grad.contiguous(), grad_name(ctx.name), ctx.process_set, ctx.pre, ctx.post
     rop = _gradients.reduce_op_grad(ctx.reduce_op)
+    if ctx.reduce_op in (_ops.Sum.code, _ops.Average.code):
+        # y_q = post_q * R(pre_r * x_r over r): this rank's gradient is pre * R(post_q * g_q),
+        # the same allreduce with the factors swapped (Horovod's, when ranks share factors).
+        g = torch.ops.shoal.allreduce(grad, rop, ctx.local, name, ps, post, pre)
+        return g, None, None, None, None, None, None
 
     def allreduce_sum(t, suffix):
         return torch.ops.shoal.allreduce(t.contiguous(), rop, ctx.local, name + suffix if name else "", ps)
 
+    # Min/Max/Product: the derivative of the op at the scaled input pre * x, times pre.
+    x, y = ctx.saved_tensors
+    if pre != 1.0:
+        x = x * pre
+    if post != 1.0:
+        grad = grad * post
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code):
-        x, y = ctx.saved_tensors
+        if post != 1.0:  # the extremum itself, not its postscaled value (ranks agree on scaling)
+            y = torch.ops.shoal.allreduce(x.contiguous(), ctx.reduce_op, ctx.local, name + ".extremum" if name else "",
+                                          ps)
         g = _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: (a == b).to(like.dtype))
-    elif ctx.reduce_op == _ops.Product.code:
+    else:
         if ctx.local:
             raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
                                       "not implemented (it needs a machine-local allgather)")
-        x, _ = ctx.saved_tensors
 
         def others_product(t, suffix):
             every = torch.ops.shoal.allgather(t.contiguous().unsqueeze(0), name + suffix if name else "", ps)
             r = process_sets.layout(ps)[1]
             return torch.cat([every[:r], every[r + 1:]]).prod(0)
         g = _gradients.product_grad(x, grad, allreduce_sum, others_product)
-    else:
-        g = allreduce_sum(grad, "")
-    return g, None, None, None, None
+    return (g * pre if pre != 1.0 else g), None, None, None, None, None, None
 
 
 def _broadcast_setup(ctx, inputs, output):
@@ -385,11 +417,16 @@ def _allgather_backward(ctx, grad):
 
 def _reducescatter_setup(ctx, inputs, output):
     ctx.reduce_op, ctx.name, ctx.process_set = inputs[1], inputs[2], _process_set(inputs, 3)
+    ctx.pre, ctx.post = _factors(inputs, 4)
 
 
 def _reducescatter_backward(ctx, grad):
+    # With Horovod's factors, y = post * RS(pre * x): the gathered gradients are each
+    # rank's times its postscale, and this rank's times its prescale.
+    grad = grad * ctx.post if ctx.post != 1.0 else grad
     g = torch.ops.shoal.allgather(grad.contiguous(), grad_name(ctx.name), ctx.process_set)
-    return _gradients.reducescatter_grad(g, ctx.reduce_op, process_sets.layout(ctx.process_set)[0]), None, None, None
+    g = _gradients.reducescatter_grad(g, ctx.reduce_op, process_sets.layout(ctx.process_set)[0])
+    return (g * ctx.pre if ctx.pre != 1.0 else g), None, None, None, None, None
 
 
 def _neighbor_setup(ctx, inputs, output):

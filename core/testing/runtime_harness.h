@@ -194,6 +194,8 @@ struct TypedOp {
   int op = SHOAL_OP_ALLREDUCE, reduce_op = SHOAL_REDUCE_SUM, dtype = SHOAL_FLOAT64;
   std::vector<int64_t> shape, splits;
   std::vector<char> x, out;
+  bool horovod_scaling = false;  // with prescale and postscale (shoal_op_desc)
+  double prescale = 1.0, postscale = 1.0;
   TypedOp(std::string n, int o, int dt, std::vector<int64_t> s) : name(std::move(n)), op(o), dtype(dt), shape(std::move(s)) {
     x.assign(std::max<size_t>(NumElements(shape) * DtypeSize(dtype), 1), 0);
     out = x;
@@ -209,6 +211,9 @@ struct TypedOp {
     d.reduce_op = reduce_op;
     d.n_splits = static_cast<int32_t>(splits.size());
     d.splits = splits.empty() ? nullptr : splits.data();
+    d.horovod_scaling = horovod_scaling;
+    d.prescale_factor = prescale;
+    d.postscale_factor = postscale;
     return d;
   }
 };

@@ -5,7 +5,8 @@
 // (the same error on every rank) and bad splits (refused at the call, the same error on the
 // peers); grouped allreduce (fused), allgather and reducescatter with exact values and one
 // negotiation per group; a group whose member mismatches, whose sizes differ across ranks,
-// or that one rank refuses fails as a whole, with one error on every rank and member.
+// or that one rank refuses fails as a whole, with one error on every rank and member;
+// Horovod's prescale, postscale and integer average (TestHorovodScaling).
 // tests/test_core_cpp.py also runs it under ThreadSanitizer. Exit status 0 = all passed.
 #include <algorithm>
 #include <cmath>
@@ -283,6 +284,96 @@ void TestGroupValues(int n, int64_t fusion) {
 // A member that mismatches on one rank, numbers of members that differ, and a member one
 // rank refuses at the call: every member fails on every rank with one message; the group's
 // name (and a duplicate in flight) behave as an op's.
+// Horovod's scaling (shoal_op_desc.horovod_scaling): each rank's input times its own
+// prescale (0.5 or 2), the reduction, Average's division, the postscale; integers truncated
+// toward zero (negative inputs included), and Average of integers allowed only with it.
+// Exact in every dtype: small integers, powers of two and 1.5. Single ops (in place on the
+// output), grouped ones (fused unless fusion is 0), repeated names (cached rounds) and
+// reducescatter (float32 sent from a scaled copy, float16 through float32).
+double ScaleVal(int r, size_t i) { return static_cast<double>((r * 7 + static_cast<int>(i) * 5) % 11) - 5; }
+double Trunc(double v) { return v < 0 ? std::ceil(v) : std::floor(v); }
+double Scaled(int dtype, double v, double f) { return IsFloating(dtype) ? v * f : Trunc(v * f); }
+
+double ScaledReduction(int dtype, int rop, int n, size_t i, double post) {
+  double s = 0;
+  for (int q = 0; q < n; ++q) s += Scaled(dtype, ScaleVal(q, i), q % 2 ? 2.0 : 0.5);
+  const int div = rop == SHOAL_REDUCE_AVERAGE ? n : 1;
+  if (IsFloating(dtype)) return s / div * post;
+  if (post == 1.0) return static_cast<double>(static_cast<int64_t>(s) / div);
+  return Trunc(s * (post / div));
+}
+
+void TestHorovodScaling(int n, int64_t fusion) {
+  g_case = "horovod scaling n=" + std::to_string(n) + " fusion=" + std::to_string(fusion);
+  Job job(n, TestConfig(fusion), 59 + n);
+  const std::vector<int> dtypes = {SHOAL_FLOAT64, SHOAL_FLOAT32, SHOAL_FLOAT16, SHOAL_INT32, SHOAL_INT8, SHOAL_INT64};
+  job.Run([&](int r, Runtime& rt) {
+    auto make = [&](int op, int dtype, int rop, double post, int64_t rows) {
+      TypedOp o("", op, dtype, std::vector<int64_t>{rows});
+      o.reduce_op = rop;
+      o.horovod_scaling = true;
+      o.prescale = r % 2 ? 2.0 : 0.5;
+      o.postscale = post;
+      for (size_t i = 0; i < o.count(); ++i) PutValue(dtype, o.x.data(), i, ScaleVal(r, i));
+      return o;
+    };
+    for (int rop : {SHOAL_REDUCE_SUM, SHOAL_REDUCE_AVERAGE}) {
+      for (double post : {1.0, 1.5}) {
+        const std::string tag = std::to_string(rop) + "." + std::to_string(static_cast<int>(post * 2));
+        for (int round = 0; round < 3; ++round) {  // the same names again: cached rounds
+          std::vector<TypedOp> ops;
+          for (int dt : dtypes) ops.push_back(make(SHOAL_OP_ALLREDUCE, dt, rop, post, 9));
+          std::vector<int64_t> h = EnqueueGroup(rt, ("hs.group." + tag).c_str(), ops);
+          TypedOp single = make(SHOAL_OP_ALLREDUCE, SHOAL_INT32, rop, post, 5);
+          single.name = "hs.single." + tag;
+          shoal_op_desc d = single.Desc();
+          const int64_t hs = rt.Enqueue(d);
+          ops.push_back(std::move(single));
+          h.push_back(hs);
+          for (size_t k = 0; k < ops.size(); ++k) {
+            Status st = WaitTake(rt, h[k]);
+            bool exact = st.ok();
+            size_t bad = 0;
+            for (size_t i = 0; exact && i < ops[k].count(); ++i) {
+              exact = GetValue(ops[k].dtype, ops[k].out.data(), i) == ScaledReduction(ops[k].dtype, rop, n, i, post);
+              bad = i;
+            }
+            CHECK(exact, "rank %d allreduce %s member %zu (%s) element %zu: %s (got %g, want %g)", r, tag.c_str(), k,
+                  DtypeName(ops[k].dtype), bad, st.ok() ? "inexact" : st.message.c_str(),
+                  st.ok() ? GetValue(ops[k].dtype, ops[k].out.data(), bad) : 0.0,
+                  ScaledReduction(ops[k].dtype, rop, n, bad, post));
+          }
+        }
+        for (int dt : {SHOAL_FLOAT32, SHOAL_FLOAT16, SHOAL_INT32, SHOAL_INT8}) {
+          TypedOp o = make(SHOAL_OP_REDUCESCATTER, dt, rop, post, 2 * n + 1);
+          o.name = "hs.rs." + tag + "." + DtypeName(dt);
+          shoal_op_desc d = o.Desc();
+          std::vector<char> got;
+          Status st = WaitTake(rt, rt.Enqueue(d), &got);
+          const int64_t rows = 2 + (r < 1 ? 1 : 0), start = r == 0 ? 0 : 2 * r + 1;
+          bool exact = st.ok() && got.size() == static_cast<size_t>(rows) * DtypeSize(dt);
+          for (int64_t i = 0; exact && i < rows; ++i)
+            exact = GetValue(dt, got.data(), i) == ScaledReduction(dt, rop, n, static_cast<size_t>(start + i), post);
+          CHECK(exact, "rank %d reducescatter %s %s: %s", r, tag.c_str(), DtypeName(dt),
+                st.ok() ? "inexact" : st.message.c_str());
+        }
+      }
+    }
+    // Without horovod_scaling, Average of integers is refused at the call.
+    TypedOp plain("hs.refused", SHOAL_OP_ALLREDUCE, SHOAL_INT32, std::vector<int64_t>{2});
+    plain.reduce_op = SHOAL_REDUCE_AVERAGE;
+    shoal_op_desc d = plain.Desc();
+    std::string err;
+    try {
+      rt.Enqueue(d);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    CHECK(err.find("average of int32 is not representable") != std::string::npos, "rank %d: refusal was '%s'", r,
+          err.c_str());
+  });
+}
+
 void TestGroupErrors(int n) {
   g_case = "group errors n=" + std::to_string(n);
   Job job(n, TestConfig(8 << 20), 53 + n);
@@ -376,6 +467,8 @@ int main() {
     TestGroupValues(n, 8 << 20);
     TestGroupValues(n, 0);
     TestGroupErrors(n);
+    TestHorovodScaling(n, 8 << 20);
+    TestHorovodScaling(n, 0);
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

@@ -236,7 +236,7 @@ def a_group_fails_as_a_whole():
 def registered_ops_under_torch_compile():
     @torch.compile(fullgraph=True)
     def step(a, b):
-        ya, yb = torch.ops.shoal.grouped_allreduce([a * 2, b], hvd.Sum.code, False, "t.g.compiled", 0)
+        ya, yb = torch.ops.shoal.grouped_allreduce([a * 2, b], hvd.Sum.code, False, "t.g.compiled", 0, 1.0, 1.0)
         return ya + 1, yb
 
     ya, yb = step(torch.full((2,), float(R)), torch.full((3,), 1.0))

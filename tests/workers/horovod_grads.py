@@ -89,6 +89,29 @@ def allreduce_sum_and_average():
 
 
 @check
+def allreduce_factors_per_rank():
+    """Factors that differ by rank: y_k = post_k · R(pre_j · x_j), so rank r's gradient is
+    pre_r · R(post_k · c_k) (Horovod's formula, the same allreduce with the same factors,
+    equals it only when every rank has the same factors); Max: pre_r · Σ_k post_k · c_k at
+    the rank holding the maximum of pre_j · x_j (the last member: both grow with the rank)."""
+    results = []
+    for label, ps, members, me, dt in cases():
+        n = len(members)
+        pre, post = (1.0, 2.0), (0.5, 0.25)  # by rank parity
+        total = sum(coef(k, 2, n) * post[k % 2] for k in members)
+        for op in (hvd.Sum, hvd.Average, hvd.Max):
+            x = leaf(torch.full((2, WIDTH), float(R + 1)), dt)
+            y = hvd.allreduce(x, name=f"hg.arf.{label}.{op.name}", op=op, prescale_factor=pre[R % 2],
+                              postscale_factor=post[R % 2], process_set=ps)
+            backward([y], [coef(R, 2, n)])
+            want = total * pre[R % 2] / (n if op is hvd.Average else 1)
+            if op is hvd.Max and R != members[-1]:
+                want = torch.zeros_like(total)
+            results.append((f"{label} {op.name}", x.grad, want))
+    compare(results)
+
+
+@check
 def allreduce_min_max_product():
     """Shoal's (the derivative; Horovod reduces the gradients with the forward's op)."""
     results = []

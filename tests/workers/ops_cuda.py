@@ -62,6 +62,32 @@ def allreduce_min_max_product():
 
 
 @check
+def horovod_scaling():
+    # Prescale, postscale (scaled on the device on the NCCL path) and the integer average
+    # (staged: the device kernels scale floating types only); exact in bfloat16 too.
+    tri = N * (N + 1) // 2
+    for dt in DTYPES:
+        got = on_device(bf.allreduce(base(dt) * (R + 1), op=bf.Sum, name=f"g.hs.{dt}", prescale_factor=0.5,
+                                     postscale_factor=4.0))
+        assert torch.equal(got, (base(torch.float64) * tri * 2).to(dt)), (dt, got)
+        got = on_device(bf.allreduce(base(dt) * (R + 1), op=bf.Average, name=f"g.hs.avg.{dt}", prescale_factor=0.5,
+                                     postscale_factor=2.0))
+        assert torch.equal(got, (base(torch.float64) * tri * 0.5 / N * 2).to(dt)), (dt, got)
+        d0 = 2 * N + 1
+        rows = d0 // N + (1 if R < d0 % N else 0)
+        start = R * (d0 // N) + min(R, d0 % N)
+        got = on_device(bf.reducescatter(base(dt, d0) * (R + 1), name=f"g.hs.rs.{dt}", op=bf.Sum, prescale_factor=0.5,
+                                         postscale_factor=4.0))
+        assert torch.equal(got, (base(torch.float64, d0) * tri * 2).to(dt)[start:start + rows]), (dt, got)
+    x = (base(torch.int32) - 1) * (R + 1)  # negative values: truncated toward zero
+    got = on_device(bf.allreduce(x, name="g.hs.int.avg"))
+    assert torch.equal(got, torch.div((base(torch.int32) - 1) * tri, N, rounding_mode="trunc")), got
+    got = on_device(bf.allreduce(x, op=bf.Sum, name="g.hs.int.pre", prescale_factor=0.5))
+    want = sum(torch.trunc((base(torch.float64) - 1) * (r + 1) * 0.5) for r in range(N)).to(torch.int32)
+    assert torch.equal(got, want), (got, want)
+
+
+@check
 def reducescatter_uneven():
     # ncclReduceScatter / grouped ncclReduce, or MPI staged; the result comes back on the device.
     d0 = 2 * N + 1

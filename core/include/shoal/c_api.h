@@ -122,6 +122,18 @@ typedef struct {
    * rank order; shoal_received_splits says how many came from each rank. */
   int32_t n_splits;
   const int64_t* splits;
+  /* allreduce, reducescatter (CPU and GPU tensors): Horovod's scaling, read when
+   * horovod_scaling != 0 (a zeroed descriptor scales nothing). This rank's input is
+   * multiplied by prescale_factor before the reduction and the result by postscale_factor
+   * after it (after Average's division); integer tensors truncate toward zero
+   * (trunc(x * factor), computed in double, as Horovod's ScaleBuffer). Average of an
+   * integer tensor is allowed (refused without it): the sum divided by the scope's size
+   * toward zero, or trunc(sum * postscale_factor / size) with a postscale. On the NCCL
+   * path integer tensors with a factor other than 1 or an Average are staged through the
+   * host (the path is part of the signature: ranks must agree on whether they scale). */
+  int32_t horovod_scaling;
+  double prescale_factor;
+  double postscale_factor;
 } shoal_op_desc;
 
 int shoal_init(char* err, size_t err_len);

@@ -178,6 +178,46 @@ void Scale(const void* src, void* dst, int dtype, size_t n, double w) {
   WithConstant(src, dst, dtype, n, w, std::multiplies<>());
 }
 
+namespace {
+
+// `v` toward zero as an int64 (saturated; NaN gives 0).
+int64_t TruncToInt64(double v) {
+  if (!(v == v)) return 0;
+  if (v >= 9223372036854775807.0) return INT64_MAX;
+  if (v <= -9223372036854775808.0) return INT64_MIN;
+  return static_cast<int64_t>(v);
+}
+
+}  // namespace
+
+void Rescale(const void* src, void* dst, int dtype, size_t n, int divisor, double factor) {
+  const bool integer = DispatchIntegers<Wrapping>(dtype, [&](auto t) {
+    using S = typename decltype(t)::Store;
+    auto s = static_cast<const S*>(src);
+    auto d = static_cast<S*>(dst);
+    if (factor == 1.0) {
+      for (size_t i = 0; i < n; ++i) d[i] = static_cast<S>(static_cast<int64_t>(s[i]) / divisor);
+      return;
+    }
+    const double f = factor / divisor;
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<S>(TruncToInt64(static_cast<double>(s[i]) * f));
+  });
+  if (integer) return;
+  DispatchFloating(dtype, [&](auto t) {
+    using T = decltype(t);
+    using A = typename T::Acc;
+    auto s = static_cast<const typename T::Store*>(src);
+    auto d = static_cast<typename T::Store*>(dst);
+    const A div = static_cast<A>(divisor), f = static_cast<A>(factor);
+    for (size_t i = 0; i < n; ++i) {
+      A v = T::Load(s[i]);
+      if (divisor > 1) v = v / div;
+      if (factor != 1.0) v = v * f;
+      d[i] = T::Save(v);
+    }
+  });
+}
+
 void Combine(const void* self, const std::vector<const void*>& srcs, void* out, int dtype,
              size_t n, bool uniform, double self_weight, const std::vector<double>& weights) {
   DispatchFloating(dtype, [&](auto t) {

@@ -22,6 +22,13 @@ void Divide(const void* src, void* dst, int dtype, size_t n, double divisor);
 // dst[i] = src[i] * w (dst may alias src).
 void Scale(const void* src, void* dst, int dtype, size_t n, double w);
 
+// Horovod's scaling of a reduction's input or result (ops/fusion.h): dst[i] = src[i] /
+// divisor * factor (dst may alias src). Floating dtypes compute in their accumulation type
+// (float32 for half types); integers truncate toward zero: the exact quotient when factor
+// is 1, else trunc(src[i] * (factor / divisor)) in double (Horovod's ScaleBuffer), wrapped
+// to the dtype's width as a conversion from int64 (saturated there; NaN gives 0).
+void Rescale(const void* src, void* dst, int dtype, size_t n, int divisor, double factor);
+
 // Weighted combine for neighbor averaging, written to `out` (may alias `self`):
 //   uniform: out = (self + sum_j srcs[j]) / (srcs.size() + 1)
 //   else:    out = self_weight * self + sum_j weights[j] * srcs[j]

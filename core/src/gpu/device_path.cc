@@ -20,9 +20,13 @@ void DevicePath::Stage(const EntryPtr& e, std::vector<Request>* to_coordinator) 
     g.direct = nccl || (cfg_.cuda_aware_mpi && g.api->mpi_cuda_aware(nullptr));
     e->sig.path = !g.direct ? kPathStaged : nccl ? kPathNccl : kPathMpi;
   } else {  // a process set's collectives are staged (NCCL's communicators here span every rank)
+    // Integers that Horovod's scaling or average truncates are staged too (the device's
+    // scale kernel computes floating types only).
+    const bool truncated = !IsFloating(dt) && (e->prescale != 1.0 || e->postscale != 1.0 ||
+                                               e->sig.reduce_op == SHOAL_REDUCE_AVERAGE);
     g.nccl = nccl && e->set == 0 && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER || op == SHOAL_OP_ALLTOALL ||
                       ((op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_REDUCESCATTER) && dt != SHOAL_INT16 &&
-                       dt != SHOAL_BOOL));
+                       dt != SHOAL_BOOL && !truncated));
     e->sig.path = g.nccl ? kPathNccl : kPathStaged;
   }
   if (std::string(g.api->build).rfind("fake", 0) == 0) e->sig.path |= kFakePlugin;
@@ -119,7 +123,7 @@ void DevicePath::Run(const Response& r, const std::vector<EntryPtr>& batch) {
         continue;
       }
       if (r.op == SHOAL_OP_ALLGATHER) engine->Allgatherv(g.dev_in, e->count(), e->result, counts, dtype, done);
-      else engine->ReduceScatter(g.dev_in, e->result, counts, dtype, e->sig.reduce_op, done);
+      else engine->ReduceScatter(g.dev_in, e->result, counts, dtype, e->sig.reduce_op, e->prescale, e->postscale, done);
       continue;
     }
     const int me = scope == SHOAL_SCOPE_MACHINE ? w.local_rank : w.rank;
@@ -130,7 +134,7 @@ void DevicePath::Run(const Response& r, const std::vector<EntryPtr>& batch) {
     } else if (r.op == SHOAL_OP_BROADCAST) {
       engine->Broadcast(g.dev_out, e->count(), dtype, e->sig.root_rank, scope, done);
     } else {
-      engine->Allreduce(g.dev_out, e->count(), dtype, e->sig.reduce_op, scope, done);
+      engine->Allreduce(g.dev_out, e->count(), dtype, e->sig.reduce_op, scope, e->prescale, e->postscale, done);
     }
   }
 }

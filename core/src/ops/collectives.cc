@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/reduce.h"
 #include "gpu/device_path.h"
 #include "ops/fusion.h"
 #include "process_sets/process_sets.h"
@@ -98,10 +99,11 @@ void CollectiveOps::Run(const Response& r, std::vector<EntryPtr> batch) {
   if (batch.size() == 1 && FusedBuffer::WireDtype(dtype) == dtype) {  // in place: no fusion buffer
     EntryPtr e = batch[0];
     if (e->output.data != e->input.data) std::memcpy(e->output.data, e->input.data, e->nbytes());
+    if (e->prescale != 1.0) Rescale(e->output.data, e->output.data, dtype, e->count(), 1, e->prescale);
     engine->Allreduce(e->output.data, e->count(), dtype, rop, scope, [this, communicated, e, divisor](const Status& st) {
       communicated(e);
       e->t_reduce_start = Clock::now();
-      if (st.ok()) FusedBuffer::Unpack(e->output.data, e->sig.dtype, e->output.data, e->count(), divisor);
+      if (st.ok()) FusedBuffer::Unpack(e->output.data, e->sig.dtype, e->output.data, e->count(), divisor, e->postscale);
       e->t_reduce_end = Clock::now();
       host_->Finish(e, st);
     });
@@ -130,15 +132,19 @@ void CollectiveOps::RunReduceScatter(const EntryPtr& e, GroupCollectives* engine
   const std::vector<int64_t> counts = ScatterCounts(*e, size, rank);
   const int64_t mine = counts[rank];
   if (e->count() == 0) return host_->Finish(e, Status::Ok());
-  // Half types are reduced in float32 and rounded once, as allreduce does.
+  // Half types are reduced in float32 and rounded once, as allreduce does; a prescaled
+  // input is sent from a scaled copy.
   std::shared_ptr<FusedBuffer> in, out;
   const void* send = e->input.data;
   void* recv = e->result;
-  if (FusedBuffer::WireDtype(dtype) != dtype) {
+  const bool half = FusedBuffer::WireDtype(dtype) != dtype;
+  if (half || e->prescale != 1.0) {
     in = std::make_shared<FusedBuffer>(*pool_, dtype, e->count());
     in->Pack({e});
-    out = std::make_shared<FusedBuffer>(*pool_, dtype, mine);
     send = in->data();
+  }
+  if (half) {
+    out = std::make_shared<FusedBuffer>(*pool_, dtype, mine);
     recv = out->data();
   }
   const int divisor = e->sig.reduce_op == SHOAL_REDUCE_AVERAGE ? size : 1;
@@ -146,8 +152,8 @@ void CollectiveOps::RunReduceScatter(const EntryPtr& e, GroupCollectives* engine
                         [this, e, in, out, divisor, mine](const Status& st) {
     e->t_comm_end = e->t_reduce_start = Clock::now();
     if (st.ok()) {
-      if (out) out->UnpackTo(e->result, mine, divisor);
-      else FusedBuffer::Unpack(e->result, e->sig.dtype, e->result, mine, divisor);
+      if (out) out->UnpackTo(e->result, mine, divisor, e->postscale);
+      else FusedBuffer::Unpack(e->result, e->sig.dtype, e->result, mine, divisor, e->postscale);
     }
     e->t_reduce_end = Clock::now();
     host_->Finish(e, st);

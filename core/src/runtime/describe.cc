@@ -62,6 +62,13 @@ std::vector<int64_t> CheckSplits(const shoal_op_desc& d, const std::vector<int64
   return out;
 }
 
+// Horovod's scaling factors, kept on the entry (1.0 each when not asked for).
+void Scaling(const shoal_op_desc& d, Entry* e) {
+  if (!d.horovod_scaling) return;
+  e->prescale = d.prescale_factor;
+  e->postscale = d.postscale_factor;
+}
+
 }  // namespace
 
 ProcessSetPtr Runtime::CallSet(const shoal_op_desc& d, const char* what) {
@@ -117,8 +124,9 @@ EntryPtr Runtime::Describe(const shoal_op_desc& d, const ProcessSetPtr& pset) {
       if (d.input.dtype == SHOAL_BOOL)
         Bad(std::string("allreduce: bool tensors cannot be reduced (op=") + ReduceOpName(d.reduce_op) +
             "); use an integer dtype");
-      if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype))
+      if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype) && !d.horovod_scaling)
         Bad("allreduce: average of " + dt + " is not representable; use op=Sum or a floating dtype");
+      Scaling(d, e.get());
       e->sig.reduce_op = d.reduce_op;
       break;
     case SHOAL_OP_BROADCAST:
@@ -136,8 +144,9 @@ EntryPtr Runtime::Describe(const shoal_op_desc& d, const ProcessSetPtr& pset) {
       if (d.reduce_op != SHOAL_REDUCE_SUM && d.reduce_op != SHOAL_REDUCE_AVERAGE)
         Bad(std::string("reducescatter: op=") + ReduceOpName(d.reduce_op) + " is not supported; use Sum or Average");
       if (d.input.dtype == SHOAL_BOOL) Bad("reducescatter: bool tensors cannot be summed");
-      if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype))
+      if (d.reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloating(d.input.dtype) && !d.horovod_scaling)
         Bad("reducescatter: average of " + dt + " is not representable; use op=Sum or a floating dtype");
+      Scaling(d, e.get());
       e->sig.reduce_op = d.reduce_op;
       break;
     case SHOAL_OP_ALLTOALL:

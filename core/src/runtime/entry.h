@@ -42,6 +42,8 @@ struct Entry {
   double self_weight = 1.0;
   bool uniform = true;
   bool topo_check = false;
+  // allreduce, reducescatter: Horovod's scaling (shoal_op_desc), 1.0 when not asked for.
+  double prescale = 1.0, postscale = 1.0;
   int64_t step = 0;  // how many ops of this name this rank ran before (neighbor message matching)
   std::string reject;  // non-empty: a call refused at the call here; its peers get this error
   int reject_code = 0;

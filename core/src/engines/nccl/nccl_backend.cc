@@ -100,14 +100,17 @@ const char* NcclBackend::CopyToHost(Call* call, void* dst, const void* src, size
   return api_->memcpy_async(pinned, src, n, stream);
 }
 
-void NcclBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) {
+void NcclBackend::Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, double prescale,
+                            double postscale, Callback done) {
   const WorldInfo& w = control_->world();
   const int n = scope == SHOAL_SCOPE_MACHINE ? w.local_size : w.size;
   Submit(scope, [=](void* comm, void* stream, Call*) {
     const int rop = reduce_op == SHOAL_REDUCE_AVERAGE ? SHOAL_REDUCE_SUM : reduce_op;
-    const char* e = api_->nccl_allreduce(buf, count, dtype, rop, comm, stream);
+    const char* e = prescale != 1.0 ? api_->scale(buf, buf, prescale, 0, dtype, count, stream) : nullptr;
+    if (!e) e = api_->nccl_allreduce(buf, count, dtype, rop, comm, stream);
     if (!e && reduce_op == SHOAL_REDUCE_AVERAGE)  // sum, then divide: as the CPU path
       e = api_->scale(buf, buf, n, 1, dtype, count, stream);
+    if (!e && postscale != 1.0) e = api_->scale(buf, buf, postscale, 0, dtype, count, stream);
     return e;
   }, std::move(done));
 }
@@ -139,15 +142,24 @@ void NcclBackend::Allgatherv(const void* send, int64_t, void* recv, const std::v
 }
 
 void NcclBackend::ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype,
-                                int reduce_op, Callback done) {
+                                int reduce_op, double prescale, double postscale, Callback done) {
   const WorldInfo& w = control_->world();
   const int64_t mine = counts[w.rank], bytes = mine * static_cast<int64_t>(DtypeSize(dtype));
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
   Submit(SHOAL_SCOPE_WORLD, [=](void* comm, void* stream, Call* call) {
     const char* e = nullptr;
     void* tmp = Temp(call, bytes, &e);
+    const void* in = send;
+    if (!e && prescale != 1.0) {  // the caller's input stays as it is
+      void* scaled = Temp(call, total * static_cast<int64_t>(DtypeSize(dtype)), &e);
+      if (!e) e = api_->scale(scaled, send, prescale, 0, dtype, total, stream);
+      in = scaled;
+    }
     const int rop = reduce_op == SHOAL_REDUCE_AVERAGE ? SHOAL_REDUCE_SUM : reduce_op;
-    if (!e) e = api_->nccl_reducescatter(send, tmp, counts.data(), w.size, dtype, rop, comm, stream);
+    if (!e) e = api_->nccl_reducescatter(in, tmp, counts.data(), w.size, dtype, rop, comm, stream);
     if (!e && mine > 0 && reduce_op == SHOAL_REDUCE_AVERAGE) e = api_->scale(tmp, tmp, w.size, 1, dtype, mine, stream);
+    if (!e && mine > 0 && postscale != 1.0) e = api_->scale(tmp, tmp, postscale, 0, dtype, mine, stream);
     if (!e) e = CopyToHost(call, recv, tmp, bytes, stream);
     return e;
   }, std::move(done));

@@ -5,7 +5,8 @@
 // blocking the driver: the scope's rank 0 creates the id (or fails to) and broadcasts it,
 // with the error if any, over the control engine (MPI); ranks join on a helper thread, and
 // calls made meanwhile wait in order. Allreduce also takes AVERAGE (sum, then divide on the
-// device); gathers and alltoall leave their result in host memory, through pinned buffers. Destroyed
+// device), and with Horovod's scaling (floating dtypes) multiplies the input by a prescale and
+// the result by a postscale on the device, as the CPU path (ops/fusion.h); gathers and alltoall leave their result in host memory, through pinned buffers. Destroyed
 // (aborted, with work outstanding) by Stop. Driver only.
 #pragma once
 #include <atomic>
@@ -30,12 +31,22 @@ class NcclBackend : public Collectives {
       : control_(control), gpu_(gpu), api_(api), device_(device) {}
   ~NcclBackend() override { Stop(); }
 
-  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) override;
+  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, Callback done) override {
+    Allreduce(buf, count, dtype, reduce_op, scope, 1.0, 1.0, std::move(done));
+  }
+  // With Horovod's scaling: `buf` times `prescale` first, the result times `postscale`.
+  void Allreduce(void* buf, int64_t count, int dtype, int reduce_op, int scope, double prescale, double postscale,
+                 Callback done);
   void Broadcast(void* buf, int64_t count, int dtype, int root, int scope, Callback done) override;
   void Allgatherv(const void* send, int64_t count, void* recv, const std::vector<int64_t>& counts, int dtype,
                   Callback done) override;
   void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
-                     Callback done) override;
+                     Callback done) override {
+    ReduceScatter(send, recv, counts, dtype, reduce_op, 1.0, 1.0, std::move(done));
+  }
+  // With Horovod's scaling: a scaled copy of `send` reduced, the result times `postscale`.
+  void ReduceScatter(const void* send, void* recv, const std::vector<int64_t>& counts, int dtype, int reduce_op,
+                     double prescale, double postscale, Callback done);
   void Alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                  const std::vector<int64_t>& recv_counts, int dtype, Callback done) override;
   bool Progress() override;
