@@ -7,7 +7,6 @@ import inspect
 
 from . import _grouped, _hierarchical, _ops
 from ._loader import _core
-from ._process import STATE
 
 
 def _scope(is_hierarchical_local):
@@ -325,7 +324,7 @@ def build_api(adapter):
     for name in adapter.native:
         f = api[name]
         doc = f"{name}{inspect.signature(f)}\n--\n\n{f.__doc__}"
-        kw = {"torch": adapter.torch_api, "state": None if name in _BLOCKING else STATE}
+        kw = {"torch": adapter.torch_api, "nonblocking": name not in _BLOCKING}
         if name.startswith("allreduce"):
             api[name] = _core.native_allreduce(f, doc, adapter.module, _ops.REDUCE_OP_CODES,
                                                inplace=name.endswith("_"), **kw)

@@ -58,8 +58,7 @@ def _submit_group(op, name, adapter, tensors, outputs, keep, result, code=0, sco
     def finish():
         return [result(0, first)] + rest.results(result)
 
-    with STATE.lock:
-        STATE.pending[first] = ((keep, rest), finish)
+    _core.attach(first, ((keep, rest), finish))  # kept by the core with the handle, for synchronize
     return first
 
 

@@ -141,14 +141,12 @@ def _submit(op, name, adapter, tensor, output, keep, finish, block=False, reduce
     out_ptr = ptr if output is None or output is tensor else adapter.describe(output)[0]
     device_type, device_id, stream = adapter.device(tensor)
     STATE.calls.reached = True
+    # Nonblocking: the core keeps (keep, finish) with the handle (shoal_attach) for synchronize.
     handle = _core.enqueue(op, name, ptr, dtype, shape, out_ptr, peers=peers, reduce_op=reduce_op, root=root,
                            scope=scope, device_type=device_type, device_id=device_id, stream=stream,
-                           block=block, keep=keep, splits=splits, process_set=process_set, scaling=scaling)
-    if block:  # waited for and released by the core already
-        return finish()
-    with STATE.lock:
-        STATE.pending[handle] = (keep, finish)
-    return handle
+                           block=block, keep=keep, finish=None if block else finish, splits=splits,
+                           process_set=process_set, scaling=scaling)
+    return finish() if block else handle  # blocking: waited for and released by the core already
 
 
 def _submit_gather(op, name, adapter, tensor, **kw):
@@ -464,48 +462,38 @@ def synchronize(handle):
     for an unknown handle. A KeyboardInterrupt leaves the op running and its handle valid
     (synchronize it again, or let shutdown fail it).
     """
-    with STATE.lock:
-        if handle not in STATE.pending:
-            if isinstance(handle, int) and 0 < handle < STATE.ended_below:
-                raise _core.ShoalError(f"handle {handle} belongs to a runtime that shutdown() ended; "
-                                       "synchronize handles before shutdown()")
-            raise ValueError(f"unknown handle {handle}")
+    if not isinstance(handle, int) or isinstance(handle, bool) or _core.attached(handle) is None:
+        if isinstance(handle, int) and 0 < handle < STATE.ended_below:
+            raise _core.ShoalError(f"handle {handle} belongs to a runtime that shutdown() ended; "
+                                   "synchronize handles before shutdown()")
+        raise ValueError(f"unknown handle {handle}")
     try:
         _core.wait(handle)
     except BaseException:
         if not _core.poll(handle):
             raise  # interrupted (Ctrl-C) while the op runs on: it keeps its tensors and handle
-        with STATE.lock:
-            entry = STATE.pending.pop(handle, None)
         if _core.in_use(handle):  # failed with a send from its memory in flight
-            _core.linger(handle, entry)  # the core releases it when the send is done
+            _core.linger(handle, None)  # released (its objects with it) when the send is done
         else:
             _core.release(handle)
         raise
+    entry = _core.attached(handle)  # (objects kept alive, finish)
+    if entry is None:  # another thread synchronized it meanwhile
+        raise ValueError(f"handle {handle} was already synchronized")
     try:
-        with STATE.lock:
-            entry = STATE.pending.get(handle)
-        if entry is None:  # another thread synchronized it meanwhile
-            raise ValueError(f"handle {handle} was already synchronized")
         return entry[1]()
     finally:
-        _forget(handle)
+        _core.release(handle)
 
 
 def _native_synchronize():
     # The common case (a registered handle whose op completes without error) in C
     # (bindings/python/native_entry.cc); anything else takes the function above.
     doc = f"synchronize{inspect.signature(synchronize)}\n--\n\n{synchronize.__doc__}"
-    return _core.native_synchronize(synchronize, doc, "shoal", STATE)
+    return _core.native_synchronize(synchronize, doc, "shoal")
 
 
 synchronize = _native_synchronize()  # noqa: F811  (the C form of the function above)
-
-
-def _forget(handle):
-    with STATE.lock:
-        STATE.pending.pop(handle, None)
-    _core.release(handle)
 
 
 def barrier(process_set=None):

@@ -20,8 +20,8 @@ class ProcessState:
     topology/plan: the static topology (the graph as given) and this rank's plan of it as
     the core keeps it (`_core.topology_plan`: {"version", "weighted", "recv", "send",
     "self_weight", "recv_weights"}), read here without a call into the core;
-    machine_*: the same for the graph over machines. pending: op handle -> (objects kept alive, finish() -> result).
-    windows: window name -> registered tensor; mirrors: name -> host copy of a device
+    machine_*: the same for the graph over machines (an op handle's objects are the core's:
+    shoal_attach). windows: window name -> registered tensor; mirrors: name -> host copy of a device
     tensor; window_makers: name -> win_create again (a fault-tolerant recovery recreates
     each window); win_pending: window handle -> (kept objects, finish or None); with_p: window
     ops carry push-sum weights. suspended/skip_negotiate: BlueFog switches (recorded).
@@ -39,7 +39,7 @@ class ProcessState:
     def __init__(self):
         self.lock = threading.RLock()
         self.atexit_registered = False
-        self.ended_below, self.pending = 0, {}
+        self.ended_below = 0
         self.calls = threading.local()  # per thread: inside an op entry point (shoal._ops._told)
         # Fault-tolerant mode: the kept objects of window ops of runtimes a loss ended (one
         # may still be stuck in MPI on the lost rank, reading them): kept for good.
@@ -48,10 +48,9 @@ class ProcessState:
 
     def reset(self):
         with self.lock:
-            self.ended_below = max(self.ended_below, max(self.pending, default=0) + 1)
+            self.ended_below = _core.next_handle()
             self.topology, self.plan = None, None
             self.machine_topology, self.machine_plan = None, None
-            self.pending = {}
             self.windows, self.mirrors, self.win_pending = {}, {}, {}
             self.window_makers = {}
             self.with_p = False

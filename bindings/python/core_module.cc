@@ -103,10 +103,33 @@ void ReleaseLingering() {
 
 void Linger(int64_t handle, py::object keep) { g_lingering->emplace_back(handle, std::move(keep)); }
 
+// Drops a Python object attached to a handle, in whichever thread ends the handle (it
+// holds no lock of the core then): the GIL is taken for it. Once the interpreter is
+// finalizing the object is left alone.
+void DropObject(void* p) {
+#if PY_VERSION_HEX >= 0x030D0000
+  if (!Py_IsInitialized() || Py_IsFinalizing()) return;
+#else
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+#endif
+  PyGILState_STATE gil = PyGILState_Ensure();
+  Py_DECREF(static_cast<PyObject*>(p));
+  PyGILState_Release(gil);
+}
+
+void Attach(int64_t h, py::object data) {
+  PyObject* p = data.release().ptr();
+  if (shoal_attach(h, p, DropObject) != SHOAL_OK) {
+    Py_DECREF(p);
+    Raise(SHOAL_UNKNOWN_HANDLE, ("unknown handle " + std::to_string(h)).c_str());
+  }
+}
+
 // Enqueues `d`; with `block`, also waits for it and releases its handle (one call and one
 // GIL release for a blocking op whose result is its output tensor) and returns 0.
-// `keep`: the objects owning the tensors' memory, held if the wait is interrupted.
-int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep) {
+// `keep`: the objects owning the tensors' memory, held if the wait is interrupted;
+// without `block`, (keep, finish) is attached to the handle.
+int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep, const py::object& finish) {
   if (!g_lingering->empty()) ReleaseLingering();
   int64_t handle = 0;
   char err[kErrLen];
@@ -117,7 +140,10 @@ int64_t Submit(const shoal_op_desc& d, bool block, const py::object& keep) {
     if (rc == SHOAL_OK && block) wait_rc = shoal_wait_for(handle, 200, err, kErrLen);
   }
   Check(rc, err);
-  if (!block) return handle;
+  if (!block) {
+    Attach(handle, py::make_tuple(keep, finish));
+    return handle;
+  }
   try {
     WaitInterruptibly([handle](char* e) { return shoal_wait_for(handle, 200, e, kErrLen); }, wait_rc, err);
   } catch (...) {
@@ -172,7 +198,7 @@ void SetScaling(shoal_op_desc* d, const std::optional<std::pair<double, double>>
 // (0: every rank); `scaling`: Horovod's (see SetScaling).
 int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, const std::vector<int64_t>& shape,
                 py::handle output, const NeighborArgs* peers, int reduce_op, int root, int scope, int device_type,
-                int device_id, uintptr_t stream, bool block, py::object keep,
+                int device_id, uintptr_t stream, bool block, py::object keep, py::object finish,
                 const std::optional<std::vector<int64_t>>& splits, int process_set,
                 const std::optional<std::pair<double, double>>& scaling) {
   static const NeighborArgs kNoPeers{};
@@ -186,7 +212,7 @@ int64_t Enqueue(int op, const std::string& name, py::handle input, int dtype, co
     d.splits = splits->data();
   }
   SetScaling(&d, scaling);
-  return Submit(d, block, keep.is_none() ? py::object(py::make_tuple(input, output)) : keep);
+  return Submit(d, block, keep.is_none() ? py::object(py::make_tuple(input, output)) : keep, finish);
 }
 
 // A grouped op (shoal_enqueue_group): `tensors` is a list of (input, dtype, shape, output,
@@ -215,37 +241,6 @@ std::vector<int64_t> EnqueueGroup(int op, const std::string& name, const py::lis
   }
   Check(rc, err);
   return handles;
-}
-
-int64_t WinEnqueue(int op, const std::string& name, py::handle data, int dtype,
-                   const std::vector<int64_t>& shape, const std::vector<int32_t>& ranks,
-                   const std::vector<double>& weights, const std::vector<int32_t>& send_ranks,
-                   double self_weight, bool uniform, bool zero_init, bool require_mutex, bool reset,
-                   bool with_p, bool for_self, bool clone, const std::optional<std::string>& refused,
-                   bool refused_type) {
-  shoal_win_desc d{};
-  d.op = op;
-  d.name = name.c_str();
-  d.tensor = MakeTensor(data, dtype, shape, false);  // writability is checked in shoal/_win.py
-  d.n = static_cast<int32_t>(ranks.size());
-  d.ranks = ranks.data();
-  d.weights = weights.empty() ? nullptr : weights.data();
-  d.n_send = static_cast<int32_t>(send_ranks.size());
-  d.send_ranks = send_ranks.data();
-  d.self_weight = self_weight;
-  d.uniform = uniform;
-  d.zero_init = zero_init;
-  d.require_mutex = require_mutex;
-  d.reset = reset;
-  d.with_p = with_p;
-  d.for_self = for_self;
-  d.clone = clone;
-  d.refused = refused ? refused->c_str() : nullptr;
-  d.refused_code = refused_type ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT;
-  int64_t handle = 0;
-  char err[kErrLen];
-  Check(shoal_win_enqueue(&d, &handle, err, kErrLen), err);
-  return handle;
 }
 
 // `poll(h)` (True once done; ValueError for an unknown handle) and `wait(h)` (Ctrl-C aware)
@@ -472,6 +467,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("shape"), py::arg("output"), py::kw_only(), py::arg("peers") = py::none(),
         py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("scope") = 0, py::arg("device_type") = 0,
         py::arg("device_id") = 0, py::arg("stream") = 0, py::arg("block") = false, py::arg("keep") = py::none(),
+        py::arg("finish") = py::none(),
         py::arg("splits") = py::none(), py::arg("process_set") = 0, py::arg("scaling") = py::none());
   m.def("enqueue_group", &EnqueueGroup, py::arg("op"), py::arg("name"), py::arg("tensors"), py::kw_only(),
         py::arg("reduce_op") = 0, py::arg("scope") = 0, py::arg("process_set") = 0, py::arg("scaling") = py::none());
@@ -485,64 +481,19 @@ PYBIND11_MODULE(_core, m) {
   // Keeps `keep` referenced until the core no longer uses `handle`'s memory (a failed op
   // with a send in flight), then releases the handle: the one registry of such tensors.
   m.def("linger", &Linger);
+  // attach(h, data) / attached(h): a handle's Python objects, kept by the core with it
+  // (shoal_attach); attached gives None for an unknown handle.
+  m.def("attach", &Attach);
+  m.def("attached", [](int64_t h) -> py::object {
+    void* p = shoal_attached(h);  // not dropped meanwhile: that needs the GIL, held here
+    return p ? py::reinterpret_borrow<py::object>(static_cast<PyObject*>(p)) : py::object(py::none());
+  });
+  m.def("next_handle", &shoal_next_handle);
   DefineNeighborNative(m);
   DefineRegisteredKernels(m);
   m.def("in_use", [](int64_t h) { return shoal_in_use(h) == 1; });
   DefinePollWait(m, "poll", "wait", "handle", &shoal_poll, &shoal_wait_for);
-  m.def("win_enqueue", &WinEnqueue, py::arg("op"), py::arg("name"), py::arg("data") = py::int_(0),
-        py::arg("dtype") = int(SHOAL_FLOAT32), py::arg("shape") = std::vector<int64_t>{},
-        py::arg("ranks") = std::vector<int32_t>{}, py::arg("weights") = std::vector<double>{},
-        py::arg("send_ranks") = std::vector<int32_t>{}, py::arg("self_weight") = 1.0,
-        py::arg("uniform") = false, py::arg("zero_init") = false, py::arg("require_mutex") = false,
-        py::arg("reset") = false, py::arg("with_p") = false, py::arg("for_self") = false, py::arg("clone") = false,
-        py::arg("refused") = py::none(), py::arg("refused_type") = false);
-  DefinePollWait(m, "win_poll", "win_wait", "window handle", &shoal_win_poll, &shoal_win_wait_for);
-  m.def("win_release", [](int64_t h) { shoal_win_release(h); });
-  m.def("win_versions", [](const std::string& name) {
-    char err[kErrLen];
-    std::vector<int32_t> ranks(shoal_size() > 0 ? shoal_size() : 1);
-    std::vector<int64_t> v(ranks.size());
-    int32_t n = 0;
-    int rc;
-    {
-      py::gil_scoped_release nogil;
-      rc = shoal_win_versions(name.c_str(), ranks.data(), v.data(), static_cast<int32_t>(ranks.size()), &n, err, kErrLen);
-    }
-    Check(rc, err);
-    py::dict d;
-    for (int32_t i = 0; i < n; ++i) d[py::int_(ranks[i])] = v[i];
-    return d;
-  });
-  m.def("win_associated_p", [](const std::string& name) {
-    char err[kErrLen];
-    double p = 0;
-    int rc;
-    {
-      py::gil_scoped_release nogil;
-      rc = shoal_win_associated_p(name.c_str(), &p, err, kErrLen);
-    }
-    Check(rc, err);
-    return p;
-  });
-  m.def("win_names", [] {
-    std::vector<char> buf(4096);
-    int rc;
-    for (;;) {
-      {
-        py::gil_scoped_release nogil;
-        rc = shoal_win_names(buf.data(), buf.size());
-      }
-      if (rc < 0) Raise(-rc, buf.data());
-      if (static_cast<size_t>(rc) <= buf.size()) break;
-      buf.resize(rc);
-    }
-    std::vector<std::string> names;
-    std::string s(buf.data()), cur;
-    for (char c : s) {
-      if (c == '\n') { names.push_back(cur); cur.clear(); } else cur += c;
-    }
-    return names;
-  });
+  DefineWindows(m);
   m.def("take_result", [](int64_t h) {
     void* data = nullptr;
     size_t nbytes = 0;

@@ -23,13 +23,12 @@ constexpr int32_t kMaxDims = 32;
 
 // The state of one native function: its Python fallback, for allreduce the {ReduceOp
 // object: core code} of `op=` (shoal._ops.REDUCE_OP_CODES), for torch tensors (instead of
-// numpy arrays) torch's API, and for the nonblocking forms and synchronize
-// shoal._process.STATE (whose `pending` registry maps a handle to (objects kept alive,
-// finish() -> result), as shoal._ops._submit fills it).
+// numpy arrays) torch's API, and whether it is a nonblocking form (it returns the handle,
+// with (objects kept alive, finish() -> result) attached as shoal._ops._submit attaches them).
 struct Native {
   py::object fallback, ops;
   std::unique_ptr<TorchApi> torch;
-  py::object state;  // None: a blocking op
+  bool nonblocking = false;
   bool inplace = false;  // the result overwrites the input (allreduce_, allreduce_nonblocking_)
 };
 
@@ -58,7 +57,7 @@ PyObject* Finish(const Native& st, const shoal_op_desc& d, PyObject* x, py::obje
 py::object MakeNative(const std::string& name, PyCFunction call, Native* state, const std::string& doc,
                       const std::string& module);
 // A native function's state (never destroyed: it may hold Python objects at exit).
-Native* NewNative(py::object fallback, py::object ops, py::object torch, py::object state, bool inplace);
+Native* NewNative(py::object fallback, py::object ops, py::object torch, bool nonblocking, bool inplace);
 
 // Runs a native entry's body, turning C++ exceptions into Python ones.
 template <typename F> PyObject* Guard(F&& body) {

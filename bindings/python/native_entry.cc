@@ -222,20 +222,16 @@ py::object Describe(const Native& st, PyObject* x, const Input& in, int op, cons
 }
 
 // Enqueues `d` reading `x` into `out`. Blocking: waits and returns `out`. Nonblocking:
-// registers the handle in STATE.pending as shoal._ops._submit does and returns it.
+// the handle, with (keep, finish) attached as shoal._ops._submit attaches them.
 PyObject* Finish(const Native& st, const shoal_op_desc& d, PyObject* x, py::object out) {
   py::tuple keep = py::make_tuple(py::handle(x), out);
-  if (st.state.is_none()) {
-    Submit(d, true, keep);
+  if (!st.nonblocking) {
+    Submit(d, true, keep, py::none());
     return out.release().ptr();
   }
-  py::object handle = py::int_(Submit(d, false, keep));
   auto finish = py::reinterpret_steal<py::object>(PyCFunction_New(&kResultDef, out.ptr()));
   if (!finish) throw py::error_already_set();
-  py::object pending = st.state.attr("pending");
-  if (PyDict_SetItem(pending.ptr(), handle.ptr(), py::make_tuple(keep, finish).ptr()) != 0)
-    throw py::error_already_set();
-  return handle.release().ptr();
+  return PyLong_FromLongLong(Submit(d, false, keep, finish));
 }
 
 // A built-in function `name` of module `module` calling `call` with a Native state.
@@ -259,8 +255,8 @@ py::object MakeNative(const std::string& name, PyCFunction call, Native* state, 
 
 // The state of a native function (see Native); `torch`: None (numpy arrays) or, for torch
 // tensors, an object with the attributes of TorchApi (bindings/torch/_adapter.py: TORCH_API).
-Native* NewNative(py::object fallback, py::object ops, py::object torch, py::object state, bool inplace) {
-  auto* st = new Native{std::move(fallback), std::move(ops), nullptr, std::move(state), inplace};
+Native* NewNative(py::object fallback, py::object ops, py::object torch, bool nonblocking, bool inplace) {
+  auto* st = new Native{std::move(fallback), std::move(ops), nullptr, nonblocking, inplace};
   if (!torch.is_none()) {
     st->torch.reset(new TorchApi{torch.attr("tensor"), torch.attr("parameter"), torch.attr("dtypes"),
                                  torch.attr("strided"), torch.attr("empty_like"), torch.attr("is_grad_enabled"),
@@ -460,12 +456,7 @@ PyObject* CallSynchronize(PyObject* self, PyObject* const* args, Py_ssize_t narg
     int overflow = 0;
     const int64_t h = PyLong_AsLongLongAndOverflow(args[0], &overflow);
     if (overflow) return fallback();
-    py::object pending = st->state.attr("pending");
-    auto entry = py::reinterpret_borrow<py::object>(PyDict_GetItemWithError(pending.ptr(), args[0]));
-    if (!entry) {
-      if (PyErr_Occurred()) throw py::error_already_set();
-      return fallback();  // unknown, or already synchronized: its ValueError
-    }
+    if (!shoal_attached(h)) return fallback();  // unknown, or already synchronized: its ValueError
     char err[kErrLen];
     int rc;
     do {
@@ -484,15 +475,12 @@ PyObject* CallSynchronize(PyObject* self, PyObject* const* args, Py_ssize_t narg
       }
     } while (rc == SHOAL_TIMEOUT);
     if (rc != SHOAL_OK) return fallback();
-    // Another thread may have synchronized it while this one waited without the GIL.
-    pending = st->state.attr("pending");
-    entry = py::reinterpret_borrow<py::object>(PyDict_GetItemWithError(pending.ptr(), args[0]));
-    if (!entry) {
-      if (PyErr_Occurred()) throw py::error_already_set();
-      return fallback();
-    }
-    if (PyDict_DelItem(pending.ptr(), args[0]) != 0) throw py::error_already_set();
-    PyObject* result = PyObject_CallNoArgs(PyTuple_GET_ITEM(entry.ptr(), 1));
+    // Another thread may have synchronized it while this one waited without the GIL. The
+    // attached (keep, finish) cannot be dropped while this thread holds the GIL.
+    auto* entry = static_cast<PyObject*>(shoal_attached(h));
+    if (!entry) return fallback();
+    auto held = py::reinterpret_borrow<py::object>(entry);  // referenced past the release
+    PyObject* result = PyObject_CallNoArgs(PyTuple_GET_ITEM(held.ptr(), 1));
     shoal_release(h);
     return result;
   });
@@ -527,38 +515,34 @@ void DefineNeighborNative(py::module_& m) {
   m.def("forget_neighbor_args", [] { g_remembered->by_key.clear(); });
   // `torch`: None (numpy arrays) or, for torch tensors, an object with the attributes of
   // TorchApi (bindings/torch/_adapter.py: TORCH_API).
-  // `state`: None (blocking) or shoal._process.STATE (nonblocking: the handle is returned).
-  auto state = [](py::object fallback, py::object ops, py::object torch, py::object state = py::none(),
+  // `nonblocking`: the form that returns the handle (else it waits and returns the result).
+  auto state = [](py::object fallback, py::object ops, py::object torch, bool nonblocking = false,
                   bool inplace = false) {
-    return NewNative(std::move(fallback), std::move(ops), std::move(torch), std::move(state), inplace);
+    return NewNative(std::move(fallback), std::move(ops), std::move(torch), nonblocking, inplace);
   };
   auto fn = [](auto call) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)); };
   auto name = [](const py::object& fallback) { return fallback.attr("__name__").cast<std::string>(); };
   m.def("native_neighbor_allreduce", [=](py::object fallback, const std::string& doc, const std::string& module,
-                                         py::object torch, py::object nonblocking) {
-    return MakeNative(name(fallback), fn(Call), state(fallback, py::dict(), std::move(torch), std::move(nonblocking)),
-                      doc, module);
+                                         py::object torch, bool nonblocking) {
+    return MakeNative(name(fallback), fn(Call), state(fallback, py::dict(), std::move(torch), nonblocking), doc, module);
   }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("torch") = py::none(),
-     py::arg("state") = py::none());
+     py::arg("nonblocking") = false);
   // `ops`: {ReduceOp object: core code} of the op= values the one-call path takes.
   m.def("native_allreduce", [=](py::object fallback, const std::string& doc, const std::string& module,
-                                py::dict ops, py::object torch, py::object nonblocking, bool inplace) {
-    return MakeNative(name(fallback), fn(CallAllreduce),
-                      state(fallback, std::move(ops), std::move(torch), std::move(nonblocking), inplace),
-                      doc, module);
+                                py::dict ops, py::object torch, bool nonblocking, bool inplace) {
+    return MakeNative(name(fallback), fn(CallAllreduce), state(fallback, std::move(ops), std::move(torch), nonblocking,
+                                                               inplace), doc, module);
   }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("ops"),
-     py::arg("torch") = py::none(), py::arg("state") = py::none(), py::arg("inplace") = false);
+     py::arg("torch") = py::none(), py::arg("nonblocking") = false, py::arg("inplace") = false);
   m.def("native_broadcast", [=](py::object fallback, const std::string& doc, const std::string& module,
-                                py::object torch, py::object nonblocking, bool inplace) {
-    return MakeNative(name(fallback), fn(CallBroadcast),
-                      state(fallback, py::dict(), std::move(torch), std::move(nonblocking), inplace), doc, module);
+                                py::object torch, bool nonblocking, bool inplace) {
+    return MakeNative(name(fallback), fn(CallBroadcast), state(fallback, py::dict(), std::move(torch), nonblocking,
+                                                               inplace), doc, module);
   }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("torch") = py::none(),
-     py::arg("state") = py::none(), py::arg("inplace") = false);
-  m.def("native_synchronize", [=](py::object fallback, const std::string& doc, const std::string& module,
-                                  py::object process_state) {
-    return MakeNative(name(fallback), fn(CallSynchronize), state(fallback, py::dict(), py::none(), std::move(process_state)),
-                      doc, module);
-  }, py::arg("fallback"), py::arg("doc"), py::arg("module"), py::arg("state"));
+     py::arg("nonblocking") = false, py::arg("inplace") = false);
+  m.def("native_synchronize", [=](py::object fallback, const std::string& doc, const std::string& module) {
+    return MakeNative(name(fallback), fn(CallSynchronize), state(fallback, py::dict(), py::none()), doc, module);
+  }, py::arg("fallback"), py::arg("doc"), py::arg("module"));
 }
 
 }  // namespace shoal_py

@@ -169,8 +169,8 @@ void DefineRegisteredKernels(py::module_& m) {
     return [call](py::object fallback, const std::string& doc, const std::string& module, py::object torch,
                   py::dict ops) {
       auto name = fallback.attr("__name__").cast<std::string>();
-      return MakeNative(name, Fn(call), NewNative(std::move(fallback), std::move(ops), std::move(torch), py::none(),
-                                                  false), doc, module);
+      return MakeNative(name, Fn(call), NewNative(std::move(fallback), std::move(ops), std::move(torch), false, false),
+                        doc, module);
     };
   };
   m.def("native_kernel_allreduce", make(KernelAllreduce), py::arg("fallback"), py::arg("doc"), py::arg("module"),

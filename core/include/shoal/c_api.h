@@ -269,6 +269,19 @@ void shoal_free_buffer(void* data);
  * (capacity entries); *n is the number of ranks. */
 int shoal_received_splits(int64_t handle, int64_t* splits, int32_t capacity, int32_t* n);
 int shoal_release(int64_t handle);
+/* A binding's data kept with an op's handle (the objects that own its tensors, how its
+ * wait gives the result): the one registry of a handle's objects. `drop(data)` runs exactly
+ * once, when the handle is released (shoal_release, in its caller's thread) or its runtime
+ * ends (in the thread that ends it: shoal_shutdown's, or the last waiter's), never under a
+ * lock of the core. Attaching again drops what was attached before. SHOAL_UNKNOWN_HANDLE
+ * for an unknown handle (nothing is dropped: the caller keeps `data`). */
+int shoal_attach(int64_t handle, void* data, void (*drop)(void* data));
+/* The data attached to `handle`; NULL if none, or for an unknown handle. */
+void* shoal_attached(int64_t handle);
+/* The handle the next op will get: op handles are numbered once per process, so those
+ * below it were issued before (a binding tells a handle its runtime ended from one it
+ * never issued). */
+int64_t shoal_next_handle(void);
 
 /* User activities on the timeline (SHOAL_TIMELINE): a span named `activity` on the
  * track of `tensor_name`. Return 1 when the timeline is on, 0 otherwise. */

@@ -108,7 +108,7 @@ void Submissions::Register(const EntryPtr& e, shoal_callback cb, void* cb_arg) {
   e->callback = cb;
   e->callback_arg = cb_arg;
   e->handle = g_next_handle++;
-  handles_[e->handle] = e;
+  handles_[e->handle].entry = e;
 }
 
 void Submissions::Push(const EntryPtr& e) {
@@ -195,7 +195,7 @@ std::vector<EntryPtr> Submissions::TakeUnfinished() {
   std::vector<EntryPtr> pending;
   MutexLock lock(mu_);
   for (auto& kv : handles_)
-    if (!kv.second->done) pending.push_back(kv.second);
+    if (!kv.second.entry->done) pending.push_back(kv.second.entry);
   for (auto& e : queue_)
     if (!e->done) pending.push_back(e);
   queue_.clear();
@@ -203,10 +203,28 @@ std::vector<EntryPtr> Submissions::TakeUnfinished() {
   return pending;
 }
 
+int64_t Submissions::NextHandle() { return g_next_handle; }
+
 EntryPtr Submissions::Find(int64_t handle) {
   MutexLock lock(mu_);
   auto it = handles_.find(handle);
-  return it == handles_.end() ? nullptr : it->second;
+  return it == handles_.end() ? nullptr : it->second.entry;
+}
+
+bool Submissions::Attach(int64_t handle, Attached* a) {
+  Attached before;  // dropped after the lock
+  MutexLock lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return false;
+  before = std::move(it->second.attached);
+  it->second.attached = std::move(*a);
+  return true;
+}
+
+void* Submissions::AttachedTo(int64_t handle) {
+  MutexLock lock(mu_);
+  auto it = handles_.find(handle);
+  return it == handles_.end() ? nullptr : it->second.attached.data();
 }
 
 int Submissions::Poll(int64_t handle) {
@@ -222,8 +240,13 @@ int Submissions::InUse(int64_t handle) {
 }
 
 bool Submissions::Release(int64_t handle) {
+  Attached attached;  // dropped after the lock
   MutexLock lock(mu_);
-  return handles_.erase(handle) > 0;
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return false;
+  attached = std::move(it->second.attached);
+  handles_.erase(it);
+  return true;
 }
 
 size_t Submissions::HandleCount() {
@@ -234,7 +257,7 @@ size_t Submissions::HandleCount() {
 int Submissions::InFlightIn(int set) {
   MutexLock lock(mu_);
   int n = 0;
-  for (auto& kv : handles_) n += kv.second->set == set && !kv.second->done;
+  for (auto& kv : handles_) n += kv.second.entry->set == set && !kv.second.entry->done;
   return n;
 }
 

@@ -1,6 +1,7 @@
 // The ops this rank's threads submitted, from the call to their handle's release: each op's
 // name and step (negotiation/names.h, and the vote that retires idle names), the queue the
-// progress driver takes each cycle, and the handles user threads poll and wait on.
+// progress driver takes each cycle, and the handles user threads poll and wait on, with
+// what a binding attached to each (shoal_attach: the one registry of a handle's objects).
 // Any thread. Its own mutex; under it, it calls out only to code that takes no lock
 // (HierarchicalStages::Start, the proposal's `busy` test). The runtime's mutex, where both
 // are held, is taken first (docs/design.md, "Core layout").
@@ -8,6 +9,7 @@
 #include <atomic>
 #include <functional>
 #include <set>
+#include <utility>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -58,8 +60,37 @@ class Submissions {
   // Every op not completed (the queue emptied): the runtime fails them.
   std::vector<EntryPtr> TakeUnfinished() EXCLUDES(mu_);
 
-  // Handles (the C ABI's).
+  // A binding's data kept with a handle (shoal_attach): `drop(data)` runs once, when the
+  // handle is released or this table ends, never under a lock of the core (it may run the
+  // binding's code, which may call the C ABI).
+  class Attached {
+   public:
+    Attached() = default;
+    Attached(void* data, void (*drop)(void*)) : data_(data), drop_(drop) {}
+    Attached(Attached&& o) noexcept : data_(o.data_), drop_(o.drop_) { o.drop_ = nullptr; }
+    Attached& operator=(Attached&& o) noexcept {
+      std::swap(data_, o.data_);
+      std::swap(drop_, o.drop_);
+      return *this;
+    }
+    ~Attached() {
+      if (drop_) drop_(data_);
+    }
+    void* data() const { return data_; }
+    void Disown() { drop_ = nullptr; }  // never dropped: its owner keeps it
+
+   private:
+    void* data_ = nullptr;
+    void (*drop_)(void*) = nullptr;
+  };
+
+  // Handles (the C ABI's), numbered once per process: the next one (shoal_next_handle).
+  static int64_t NextHandle();
   EntryPtr Find(int64_t handle) EXCLUDES(mu_);
+  // Attaches `a` to `handle` (what was attached before is dropped); false, with `a` kept
+  // by the caller, for an unknown handle.
+  bool Attach(int64_t handle, Attached* a) EXCLUDES(mu_);
+  void* AttachedTo(int64_t handle) EXCLUDES(mu_);  // null: none, or an unknown handle
   int Poll(int64_t handle) EXCLUDES(mu_);   // 1 done, 0 not, -SHOAL_UNKNOWN_HANDLE
   int InUse(int64_t handle) EXCLUDES(mu_);  // 1 while the op's tensors may still be read or written (shoal_in_use)
   bool Release(int64_t handle) EXCLUDES(mu_);
@@ -95,7 +126,11 @@ class Submissions {
   NameTable names_ GUARDED_BY(mu_);
   std::vector<EntryPtr> queue_ GUARDED_BY(mu_);
   std::atomic<size_t> queued_{0};
-  std::unordered_map<int64_t, EntryPtr> handles_ GUARDED_BY(mu_);
+  struct Handle {
+    EntryPtr entry;
+    Attached attached;
+  };
+  std::unordered_map<int64_t, Handle> handles_ GUARDED_BY(mu_);
 };
 
 }  // namespace shoal
