@@ -2,9 +2,11 @@
 // fake backend, at 2, 4 and 8 ranks and a name limit of a few dozen: a run of fresh names
 // keeps the tables bounded with exact results, every rank retires the same number of names,
 // retired names work again (from step 0 everywhere); calls of names being retired, submitted
-// in different orders on different ranks, wait and then run exactly. tests/test_core_cpp.py
-// also runs them under ThreadSanitizer. Exit status 0 = all passed.
+// in different orders on different ranks, wait and then run exactly. And the other state a
+// handle carries in Submissions: what a binding attaches to it (TestAttached).
+// tests/test_core_cpp.py also runs them under ThreadSanitizer. Exit status 0 = all passed.
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -154,8 +156,57 @@ void TestReservedName() {
   });
 }
 
+// What a binding attaches to a handle (shoal_attach) is dropped exactly once: when it is
+// attached over, when the handle is released (after the table's lock: the drop may call
+// back into the table), or when the runtime ends with the handle still held; an unknown
+// handle takes nothing.
+std::atomic<int> g_dropped{0};
+Submissions* g_table = nullptr;
+
+void CountDrop(void* p) {
+  ++g_dropped;
+  if (g_table) g_table->HandleCount();  // the drop may call back: no lock of the table is held
+  delete static_cast<int*>(p);
+}
+
+void TestAttached() {
+  g_case = "attached";
+  g_dropped = 0;
+  {
+    Job job(1, TestConfig(8 << 20), 71);
+    Runtime& rt = *job.rt[0];
+    g_table = &rt.submissions();
+    auto op = [&](const char* name) {
+      Op a;
+      a.name = name;
+      a.op = SHOAL_OP_ALLREDUCE;
+      a.x = Data(0, 0, 3);
+      a.Enqueue(rt);
+      CHECK(rt.Wait(a.handle).ok(), "allreduce %s", name);
+      return a.handle;
+    };
+    const int64_t h1 = op("att.1"), h2 = op("att.2");
+    Submissions::Attached a(new int(1), CountDrop), b(new int(2), CountDrop), c(new int(3), CountDrop);
+    CHECK(rt.submissions().Attach(h1, &a), "attach to a live handle");
+    CHECK(*static_cast<int*>(rt.submissions().AttachedTo(h1)) == 1, "the data attached");
+    CHECK(rt.submissions().Attach(h1, &b) && g_dropped == 1, "attached over: the first dropped (%d)", g_dropped.load());
+    CHECK(*static_cast<int*>(rt.submissions().AttachedTo(h1)) == 2, "the second attached");
+    int* kept = new int(4);
+    Submissions::Attached unknown(kept, CountDrop);
+    CHECK(!rt.submissions().Attach(h2 + 1000, &unknown) && unknown.data() == kept, "an unknown handle takes nothing");
+    unknown.Disown();
+    delete kept;
+    CHECK(rt.submissions().Release(h1) && g_dropped == 2, "released: dropped (%d)", g_dropped.load());
+    CHECK(rt.submissions().AttachedTo(h1) == nullptr, "nothing attached to a released handle");
+    CHECK(rt.submissions().Attach(h2, &c) && g_dropped == 2, "attached to the held handle");
+    g_table = nullptr;  // the table ends with the runtime below
+  }
+  CHECK(g_dropped == 3, "the runtime ended with a handle held: its data dropped (%d)", g_dropped.load());
+}
+
 int main() {
   TestReservedName();
+  TestAttached();
   for (int n : {2, 4, 8}) {
     TestFreshNames(n);
     TestHeldCalls(n);
