@@ -47,16 +47,17 @@ def factor(value, what):
     return float(value)
 
 
-def scaling(prescale_factor, postscale_factor, integer_average):
+def scaling(prescale_factor, postscale_factor, integers):
     """Horovod's scaling of an allreduce or reducescatter for the core (`_core.enqueue`'s
     `scaling`; shoal_op_desc.horovod_scaling): (prescale, postscale) as floats, or None when
     there is nothing to do. The core multiplies each rank's input by the prescale and the
     result by the postscale (after Average's division), integers truncated toward zero as
-    Horovod's ScaleBuffer; `integer_average` (op=Average of an integer tensor) asks for
-    Horovod's truncated integer average, which Shoal's own names refuse. TypeError for a
-    factor that is not a number."""
+    Horovod's ScaleBuffer. With `integers` (the op has integer tensors) it is always asked
+    for: it allows Horovod's truncated integer average (which Shoal's own names refuse), and
+    every rank takes the same data path whatever its factors. TypeError for a factor that is
+    not a number."""
     pre, post = factor(prescale_factor, "prescale_factor"), factor(postscale_factor, "postscale_factor")
-    return (pre, post) if integer_average or pre != 1.0 or post != 1.0 else None
+    return (pre, post) if integers or pre != 1.0 or post != 1.0 else None
 
 
 # ---- Compression: Horovod's compress(tensor) -> (tensor, ctx) / decompress(tensor, ctx) ----

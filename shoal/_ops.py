@@ -449,9 +449,21 @@ def pair_gossip(adapter, tensor, target_rank, self_weight=None, pair_weight=None
     return neighbor_allreduce_submit(adapter, tensor, name, peers, None, block)
 
 
+def _handle(handle):
+    """`handle` as an int the core can hold (numpy integers too); ValueError for anything
+    else (a bool, a non-integer, one out of int64's range)."""
+    try:
+        h = operator.index(handle) if not isinstance(handle, bool) else None
+    except TypeError:
+        h = None
+    if h is None or not 0 < h < 2**63:
+        raise ValueError(f"unknown handle {handle!r}")
+    return h
+
+
 def poll(handle):
     """True when the op behind `handle` has completed (the handle stays valid)."""
-    return _core.poll(handle)
+    return _core.poll(_handle(handle))
 
 
 def synchronize(handle):
@@ -462,8 +474,9 @@ def synchronize(handle):
     for an unknown handle. A KeyboardInterrupt leaves the op running and its handle valid
     (synchronize it again, or let shutdown fail it).
     """
-    if not isinstance(handle, int) or isinstance(handle, bool) or _core.attached(handle) is None:
-        if isinstance(handle, int) and 0 < handle < STATE.ended_below:
+    handle = _handle(handle)
+    if _core.attached(handle) is None:
+        if 0 < handle < STATE.ended_below:
             raise _core.ShoalError(f"handle {handle} belongs to a runtime that shutdown() ended; "
                                    "synchronize handles before shutdown()")
         raise ValueError(f"unknown handle {handle}")
@@ -477,7 +490,7 @@ def synchronize(handle):
         else:
             _core.release(handle)
         raise
-    entry = _core.attached(handle)  # (objects kept alive, finish)
+    entry = _core.detach(handle)  # (objects kept alive, finish), taken: one thread finishes it
     if entry is None:  # another thread synchronized it meanwhile
         raise ValueError(f"handle {handle} was already synchronized")
     try:

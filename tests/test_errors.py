@@ -98,10 +98,54 @@ def test_argument_errors_name_what_was_given():
         h = shoal.allreduce_nonblocking(np.ones(2))
         with pytest.raises(ValueError, match="unknown handle"):
             shoal.synchronize(h + 1000)
+        for bad in (2**70, -1, True, 1.0):
+            with pytest.raises(ValueError, match="unknown handle"):
+                shoal.synchronize(bad)
+        assert shoal.poll(np.int64(h)) in (True, False)
+        assert shoal.synchronize(np.int64(h)).tolist() == [1, 1]  # a numpy integer is a handle too
     finally:
         shoal.shutdown()
     with pytest.raises(shoal.ShoalError, match=f"handle {h} belongs to a runtime that shutdown"):
         shoal.synchronize(h)
+
+
+def test_a_handle_is_finished_once():
+    # The handle's objects are taken (shoal_detach) before its result is made, so of two
+    # threads synchronizing one handle exactly one gets the result, whichever path (the C
+    # synchronize for a plain op, Python's for a grouped one) each takes. The taking itself,
+    # then two threads racing (their interleaving is the scheduler's: this part may pass
+    # without meeting the race).
+    import threading
+    from shoal._loader import _core
+    shoal.init()
+    try:
+        h = shoal.allreduce_nonblocking(np.ones(2))
+        entry = _core.detach(h)
+        assert isinstance(entry, tuple) and _core.detach(h) is None and _core.attached(h) is None
+        with pytest.raises(ValueError, match=f"unknown handle {h}"):
+            shoal.synchronize(h)  # taken: as one another thread finished
+        _core.release(h)
+        for grouped in (False, True):
+            for _ in range(100):
+                h = (shoal.grouped_allreduce_nonblocking([np.ones(2), np.ones(3)]) if grouped
+                     else shoal.allreduce_nonblocking(np.ones(2)))
+                got, start = [], threading.Barrier(2)
+
+                def finish():
+                    start.wait()
+                    try:
+                        shoal.synchronize(h)
+                        got.append("result")
+                    except ValueError:
+                        got.append("ValueError")
+                threads = [threading.Thread(target=finish) for _ in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                assert sorted(got) == ["ValueError", "result"], (grouped, got)
+    finally:
+        shoal.shutdown()
 
 
 def test_bad_configuration_is_a_clear_error():

@@ -488,6 +488,12 @@ PYBIND11_MODULE(_core, m) {
     void* p = shoal_attached(h);  // not dropped meanwhile: that needs the GIL, held here
     return p ? py::reinterpret_borrow<py::object>(static_cast<PyObject*>(p)) : py::object(py::none());
   });
+  // detach(h): the attached object, taken (None if none): of threads finishing one handle,
+  // one gets it.
+  m.def("detach", [](int64_t h) -> py::object {
+    void* p = shoal_detach(h);
+    return p ? py::reinterpret_steal<py::object>(static_cast<PyObject*>(p)) : py::object(py::none());
+  });
   m.def("next_handle", &shoal_next_handle);
   DefineNeighborNative(m);
   DefineRegisteredKernels(m);

@@ -475,11 +475,11 @@ PyObject* CallSynchronize(PyObject* self, PyObject* const* args, Py_ssize_t narg
       }
     } while (rc == SHOAL_TIMEOUT);
     if (rc != SHOAL_OK) return fallback();
-    // Another thread may have synchronized it while this one waited without the GIL. The
-    // attached (keep, finish) cannot be dropped while this thread holds the GIL.
-    auto* entry = static_cast<PyObject*>(shoal_attached(h));
+    // Taken (detached), so that of threads synchronizing it one finishes it: another may
+    // have done so while this one waited without the GIL (then the fallback's ValueError).
+    auto* entry = static_cast<PyObject*>(shoal_detach(h));
     if (!entry) return fallback();
-    auto held = py::reinterpret_borrow<py::object>(entry);  // referenced past the release
+    auto held = py::reinterpret_steal<py::object>(entry);
     PyObject* result = PyObject_CallNoArgs(PyTuple_GET_ITEM(held.ptr(), 1));
     shoal_release(h);
     return result;

@@ -64,12 +64,11 @@ PyObject* One() {
 }
 
 // Horovod's scaling of `d` (as shoal._horovod.scaling asks for it in the Python kernels):
-// the factors (exact floats), and Horovod's truncated average of an integer tensor.
+// the factors (exact floats), and for integer tensors always (Horovod's truncation).
 void Scaling(PyObject* pre, PyObject* post, shoal_op_desc* d) {
   d->prescale_factor = PyFloat_AS_DOUBLE(pre);
   d->postscale_factor = PyFloat_AS_DOUBLE(post);
-  d->horovod_scaling = d->prescale_factor != 1.0 || d->postscale_factor != 1.0 ||
-                       (d->reduce_op == SHOAL_REDUCE_AVERAGE && !IsFloat(d->input.dtype));
+  d->horovod_scaling = d->prescale_factor != 1.0 || d->postscale_factor != 1.0 || !IsFloat(d->input.dtype);
 }
 
 // shoal::allreduce(Tensor tensor, int reduce_op, bool local, str name, int process_set=0,

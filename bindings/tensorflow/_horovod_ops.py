@@ -58,7 +58,7 @@ def _extras(tensors, rop, prescale_factor, postscale_factor, compression):
     with Horovod's arguments. One reduce op serves the group: with op=Average, integer
     members are averaged as Horovod's (truncated toward zero) by the core."""
     sent, ctxs = zip(*[compression.compress(t) for t in tensors])
-    return list(sent), ctxs, scaling_attrs(rop, sent, prescale_factor, postscale_factor)
+    return list(sent), ctxs, scaling_attrs(sent, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=_horovod.Compression.none,
@@ -130,8 +130,8 @@ def _grouped_allreduce_grad(op, *grads):
     if forward in (Sum.code, Average.code):  # as allreduce's: the factors swapped
         return _lib.shoal_grouped_allreduce(grads, op_name=name, reduce_op=forward, scope=scope, process_set=ps,
                                             **_attrs((post, pre) if (pre, post) != (1.0, 1.0) else None))
-    return [allreduce_grad(x, y, g, forward, scope, f"{name}.{i}" if name else "", ps, pre, post)
-            for i, (x, y, g) in enumerate(zip(op.inputs, op.outputs, grads))]
+    return [allreduce_grad(x, g, forward, scope, f"{name}.{i}" if name else "", ps, pre, post)
+            for i, (x, g) in enumerate(zip(op.inputs, grads))]
 
 
 @tf.RegisterGradient("ShoalGroupedAllgather")

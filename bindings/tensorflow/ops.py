@@ -65,21 +65,21 @@ def _run(op, fn):
         raise
 
 
-def scaling_attrs(rop, tensors, prescale_factor, postscale_factor):
+def scaling_attrs(tensors, prescale_factor, postscale_factor):
     """The kernel attributes of Horovod's scaling of an op on `tensors` (a grouped op's
-    members), done by the core (shoal._horovod.scaling): the factors (float attributes, as
-    Horovod's own ops have them), and op=Average of integer tensors as Horovod's truncated
-    average (bool is no integer here: the core refuses it)."""
-    integer_average = rop is Average and any(not (t.dtype.is_floating or t.dtype.is_complex) and t.dtype != tf.bool
-                                             for t in tensors)
-    return _attrs(scaling(prescale_factor, postscale_factor, integer_average))
+    members), done by the core (shoal._horovod.scaling): the factors, and for integer
+    tensors (bool is none here: the core refuses it) Horovod's truncation, its integer
+    average included."""
+    integers = any(not (t.dtype.is_floating or t.dtype.is_complex) and t.dtype != tf.bool for t in tensors)
+    return _attrs(scaling(prescale_factor, postscale_factor, integers))
 
 
 def _attrs(scaling):
-    """The kernel attributes of a (prescale, postscale) pair, or of None (no scaling)."""
+    """The kernel attributes of a (prescale, postscale) pair, or of None (no scaling): each
+    factor as the text of its double (exact; TensorFlow's float attributes are 32-bit)."""
     if scaling is None:
         return {}
-    return {"horovod_scaling": True, "prescale_factor": scaling[0], "postscale_factor": scaling[1]}
+    return {"horovod_scaling": True, "prescale": repr(scaling[0]), "postscale": repr(scaling[1])}
 
 
 def _sparse_allreduce(slices, rop, name, pre, post, process_set):
@@ -126,7 +126,7 @@ def allreduce(tensor, average=None, is_hierarchical_local=False, name=None, op=N
                                  factor(postscale_factor, "postscale_factor"), process_set)
     ps = process_sets.id_of(process_set, "allreduce")
     sent, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    attrs = scaling_attrs(rop, [sent], prescale_factor, postscale_factor)
+    attrs = scaling_attrs([sent], prescale_factor, postscale_factor)
     out = _run("allreduce", lambda: _lib.shoal_allreduce(
         sent, op_name=_name("allreduce", name, ps), reduce_op=rop.code, scope=int(bool(is_hierarchical_local)),
         process_set=ps, **attrs))
@@ -179,7 +179,7 @@ def reducescatter(tensor, device_dense="", compression=_horovod.Compression.none
     if rop is not Average and rop is not Sum:
         raise ValueError(f"reducescatter: op must be Average or Sum (as in Horovod), got {rop!r}")
     sent, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    attrs = scaling_attrs(rop, [sent], prescale_factor, postscale_factor)
+    attrs = scaling_attrs([sent], prescale_factor, postscale_factor)
     out = _run("reducescatter", lambda: _lib.shoal_reducescatter(
         sent, op_name=_name("reducescatter", name, ps), reduce_op=rop.code, process_set=ps, **attrs))
     return compression.decompress(out, ctx)
@@ -234,7 +234,7 @@ def factors(op):
     """(prescale, postscale) of a Shoal op node (1.0 each without Horovod's scaling)."""
     if not op.get_attr("horovod_scaling"):
         return 1.0, 1.0
-    return op.get_attr("prescale_factor"), op.get_attr("postscale_factor")
+    return float(op.get_attr("prescale")), float(op.get_attr("postscale"))
 
 
 def _times(t, f):
@@ -243,11 +243,11 @@ def _times(t, f):
 
 @tf.RegisterGradient("ShoalAllreduce")
 def _allreduce_grad(op, grad):
-    return allreduce_grad(op.inputs[0], op.outputs[0], grad, op.get_attr("reduce_op"), op.get_attr("scope"),
+    return allreduce_grad(op.inputs[0], grad, op.get_attr("reduce_op"), op.get_attr("scope"),
                           _grad_name(op), op.get_attr("process_set"), *factors(op))
 
 
-def allreduce_grad(x, y, grad, forward, scope, name, ps=0, pre=1.0, post=1.0):
+def allreduce_grad(x, grad, forward, scope, name, ps=0, pre=1.0, post=1.0):
     """The gradient of y = post * allreduce(pre * x) with reduce op code `forward` (a grouped
     allreduce's members too), its backward ops named `name` and suffixes, in process set
     `ps` (core id), as bindings/torch/_ops.py's: Sum and Average the same allreduce with the
@@ -263,9 +263,10 @@ def allreduce_grad(x, y, grad, forward, scope, name, ps=0, pre=1.0, post=1.0):
 
     x, grad = _times(x, pre), _times(grad, post)
     if forward in (Min.code, Max.code):
-        if post != 1.0:  # the extremum itself, not its postscaled value (ranks agree on scaling)
-            y = _lib.shoal_allreduce(x, op_name=name + ".extremum" if name else "", reduce_op=forward, scope=scope,
-                                     process_set=ps)
+        # Who holds the extremum of the scaled inputs: reduced again, as the forward's output
+        # is postscaled and factors may differ by rank, so every rank runs this.
+        y = _lib.shoal_allreduce(x, op_name=name + ".extremum" if name else "", reduce_op=forward, scope=scope,
+                                 process_set=ps)
         g = _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: tf.cast(tf.equal(a, b), like.dtype))
         return _times(g, pre)
     if scope != _ops.WORLD:

@@ -2,6 +2,7 @@
 // Compiled against the installed TensorFlow on first import (see _build.py), so a
 // TensorFlow upgrade gets a matching library instead of a crash.
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -117,15 +118,16 @@ Status FixedPart(OpKernelConstruction* c, int op, std::string* name, shoal_op_de
   if (c->HasAttr("topo_check")) TF_RETURN_IF_ERROR(c->GetAttr("topo_check", &topo_check));
   d->uniform = uniform;
   d->topo_check = topo_check;
-  if (c->HasAttr("horovod_scaling")) {  // float attributes, as Horovod's own ops have
+  if (c->HasAttr("horovod_scaling")) {
+    // The factors as the text of a double (TensorFlow's float attributes are 32-bit).
     bool scaling = false;
-    float pre = 1.0f, post = 1.0f;
+    std::string pre, post;
     TF_RETURN_IF_ERROR(c->GetAttr("horovod_scaling", &scaling));
-    TF_RETURN_IF_ERROR(c->GetAttr("prescale_factor", &pre));
-    TF_RETURN_IF_ERROR(c->GetAttr("postscale_factor", &post));
+    TF_RETURN_IF_ERROR(c->GetAttr("prescale", &pre));
+    TF_RETURN_IF_ERROR(c->GetAttr("postscale", &post));
     d->horovod_scaling = scaling;
-    d->prescale_factor = pre;
-    d->postscale_factor = post;
+    d->prescale_factor = std::strtod(pre.c_str(), nullptr);
+    d->postscale_factor = std::strtod(post.c_str(), nullptr);
   }
   return OkStatus();
 }
@@ -317,8 +319,7 @@ Status GatherShape(shape_inference::InferenceContext* c) {
 
 // process_set: shoal_op_desc's (0: every rank); horovod_scaling and the factors: its
 // Horovod's scaling.
-#define SHOAL_SCALING \
-  Attr("horovod_scaling: bool = false").Attr("prescale_factor: float = 1.0").Attr("postscale_factor: float = 1.0")
+#define SHOAL_SCALING Attr("horovod_scaling: bool = false").Attr("prescale: string = '1.0'").Attr("postscale: string = '1.0'")
 REGISTER_OP("ShoalAllreduce").Attr(SHOAL_TYPES).Attr("op_name: string").Attr("reduce_op: int")
     .Attr("scope: int = 0").Attr("process_set: int = 0").SHOAL_SCALING.Input("tensor: T").Output("sum: T")
     .SetShapeFn(SameShape);

@@ -102,7 +102,7 @@ def _allreduce_submit(tensor, average=None, name=None, op=None, prescale_factor=
     rop = _ops.reduce_op(average, op)
     scope = _ops.MACHINE if is_hierarchical_local else _ops.WORLD
     return _ops.allreduce(ADAPTER, tensor, None, name, op=rop, inplace=inplace, scope=scope, process_set=process_set,
-                          scaling=_torch_ops.scaling(rop, (tensor,), prescale_factor, postscale_factor))
+                          scaling=_torch_ops.scaling((tensor,), prescale_factor, postscale_factor))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -307,7 +307,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     differentiable); returns a handle for `synchronize`/`poll`."""
     rop = _reducescatter_op(tensor, op, "reducescatter_async")
     return _ops.reducescatter(ADAPTER, tensor, rop, name, process_set=process_set,
-                              scaling=_torch_ops.scaling(rop, (tensor,), prescale_factor, postscale_factor))
+                              scaling=_torch_ops.scaling((tensor,), prescale_factor, postscale_factor))
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):

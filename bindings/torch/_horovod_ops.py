@@ -44,7 +44,7 @@ def _grouped_allreduce_impl(tensors, reduce_op, local, name, process_set, presca
     rop = _rop(reduce_op)
     return _ops.synchronize(_grouped.grouped_allreduce(
         ADAPTER, list(tensors), None, name or None, op=rop, scope=_ops.MACHINE if local else _ops.WORLD,
-        process_set=process_set, scaling=_torch_ops.scaling(rop, tensors, prescale, postscale)))
+        process_set=process_set, scaling=_torch_ops.scaling(tensors, prescale, postscale)))
 
 
 def _grouped_allgather_impl(tensors, name, process_set):
@@ -62,7 +62,7 @@ def _grouped_reducescatter_impl(tensors, reduce_op, name, process_set, prescale,
     rop = _rop(reduce_op)
     return _ops.synchronize(_grouped.grouped_reducescatter(
         ADAPTER, list(tensors), rop, name or None, process_set,
-        scaling=_torch_ops.scaling(rop, tensors, prescale, postscale)))
+        scaling=_torch_ops.scaling(tensors, prescale, postscale)))
 
 
 def _grouped_reducescatter_fake(tensors, reduce_op, name, process_set, prescale, postscale):
@@ -100,7 +100,7 @@ def _grouped_allreduce_setup(ctx, inputs, output):
     ctx.reduce_op, ctx.local, ctx.name, ctx.ps, ctx.pre, ctx.post = inputs[1:7]
     ctx.n = len(inputs[0])
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code, _ops.Product.code):
-        ctx.save_for_backward(*inputs[0], *output)
+        ctx.save_for_backward(*inputs[0])
 
 
 def _grouped_allreduce_backward(ctx, grads):
@@ -112,7 +112,7 @@ def _grouped_allreduce_backward(ctx, grads):
     saved = ctx.saved_tensors
     out = []
     for i, g in enumerate(grads):
-        one = types.SimpleNamespace(reduce_op=ctx.reduce_op, local=ctx.local, saved_tensors=(saved[i], saved[ctx.n + i]),
+        one = types.SimpleNamespace(reduce_op=ctx.reduce_op, local=ctx.local, saved_tensors=(saved[i],),
                                     name=f"{ctx.name}.{i}" if ctx.name else "", process_set=ctx.ps, pre=ctx.pre,
                                     post=ctx.post)
         out.append(_torch_ops._allreduce_backward(one, g)[0])
@@ -196,7 +196,7 @@ def _extras(tensors, average, op, prescale_factor, postscale_factor, process_set
     process_sets.id_of(process_set, what)  # its TypeError/ValueError before anything runs
     check_op(op, what)
     rop = _ops.reducescatter_op(op) if scatter else _ops.reduce_op(average, op)
-    return rop, _torch_ops.scaling(rop, tensors, prescale_factor, postscale_factor)
+    return rop, _torch_ops.scaling(tensors, prescale_factor, postscale_factor)
 
 
 def _differentiable(tensors):

@@ -34,15 +34,14 @@ def _define(schema, impl, fake, kernel=None):
     _register_fake(name)(fake)
 
 
-def scaling(rop, tensors, prescale, postscale):
+def scaling(tensors, prescale, postscale):
     """Horovod's scaling of an op on `tensors` (a sequence: a grouped op's members) for the
-    core (shoal._horovod.scaling): the factors, and op=Average of integer tensors as
-    Horovod's truncated average (bool is no integer here: the core refuses it). torch's ops
+    core (shoal._horovod.scaling): the factors, and for integer tensors (bool is none here:
+    the core refuses it) Horovod's truncation, its integer average included. torch's ops
     truncate the integer average wherever they are called from (eager, compiled,
     nonblocking, grouped), as Horovod's do."""
-    integer_average = rop is _ops.Average and any(not t.is_floating_point() and t.dtype != torch.bool
-                                                  for t in tensors)
-    return _horovod.scaling(prescale, postscale, integer_average)
+    integers = any(not t.is_floating_point() and t.dtype != torch.bool for t in tensors)
+    return _horovod.scaling(prescale, postscale, integers)
 
 
 # `process_set`: the core's id of the set that runs the op (0: every rank); `prescale`,
@@ -50,7 +49,7 @@ def scaling(rop, tensors, prescale, postscale):
 def _allreduce_impl(tensor, reduce_op, local, name, process_set=0, prescale=1.0, postscale=1.0):
     rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
     return _ops.allreduce(ADAPTER, tensor, None, name or None, op=rop, scope=_ops.MACHINE if local else _ops.WORLD,
-                          block=True, process_set=process_set, scaling=scaling(rop, (tensor,), prescale, postscale))
+                          block=True, process_set=process_set, scaling=scaling((tensor,), prescale, postscale))
 
 
 def _broadcast_impl(tensor, root_rank, name, process_set=0):
@@ -72,7 +71,7 @@ def _allgather_fake(tensor, name, process_set=0):
 
 def _reducescatter_impl(tensor, reduce_op, name, process_set=0, prescale=1.0, postscale=1.0):
     rop = _ops.REDUCE_OPS_BY_CODE.get(reduce_op, reduce_op)
-    scaled = scaling(rop, (tensor,), prescale, postscale)
+    scaled = scaling((tensor,), prescale, postscale)
     a = None if scaled else _plain(tensor, _NUMPY_DTYPES)  # the eager entry's path (below)
     if a is not None:
         return torch.from_numpy(_numpy_api.reducescatter(a, rop, name or None, process_set))
@@ -353,7 +352,7 @@ def _allreduce_setup(ctx, inputs, output):
     ctx.process_set = _process_set(inputs, 4)
     ctx.pre, ctx.post = _factors(inputs, 5)
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code, _ops.Product.code):
-        ctx.save_for_backward(inputs[0], output)
+        ctx.save_for_backward(inputs[0])
 
 
 def _allreduce_backward(ctx, grad):
@@ -369,17 +368,17 @@ def _allreduce_backward(ctx, grad):
         return torch.ops.shoal.allreduce(t.contiguous(), rop, ctx.local, name + suffix if name else "", ps)
 
     # Min/Max/Product: the derivative of the op at the scaled input pre * x, times pre.
-    x, y = ctx.saved_tensors
-    if pre != 1.0:
-        x = x * pre
-    if post != 1.0:
-        grad = grad * post
+    x, = ctx.saved_tensors
+    grad = grad * post if post != 1.0 else grad
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code):
-        if post != 1.0:  # the extremum itself, not its postscaled value (ranks agree on scaling)
-            y = torch.ops.shoal.allreduce(x.contiguous(), ctx.reduce_op, ctx.local, name + ".extremum" if name else "",
-                                          ps)
+        # Who holds the extremum of the scaled inputs: reduced again, as the forward's output
+        # is postscaled (its rounding depends on the path) and factors may differ by rank, so
+        # every rank runs this whatever its own factors.
+        x = x * pre if pre != 1.0 else x
+        y = torch.ops.shoal.allreduce(x.contiguous(), ctx.reduce_op, ctx.local, name + ".extremum" if name else "", ps)
         g = _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: (a == b).to(like.dtype))
     else:
+        x = x * pre if pre != 1.0 else x
         if ctx.local:
             raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
                                       "not implemented (it needs a machine-local allgather)")

@@ -159,7 +159,7 @@ void TestReservedName() {
 // What a binding attaches to a handle (shoal_attach) is dropped exactly once: when it is
 // attached over, when the handle is released (after the table's lock: the drop may call
 // back into the table), or when the runtime ends with the handle still held; an unknown
-// handle takes nothing.
+// handle takes nothing; detached (shoal_detach), it is its taker's and never dropped.
 std::atomic<int> g_dropped{0};
 Submissions* g_table = nullptr;
 
@@ -199,6 +199,13 @@ void TestAttached() {
     CHECK(rt.submissions().Release(h1) && g_dropped == 2, "released: dropped (%d)", g_dropped.load());
     CHECK(rt.submissions().AttachedTo(h1) == nullptr, "nothing attached to a released handle");
     CHECK(rt.submissions().Attach(h2, &c) && g_dropped == 2, "attached to the held handle");
+    const int64_t h3 = op("att.3");
+    Submissions::Attached d(new int(5), CountDrop);
+    CHECK(rt.submissions().Attach(h3, &d), "attach to a third handle");
+    int* taken = static_cast<int*>(rt.submissions().Detach(h3));
+    CHECK(taken && *taken == 5 && rt.submissions().Detach(h3) == nullptr, "detached once, by one caller");
+    delete taken;
+    CHECK(rt.submissions().Release(h3) && g_dropped == 2, "a detached handle's release drops nothing");
     g_table = nullptr;  // the table ends with the runtime below
   }
   CHECK(g_dropped == 3, "the runtime ended with a handle held: its data dropped (%d)", g_dropped.load());

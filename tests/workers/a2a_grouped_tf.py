@@ -139,6 +139,15 @@ def grouped_allreduce_horovod_extras():
     got = hvd.grouped_allreduce(xs, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5, name="tf.g.scaled")
     tf.debugging.assert_equal(got[0], fold("Sum", 0, tf.float64, (3,)))
     tf.debugging.assert_equal(got[1], fold("Sum", 2, tf.int32, (5,)))
+    # Factors reach the core as doubles (Horovod's TensorFlow ops round them to float32):
+    # 0.1 on float64 is numpy's x * 0.1 summed (to the sum's rounding; 0.1 as a float32 is
+    # 1.5e-8 off), and int32 10 * 0.7 truncates to 7, not 6.
+    got = hvd.grouped_allreduce([tf.constant([1.0, 3.0], tf.float64), tf.constant([10, -10], tf.int32)], op=hvd.Sum,
+                                prescale_factor=0.1, postscale_factor=0.7, name="tf.g.exact")
+    assert np.allclose(got[0].numpy(), np.array([1.0, 3.0]) * 0.1 * N * 0.7, rtol=1e-14, atol=0), got[0]
+    assert np.array_equal(got[1].numpy(), np.trunc(np.trunc(np.array([10, -10]) * 0.1) * N * 0.7)), got[1]
+    got = hvd.allreduce(tf.constant([10, -10], tf.int32), op=hvd.Sum, prescale_factor=0.7, name="tf.exact")
+    assert np.array_equal(got.numpy(), [7 * N, -7 * N]), got
     got = hvd.grouped_allreduce([tf.constant(member(R, 1, (2, 2)), tf.float32)], op=hvd.Sum,
                                 compression=hvd.Compression.fp16, name="tf.g.fp16")
     assert got[0].dtype == tf.float32

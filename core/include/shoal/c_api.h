@@ -129,8 +129,8 @@ typedef struct {
    * (trunc(x * factor), computed in double, as Horovod's ScaleBuffer). Average of an
    * integer tensor is allowed (refused without it): the sum divided by the scope's size
    * toward zero, or trunc(sum * postscale_factor / size) with a postscale. On the NCCL
-   * path integer tensors with a factor other than 1 or an Average are staged through the
-   * host (the path is part of the signature: ranks must agree on whether they scale). */
+   * path integer tensors with horovod_scaling set are staged through the host (the path is
+   * part of the signature: ranks set it alike for integer tensors; their factors may differ). */
   int32_t horovod_scaling;
   double prescale_factor;
   double postscale_factor;
@@ -278,6 +278,9 @@ int shoal_release(int64_t handle);
 int shoal_attach(int64_t handle, void* data, void (*drop)(void* data));
 /* The data attached to `handle`; NULL if none, or for an unknown handle. */
 void* shoal_attached(int64_t handle);
+/* Takes back the data attached to `handle` (NULL if none, or for an unknown handle): its
+ * drop will not run, the caller owns it. One thread of several that finish a handle gets it. */
+void* shoal_detach(int64_t handle);
 /* The handle the next op will get: op handles are numbered once per process, so those
  * below it were issued before (a binding tells a handle its runtime ended from one it
  * never issued). */

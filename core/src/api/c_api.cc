@@ -421,6 +421,11 @@ void* shoal_attached(int64_t handle) {
   return rt ? rt->submissions().AttachedTo(handle) : nullptr;
 }
 
+void* shoal_detach(int64_t handle) {
+  auto rt = Owner(handle);
+  return rt ? rt->submissions().Detach(handle) : nullptr;
+}
+
 int64_t shoal_next_handle(void) { return shoal::Submissions::NextHandle(); }
 
 int shoal_release(int64_t handle) {

@@ -20,10 +20,9 @@ void DevicePath::Stage(const EntryPtr& e, std::vector<Request>* to_coordinator) 
     g.direct = nccl || (cfg_.cuda_aware_mpi && g.api->mpi_cuda_aware(nullptr));
     e->sig.path = !g.direct ? kPathStaged : nccl ? kPathNccl : kPathMpi;
   } else {  // a process set's collectives are staged (NCCL's communicators here span every rank)
-    // Integers that Horovod's scaling or average truncates are staged too (the device's
-    // scale kernel computes floating types only).
-    const bool truncated = !IsFloating(dt) && (e->prescale != 1.0 || e->postscale != 1.0 ||
-                                               e->sig.reduce_op == SHOAL_REDUCE_AVERAGE);
+    // Integers under Horovod's scaling are staged too (the device's scale kernel computes
+    // floating types only), whatever this rank's factors: ranks may pass different ones.
+    const bool truncated = !IsFloating(dt) && e->horovod_scaling;
     g.nccl = nccl && e->set == 0 && (op == SHOAL_OP_BROADCAST || op == SHOAL_OP_ALLGATHER || op == SHOAL_OP_ALLTOALL ||
                       ((op == SHOAL_OP_ALLREDUCE || op == SHOAL_OP_REDUCESCATTER) && dt != SHOAL_INT16 &&
                        dt != SHOAL_BOOL && !truncated));

@@ -65,6 +65,7 @@ std::vector<int64_t> CheckSplits(const shoal_op_desc& d, const std::vector<int64
 // Horovod's scaling factors, kept on the entry (1.0 each when not asked for).
 void Scaling(const shoal_op_desc& d, Entry* e) {
   if (!d.horovod_scaling) return;
+  e->horovod_scaling = true;
   e->prescale = d.prescale_factor;
   e->postscale = d.postscale_factor;
 }

@@ -43,6 +43,7 @@ struct Entry {
   bool uniform = true;
   bool topo_check = false;
   // allreduce, reducescatter: Horovod's scaling (shoal_op_desc), 1.0 when not asked for.
+  bool horovod_scaling = false;
   double prescale = 1.0, postscale = 1.0;
   int64_t step = 0;  // how many ops of this name this rank ran before (neighbor message matching)
   std::string reject;  // non-empty: a call refused at the call here; its peers get this error

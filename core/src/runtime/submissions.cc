@@ -239,6 +239,17 @@ int Submissions::InUse(int64_t handle) {
   return !e->done || (e->direct_sends && e->sends_pending > 0) ? 1 : 0;  // done first: it orders the rest
 }
 
+void* Submissions::Detach(int64_t handle) {
+  MutexLock lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return nullptr;
+  Attached& a = it->second.attached;
+  a.Disown();
+  void* data = a.data();
+  a = Attached();
+  return data;
+}
+
 bool Submissions::Release(int64_t handle) {
   Attached attached;  // dropped after the lock
   MutexLock lock(mu_);

@@ -91,6 +91,8 @@ class Submissions {
   // by the caller, for an unknown handle.
   bool Attach(int64_t handle, Attached* a) EXCLUDES(mu_);
   void* AttachedTo(int64_t handle) EXCLUDES(mu_);  // null: none, or an unknown handle
+  // Takes back what is attached to `handle` (null if none): never dropped, the caller owns it.
+  void* Detach(int64_t handle) EXCLUDES(mu_);
   int Poll(int64_t handle) EXCLUDES(mu_);   // 1 done, 0 not, -SHOAL_UNKNOWN_HANDLE
   int InUse(int64_t handle) EXCLUDES(mu_);  // 1 while the op's tensors may still be read or written (shoal_in_use)
   bool Release(int64_t handle) EXCLUDES(mu_);
