@@ -369,16 +369,14 @@ def _allreduce_backward(ctx, grad):
 
     # Min/Max/Product: the derivative of the op at the scaled input pre * x, times pre.
     x, = ctx.saved_tensors
-    grad = grad * post if post != 1.0 else grad
+    x, grad = (x * pre if pre != 1.0 else x), (grad * post if post != 1.0 else grad)
     if ctx.reduce_op in (_ops.Min.code, _ops.Max.code):
         # Who holds the extremum of the scaled inputs: reduced again, as the forward's output
         # is postscaled (its rounding depends on the path) and factors may differ by rank, so
         # every rank runs this whatever its own factors.
-        x = x * pre if pre != 1.0 else x
         y = torch.ops.shoal.allreduce(x.contiguous(), ctx.reduce_op, ctx.local, name + ".extremum" if name else "", ps)
         g = _gradients.extremum_grad(x, y, grad, allreduce_sum, lambda a, b, like: (a == b).to(like.dtype))
     else:
-        x = x * pre if pre != 1.0 else x
         if ctx.local:
             raise NotImplementedError("allreduce: the gradient of op=Product with is_hierarchical_local=True is "
                                       "not implemented (it needs a machine-local allgather)")
