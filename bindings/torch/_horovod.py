@@ -27,7 +27,7 @@ from shoal._ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from shoal._api import build_api
 from shoal._process import STATE
 from shoal._horovod import *  # noqa: F401,F403  (the framework-neutral names)
-from shoal._horovod import (Compressor, NoneCompressor, check_compression, check_op, check_process_set,
+from shoal._horovod import (Compressor, NoneCompressor, check_compression, check_op, check_process_set, factor,
                             global_process_set)
 from shoal._horovod import __all__ as _NEUTRAL
 
@@ -183,8 +183,9 @@ def allreduce(tensor, *args, **kwargs):
     compression = check_compression(a["compression"], "allreduce")
     _check_op(a["op"], "allreduce")
     sent, ctx = compression.compress(a["tensor"])
-    out = _torch_ops.allreduce(sent, a["average"], a["is_hierarchical_local"], a["name"], a["op"],
-                               prescale_factor=a["prescale_factor"], postscale_factor=a["postscale_factor"],
+    # Factors of 1.0 are left out: a call without them can take the one-call C entry.
+    factors = {k: f for k in ("prescale_factor", "postscale_factor") if (f := factor(a[k], k)) != 1.0}
+    out = _torch_ops.allreduce(sent, a["average"], a["is_hierarchical_local"], a["name"], a["op"], **factors,
                                **_in_set(a["process_set"]))
     return compression.decompress(out, ctx)
 
