@@ -6,7 +6,8 @@
 // with the error if any, over the control engine (MPI); ranks join on a helper thread, and
 // calls made meanwhile wait in order. Allreduce also takes AVERAGE (sum, then divide on the
 // device), and with Horovod's scaling (floating dtypes) multiplies the input by a prescale and
-// the result by a postscale on the device, as the CPU path (ops/fusion.h); gathers and alltoall leave their result in host memory, through pinned buffers. Destroyed
+// the result by a postscale on the device, as the CPU path (ops/fusion.h); gathers and
+// alltoall leave their result in host memory, through pinned buffers. Destroyed
 // (aborted, with work outstanding) by Stop. Driver only.
 #pragma once
 #include <atomic>
