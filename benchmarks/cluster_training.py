@@ -47,8 +47,11 @@ at least 2 warm-up steps. After the table, a line compares delayed mixing with i
 max(compute only, comm only) and with Decent-DP and AWC one-peer (s/step ratios of the same
 run).
 
-Rate = ranks x batch x timed steps / summed round times, each round timed on the slowest
-rank. Link bytes: each machine's first rank reads its `eth0` counters (/proc/net/dev)
+Rate = batch x timed steps of all ranks / summed round times, each round timed on the slowest
+rank. A synchronous configuration's round is --steps steps on every rank; an asynchronous
+one's (push-sum: no rank waits for another, so with a straggler the others take more steps)
+is as many steps as each rank takes in --async-seconds (then its drain); s/step is the
+round time over the mean steps per rank. Link bytes: each machine's first rank reads its `eth0` counters (/proc/net/dev)
 around every timed round; the table gives the mean MiB each machine link sent per step and
 the prediction from the algorithm (the sends that cross machines, per step, in model sizes).
 """
@@ -61,6 +64,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+ASYNCHRONOUS = {"push-sum"}  # no rank waits for another: timed over a duration, not a step count
 CONFIGS = ["AWC one-peer", "AWC delayed", "AWC delayed pairs", "AWC int8", "AWC int8 delayed", "AWC exp2",
            "hierarchical", "hier. one-peer", "ATC one-peer", "push-sum", "grad allreduce", "DDP gloo", "Decent-DP",
            "comm only", "compute only"]
@@ -252,7 +256,7 @@ def run_in_job(args):
         elif name == "push-sum":
             opt = bf.DistributedPushSumOptimizer(sgd(m), m)
             closers.append(opt.close)
-            steps[name] = train_step(m, opt, data, target, one_peer(opt, push=True))
+            steps[name], drains[name] = train_step(m, opt, data, target, one_peer(opt, push=True)), opt.synchronize
         elif name == "grad allreduce":
             bf.broadcast_parameters(m.state_dict(), 0)
             steps[name] = train_step(m, bf.DistributedGradientAllreduceOptimizer(sgd(m), m), data, target)
@@ -278,18 +282,27 @@ def run_in_job(args):
         if name in drains:
             drains[name]()
     secs = {name: [] for name in steps}
+    taken = {name: 0 for name in steps}  # steps, all ranks together
     sent = {name: 0 for name in steps}
     leader = bf.local_rank() == 0
     for _ in range(args.rounds):
         for name, step in steps.items():
             bf.barrier()
             s0, t0 = eth0_sent() if leader else 0, time.perf_counter()
-            for _ in range(args.steps):
-                step()
+            n = 0
+            if name in ASYNCHRONOUS:  # each rank its own number of steps (module docstring)
+                while n == 0 or time.perf_counter() - t0 < args.async_seconds:
+                    step()
+                    n += 1
+            else:
+                for n in range(1, args.steps + 1):
+                    step()
             if name in drains:  # the exchange still in flight is part of the round (module docstring)
                 drains[name]()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            secs[name].append(bf.allgather(elapsed).max().item())
+            elapsed = torch.tensor([time.perf_counter() - t0, n], dtype=torch.float64)
+            got = bf.allgather(elapsed.view(1, 2))
+            secs[name].append(got[:, 0].max().item())
+            taken[name] += int(got[:, 1].sum().item())
             if leader:
                 sent[name] += eth0_sent() - s0
     per_machine = {name: bf.allgather(torch.tensor([float(sent[name] if leader else -1)])).tolist()
@@ -301,12 +314,12 @@ def run_in_job(args):
     if rank == 0:
         n_params = sum(p.numel() for p in fresh().parameters())
         model_bytes = n_params * 4
-        samples = size * args.batch_size * args.steps
         rows = []
         for name in steps:
-            links = [b / (args.rounds * args.steps) for b in per_machine[name] if b >= 0]
-            rows.append({"config": name, "samples_per_s": samples * len(secs[name]) / sum(secs[name]),
-                         "s_per_step": sum(secs[name]) / (len(secs[name]) * args.steps),
+            per_rank = taken[name] / size  # steps per rank, all rounds
+            links = [b / per_rank for b in per_machine[name] if b >= 0]
+            rows.append({"config": name, "samples_per_s": args.batch_size * taken[name] / sum(secs[name]),
+                         "s_per_step": sum(secs[name]) / per_rank,
                          "rounds": secs[name], "link_mib_per_step": [b / 2**20 for b in links],
                          "predicted_models_per_step": predicted_models_per_machine(name, size, bf.local_size())})
         result = {"model": args.model, "parameters": n_params, "model_mib": model_bytes / 2**20,
@@ -369,7 +382,8 @@ def drive(args):
                *(["--straggler", str(straggler)] if straggler else []),
                sys.executable, os.path.abspath(__file__), "--json", out, "--model", args.model,
                "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--warmup", str(args.warmup), *(["--configs", args.configs] if args.configs else [])]
+               "--warmup", str(args.warmup), "--async-seconds", str(args.async_seconds),
+               *(["--configs", args.configs] if args.configs else [])]
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         with open(out) as f:
@@ -415,6 +429,8 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--async-seconds", type=float, default=8.0,
+                   help="an asynchronous configuration's round: each rank steps for this long")
     p.add_argument("--lr", type=float, default=0.01)
     args = p.parse_args()
     if args.links:

@@ -1,8 +1,8 @@
 """Asynchronous decentralized optimizers on one-sided window ops (shoal/_win.py).
 
-Neither waits for its neighbours: parameters travel by MPI passive-target puts or
-accumulates into the neighbours' windows, and each rank combines whatever has arrived
-when it is ready, so a slow rank slows only itself.
+Neither waits for its neighbours: parameters travel by puts or accumulates into the
+neighbours' windows (messages their delivery threads write there), and each rank combines
+whatever has arrived when it is ready, so a slow rank slows only itself.
 
 * `DistributedWinPutOptimizer` (BlueFog's): after the local step, put the parameters
   into every out-neighbour's buffer (nonblocking, overlapping the next forward and
@@ -10,9 +10,9 @@ when it is ready, so a slow rank slows only itself.
   values received (uniform, or the topology's weights when it is weighted).
 * `DistributedPushSumOptimizer` (SGP, Assran et al. 2019; algorithms.md §2.6): the
   parameters hold the de-biased model z = x/p; each step takes the local step at z,
-  then pushes shares of (x, p) = (z·p, p) to itself and its out-neighbours
-  (column-stochastic: 1/(out-degree + 1) each) with win_accumulate, collects what was
-  pushed to it, and sets z = x/p. Works on directed, non-regular graphs; Σ p stays n.
+  collects what was pushed to it, then pushes shares of (x, p) = (z·p, p) to itself and
+  its out-neighbours (column-stochastic: 1/(out-degree + 1) each) with a nonblocking
+  win_accumulate that travels during the next forward and backward, and sets z = x/p. Works on directed, non-regular graphs; Σ p stays n.
 
 Both create one window per parameter at construction (collective), named as BlueFog
 names them: `<window_prefix>.<parameter name>`, or the parameter name without a prefix,
@@ -151,15 +151,17 @@ class DistributedWinPutOptimizer(_WindowOptimizer):
 class DistributedPushSumOptimizer(_WindowOptimizer):
     """Asynchronous push-sum SGD (SGP; BlueFog's `DistributedPushSumOptimizer`).
 
-    step(): wrapped optimizer's step at the de-biased parameters z, then (once
-    `num_steps_per_communication` backward passes have been made) x = z·p;
-    win_accumulate x and p with weights `dst_weights` to the out-neighbours and keep
-    `self_weight` of them (default 1/(out-degree + 1) each: column-stochastic); collect
-    (x += Σ buffers, p += Σ p buffers, buffers zeroed); z = x / p. Turns associated p on
-    for all window ops. `p` is this rank's weight. Push-sum communicates inside step(),
-    after the local update: `synchronize()` has nothing to wait for. `force_barrier`
-    (default False: push-sum's point is not to wait; BlueFog's default is True) adds a
-    barrier at the start of each step. A rank whose p has fallen below
+    step(): wait for this rank's pushes of the last step; the wrapped optimizer's step at
+    the de-biased parameters z; then (once `num_steps_per_communication` backward passes
+    have been made) x = z·p; collect (x += Σ buffers, p += Σ p buffers, buffers zeroed);
+    start win_accumulate of x and p with weights `dst_weights` to the out-neighbours,
+    keeping `self_weight` of them (default 1/(out-degree + 1) each: column-stochastic),
+    nonblocking, so the pushes travel during the next forward and backward passes (SGP's
+    overlap, Assran et al. 2019 §4: a push reaches its receivers a step later); z = x / p.
+    Turns associated p on for all window ops. `p` is this rank's weight. `synchronize()`
+    waits for the pushes in flight. `force_barrier` (default False: push-sum's point is
+    not to wait; BlueFog's default is True) adds a barrier at the start of each step,
+    after this rank's pushes have landed. A rank whose p has fallen below
     sqrt(smallest normal number of the parameter dtype) (it ran far ahead of its
     neighbours) keeps its mass instead of pushing until pushes reach it.
 
@@ -207,35 +209,46 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
                 p.data.div_(_win.win_associated_p(name))
         self.p  # noqa: B018 - remember p before the windows go
 
+    def synchronize(self):
+        """Wait for this rank's pushes in flight (what they carry is collected by the
+        receivers' next step)."""
+        self._wait_all()
+        super().synchronize()
+
     def _step(self, closure):
-        self._begin_step()
+        self._begin_step()  # this rank's pushes of the last step have landed
         self._synchronized = False
         loss = self._local_step(closure)
         self.steps += 1
         if not self._communication_due():
             return loss
-        weights = {name: _win.win_associated_p(name) for name in self._windows.values()}
-        # A rank that ran many steps ahead has pushed most of its mass away and received
-        # none: p shrinks by self_weight per step, and x = z·p would underflow (z lost,
-        # then NaN). Below the floor it keeps its mass (self weight 1: still
-        # column-stochastic) until its neighbours' pushes arrive.
-        push = all(pw >= self._p_floor[name] for name, pw in weights.items())
+        items = list(self._windows.items())
         keep = _fault.enabled()  # a loss mid-round restores z (the recreated window's p is 1)
         with torch.no_grad():
-            for p, name in self._windows.items():
-                z = p.data.clone() if keep else None
-                p.data.mul_(weights[name])  # z -> x
-                try:
-                    # No mutexes needed: a value and its p arrive in one MPI access epoch,
-                    # which the owner's collect (an exclusive epoch) never splits.
-                    if push:
-                        _WIN["win_accumulate"](p.data, name, self_weight=self.self_weight,
-                                               dst_weights=self.dst_weights)
+            saved = [p.data.clone() for p, _ in items] if keep else None
+            weights = {}
+            try:
+                # Every collect before any push: the window thread runs them in order.
+                for p, name in items:
+                    p.data.mul_(_win.win_associated_p(name))  # z -> x
                     _WIN["win_update_then_collect"](name, require_mutex=False)
-                    weight = _win.win_associated_p(name)
-                except _fault.RankLostError:
-                    p.data.copy_(z)  # whichever stage the loss cut (accumulate scales p.data)
-                    raise
-                p.data.div_(weight)  # x -> z
+                    weights[name] = _win.win_associated_p(name)
+            except _fault.RankLostError:
+                for (p, _), z in zip(items, saved):
+                    p.data.copy_(z)
+                raise
+            # A rank that ran many steps ahead has pushed most of its mass away and received
+            # none: p shrinks by self_weight per step, and x = z·p would underflow (z lost,
+            # then NaN). Below the floor it keeps its mass (self weight 1: still
+            # column-stochastic) until its neighbours' pushes arrive.
+            push = all(w >= self._p_floor[name] for name, w in weights.items())
+            for p, name in items:
+                if push:
+                    # Nonblocking, from a copy: the shares travel during the next forward and
+                    # backward passes, the window keeping self_weight of x and p (z = x/p
+                    # does not change). No mutexes: a value and its p arrive in one message.
+                    self._puts[p] = _WIN["win_accumulate_nonblocking"](
+                        p.data.clone(), name, self_weight=self.self_weight, dst_weights=self.dst_weights)
+                p.data.div_(weights[name])  # x -> z
         self.communications += 1
         return loss

@@ -16,6 +16,7 @@ namespace shoal {
 namespace {
 
 MPI_Comm g_job = MPI_COMM_NULL;  // the last shrink's communicator; null: MPI_COMM_WORLD
+std::atomic<LossWatch*> g_watch{nullptr};  // the running backend's (ReportMpiFailure)
 
 bool IsProcessFailure(int rc) {
 #ifdef SHOAL_ULFM
@@ -38,6 +39,21 @@ std::string MpiError(int code, const char* what) {
 }
 
 MPI_Comm MpiJobComm() { return g_job == MPI_COMM_NULL ? MPI_COMM_WORLD : g_job; }
+
+LossWatch::~LossWatch() {
+  LossWatch* self = this;
+  g_watch.compare_exchange_strong(self, nullptr);
+}
+
+void LossWatch::Watch(MPI_Comm c) {
+  watched_ = c;
+  g_watch = this;
+}
+
+Status ReportMpiFailure(int rc, const std::string& what) {
+  LossWatch* w = g_watch;
+  return w ? w->Error(rc, what) : Status::Error(SHOAL_ABORTED, MpiError(rc, what.c_str()));
+}
 
 Status LossWatch::Error(int rc, const std::string& what) {
   if (!fault_tolerant_ || !IsProcessFailure(rc)) return Status::Error(SHOAL_ABORTED, MpiError(rc, what.c_str()));

@@ -24,7 +24,9 @@ std::string MpiError(int code, const char* what);
 class LossWatch {
  public:
   explicit LossWatch(bool fault_tolerant) : fault_tolerant_(fault_tolerant) {}
-  void Watch(MPI_Comm c) { watched_ = c; }
+  ~LossWatch();
+  // Also makes this the watch that ReportMpiFailure reports to.
+  void Watch(MPI_Comm c);
   Status Error(int rc, const std::string& what);
   bool lost() const { return lost_; }
 
@@ -33,5 +35,10 @@ class LossWatch {
   MPI_Comm watched_ = MPI_COMM_NULL;
   std::atomic<bool> lost_{false};
 };
+
+// For MPI calls outside the backend (the window engine): `rc` as the watch of the running
+// backend sees it, so a process failure seen there is the runtime's loss too (SHOAL_RANK_LOST,
+// its communicator revoked); SHOAL_ABORTED without such a watch.
+Status ReportMpiFailure(int rc, const std::string& what);
 
 }  // namespace shoal

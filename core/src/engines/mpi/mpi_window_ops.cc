@@ -1,6 +1,7 @@
-// MPI windows, part 2 of 2: the one-sided ops (win_put / win_accumulate / win_get /
-// win_update, versions, associated p) and the window mutexes, a distributed spin lock on
-// the ctrl window (class in mpi_windows.h; creation and freeing are in mpi_windows.cc).
+// MPI windows, part 2 of 2: the one-sided ops (win_put / win_accumulate, sent by
+// mpi_window_delivery.h; win_get / win_update, versions, associated p) and the window
+// mutexes, a distributed spin lock on the ctrl window (class in mpi_windows.h; creation and
+// freeing are in mpi_windows.cc).
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -12,19 +13,6 @@
 
 namespace shoal {
 namespace mpiwin {
-namespace {
-
-MPI_Datatype SumType(int dtype) {
-  switch (dtype) {
-    case SHOAL_FLOAT32: return MPI_FLOAT;
-    case SHOAL_FLOAT64: return MPI_DOUBLE;
-    case SHOAL_INT32: return MPI_INT32_T;
-    case SHOAL_INT64: return MPI_INT64_T;
-  }
-  return MPI_DATATYPE_NULL;  // half types: get, add, put
-}
-
-}  // namespace
 
 Status MpiWindows::Put(const WinArgs& a, bool accumulate) {
   const char* op = accumulate ? "win_accumulate" : "win_put";
@@ -45,48 +33,38 @@ Status MpiWindows::Put(const WinArgs& a, bool accumulate) {
       return (a.ranks[x] - rank_ + size_) % size_ < (a.ranks[y] - rank_ + size_) % size_;
     });
     const double p_self = a.with_p ? LocalP(w) : 0.0;
-    ByteVec scaled(w->nbytes), old;
+    std::vector<Delivery::Parcel> parcels;
     for (size_t i : order) {
-      const int dst = a.ranks[i], k = w->slot_at_dst[at[i]], deg = w->degree[dst];
-      const double wt = a.weights[i];
-      const void* src = a.data;
-      if (wt != 1.0) {
-        Scale(a.data, scaled.data(), w->dtype, w->count, wt);
-        src = scaled.data();
-      }
-      if (a.require_mutex) Lock(w, dst, k, true);
-      const MPI_Aint disp = static_cast<MPI_Aint>((1 + k) * w->nbytes);
-      {
-        // Data and control in one access epoch: the owner's win_update (exclusive on
-        // both) sees a value and its version and p together or not at all.
-        Epoch ed(w->data, dst, MPI_LOCK_SHARED), ec(w->ctrl, dst, MPI_LOCK_SHARED);
-        MPI_Datatype sum = SumType(w->dtype);
-        if (!accumulate) {
-          Check(MPI_Put(src, Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Put");
-        } else if (sum != MPI_DATATYPE_NULL) {
-          Check(MPI_Accumulate(src, Count(w->count), sum, dst, disp, Count(w->count), sum, MPI_SUM, w->data), "MPI_Accumulate");
-        } else {  // no MPI sum for half types: read, add in float32, write back
-          old.resize(w->nbytes);
-          Check(MPI_Get(old.data(), Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Get");
-          Check(MPI_Win_flush(dst, w->data), "MPI_Win_flush");
-          Combine(old.data(), {src}, old.data(), w->dtype, w->count, false, 1.0, {1.0});
-          Check(MPI_Put(old.data(), Count(w->nbytes), MPI_BYTE, dst, disp, Count(w->nbytes), MPI_BYTE, w->data), "MPI_Put");
-        }
-        // The data lands (and its lock is really held) before version and p move: MPI
-        // may take locks lazily, and the ctrl epoch closes first.
-        Check(MPI_Win_flush(dst, w->data), "MPI_Win_flush");
-        const int64_t one = 1;
-        if (!accumulate)
-          Check(MPI_Accumulate(&one, 1, MPI_INT64_T, dst, w->VersionAt(k), 1, MPI_INT64_T, MPI_SUM, w->ctrl), "MPI_Accumulate");
-        const double p = p_self * wt;
-        if (a.with_p)
-          Check(MPI_Accumulate(&p, 1, MPI_DOUBLE, dst, Window::PAt(k, deg), 1, MPI_DOUBLE,
-                               accumulate ? MPI_SUM : MPI_REPLACE, w->ctrl), "MPI_Accumulate");
-      }
-      if (a.require_mutex) Lock(w, dst, k, false);
-      (accumulate ? stats_->win_accumulates : stats_->win_puts) += 1;
-      stats_->bytes_sent += w->nbytes;
+      Delivery::Parcel p;
+      p.dst = a.ranks[i];
+      p.slot = w->slot_at_dst[at[i]];
+      // A copy, scaled: MPI reads it after this op returns if the owner never answers.
+      p.bytes = std::make_shared<std::vector<char>>(w->nbytes);
+      if (a.weights[i] != 1.0) Scale(a.data, p.bytes->data(), w->dtype, w->count, a.weights[i]);
+      else if (w->nbytes) std::memcpy(p.bytes->data(), a.data, w->nbytes);
+      p.accumulate = accumulate;
+      p.with_p = a.with_p;
+      p.p = p_self * a.weights[i];
+      parcels.push_back(std::move(p));
     }
+    if (!a.require_mutex) {
+      delivery_->Send(w, parcels);  // to every destination at once
+    } else {
+      // One owner's mutex at a time, as a win_mutex holder would take them.
+      for (auto& p : parcels) {
+        Lock(w, p.dst, p.slot, true);
+        try {
+          delivery_->Send(w, {p});
+        } catch (...) {
+          Lock(w, p.dst, p.slot, false);
+          throw;
+        }
+        Lock(w, p.dst, p.slot, false);
+      }
+    }
+    (accumulate ? stats_->win_accumulates : stats_->win_puts) += static_cast<int64_t>(parcels.size());
+    stats_->bytes_sent += static_cast<int64_t>(parcels.size() * w->nbytes);
+    auto own = delivery_->OwnWindows();
     Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
     auto writing = WritingCaller();  // after the locks: never held across an MPI wait
     if (a.self_weight != 1.0) Scale(a.data, a.data, w->dtype, w->count, a.self_weight);
@@ -112,6 +90,7 @@ Status MpiWindows::Get(const WinArgs& a) {
       }
       if (a.weights[i] != 1.0) Scale(buf.data(), buf.data(), w->dtype, w->count, a.weights[i]);
       {
+        auto own = delivery_->OwnWindows();
         Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
         std::memcpy(w->base + (1 + k) * w->nbytes, buf.data(), w->nbytes);
         w->words[w->VersionAt(k)] += 1;
@@ -134,6 +113,7 @@ Status MpiWindows::Update(const WinArgs& a) {
     for (int k : sorted) own.emplace_back(rank_, k);
     if (a.require_mutex) LockAll(w, own);
     {
+      auto mine = delivery_->OwnWindows();
       Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
       std::vector<const void*> srcs;
       for (int k : slots) srcs.push_back(w->base + (1 + k) * w->nbytes);
@@ -185,6 +165,7 @@ Status MpiWindows::Versions(const std::string& name, std::vector<int>* ranks, st
   a.name = name;
   return Guard("get_win_version", name, [&] {
     Window* w = Find(a, "get_win_version");
+    auto own = delivery_->OwnWindows();
     Epoch e(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
     *ranks = w->recv;
     v->assign(w->words, w->words + w->recv.size());
@@ -202,6 +183,7 @@ Status MpiWindows::AssociatedP(const std::string& name, double* p) {
 }
 
 double MpiWindows::LocalP(Window* w) {
+  auto own = delivery_->OwnWindows();
   Epoch e(w->ctrl, rank_, MPI_LOCK_SHARED);
   return w->OwnP();
 }
@@ -248,6 +230,8 @@ void MpiWindows::SpinLock(Window* w, int owner, int k, bool acquire) {
   bool warned = false;
   for (int spin = 0;; ++spin) {
     {
+      std::unique_lock<std::mutex> own;
+      if (owner == rank_) own = delivery_->OwnWindows();
       Epoch e(w->ctrl, owner, MPI_LOCK_SHARED);
       // Test-and-set (an atomic swap) rather than MPI_Compare_and_swap, which crashes Open
       // MPI 4.1's osc/rdma over shared memory (btl/vader's emulated compare-and-swap).

@@ -123,7 +123,9 @@ Status MpiWindows::Create(const WinArgs& a) {
     MPI_Win_set_errhandler(w->data, MPI_ERRORS_RETURN);
     MPI_Win_set_errhandler(w->ctrl, MPI_ERRORS_RETURN);
     w->bytes = data_bytes + ctrl_words * 8;
+    w->id = ++next_id_;
     {
+      auto own = delivery_->OwnWindows();
       Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
       for (size_t k = 0; k <= deg; ++k) {
         char* slot = w->base + k * nbytes;
@@ -135,6 +137,7 @@ Status MpiWindows::Create(const WinArgs& a) {
       for (size_t k = 0; k < deg; ++k) w->SlotP(k) = 0.0;
       w->OwnP() = 1.0;
     }
+    delivery_->Add(w.get());
     // Nobody may put before every buffer is initialised.
     Check(MPI_Barrier(comm_), "MPI_Barrier");
     stats_->windows += 2;
@@ -163,6 +166,8 @@ Status MpiWindows::Free(const std::string& name) {
     std::vector<std::string> names = name.empty() ? Names() : std::vector<std::string>{name};
     for (auto& n : names) {
       auto& w = windows_.at(n);
+      // Every put to it has been answered: each rank's puts completed before it came here.
+      delivery_->Remove(w.get());
       Check(MPI_Win_free(&w->data), "MPI_Win_free");
       Check(MPI_Win_free(&w->ctrl), "MPI_Win_free");
       stats_->windows -= 2;

@@ -5,9 +5,10 @@
 //   data window (bytes): slot 0 = this rank's published value (the target of win_get),
 //                        slot 1+k = receive buffer of in-neighbour recv[k]
 //   ctrl window (8-byte words): version[k] | mutex[k] | p[k] | own p
-// Puts and gets use passive-target epochs (MPI_Win_lock/unlock) and complete at unlock.
-// Local reads and writes of a rank's own window memory happen inside an exclusive
-// epoch on itself, so a win_update never sees half of a put.
+// Puts and accumulates are messages to the owner's delivery thread (mpi_window_delivery.h);
+// gets and the mutexes use passive-target epochs (MPI_Win_lock/unlock), complete at unlock.
+// Local reads and writes of a rank's own window memory happen inside an exclusive epoch on
+// itself, under Delivery::OwnWindows(), so a win_update never sees half of a put.
 #pragma once
 #include <mpi.h>
 
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "engines/mpi/mpi_fault.h"
+#include "engines/mpi/mpi_window_delivery.h"
 #include "windows/windows.h"
 
 namespace shoal {
@@ -31,6 +33,10 @@ std::string MpiErr(int code, const std::string& what);
 struct MpiFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// A process failure (fault-tolerant mode): SHOAL_RANK_LOST, the runtime told (ReportMpiFailure).
+struct RankLost : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 // A wait that ran past SHOAL_STALL_SHUTDOWN_TIME (the windows stay usable).
 struct Stalled : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -39,6 +45,7 @@ struct Stalled : std::runtime_error {
 void Check(int rc, const std::string& what);  // throws MpiFailure
 
 struct Window {
+  int id = 0;  // the same on every rank: windows are created in the same order
   int dtype = 0;
   std::vector<int64_t> shape;
   size_t nbytes = 0, count = 0;
@@ -85,6 +92,7 @@ class MpiWindows : public WindowEngine {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    delivery_ = std::make_unique<Delivery>(comm_, cfg_, stats_, cancel_);
   }
   // Windows still open at shutdown are left to MPI_Finalize: freeing them is collective.
   ~MpiWindows() override {}
@@ -113,6 +121,10 @@ class MpiWindows : public WindowEngine {
       return Status::Error(ex.code, ex.what());
     } catch (const Stalled& ex) {
       return Status::Error(SHOAL_ABORTED, std::string(op) + "('" + name + "'): " + ex.what());
+    } catch (const RankLost& ex) {
+      broken_ = true;  // the recovery makes new windows
+      broken_why_ = ex.what();
+      return Status::Error(SHOAL_RANK_LOST, std::string(op) + "('" + name + "'): " + ex.what());
     } catch (const MpiFailure& ex) {
       broken_ = true;
       broken_why_ = ex.what();
@@ -142,6 +154,8 @@ class MpiWindows : public WindowEngine {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   std::map<std::string, std::unique_ptr<Window>> windows_;
+  int next_id_ = 0;
+  std::unique_ptr<Delivery> delivery_;  // after windows_: destroyed (its thread stopped) first
   struct Exchange {
     std::string mine, buf;
     int len = 0;

@@ -1,0 +1,250 @@
+#include "engines/mpi/mpi_window_delivery.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <string>
+#include <thread>
+
+#include "common/reduce.h"
+#include "engines/mpi/mpi_windows.h"
+
+namespace shoal {
+namespace mpiwin {
+namespace {
+
+constexpr int kHeaderTag = 1, kPayloadTag = 2;
+constexpr int32_t kAccumulate = 1, kWithP = 2;
+// Answers: 0 taken; else why not.
+constexpr int32_t kBadParcel = 1;
+
+void Pause(int polls, int longest_us) {
+  std::this_thread::sleep_for(std::chrono::microseconds(std::min(longest_us, 5 + 5 * polls)));
+}
+
+}  // namespace
+
+struct Delivery::Outgoing {
+  Header header{};
+  int32_t answer = -1;
+  std::shared_ptr<std::vector<char>> bytes;
+  MPI_Request req[3] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};  // answer, header, payload
+};
+
+Delivery::Delivery(MPI_Comm comm, const Config& cfg, Stats* stats, WindowCancel* cancel)
+    : cfg_(cfg), stats_(stats), cancel_(cancel) {
+  MPI_Comm_dup(comm, &data_);
+  MPI_Comm_dup(comm, &replies_);
+  MPI_Comm_set_errhandler(data_, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(replies_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm, &rank_);
+}
+
+Delivery::~Delivery() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void Delivery::Add(Window* w) {
+  std::lock_guard<std::mutex> lock(mu_);
+  windows_[w->id] = w;
+  senders_.insert(w->recv.begin(), w->recv.end());
+  if (!thread_.joinable()) thread_ = std::thread([this] { Serve(); });
+}
+
+void Delivery::Remove(Window* w) {
+  std::lock_guard<std::mutex> lock(mu_);
+  windows_.erase(w->id);
+}
+
+void Delivery::Send(Window* w, const std::vector<Parcel>& parcels) {
+  std::vector<std::shared_ptr<Outgoing>> out;
+  auto give_up = [&](const std::string& why) {
+    abandoned_.insert(abandoned_.end(), out.begin(), out.end());
+    throw MpiFailure(why);
+  };
+  auto failed = [&](int rc, int dst) {
+    abandoned_.insert(abandoned_.end(), out.begin(), out.end());
+    Status st = ReportMpiFailure(rc, "a put to rank " + std::to_string(dst));
+    if (st.code == SHOAL_RANK_LOST) throw RankLost(st.message);
+    throw MpiFailure(st.message);
+  };
+  for (const Parcel& p : parcels) {
+    auto o = std::make_shared<Outgoing>();
+    out.push_back(o);
+    o->bytes = p.bytes;
+    next_tag_ = next_tag_ % 30000 + 1;  // MPI guarantees tags up to 32767
+    o->header = Header{w->id, p.slot, (p.accumulate ? kAccumulate : 0) | (p.with_p ? kWithP : 0), next_tag_,
+                       static_cast<int64_t>(w->nbytes), p.p};
+    // The answer's receive first: it must be posted before the owner can send it.
+    int rc = MPI_Irecv(&o->answer, 1, MPI_INT32_T, p.dst, next_tag_, replies_, &o->req[0]);
+    if (rc == MPI_SUCCESS) rc = MPI_Isend(&o->header, sizeof(Header), MPI_BYTE, p.dst, kHeaderTag, data_, &o->req[1]);
+    if (rc == MPI_SUCCESS && w->nbytes > 0)
+      rc = MPI_Isend(o->bytes->data(), static_cast<int>(w->nbytes), MPI_BYTE, p.dst, kPayloadTag, data_, &o->req[2]);
+    if (rc != MPI_SUCCESS) failed(rc, p.dst);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  bool warned = false;
+  for (int polls = 0;; ++polls) {
+    size_t done = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      int flag = 0;
+      MPI_Status st[3];
+      int rc = MPI_Testall(3, out[i]->req, &flag, st);
+      if (rc == MPI_ERR_IN_STATUS)  // the request's own error (a process failure, say)
+        for (const MPI_Status& s : st)
+          if (s.MPI_ERROR != MPI_SUCCESS && s.MPI_ERROR != MPI_ERR_PENDING) {
+            rc = s.MPI_ERROR;
+            break;
+          }
+      if (rc != MPI_SUCCESS) failed(rc, parcels[i].dst);
+      done += flag ? 1 : 0;
+    }
+    if (done == out.size()) break;
+    if (cancel_->stop) give_up("Shoal was shut down while a put was in flight");
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (cfg_.stall_shutdown_time > 0 && waited > cfg_.stall_shutdown_time)
+      give_up("a put found no owner to take it within " + std::to_string(static_cast<int>(waited)) +
+              " s (SHOAL_STALL_SHUTDOWN_TIME); window ops are off from here");
+    if (!warned && cfg_.stall_check_time > 0 && waited > cfg_.stall_check_time) {
+      Log(LOG_WARNING, "a put has waited " + std::to_string(static_cast<int>(waited)) + " s for its owner");
+      warned = true;
+    }
+    Pause(polls, 100);
+  }
+  for (size_t i = 0; i < out.size(); ++i)
+    if (out[i]->answer != 0)
+      throw MpiFailure("rank " + std::to_string(parcels[i].dst) + " refused a put: it holds no such window "
+                       "(freed there?), or one of another size");
+}
+
+bool Delivery::Drain(MPI_Request* req) {
+  for (int polls = 0;; ++polls) {
+    int flag = 0;
+    if (MPI_Test(req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+    if (flag) return true;
+    if (Stopping()) return false;
+    Pause(polls, 50);
+  }
+}
+
+// The delivery thread: takes one parcel at a time, from any sender, until stopped. One
+// receive is posted per possible sender (an in-neighbour of some window), not one from
+// MPI_ANY_SOURCE: under MPICH, with another thread in MPI, a message between machines
+// was at times never matched to a wildcard receive (seen on the emulated cluster). It
+// sleeps between polls (never a blocking MPI wait: MPI spins in those, and the ranks share
+// the cores with their compute), longer the longer it has been idle.
+void Delivery::Serve() {
+  struct Inbox {
+    std::vector<int> from;             // a sender per receive
+    std::deque<Header> headers;        // stable addresses: MPI writes them
+    std::vector<MPI_Request> pending;  // MPI_REQUEST_NULL: to be posted again
+    int32_t answer = 0;
+    std::vector<char> staging;
+  };
+  auto in = std::make_unique<Inbox>();
+  bool clean = true;  // false: MPI may still write into `in`, which is then never freed
+  auto post = [&](size_t i) {
+    return MPI_Irecv(&in->headers[i], sizeof(Header), MPI_BYTE, in->from[i], kHeaderTag, data_, &in->pending[i]) ==
+           MPI_SUCCESS;
+  };
+  for (int idle = 0; !Stopping();) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int src : senders_) {
+        if (std::find(in->from.begin(), in->from.end(), src) != in->from.end()) continue;
+        in->from.push_back(src);
+        in->headers.emplace_back();
+        in->pending.push_back(MPI_REQUEST_NULL);
+        if (!post(in->from.size() - 1)) clean = false;
+      }
+    }
+    if (!clean) break;
+    int index = MPI_UNDEFINED, flag = 0;
+    MPI_Status st;
+    if (!in->pending.empty()) {
+      const int rc = MPI_Testany(static_cast<int>(in->pending.size()), in->pending.data(), &index, &flag, &st);
+      if (rc != MPI_SUCCESS) {  // e.g. a lost rank (fault-tolerant mode: the runtime learns of it)
+        ReportMpiFailure(rc, "window puts from neighbours");
+        clean = false;
+        break;
+      }
+    }
+    if (!flag || index == MPI_UNDEFINED) {
+      Pause(idle++, 1000);
+      continue;
+    }
+    idle = 0;
+    const Header h = in->headers[index];
+    const int src = in->from[index];
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (h.nbytes > 0) {
+      if (in->staging.size() < static_cast<size_t>(h.nbytes)) in->staging.resize(h.nbytes);
+      if (MPI_Irecv(in->staging.data(), static_cast<int>(h.nbytes), MPI_BYTE, src, kPayloadTag, data_, &r) !=
+              MPI_SUCCESS || !Drain(&r)) {
+        clean = false;
+        break;
+      }
+    }
+    {
+      // Answered before it is applied, but under mu_: whatever the owner reads after the
+      // put completed (a win_update after a barrier) waits for the apply. The sender's
+      // next parcel is on its way meanwhile.
+      std::lock_guard<std::mutex> lock(mu_);
+      Window* w = Fits(h);
+      in->answer = w ? 0 : kBadParcel;
+      if (MPI_Isend(&in->answer, 1, MPI_INT32_T, src, h.reply_tag, replies_, &r) != MPI_SUCCESS) {
+        clean = false;
+        break;
+      }
+      if (w) Apply(w, h, in->staging.data());
+    }
+    if (!Drain(&r) || !post(index)) {
+      clean = false;
+      break;
+    }
+  }
+  for (auto& req : in->pending) {
+    if (!clean || req == MPI_REQUEST_NULL) continue;
+    MPI_Cancel(&req);
+    int flag = 0;
+    for (int i = 0; i < 1000 && !flag; ++i)
+      if (MPI_Test(&req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+    clean = flag != 0;
+  }
+  if (!clean) (void)in.release();
+}
+
+Window* Delivery::Fits(const Header& h) {
+  auto it = windows_.find(h.window);
+  if (it == windows_.end()) return nullptr;
+  Window* w = it->second;
+  if (h.slot < 0 || h.slot >= static_cast<int>(w->recv.size()) || h.nbytes != static_cast<int64_t>(w->nbytes))
+    return nullptr;
+  return w;
+}
+
+void Delivery::Apply(Window* w, const Header& h, const void* payload) {
+  try {
+    // Exclusive on its own window: a neighbour's win_get of the published value, or a
+    // mutex taken through MPI, never sees half of it.
+    Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
+    char* slot = w->base + (1 + h.slot) * w->nbytes;
+    if (h.flags & kAccumulate) Sum({slot, payload}, slot, w->dtype, w->count);
+    else std::memcpy(slot, payload, w->nbytes);
+    if (!(h.flags & kAccumulate)) w->words[w->VersionAt(h.slot)] += 1;
+    if (h.flags & kWithP) {
+      if (h.flags & kAccumulate) w->SlotP(h.slot) += h.p;
+      else w->SlotP(h.slot) = h.p;
+    }
+  } catch (const std::exception& ex) {
+    // MPI refused a lock on this process's own window: window ops are broken here.
+    Log(LOG_ERROR, std::string("a put from a neighbour could not be applied: ") + ex.what());
+    return;
+  }
+  stats_->bytes_received += h.nbytes;
+}
+
+}  // namespace mpiwin
+}  // namespace shoal
