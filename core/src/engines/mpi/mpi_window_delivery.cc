@@ -233,6 +233,7 @@ void Delivery::Apply(Window* w, const Header& h, const void* payload) {
     char* slot = w->base + (1 + h.slot) * w->nbytes;
     if (h.flags & kAccumulate) Sum({slot, payload}, slot, w->dtype, w->count);
     else std::memcpy(slot, payload, w->nbytes);
+    w->zero[h.slot] = false;
     if (!(h.flags & kAccumulate)) w->words[w->VersionAt(h.slot)] += 1;
     if (h.flags & kWithP) {
       if (h.flags & kAccumulate) w->SlotP(h.slot) += h.p;

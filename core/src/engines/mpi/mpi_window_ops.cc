@@ -93,6 +93,7 @@ Status MpiWindows::Get(const WinArgs& a) {
         auto own = delivery_->OwnWindows();
         Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
         std::memcpy(w->base + (1 + k) * w->nbytes, buf.data(), w->nbytes);
+        w->zero[k] = false;
         w->words[w->VersionAt(k)] += 1;
       }
       if (a.require_mutex) Lock(w, rank_, k, false);
@@ -116,9 +117,16 @@ Status MpiWindows::Update(const WinArgs& a) {
       auto mine = delivery_->OwnWindows();
       Epoch e1(w->data, rank_, MPI_LOCK_EXCLUSIVE), e2(w->ctrl, rank_, MPI_LOCK_EXCLUSIVE);
       std::vector<const void*> srcs;
-      for (int k : slots) srcs.push_back(w->base + (1 + k) * w->nbytes);
+      std::vector<double> weights;
+      for (size_t i = 0; i < slots.size(); ++i) {
+        // A weighted sum skips the slots that hold zeros (push-sum's one peer a step: one
+        // slot of several); a uniform average counts every slot.
+        if (!a.uniform && w->zero[slots[i]]) continue;
+        srcs.push_back(w->base + (1 + slots[i]) * w->nbytes);
+        weights.push_back(a.weights[i]);
+      }
       auto writing = WritingCaller();  // after the locks: never held across an MPI wait
-      Combine(a.data, srcs, a.data, w->dtype, w->count, a.uniform, a.self_weight, a.weights);
+      Combine(a.data, srcs, a.data, w->dtype, w->count, a.uniform, a.self_weight, weights);
       double p = a.uniform ? w->OwnP() : a.self_weight * w->OwnP();
       for (size_t i = 0; i < slots.size(); ++i) p += (a.uniform ? 1.0 : a.weights[i]) * w->SlotP(slots[i]);
       if (a.uniform) p /= static_cast<double>(slots.size() + 1);
@@ -126,7 +134,8 @@ Status MpiWindows::Update(const WinArgs& a) {
       for (int k : slots) {
         w->words[w->VersionAt(k)] = 0;
         if (a.reset) {
-          std::memset(w->base + (1 + k) * w->nbytes, 0, w->nbytes);
+          if (!w->zero[k]) std::memset(w->base + (1 + k) * w->nbytes, 0, w->nbytes);
+          w->zero[k] = true;
           if (a.with_p) w->SlotP(k) = 0.0;  // BlueFog: p slots are reset only with p on
         }
       }

@@ -135,6 +135,7 @@ Status MpiWindows::Create(const WinArgs& a) {
       std::fill(w->words, w->words + 2 * deg, 0);
       // p slots start at 0, with zero_init or not (BlueFog: its p window is 1 at the owner, 0 elsewhere).
       for (size_t k = 0; k < deg; ++k) w->SlotP(k) = 0.0;
+      w->zero.assign(deg, a.zero_init);
       w->OwnP() = 1.0;
     }
     delivery_->Add(w.get());

@@ -57,6 +57,9 @@ struct Window {
   int64_t* words = nullptr;
   size_t bytes = 0;  // data + ctrl, for stats
   std::map<std::pair<int, int>, int> held;  // (owner, slot) -> times this process holds it
+  // Per slot: holds exact zeros (zero_init or a reset, nothing written since). Under
+  // Delivery::OwnWindows, as the slots are.
+  std::vector<bool> zero;
   int Slot(int src) const {
     auto it = std::find(recv.begin(), recv.end(), src);
     return it == recv.end() ? -1 : static_cast<int>(it - recv.begin());
