@@ -12,7 +12,8 @@ whatever has arrived when it is ready, so a slow rank slows only itself.
   parameters hold the de-biased model z = x/p; each step takes the local step at z,
   collects what was pushed to it, then pushes shares of (x, p) = (z·p, p) to itself and
   its out-neighbours (column-stochastic: 1/(out-degree + 1) each) with a nonblocking
-  win_accumulate that travels during the next forward and backward, and sets z = x/p. Works on directed, non-regular graphs; Σ p stays n.
+  win_accumulate that travels during the next forward and backward, and sets z = x/p.
+  Works on directed, non-regular graphs; Σ p stays n.
 
 Both create one window per parameter at construction (collective), named as BlueFog
 names them: `<window_prefix>.<parameter name>`, or the parameter name without a prefix,
