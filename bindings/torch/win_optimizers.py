@@ -243,13 +243,15 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
             # then NaN). Below the floor it keeps its mass (self weight 1: still
             # column-stochastic) until its neighbours' pushes arrive.
             push = all(w >= self._p_floor[name] for name, w in weights.items())
+            xs = [p.data.clone() if push else None for p, _ in items]
             for p, name in items:
-                if push:
+                p.data.div_(weights[name])  # x -> z, before any push: a loss there finds z
+            if push:
+                for (p, name), x in zip(items, xs):
                     # Nonblocking, from a copy: the shares travel during the next forward and
                     # backward passes, the window keeping self_weight of x and p (z = x/p
                     # does not change). No mutexes: a value and its p arrive in one message.
                     self._puts[p] = _WIN["win_accumulate_nonblocking"](
-                        p.data.clone(), name, self_weight=self.self_weight, dst_weights=self.dst_weights)
-                p.data.div_(weights[name])  # x -> z
+                        x, name, self_weight=self.self_weight, dst_weights=self.dst_weights)
         self.communications += 1
         return loss

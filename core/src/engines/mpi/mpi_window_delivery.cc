@@ -19,8 +19,20 @@ constexpr int32_t kAccumulate = 1, kWithP = 2;
 // Answers: 0 taken; else why not.
 constexpr int32_t kBadParcel = 1;
 
-void Pause(int polls, int longest_us) {
-  std::this_thread::sleep_for(std::chrono::microseconds(std::min(longest_us, 5 + 5 * polls)));
+void Pause(int64_t polls, int64_t longest_us) {
+  std::this_thread::sleep_for(std::chrono::microseconds(std::min(longest_us, 5 + 5 * std::min(polls, longest_us))));
+}
+
+// The error of a request that failed inside MPI_Testall (else `rc` itself).
+int RequestError(int rc, const MPI_Status* st, int n) {
+  int cls = MPI_SUCCESS;
+  MPI_Error_class(rc, &cls);
+  if (cls != MPI_ERR_IN_STATUS) return rc;
+  for (int i = 0; i < n; ++i) {
+    MPI_Error_class(st[i].MPI_ERROR, &cls);
+    if (cls != MPI_SUCCESS && cls != MPI_ERR_PENDING) return st[i].MPI_ERROR;
+  }
+  return rc;
 }
 
 }  // namespace
@@ -65,6 +77,7 @@ void Delivery::Send(Window* w, const std::vector<Parcel>& parcels) {
     throw MpiFailure(why);
   };
   auto failed = [&](int rc, int dst) {
+    if (cancel_->stop) give_up("Shoal was shut down while a put was in flight");  // not the next runtime's loss
     abandoned_.insert(abandoned_.end(), out.begin(), out.end());
     Status st = ReportMpiFailure(rc, "a put to rank " + std::to_string(dst));
     if (st.code == SHOAL_RANK_LOST) throw RankLost(st.message);
@@ -86,19 +99,13 @@ void Delivery::Send(Window* w, const std::vector<Parcel>& parcels) {
   }
   const auto start = std::chrono::steady_clock::now();
   bool warned = false;
-  for (int polls = 0;; ++polls) {
+  for (int64_t polls = 0;; ++polls) {
     size_t done = 0;
     for (size_t i = 0; i < out.size(); ++i) {
       int flag = 0;
       MPI_Status st[3];
-      int rc = MPI_Testall(3, out[i]->req, &flag, st);
-      if (rc == MPI_ERR_IN_STATUS)  // the request's own error (a process failure, say)
-        for (const MPI_Status& s : st)
-          if (s.MPI_ERROR != MPI_SUCCESS && s.MPI_ERROR != MPI_ERR_PENDING) {
-            rc = s.MPI_ERROR;
-            break;
-          }
-      if (rc != MPI_SUCCESS) failed(rc, parcels[i].dst);
+      const int rc = MPI_Testall(3, out[i]->req, &flag, st);
+      if (rc != MPI_SUCCESS) failed(RequestError(rc, st, 3), parcels[i].dst);  // a process failure, say
       done += flag ? 1 : 0;
     }
     if (done == out.size()) break;
@@ -120,7 +127,7 @@ void Delivery::Send(Window* w, const std::vector<Parcel>& parcels) {
 }
 
 bool Delivery::Drain(MPI_Request* req) {
-  for (int polls = 0;; ++polls) {
+  for (int64_t polls = 0;; ++polls) {
     int flag = 0;
     if (MPI_Test(req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
     if (flag) return true;
@@ -166,13 +173,14 @@ void Delivery::Serve() {
     if (!in->pending.empty()) {
       const int rc = MPI_Testany(static_cast<int>(in->pending.size()), in->pending.data(), &index, &flag, &st);
       if (rc != MPI_SUCCESS) {  // e.g. a lost rank (fault-tolerant mode: the runtime learns of it)
-        ReportMpiFailure(rc, "window puts from neighbours");
+        if (!Stopping()) ReportMpiFailure(rc, "window puts from neighbours");  // a stopped engine's is not news
         clean = false;
         break;
       }
     }
     if (!flag || index == MPI_UNDEFINED) {
-      Pause(idle++, 1000);
+      Pause(idle, 1000);
+      idle = std::min(idle + 1, 1 << 20);  // no overflow however long it idles
       continue;
     }
     idle = 0;

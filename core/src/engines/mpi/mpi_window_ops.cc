@@ -120,7 +120,8 @@ Status MpiWindows::Update(const WinArgs& a) {
       std::vector<double> weights;
       for (size_t i = 0; i < slots.size(); ++i) {
         // A weighted sum skips the slots that hold zeros (push-sum's one peer a step: one
-        // slot of several); a uniform average counts every slot.
+        // slot of several); a uniform average counts every slot. The one difference: an
+        // element -0.0 with nothing added stays -0.0 (adding +0.0 would make it +0.0).
         if (!a.uniform && w->zero[slots[i]]) continue;
         srcs.push_back(w->base + (1 + slots[i]) * w->nbytes);
         weights.push_back(a.weights[i]);

@@ -139,8 +139,13 @@ Status MpiWindows::Create(const WinArgs& a) {
       w->OwnP() = 1.0;
     }
     delivery_->Add(w.get());
-    // Nobody may put before every buffer is initialised.
-    Check(MPI_Barrier(comm_), "MPI_Barrier");
+    try {
+      // Nobody may put before every buffer is initialised.
+      Check(MPI_Barrier(comm_), "MPI_Barrier");
+    } catch (...) {
+      delivery_->Remove(w.get());  // before the window goes: a parcel may still come
+      throw;
+    }
     stats_->windows += 2;
     stats_->window_bytes += w->bytes;
     windows_[a.name] = std::move(w);
