@@ -278,6 +278,7 @@ def push_sum_knobs():
         opt.synchronize()
         with opt.skip_synchronize():
             opt.step()
+    opt.synchronize()  # the last step's pushes travel until here (they are nonblocking)
     assert bf.stats()["win_accumulates"] == 3 * len(bf.out_neighbor_ranks()), bf.stats()
     opt.close()
     opt.remove_hooks()
