@@ -17,7 +17,9 @@ test_machine_local (machine-local ops negotiated per machine: machines with name
 rounds of their own completing while the others wait, exact values, mismatches, refusals
 and stalls within one machine, a dead rank) and test_cached_broadcast (broadcasts that skip
 the coordinator: exact in any order, roots that change, a root's and a non-root's changed
-call, refusals, a stall, a join and a rank that leaves)."""
+call, refusals, a stall, a join and a rank that leaves) and test_window_queue (the window
+thread's queue with puts in flight after their job: quick ops beside them, others after,
+their errors, a shutdown, a loss, the bound on how many travel)."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,7 +39,7 @@ def build(tmp_path_factory):
                     "-DCMAKE_UNITY_BUILD=ON"], check=True, capture_output=True, timeout=300)
     subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "test_core", "test_runtime", "test_join",
                     "test_stages", "test_collectives", "test_process_sets", "test_names", "test_cached_broadcast",
-                    "test_machine_local", "test_fault_tolerance"],
+                    "test_machine_local", "test_fault_tolerance", "test_window_queue"],
                    check=True, capture_output=True, timeout=1200)
     return build
 
@@ -47,7 +49,7 @@ def build(tmp_path_factory):
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("binary", ["test_core", "test_runtime", "test_join", "test_stages", "test_collectives",
                                     "test_process_sets", "test_names", "test_cached_broadcast",
-                                    "test_machine_local", "test_fault_tolerance"])
+                                    "test_machine_local", "test_fault_tolerance", "test_window_queue"])
 def test_unit_tests_under_thread_sanitizer(build, binary):
     out = subprocess.run([str(build / binary)], capture_output=True, text=True, timeout=600,
                          env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})

@@ -152,10 +152,11 @@ class DistributedWinPutOptimizer(_WindowOptimizer):
 class DistributedPushSumOptimizer(_WindowOptimizer):
     """Asynchronous push-sum SGD (SGP; BlueFog's `DistributedPushSumOptimizer`).
 
-    step(): wait for this rank's pushes of the last step; the wrapped optimizer's step at
-    the de-biased parameters z; then (once `num_steps_per_communication` backward passes
-    have been made) x = z·p; collect (x += Σ buffers, p += Σ p buffers, buffers zeroed);
-    start win_accumulate of x and p with weights `dst_weights` to the out-neighbours,
+    step(): the wrapped optimizer's step at the de-biased parameters z; then (once
+    `num_steps_per_communication` backward passes have been made) x = z·p; collect
+    (x += Σ buffers, p += Σ p buffers, buffers zeroed); wait for this rank's pushes of the
+    last step, which travelled meanwhile; start win_accumulate of x and p with weights
+    `dst_weights` to the out-neighbours,
     keeping `self_weight` of them (default 1/(out-degree + 1) each: column-stochastic),
     nonblocking, so the pushes travel during the next forward and backward passes (SGP's
     overlap, Assran et al. 2019 §4: a push reaches its receivers a step later); z = x / p.
@@ -217,7 +218,11 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
         super().synchronize()
 
     def _step(self, closure):
-        self._begin_step()  # this rank's pushes of the last step have landed
+        if self.force_barrier:
+            self._begin_step()  # this rank's pushes of the last step have landed, then a barrier
+        # Else the last step's pushes still travel through the local step and the collect
+        # (they read copies; the window thread starts the collects beside them) and are
+        # waited for just before this step's: one step's pushes in flight at a time.
         self._synchronized = False
         loss = self._local_step(closure)
         self.steps += 1
@@ -246,6 +251,7 @@ class DistributedPushSumOptimizer(_WindowOptimizer):
             xs = [p.data.clone() if push else None for p, _ in items]
             for p, name in items:
                 p.data.div_(weights[name])  # x -> z, before any push: a loss there finds z
+            self._wait_all()
             if push:
                 for (p, name), x in zip(items, xs):
                     # Nonblocking, from a copy: the shares travel during the next forward and

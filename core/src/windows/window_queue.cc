@@ -1,5 +1,7 @@
 #include "windows/windows.h"
 
+#include <algorithm>
+
 namespace shoal {
 
 Status WindowQueue::Lost() {
@@ -18,6 +20,7 @@ void WindowQueue::Stop() {
   if (thread_.joinable()) thread_.join();
   UniqueLock lock(mu_);
   while (running_) lock.Wait(done_cv_);  // a waiter may be running a job itself
+  if (!travelling_.empty()) PollTravelling(true);
   for (auto& [h, job] : queue_) {
     job->status = Status::Error(SHOAL_ABORTED, "Shoal was shut down before this window op ran");
     job->done = true;
@@ -35,16 +38,22 @@ void WindowQueue::Abandon() {
       job->done = true;
     }
     queue_.clear();
+    // Their parcels stay with the engine, which is never destroyed (see the header).
+    for (auto& job : travelling_) {
+      job->status = Lost();
+      job->done = true;
+    }
+    travelling_.clear();
   }
   cv_.notify_all();
   done_cv_.notify_all();
   if (thread_.joinable()) thread_.detach();
 }
 
-int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline_ok, bool needs_all) {
+int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool quick, bool needs_all) {
   auto job = std::make_shared<Job>();
   job->fn = std::move(fn);
-  job->inline_ok = inline_ok;
+  job->quick = quick;
   job->needs_all = needs_all;
   MutexLock lock(mu_);
   if (cancel_.stop) throw ArgumentError(SHOAL_NOT_INITIALIZED, "Shoal is shut down");
@@ -57,6 +66,15 @@ int64_t WindowQueue::Submit(std::function<Status(WindowEngine&)> fn, bool inline
   return h;
 }
 
+Status WindowQueue::Outcome(Status st, const std::function<bool()>& lost) const {
+  return !st.ok() && lost && lost() ? Lost() : st;
+}
+
+bool WindowQueue::Startable() const {
+  return !running_ && !queue_.empty() && travelling_.size() < kMaxTravelling &&
+         (queue_.front().second->quick || travelling_.empty());
+}
+
 void WindowQueue::RunFront() {
   auto job = queue_.front().second;
   queue_.pop_front();
@@ -65,21 +83,56 @@ void WindowQueue::RunFront() {
   // The caller's lock object still owns mu_: it is taken back below, whatever the job throws.
   mu_.Unlock();
   Status st;
+  Travelling travelling;
   if (lost && lost()) {
     st = Lost();
   } else {
     try {
       st = job->fn(*engine_);
+      travelling = engine_->TakeTravelling();
     } catch (const std::exception& ex) {
       st = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
     } catch (...) {
       st = Status::Error(SHOAL_INVALID_ARGUMENT, "window op: unknown exception");
     }
-    if (!st.ok() && lost && lost()) st = Lost();
+    st = Outcome(st, lost);
+  }
+  if (!st.ok() && travelling) (void)travelling(true);  // failed after its parcels left: they stay MPI's
+  mu_.Lock();
+  if (st.ok() && travelling) {
+    job->travelling = std::move(travelling);
+    travelling_.push_back(job);
+  } else {
+    job->status = st;
+    job->done = true;
+  }
+  running_ = false;
+  cv_.notify_all();
+  done_cv_.notify_all();
+}
+
+void WindowQueue::PollTravelling(bool give_up) {
+  running_ = true;
+  const auto lost = lost_;
+  std::vector<std::shared_ptr<Job>> jobs = travelling_;
+  mu_.Unlock();
+  std::vector<std::optional<Status>> got(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    try {
+      got[i] = jobs[i]->travelling(give_up);
+    } catch (const std::exception& ex) {
+      got[i] = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
+    }
+    if (got[i]) got[i] = Outcome(*got[i], lost);
   }
   mu_.Lock();
-  job->status = st;
-  job->done = true;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (!got[i]) continue;
+    jobs[i]->status = *got[i];
+    jobs[i]->done = true;
+    jobs[i]->travelling = nullptr;
+    travelling_.erase(std::find(travelling_.begin(), travelling_.end(), jobs[i]));
+  }
   running_ = false;
   cv_.notify_all();
   done_cv_.notify_all();
@@ -87,10 +140,20 @@ void WindowQueue::RunFront() {
 
 void WindowQueue::Loop() {
   UniqueLock lock(mu_);
-  for (;;) {
-    while (!cancel_.stop && (queue_.empty() || running_)) lock.Wait(cv_);
+  for (int64_t polls = 0;;) {
     if (cancel_.stop) return;
-    RunFront();
+    if (Startable()) {
+      RunFront();
+    } else if (!running_ && !travelling_.empty()) {
+      // Polled at 5 us rising to 100 us: an answer comes a round trip after the last byte.
+      PollTravelling(false);
+      const auto pause = std::chrono::microseconds(std::min<int64_t>(100, 5 + 5 * polls++));
+      if (!travelling_.empty() && !Startable())
+        (void)lock.WaitUntil(cv_, std::chrono::steady_clock::now() + pause);
+      if (travelling_.empty()) polls = 0;
+    } else {
+      lock.Wait(cv_);
+    }
   }
 }
 
@@ -108,8 +171,7 @@ Status WindowQueue::Wait(int64_t h, int64_t timeout_ms) {
   auto job = it->second;
   // A waiter whose job is next runs it itself: a blocking window op then costs no
   // thread hand-off (the window thread only carries ops nobody is waiting for yet).
-  if (job->inline_ok && !lost_ && !job->done && !running_ && !cancel_.stop && !queue_.empty() && queue_.front().second == job)
-    RunFront();
+  if (job->quick && !lost_ && !job->done && !cancel_.stop && Startable() && queue_.front().second == job) RunFront();
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(timeout_ms < 0 ? int64_t{1} << 40 : timeout_ms);
   while (!job->done) {
@@ -138,7 +200,7 @@ bool WindowQueue::Release(int64_t h) {
 }
 
 Status WindowQueue::Run(std::function<Status(WindowEngine&)> fn) {
-  int64_t h = Submit(std::move(fn));
+  int64_t h = Submit(std::move(fn), true);
   Status st = Wait(h);
   Release(h);
   return st;

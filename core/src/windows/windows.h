@@ -1,10 +1,12 @@
 // One-sided window ops (BlueFog's win_*; docs/reference/bluefog-semantics.md §1.7).
 //
-// Progress model: window ops never go through the background thread. They run in
+// Progress model: window ops never go through the background thread. They start in
 // submission order on one window thread per process (so a nonblocking put overlaps the
-// caller's compute) with MPI passive-target RMA on a communicator of their own: the
-// target of a put/get takes no part, so a window op can never wait on the target's
-// collectives, and the background thread's collectives never wait on window ops.
+// caller's compute) on a communicator of their own: gets and mutexes are MPI passive-target
+// RMA, puts messages to the owner's delivery thread; the target's own ops take no part, so
+// a window op can never wait on the target's collectives, and the background thread's
+// collectives never wait on window ops. A put whose parcels are still travelling when its
+// job returns stays in flight beside the quick ops after it (docs/design.md §23).
 // win_create/win_free are collectives on the window communicator; ranks must call them in
 // the same order (checked: a mismatch is the same error on every rank).
 #pragma once
@@ -14,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,6 +44,10 @@ struct WinArgs {
   int refused_code = 0;
 };
 
+// A put's parcels in flight: nullopt while any travels, else the put's status; `give_up`
+// (shutdown) ends it at once with an error, leaving the buffers to MPI.
+using Travelling = std::function<std::optional<Status>(bool give_up)>;
+
 // The communication engine of windows (MPI: core/src/engines/mpi/mpi_windows.h).
 // Every call is made from the window thread.
 class WindowEngine {
@@ -55,6 +62,9 @@ class WindowEngine {
   virtual Status Versions(const std::string& name, std::vector<int>* ranks, std::vector<int64_t>* v) = 0;
   virtual Status AssociatedP(const std::string& name, double* p) = 0;
   virtual std::vector<std::string> Names() const = 0;
+  // What the last Put left travelling (null: it finished inside the job): taken by the
+  // window thread right after the job and polled until it gives the put's status.
+  virtual Travelling TakeTravelling() { return nullptr; }
 };
 
 // What tells window jobs to give up, shared by the window thread and the engine: `stop` ends
@@ -74,13 +84,15 @@ class WindowQueue {
   explicit WindowQueue(const std::function<std::unique_ptr<WindowEngine>(WindowCancel*)>& make);
   ~WindowQueue() { Stop(); }
   void Stop() EXCLUDES(mu_);  // pending jobs fail with SHOAL_ABORTED; idempotent
-  // `inline_ok`: a waiter may run the job itself (it cannot block for long, so the
-  // caller's 200 ms waits, which let Ctrl-C through, keep their rhythm).
+  // `quick`: the job cannot block for long and needs none of this rank's earlier puts to
+  // have landed (puts, gets and updates without mutexes; local reads): a waiter may run it
+  // itself (the caller's 200 ms waits, which let Ctrl-C through, keep their rhythm), and it
+  // starts while earlier puts still travel. Any other job starts once none travels.
   // `needs_all`: a collective that every rank must join (create): its waiters give up
   // once `gone` (SetGone) names ranks that left the job. One-sided ops to a rank that left
   // still complete: it serves its windows until every rank frees them (asynchronous ranks
   // finish at different times).
-  int64_t Submit(std::function<Status(WindowEngine&)> job, bool inline_ok = false, bool needs_all = false)
+  int64_t Submit(std::function<Status(WindowEngine&)> job, bool quick = false, bool needs_all = false)
       EXCLUDES(mu_);
   void SetGone(std::function<std::string()> gone) EXCLUDES(mu_) {
     MutexLock lock(mu_);
@@ -103,7 +115,7 @@ class WindowQueue {
   int Poll(int64_t handle) EXCLUDES(mu_);  // 1 done, 0 pending, -SHOAL_UNKNOWN_HANDLE
   Status Wait(int64_t handle, int64_t timeout_ms = -1) EXCLUDES(mu_);
   bool Release(int64_t handle) EXCLUDES(mu_);
-  // Submit + Wait + Release.
+  // Submit (quick: a local read) + Wait + Release.
   Status Run(std::function<Status(WindowEngine&)> job);
 
  private:
@@ -111,18 +123,28 @@ class WindowQueue {
   static Status Lost();
   // Runs the job at the head of the queue, without mu_ while it runs.
   void RunFront() REQUIRES(mu_);
+  // The head of the queue may start now.
+  bool Startable() const REQUIRES(mu_);
+  // Tests the travelling puts once (or gives them up), without mu_ while it does.
+  void PollTravelling(bool give_up) REQUIRES(mu_);
+  // A job's status after it failed: SHOAL_RANK_LOST once the job lost a rank.
+  Status Outcome(Status st, const std::function<bool()>& lost) const;
   struct Job {
     std::function<Status(WindowEngine&)> fn;
-    bool done = false, inline_ok = false, needs_all = false;  // done: under the queue's mu_
-    Status status;                                            // under the queue's mu_
+    bool done = false, quick = false, needs_all = false;  // done: under the queue's mu_
+    Status status;                                        // under the queue's mu_
+    Travelling travelling;                                // the job returned, its parcels not yet in
   };
+  // Bounds the puts in flight (and the buffers they keep): the next job waits for room.
+  static constexpr size_t kMaxTravelling = 256;
+  std::vector<std::shared_ptr<Job>> travelling_ GUARDED_BY(mu_);
   WindowCancel cancel_;
   std::unique_ptr<WindowEngine> engine_;  // used by whoever runs a job (running_: one at a time)
   Mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::deque<std::pair<int64_t, std::shared_ptr<Job>>> queue_ GUARDED_BY(mu_);
   std::map<int64_t, std::shared_ptr<Job>> jobs_ GUARDED_BY(mu_);
-  bool running_ GUARDED_BY(mu_) = false;  // a job is running (on the window thread or a waiter)
+  bool running_ GUARDED_BY(mu_) = false;  // the engine is in use: a job (window thread or a waiter), or a poll
   std::function<std::string()> gone_ GUARDED_BY(mu_);
   std::function<bool()> lost_ GUARDED_BY(mu_);
   std::thread thread_;

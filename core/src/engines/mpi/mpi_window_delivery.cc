@@ -70,60 +70,81 @@ void Delivery::Remove(Window* w) {
   windows_.erase(w->id);
 }
 
-void Delivery::Send(Window* w, const std::vector<Parcel>& parcels) {
+struct Delivery::Batch {
   std::vector<std::shared_ptr<Outgoing>> out;
-  auto give_up = [&](const std::string& why) {
-    abandoned_.insert(abandoned_.end(), out.begin(), out.end());
-    throw MpiFailure(why);
-  };
-  auto failed = [&](int rc, int dst) {
-    if (cancel_->stop) give_up("Shoal was shut down while a put was in flight");  // not the next runtime's loss
-    abandoned_.insert(abandoned_.end(), out.begin(), out.end());
-    Status st = ReportMpiFailure(rc, "a put to rank " + std::to_string(dst));
-    if (st.code == SHOAL_RANK_LOST) throw RankLost(st.message);
-    throw MpiFailure(st.message);
-  };
-  for (const Parcel& p : parcels) {
-    auto o = std::make_shared<Outgoing>();
-    out.push_back(o);
-    o->bytes = p.bytes;
-    next_tag_ = next_tag_ % 30000 + 1;  // MPI guarantees tags up to 32767
-    o->header = Header{w->id, p.slot, (p.accumulate ? kAccumulate : 0) | (p.with_p ? kWithP : 0), next_tag_,
-                       static_cast<int64_t>(w->nbytes), p.p};
-    // The answer's receive first: it must be posted before the owner can send it.
-    int rc = MPI_Irecv(&o->answer, 1, MPI_INT32_T, p.dst, next_tag_, replies_, &o->req[0]);
-    if (rc == MPI_SUCCESS) rc = MPI_Isend(&o->header, sizeof(Header), MPI_BYTE, p.dst, kHeaderTag, data_, &o->req[1]);
-    if (rc == MPI_SUCCESS && w->nbytes > 0)
-      rc = MPI_Isend(o->bytes->data(), static_cast<int>(w->nbytes), MPI_BYTE, p.dst, kPayloadTag, data_, &o->req[2]);
-    if (rc != MPI_SUCCESS) failed(rc, p.dst);
-  }
-  const auto start = std::chrono::steady_clock::now();
+  std::vector<int> dst;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   bool warned = false;
-  for (int64_t polls = 0;; ++polls) {
+};
+
+std::shared_ptr<Delivery::Batch> Delivery::Post(Window* w, const std::vector<Parcel>& parcels) {
+  auto b = std::make_shared<Batch>();
+  try {
+    for (const Parcel& p : parcels) {
+      auto o = std::make_shared<Outgoing>();
+      b->out.push_back(o);
+      b->dst.push_back(p.dst);
+      o->bytes = p.bytes;
+      next_tag_ = next_tag_ % 30000 + 1;  // MPI guarantees tags up to 32767
+      o->header = Header{w->id, p.slot, (p.accumulate ? kAccumulate : 0) | (p.with_p ? kWithP : 0), next_tag_,
+                         static_cast<int64_t>(w->nbytes), p.p};
+      // The answer's receive first: it must be posted before the owner can send it.
+      int rc = MPI_Irecv(&o->answer, 1, MPI_INT32_T, p.dst, next_tag_, replies_, &o->req[0]);
+      if (rc == MPI_SUCCESS) rc = MPI_Isend(&o->header, sizeof(Header), MPI_BYTE, p.dst, kHeaderTag, data_, &o->req[1]);
+      if (rc == MPI_SUCCESS && w->nbytes > 0)
+        rc = MPI_Isend(o->bytes->data(), static_cast<int>(w->nbytes), MPI_BYTE, p.dst, kPayloadTag, data_, &o->req[2]);
+      if (rc != MPI_SUCCESS) Failed(rc, p.dst);
+    }
+  } catch (...) {
+    Keep(b);
+    throw;
+  }
+  return b;
+}
+
+void Delivery::Failed(int rc, int dst) {
+  if (cancel_->stop) throw MpiFailure("Shoal was shut down while a put was in flight");  // not the next runtime's loss
+  Status st = ReportMpiFailure(rc, "a put to rank " + std::to_string(dst));
+  if (st.code == SHOAL_RANK_LOST) throw RankLost(st.message);
+  throw MpiFailure(st.message);
+}
+
+bool Delivery::Test(const std::shared_ptr<Batch>& b) {
+  try {
     size_t done = 0;
-    for (size_t i = 0; i < out.size(); ++i) {
+    for (size_t i = 0; i < b->out.size(); ++i) {
       int flag = 0;
       MPI_Status st[3];
-      const int rc = MPI_Testall(3, out[i]->req, &flag, st);
-      if (rc != MPI_SUCCESS) failed(RequestError(rc, st, 3), parcels[i].dst);  // a process failure, say
+      const int rc = MPI_Testall(3, b->out[i]->req, &flag, st);
+      if (rc != MPI_SUCCESS) Failed(RequestError(rc, st, 3), b->dst[i]);  // a process failure, say
       done += flag ? 1 : 0;
     }
-    if (done == out.size()) break;
-    if (cancel_->stop) give_up("Shoal was shut down while a put was in flight");
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (cfg_.stall_shutdown_time > 0 && waited > cfg_.stall_shutdown_time)
-      give_up("a put found no owner to take it within " + std::to_string(static_cast<int>(waited)) +
-              " s (SHOAL_STALL_SHUTDOWN_TIME); window ops are off from here");
-    if (!warned && cfg_.stall_check_time > 0 && waited > cfg_.stall_check_time) {
-      Log(LOG_WARNING, "a put has waited " + std::to_string(static_cast<int>(waited)) + " s for its owner");
-      warned = true;
+    if (done < b->out.size()) {
+      if (cancel_->stop) throw MpiFailure("Shoal was shut down while a put was in flight");
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - b->start).count();
+      if (cfg_.stall_shutdown_time > 0 && waited > cfg_.stall_shutdown_time)
+        throw MpiFailure("a put found no owner to take it within " + std::to_string(static_cast<int>(waited)) +
+                         " s (SHOAL_STALL_SHUTDOWN_TIME); window ops are off from here");
+      if (!b->warned && cfg_.stall_check_time > 0 && waited > cfg_.stall_check_time) {
+        Log(LOG_WARNING, "a put has waited " + std::to_string(static_cast<int>(waited)) + " s for its owner");
+        b->warned = true;
+      }
+      return false;
     }
-    Pause(polls, 100);
+  } catch (...) {
+    Keep(b);
+    throw;
   }
-  for (size_t i = 0; i < out.size(); ++i)
-    if (out[i]->answer != 0)
-      throw MpiFailure("rank " + std::to_string(parcels[i].dst) + " refused a put: it holds no such window "
+  for (size_t i = 0; i < b->out.size(); ++i)
+    if (b->out[i]->answer != 0)
+      throw MpiFailure("rank " + std::to_string(b->dst[i]) + " refused a put: it holds no such window "
                        "(freed there?), or one of another size");
+  return true;
+}
+
+void Delivery::Send(Window* w, const std::vector<Parcel>& parcels) {
+  auto b = Post(w, parcels);
+  for (int64_t polls = 0; !Test(b); ++polls) Pause(polls, 100);
 }
 
 bool Delivery::Drain(MPI_Request* req) {

@@ -46,11 +46,17 @@ class Delivery {
   // and the op thread are one MPI process, which may not hold two locks on one target.
   std::unique_lock<std::mutex> OwnWindows() { return std::unique_lock<std::mutex>(mu_); }
 
-  // Sender's side: sends every parcel of window `w` at once and returns when each owner
-  // has applied its parcel. Throws MpiFailure: an MPI error, an owner's refusal, a
-  // shutdown, or no answer within SHOAL_STALL_SHUTDOWN_TIME (the sends are then left to MPI
-  // with their buffers, and the engine's window ops stay disabled).
+  // Sender's side. Post() sends every parcel of window `w` at once; Test() is true once
+  // each owner has applied its parcel. Both throw MpiFailure (RankLost for a lost rank):
+  // an MPI error, an owner's refusal, a shutdown, or no answer within
+  // SHOAL_STALL_SHUTDOWN_TIME; the batch's buffers are then kept for MPI (the engine's
+  // window ops stay disabled). Send() is Post() and Test() until it is true.
+  struct Batch;
+  std::shared_ptr<Batch> Post(Window* w, const std::vector<Parcel>& parcels);
+  bool Test(const std::shared_ptr<Batch>& b);
   void Send(Window* w, const std::vector<Parcel>& parcels);
+  // A batch given up on (a shutdown, or window ops disabled meanwhile): MPI may still use it.
+  void Keep(const std::shared_ptr<Batch>& b) { abandoned_.push_back(b); }
 
  private:
   struct Header {
@@ -66,6 +72,8 @@ class Delivery {
   void Apply(Window* w, const Header& h, const void* payload);
   // Test()s `req` until it completes (false: the thread is stopping).
   bool Drain(MPI_Request* req);
+  // Throws for a send's MPI error `rc`: RankLost (the runtime told), or MpiFailure.
+  [[noreturn]] void Failed(int rc, int dst);
 
   MPI_Comm data_ = MPI_COMM_NULL, replies_ = MPI_COMM_NULL;  // dups: headers and payloads; answers
   int rank_ = 0;
@@ -78,7 +86,7 @@ class Delivery {
   std::atomic<bool> stop_{false};
   std::thread thread_;
   int32_t next_tag_ = 0;
-  std::vector<std::shared_ptr<Outgoing>> abandoned_;  // sends given up on: MPI may still use them
+  std::vector<std::shared_ptr<Batch>> abandoned_;  // sends given up on: MPI may still use them
 };
 
 }  // namespace mpiwin

@@ -48,7 +48,20 @@ Status MpiWindows::Put(const WinArgs& a, bool accumulate) {
       parcels.push_back(std::move(p));
     }
     if (!a.require_mutex) {
-      delivery_->Send(w, parcels);  // to every destination at once
+      // To every destination at once; the parcels travel after this job (the window thread
+      // polls them), so the ops behind it need not wait for them (docs/design.md §23).
+      auto batch = delivery_->Post(w, parcels);
+      travelling_ = [this, batch, op, name = a.name](bool give_up) -> std::optional<Status> {
+        bool done = false;
+        Status st = Guard(op, name, [&] {
+          if (give_up) throw MpiFailure("Shoal was shut down while a put was in flight");
+          done = delivery_->Test(batch);
+          return Status::Ok();
+        });
+        if (!st.ok()) delivery_->Keep(batch);  // window ops broken meanwhile: MPI may still read it
+        if (st.ok() && !done) return std::nullopt;
+        return st;
+      };
     } else {
       // One owner's mutex at a time, as a win_mutex holder would take them.
       for (auto& p : parcels) {

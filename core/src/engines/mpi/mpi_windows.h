@@ -109,6 +109,11 @@ class MpiWindows : public WindowEngine {
   Status Versions(const std::string& name, std::vector<int>* ranks, std::vector<int64_t>* v) override;
   Status AssociatedP(const std::string& name, double* p) override;
   std::vector<std::string> Names() const override;
+  Travelling TakeTravelling() override {
+    Travelling t;
+    t.swap(travelling_);
+    return t;
+  }
 
  private:
   static int Count(size_t n) {
@@ -167,6 +172,7 @@ class MpiWindows : public WindowEngine {
   std::vector<std::shared_ptr<Exchange>> abandoned_;
   bool broken_ = false;
   std::string broken_why_;
+  Travelling travelling_;  // what the last Put left in flight
 };
 
 }  // namespace mpiwin
