@@ -29,6 +29,9 @@ thread per rank), interleaved over --rounds rounds of --steps steps after --warm
   push-sum        DistributedPushSumOptimizer (window ops, asynchronous), one peer per step
   grad allreduce  DistributedGradientAllreduceOptimizer (Horovod's algorithm, through Shoal)
   DDP gloo        torch DistributedDataParallel over gloo, rendezvous at MASTER_ADDR (machine 0)
+  DDP torchrun    the same launched by torchrun, one per machine in the same namespaces (a
+                  job of its own after the setting's job: shoalrun starts one rank per
+                  machine, which runs torchrun with the machine's ranks as its workers)
   Decent-DP       the decent-dp package's DecentralizedDataParallel (`pip install decent-dp`),
                   topology "one-peer-exp", over the same gloo process group: its update and
                   the launch of the next exchange run in backward hooks, the exchange in
@@ -66,8 +69,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 ASYNCHRONOUS = {"push-sum"}  # no rank waits for another: timed over a duration, not a step count
 CONFIGS = ["AWC one-peer", "AWC delayed", "AWC delayed pairs", "AWC int8", "AWC int8 delayed", "AWC exp2",
-           "hierarchical", "hier. one-peer", "ATC one-peer", "push-sum", "grad allreduce", "DDP gloo", "Decent-DP",
-           "comm only", "compute only"]
+           "hierarchical", "hier. one-peer", "ATC one-peer", "push-sum", "grad allreduce", "DDP gloo", "DDP torchrun",
+           "Decent-DP", "comm only", "compute only"]
+BASELINES = {"grad allreduce", "DDP gloo", "DDP torchrun", "comm only", "compute only"}
 
 
 def eth0_sent():
@@ -101,7 +105,7 @@ def predicted_models_per_machine(config, size, per_machine):
         return 1.0 if machines > 1 else 0.0
     if config == "grad allreduce":  # MPICH's node-aware allreduce: 2(M-1)/M among machine leaders
         return 2 * (machines - 1) / machines
-    if config == "DDP gloo":  # gloo's ring over ranks in blocks: one crossing edge per machine
+    if config in ("DDP gloo", "DDP torchrun"):  # gloo's ring over ranks in blocks: one crossing edge per machine
         return 2 * (size - 1) / size if machines > 1 else 0.0
     if config in ("Decent-DP", "AWC delayed pairs"):
         # one-peer-exp round k pairs j with j + 2^k, greedily from rank 0; each pair's gloo
@@ -172,18 +176,14 @@ def decent_dp(model, data, target, lr):
     return step, drain
 
 
-def run_in_job(args):
+def workload(args, rank):
+    """This rank's fixed batch, the model's constructor (the same initial weights on every
+    rank) and the optimizer every configuration wraps."""
     import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-
-    import shoal.torch as bf
     sys.path.insert(0, HERE)
-    from torch_training import MODELS, train_step
+    from torch_training import MODELS
 
     torch.set_num_threads(1)
-    bf.init()
-    rank, size = bf.rank(), bf.size()
     ctor, shape, classes = MODELS[args.model]
     g = torch.Generator().manual_seed(rank)
     data = torch.randn(args.batch_size, *shape, generator=g)
@@ -195,6 +195,67 @@ def run_in_job(args):
 
     def sgd(m):
         return torch.optim.SGD(m.parameters(), lr=args.lr, momentum=0.9)
+    return data, target, fresh, sgd
+
+
+def torchrun_node(args):
+    """In a shoalrun job of one rank per machine: this machine's torchrun, whose workers are
+    the machine's ranks (node-major global ranks, the blocks shoalrun places), meeting at
+    machine 0 (MASTER_ADDR, which shoalrun sets). Replaces this process."""
+    node = int(os.environ["PMI_RANK"])  # one shoalrun rank per machine: the machine's index
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, f"--nnodes={args.machines}", f"--nproc-per-node={args.np // args.machines}",
+           f"--node-rank={node}", f"--master-addr={os.environ['MASTER_ADDR']}", "--master-port=29531",
+           os.path.abspath(__file__), "--ddp-worker", "--json", args.json, *job_args(args)]
+    # c10d warns of every peer address without a host name (the emulated machines have none
+    # outside their namespaces; /etc/hosts stays untouched).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.execv(torchrun, cmd)
+
+
+def ddp_worker(args):
+    """A torchrun worker: "DDP torchrun", timed as the job's configurations are."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    sys.path.insert(0, HERE)
+    from torch_training import train_step
+
+    dist.init_process_group("gloo")  # torchrun's environment
+    rank, size = dist.get_rank(), dist.get_world_size()
+    per_machine_ranks = int(os.environ["LOCAL_WORLD_SIZE"])
+    leader = int(os.environ["LOCAL_RANK"]) == 0
+    data, target, fresh, sgd = workload(args, rank)
+    ddp = nn.parallel.DistributedDataParallel(fresh())
+    steps = {"DDP torchrun": train_step(ddp, sgd(ddp), data, target)}
+
+    def gather(t):
+        out = [torch.zeros_like(t) for _ in range(size)]
+        dist.all_gather(out, t)
+        return torch.stack(out)
+    secs, taken, sent = time_rounds(args, steps, {}, dist.barrier, gather, leader)
+    per_machine = {name: gather(torch.tensor([float(sent[name] if leader else -1)], dtype=torch.float64))[:, 0].tolist()
+                   for name in steps}
+    if rank == 0:
+        result = summary(args, fresh, steps, secs, taken, per_machine, size, per_machine_ranks,
+                         size // per_machine_ranks)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+
+
+def run_in_job(args):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import shoal.torch as bf
+    sys.path.insert(0, HERE)
+    from torch_training import train_step
+
+    bf.init()
+    rank, size = bf.rank(), bf.size()
+    data, target, fresh, sgd = workload(args, rank)
 
     def one_peer(opt, push=False, then=None, pairs=False):
         if pairs and size & (size - 1):  # a rank without a partner would halve its model
@@ -275,6 +336,30 @@ def run_in_job(args):
         else:
             raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
 
+    leader = bf.local_rank() == 0
+    secs, taken, sent = time_rounds(args, steps, drains, bf.barrier,
+                                    lambda t: bf.allgather(t.view(1, -1)), leader)
+    per_machine = {name: bf.allgather(torch.tensor([float(sent[name] if leader else -1)])).tolist()
+                   for name in steps}
+    for close in closers:
+        close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if rank == 0:
+        result = summary(args, fresh, steps, secs, taken, per_machine, size, bf.local_size(), bf.machine_size())
+        print_table(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    bf.shutdown()
+
+
+def time_rounds(args, steps, drains, barrier, gather, leader):
+    """Warm-up, then --rounds interleaved rounds of every configuration (module docstring).
+    `gather(t)` stacks every rank's 1-D float64 tensor `t`. Returns per configuration the
+    round times (slowest rank), steps of all ranks, and the bytes this machine's link sent
+    (counted by its `leader`)."""
+    import torch
     for name, step in steps.items():
         # Decent-DP's first step only traces, its second starts the pipeline (module docstring).
         for _ in range(max(args.warmup, 2) if name == "Decent-DP" else args.warmup):
@@ -284,10 +369,9 @@ def run_in_job(args):
     secs = {name: [] for name in steps}
     taken = {name: 0 for name in steps}  # steps, all ranks together
     sent = {name: 0 for name in steps}
-    leader = bf.local_rank() == 0
     for _ in range(args.rounds):
         for name, step in steps.items():
-            bf.barrier()
+            barrier()
             s0, t0 = eth0_sent() if leader else 0, time.perf_counter()
             n = 0
             if name in ASYNCHRONOUS:  # each rank its own number of steps (module docstring)
@@ -299,37 +383,28 @@ def run_in_job(args):
                     step()
             if name in drains:  # the exchange still in flight is part of the round (module docstring)
                 drains[name]()
-            elapsed = torch.tensor([time.perf_counter() - t0, n], dtype=torch.float64)
-            got = bf.allgather(elapsed.view(1, 2))
+            got = gather(torch.tensor([time.perf_counter() - t0, n], dtype=torch.float64))
             secs[name].append(got[:, 0].max().item())
             taken[name] += int(got[:, 1].sum().item())
             if leader:
                 sent[name] += eth0_sent() - s0
-    per_machine = {name: bf.allgather(torch.tensor([float(sent[name] if leader else -1)])).tolist()
-                   for name in steps}
-    for close in closers:
-        close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if rank == 0:
-        n_params = sum(p.numel() for p in fresh().parameters())
-        model_bytes = n_params * 4
-        rows = []
-        for name in steps:
-            per_rank = taken[name] / size  # steps per rank, all rounds
-            links = [b / per_rank for b in per_machine[name] if b >= 0]
-            rows.append({"config": name, "samples_per_s": args.batch_size * taken[name] / sum(secs[name]),
-                         "s_per_step": sum(secs[name]) / per_rank,
-                         "rounds": secs[name], "link_mib_per_step": [b / 2**20 for b in links],
-                         "predicted_models_per_step": predicted_models_per_machine(name, size, bf.local_size())})
-        result = {"model": args.model, "parameters": n_params, "model_mib": model_bytes / 2**20,
-                  "ranks": size, "machines": bf.machine_size(), "batch": args.batch_size,
-                  "steps": args.steps, "rounds": args.rounds, "rows": rows}
-        print_table(result)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-    bf.shutdown()
+    return secs, taken, sent
+
+
+def summary(args, fresh, steps, secs, taken, per_machine, size, per_machine_ranks, machines):
+    """Rank 0's table rows: samples/s, s/step, link MiB per step and the prediction."""
+    n_params = sum(p.numel() for p in fresh().parameters())
+    rows = []
+    for name in steps:
+        per_rank = taken[name] / size  # steps per rank, all rounds
+        links = [b / per_rank for b in per_machine[name] if b >= 0]
+        rows.append({"config": name, "samples_per_s": args.batch_size * taken[name] / sum(secs[name]),
+                     "s_per_step": sum(secs[name]) / per_rank,
+                     "rounds": secs[name], "link_mib_per_step": [b / 2**20 for b in links],
+                     "predicted_models_per_step": predicted_models_per_machine(name, size, per_machine_ranks)})
+    return {"model": args.model, "parameters": n_params, "model_mib": n_params * 4 / 2**20,
+            "ranks": size, "machines": machines, "batch": args.batch_size,
+            "steps": args.steps, "rounds": args.rounds, "rows": rows}
 
 
 def print_table(result, title=""):
@@ -346,6 +421,12 @@ def print_table(result, title=""):
         print(f"{r['config']:<15} {r['samples_per_s']:9.1f} {r['s_per_step']:7.3f} {ratio(base):>12} "
               f"{ratio(ddp):>7} {link:13.1f} {link / result['model_mib']:8.2f} "
               f"{r['predicted_models_per_step']:9.2f}", flush=True)
+    rates = {r["config"]: r["samples_per_s"] for r in result["rows"]}
+    fastest = max((c for c in rates if c not in BASELINES), key=rates.get, default=None)
+    if fastest:
+        against = [b for b in ("grad allreduce", "DDP gloo", "DDP torchrun") if b in rates]
+        print(f"fastest decentralized: {fastest}, "
+              + ", ".join(f"{rates[fastest] / rates[b]:.2f}x {b}" for b in against), flush=True)
     line = delayed_line({r["config"]: r["s_per_step"] for r in result["rows"]})
     if line:
         print(line, flush=True)
@@ -374,21 +455,48 @@ def drive(args):
     settings = [(link, None) for link in args.links.split(",")]
     if args.straggler:
         settings += [(link, args.straggler) for link in args.links.split(",")]
+    wanted = args.configs.split(",") if args.configs else CONFIGS
+    in_job = [c for c in wanted if c != "DDP torchrun"]
     results = []
     for link, straggler in settings:
-        out = os.path.abspath(f"cluster_training.{link}{'.straggler' if straggler else ''}.json")
-        cmd = [os.path.join(os.path.dirname(sys.executable), "shoalrun"), "-np", str(args.np),
-               "--machines", str(args.machines), "--link", link,
-               *(["--straggler", str(straggler)] if straggler else []),
-               sys.executable, os.path.abspath(__file__), "--json", out, "--model", args.model,
-               "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--warmup", str(args.warmup), "--async-seconds", str(args.async_seconds),
-               *(["--configs", args.configs] if args.configs else [])]
-        print("$", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True)
-        with open(out) as f:
-            results.append((link, straggler, json.load(f)))
+        name = f"cluster_training.{link}{'.straggler' if straggler else ''}"
+        shoalrun = [os.path.join(os.path.dirname(sys.executable), "shoalrun"), "--machines", str(args.machines),
+                    "--link", link, *(["--straggler", str(straggler)] if straggler else [])]
+        result = None
+        if in_job:
+            out = os.path.abspath(f"{name}.json")
+            run([*shoalrun[:1], "-np", str(args.np), *shoalrun[1:], sys.executable, os.path.abspath(__file__),
+                 "--json", out, *job_args(args), "--configs", ",".join(in_job)])
+            with open(out) as f:
+                result = json.load(f)
+        if "DDP torchrun" in wanted:
+            out = os.path.abspath(f"{name}.torchrun.json")
+            run([*shoalrun[:1], "-np", str(args.machines), *shoalrun[1:], sys.executable, os.path.abspath(__file__),
+                 "--torchrun-node", "--np", str(args.np), "--machines", str(args.machines), "--json", out,
+                 *job_args(args)])
+            with open(out) as f:
+                extra = json.load(f)
+            if result is None:
+                result = extra
+            else:
+                result["rows"] += extra["rows"]
+            print_table(result, f"{link}{', straggler ' + str(straggler) if straggler else ''}: ")
+            with open(f"{name}.json", "w") as f:  # the setting's table, both jobs' rows
+                json.dump(result, f, indent=1)
+        results.append((link, straggler, result))
     plot(results)
+
+
+def run(cmd):
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def job_args(args):
+    """The settings a job's ranks take from the driver."""
+    return ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+            "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--async-seconds", str(args.async_seconds),
+            "--lr", str(args.lr)]
 
 
 def plot(results):
@@ -432,9 +540,15 @@ def main():
     p.add_argument("--async-seconds", type=float, default=8.0,
                    help="an asynchronous configuration's round: each rank steps for this long")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--torchrun-node", action="store_true", help=argparse.SUPPRESS)  # the driver's
+    p.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.links:
         drive(args)
+    elif args.torchrun_node:
+        torchrun_node(args)
+    elif args.ddp_worker:
+        ddp_worker(args)
     else:
         run_in_job(args)
 

@@ -82,3 +82,25 @@ def test_delayed_configurations_on_2_machines(tmp_path):
     line = re.search(r"^AWC delayed: .*$", run.stdout, re.M)
     assert line, run.stdout[-3000:]
     assert line.group(0) == bench.delayed_line({c: r["s_per_step"] for c, r in rows.items()})
+
+
+@pytest.mark.mpich_only("--machines drives MPICH's Hydra launcher")
+@needs_netns
+def test_ddp_under_torchrun_beside_the_job(tmp_path):
+    """The driver's "DDP torchrun": a second job of one shoalrun rank per machine, each
+    running torchrun with the machine's ranks as workers (4 ranks on 2 machines); its row
+    joins the setting's table beside the first job's."""
+    cmd = [sys.executable, str(SCRIPT), "--links", "1gbit", "--np", "4", "--machines", "2", "--model", "tiny160",
+           "--configs", "grad allreduce,DDP torchrun", "--steps", "2", "--rounds", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    assert "--torchrun-node" in run.stdout and "fastest decentralized" not in run.stdout
+    result = json.loads((tmp_path / "cluster_training.1gbit.json").read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    assert list(rows) == ["grad allreduce", "DDP torchrun"]
+    ddp = rows["DDP torchrun"]
+    # gloo's ring over 4 ranks in blocks of 2: 2(n-1)/n = 1.5 models across each machine link
+    assert ddp["predicted_models_per_step"] == 1.5
+    assert ddp["samples_per_s"] > 0 and len(ddp["rounds"]) == 1
+    assert len(ddp["link_mib_per_step"]) == 2 and min(ddp["link_mib_per_step"]) > 0  # each machine's leader counted
+    assert re.search(r"^DDP torchrun\s+\d", run.stdout, re.M)
