@@ -53,6 +53,19 @@ def test_delayed_line():
     assert bench.delayed_line({"compute only": 0.25}) is None
 
 
+def test_groups_time_the_baselines_beside_every_group():
+    """Configurations alive at once are bounded (memory); allreduce and DDP are timed in
+    every group, so each configuration's ratio is against baseline rounds beside it."""
+    wanted = ["AWC one-peer", "grad allreduce", "AWC delayed", "push-sum", "DDP gloo", "compute only"]
+    assert bench.groups(wanted, 4) == [["grad allreduce", "DDP gloo", "AWC one-peer", "AWC delayed"],
+                                       ["grad allreduce", "DDP gloo", "push-sum", "compute only"]]
+    assert bench.groups(wanted, 8) == [["grad allreduce", "DDP gloo", "AWC one-peer", "AWC delayed", "push-sum",
+                                        "compute only"]]
+    assert bench.groups(["AWC one-peer", "ATC one-peer", "push-sum"], 2) == [["AWC one-peer", "ATC one-peer"],
+                                                                            ["push-sum"]]
+    assert bench.groups(["grad allreduce"], 8) == [["grad allreduce"]]
+
+
 def test_missing_decent_dp_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "decent_dp.ddp", None)  # import of it raises ImportError
     with pytest.raises(SystemExit, match="pip install decent-dp"):
@@ -94,7 +107,7 @@ def test_ddp_under_torchrun_beside_the_job(tmp_path):
            "--configs", "grad allreduce,DDP torchrun", "--steps", "2", "--rounds", "1"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    assert "--torchrun-node" in run.stdout and "fastest decentralized" not in run.stdout
+    assert "--torchrun-node" in run.stdout and "Shoal's fastest decentralized" not in run.stdout
     result = json.loads((tmp_path / "cluster_training.1gbit.json").read_text())
     rows = {r["config"]: r for r in result["rows"]}
     assert list(rows) == ["grad allreduce", "DDP torchrun"]

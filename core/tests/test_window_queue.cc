@@ -37,7 +37,11 @@ class TravellingEngine : public WindowEngine {
  public:
   std::atomic<bool> landed{false};
   std::atomic<int> give_ups{0}, puts{0};
-  std::string error;  // set before any put
+  std::string error;             // set before any put: a travelling put fails with it
+  bool fail_after_post = false;  // set before any put: the put's job fails once its parcels left
+  // While `gate` is set, a poll that finds the put landed waits until `open` (a poll
+  // taking long inside MPI); `polling` says it is waiting there.
+  std::atomic<bool> gate{false}, open{false}, polling{false};
   std::vector<std::string> started() {
     std::lock_guard<std::mutex> l(mu_);
     return started_;
@@ -51,9 +55,13 @@ class TravellingEngine : public WindowEngine {
         return Status::Error(SHOAL_ABORTED, "given up");
       }
       if (!landed) return std::nullopt;
+      if (gate) {
+        polling = true;
+        while (!open) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
       return error.empty() ? Status::Ok() : Status::Error(SHOAL_ABORTED, error);
     };
-    return Status::Ok();
+    return fail_after_post ? Status::Error(SHOAL_ABORTED, "publishing failed") : Status::Ok();
   }
   Travelling TakeTravelling() override {
     Travelling t;
@@ -120,7 +128,7 @@ void TestQuickOpsBesidePuts() {
   Queue t;
   const int64_t put = t.Put("a"), put2 = t.Put("b");
   const int64_t update = t.Op("update", true), get = t.Op("get", true);
-  CHECK(t.q->Wait(update).ok() && t.q->Wait(get).ok(), "an update or get behind travelling puts failed");
+  CHECK(t.q->Wait(update, 5000).ok() && t.q->Wait(get, 5000).ok(), "an update or get behind travelling puts failed");
   CHECK(t.q->Poll(put) == 0 && t.q->Poll(put2) == 0, "a put finished before its parcels landed");
   std::vector<std::string> want = {"put a", "put b", "update update", "get get"};
   CHECK(t.engine->started() == want, "ops did not start in submission order (%zu started)", t.engine->started().size());
@@ -183,6 +191,40 @@ void TestLossEndsTravelling() {
   (void)t->q.release();
 }
 
+void TestFailedAfterPost() {
+  g_case = "a put fails after its parcels left";
+  Queue t;
+  t.engine->fail_after_post = true;
+  Status st = t.q->Wait(t.Put("a"), 5000);
+  CHECK(st.code == SHOAL_ABORTED && st.message == "publishing failed" && t.engine->give_ups == 1,
+        "the failed put: %d %s, %d give-ups (its parcels must be given up, not dropped)", st.code, st.message.c_str(),
+        t.engine->give_ups.load());
+  WinArgs a;
+  a.name = "after";
+  CHECK(t.q->Wait(t.q->Submit([a](WindowEngine& w) { return w.Get(a); }, true), 5000).ok(),
+        "the op after a failed put inherited its parcels");
+}
+
+void TestAbandonDuringPoll() {
+  g_case = "a loss while a poll runs";
+  auto* t = new Queue;  // leaked, as the runtime leaks an abandoned queue
+  std::atomic<bool> lost{false};
+  t->q->SetLost([&lost] { return lost.load(); });
+  t->engine->gate = true;
+  const int64_t put = t->Put("a");
+  CHECK(Settles([&] { return t->engine->puts == 1; }), "the put never started");
+  t->engine->landed = true;  // the next poll finds it landed, then waits at the gate
+  CHECK(Settles([&] { return t->engine->polling.load(); }), "the window thread never polled");
+  lost = true;
+  t->q->Abandon();  // ends the travelling put while the poll holds it
+  t->engine->open = true;
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the poll returns and takes mu_
+  Status st = t->q->Wait(put, 5000);
+  CHECK(st.code == SHOAL_RANK_LOST, "the abandoned put's status was overwritten by the poll: %d %s", st.code,
+        st.message.c_str());
+  (void)t->q.release();
+}
+
 void TestBound() {
   g_case = "puts in flight are bounded";
   Queue t;
@@ -204,6 +246,8 @@ int main() {
   TestTravellingError();
   TestStopGivesUp();
   TestLossEndsTravelling();
+  TestFailedAfterPost();
+  TestAbandonDuringPoll();
   TestBound();
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

@@ -89,12 +89,12 @@ void WindowQueue::RunFront() {
   } else {
     try {
       st = job->fn(*engine_);
-      travelling = engine_->TakeTravelling();
     } catch (const std::exception& ex) {
       st = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
     } catch (...) {
       st = Status::Error(SHOAL_INVALID_ARGUMENT, "window op: unknown exception");
     }
+    travelling = engine_->TakeTravelling();  // also after a throw: never the next job's
     st = Outcome(st, lost);
   }
   if (!st.ok() && travelling) (void)travelling(true);  // failed after its parcels left: they stay MPI's
@@ -122,16 +122,20 @@ void WindowQueue::PollTravelling(bool give_up) {
       got[i] = jobs[i]->travelling(give_up);
     } catch (const std::exception& ex) {
       got[i] = Status::Error(SHOAL_INVALID_ARGUMENT, ex.what());
+    } catch (...) {
+      got[i] = Status::Error(SHOAL_INVALID_ARGUMENT, "window op: unknown exception");
     }
     if (got[i]) got[i] = Outcome(*got[i], lost);
   }
   mu_.Lock();
   for (size_t i = 0; i < jobs.size(); ++i) {
-    if (!got[i]) continue;
+    auto it = std::find(travelling_.begin(), travelling_.end(), jobs[i]);
+    // Not there: Abandon() ended it (SHOAL_RANK_LOST) while this poll ran without mu_.
+    if (!got[i] || it == travelling_.end()) continue;
+    travelling_.erase(it);
     jobs[i]->status = *got[i];
     jobs[i]->done = true;
     jobs[i]->travelling = nullptr;
-    travelling_.erase(std::find(travelling_.begin(), travelling_.end(), jobs[i]));
   }
   running_ = false;
   cv_.notify_all();
@@ -144,6 +148,8 @@ void WindowQueue::Loop() {
     if (cancel_.stop) return;
     if (Startable()) {
       RunFront();
+      // Between jobs too: a stream of quick jobs must not hold up the puts' completions.
+      if (!cancel_.stop && !running_ && !travelling_.empty()) PollTravelling(false);
     } else if (!running_ && !travelling_.empty()) {
       // Polled at 5 us rising to 100 us: an answer comes a round trip after the last byte.
       PollTravelling(false);

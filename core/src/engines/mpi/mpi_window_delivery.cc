@@ -56,6 +56,9 @@ Delivery::Delivery(MPI_Comm comm, const Config& cfg, Stats* stats, WindowCancel*
 Delivery::~Delivery() {
   stop_ = true;
   if (thread_.joinable()) thread_.join();
+  // MPI may still write an answer into a batch given up on, or read its payload, until
+  // MPI_Finalize: those are never freed.
+  if (!abandoned_.empty()) (void)new std::vector<std::shared_ptr<Batch>>(std::move(abandoned_));
 }
 
 void Delivery::Add(Window* w) {
