@@ -138,8 +138,10 @@ class Collector:
 
     def _serve(self):
         conns, busy = {}, time.monotonic()
-        # Closing: on while any connection still sends (however slowly stdout drains).
-        while self._grace is None or (conns and time.monotonic() - busy < self._grace):
+        # Closing: on until the wake-up was seen (what waits to be accepted is taken then: a
+        # rank may have connected and sent everything before this thread ran), then while any
+        # connection still sends (however slowly stdout drains).
+        while self._grace is None or self._server is not None or (conns and time.monotonic() - busy < self._grace):
             events = self._sel.select(None if self._grace is None else 0.1)
             for key, _ in events:
                 sock = key.fileobj
