@@ -10,26 +10,15 @@
 #include <thread>
 #include <vector>
 
+#include "testing/runtime_harness.h"
 #include "windows/windows.h"
 
 using namespace shoal;
+using shoal::testing::g_case;
+using shoal::testing::g_failed;
+using shoal::testing::g_passed;
 
 namespace {
-
-std::atomic<int> g_passed{0}, g_failed{0};
-const char* g_case = "";
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (cond) {                                            \
-      ++g_passed;                                          \
-    } else {                                               \
-      ++g_failed;                                          \
-      std::printf("FAIL [%s] %s:%d: ", g_case, __FILE__, __LINE__); \
-      std::printf(__VA_ARGS__);                            \
-      std::printf("\n");                                   \
-    }                                                      \
-  } while (0)
 
 // Puts leave a travelling part that lands when `landed` is set (with `error`: fails);
 // every op records its name when it starts.
