@@ -25,6 +25,7 @@ thread per rank), interleaved over --rounds rounds of --steps steps after --warm
   hierarchical    AWC with CommunicationType.hierarchical_neighbor_allreduce on the machines'
                   static exponential-2 graph (within a machine by shared memory)
   hier. one-peer  the same with one peer machine per step (one-peer exp2 over machines)
+  hier. delayed   hier. one-peer with overlap="delayed"
   ATC one-peer    DistributedAdaptThenCombineOptimizer, one peer per step
   push-sum        DistributedPushSumOptimizer (window ops, asynchronous), one peer per step
   grad allreduce  DistributedGradientAllreduceOptimizer (Horovod's algorithm, through Shoal)
@@ -70,8 +71,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 ASYNCHRONOUS = {"push-sum"}  # no rank waits for another: timed over a duration, not a step count
 CONFIGS = ["AWC one-peer", "AWC delayed", "AWC delayed pairs", "AWC int8", "AWC int8 delayed", "AWC exp2",
-           "hierarchical", "hier. one-peer", "ATC one-peer", "push-sum", "grad allreduce", "DDP gloo", "DDP torchrun",
-           "Decent-DP", "comm only", "compute only"]
+           "hierarchical", "hier. one-peer", "hier. delayed", "ATC one-peer", "push-sum", "grad allreduce",
+           "DDP gloo", "DDP torchrun", "Decent-DP", "comm only", "compute only"]
 BASELINES = {"grad allreduce", "DDP gloo", "DDP torchrun", "Decent-DP", "comm only", "compute only"}  # not Shoal's
 
 
@@ -102,7 +103,7 @@ def predicted_models_per_machine(config, size, per_machine):
         return sum(machine(r) != machine((r + h) % size) for h in hops for r in range(size)) / machines
     if config == "hierarchical":  # one model per out-neighbour machine (exp2 over machines)
         return len([2 ** k for k in range(int(math.log2(machines - 1)) + 1)]) if machines > 1 else 0
-    if config == "hier. one-peer":
+    if config in ("hier. one-peer", "hier. delayed"):
         return 1.0 if machines > 1 else 0.0
     if config == "grad allreduce":  # MPICH's node-aware allreduce: 2(M-1)/M among machine leaders
         return 2 * (machines - 1) / machines
@@ -305,10 +306,12 @@ def run_in_job(args):
             opt = bf.DistributedAdaptWithCombineOptimizer(
                 sgd(m), m, communication_type=bf.CommunicationType.hierarchical_neighbor_allreduce)
             step = train_step(m, opt, data, target)
-        elif name == "hier. one-peer":
+        elif name in ("hier. one-peer", "hier. delayed"):
             opt = bf.DistributedAdaptWithCombineOptimizer(
-                sgd(m), m, communication_type=bf.CommunicationType.hierarchical_neighbor_allreduce)
+                sgd(m), m, communication_type=bf.CommunicationType.hierarchical_neighbor_allreduce,
+                overlap="delayed" if name == "hier. delayed" else "backward")
             step = train_step(m, opt, data, target, machine_one_peer(opt))
+            drain = opt.synchronize if name == "hier. delayed" else None
         elif name == "ATC one-peer":
             opt = bf.DistributedAdaptThenCombineOptimizer(sgd(m), m)
             step = train_step(m, opt, data, target, one_peer(opt))

@@ -1,8 +1,10 @@
 // Unit tests of the multi-stage op of the Runtime, hierarchical_neighbor_allreduce
-// (ops/stages.cc), with N ranks as threads over the fake backend in machines of L
-// ranks: exact results in static-like and weighted modes with ranks submitting several
-// ops in different orders, a call refused on one rank failing every rank the same way
-// (and the name usable again), a dead rank failing the others instead of hanging.
+// (ops/stages.cc, neighbor/sharded_exchange.cc), with N ranks as threads over the fake
+// backend in machines of L ranks: exact results in static-like and weighted modes with
+// ranks submitting several ops in different orders, tensors of several pieces in and out
+// of place, a call refused on one rank failing every rank the same way (and the name
+// usable again), shapes that differ between machines failing the ranks that meet them,
+// a dead rank failing the others instead of hanging.
 // tests/test_core_cpp.py also runs them under ThreadSanitizer. Exit status 0 = all passed.
 #include <algorithm>
 #include <cstdio>
@@ -212,6 +214,93 @@ void TestFreshNames(int n, int L) {
           static_cast<long long>(retired[r]), static_cast<long long>(retired[0]));
 }
 
+// Tensors of several pieces per shard (neighbor/sharded_exchange.h), out of place and in
+// place (output = input: a rank's slices leave before its result lands there), float64
+// and float32, weighted: every element is the hierarchical average, computed with the
+// same operations.
+void TestLarge(int n, int L) {
+  g_case = "hierarchical large n=" + std::to_string(n) + " L=" + std::to_string(L);
+  Job job(n, NoStallConfig(8 << 20), 29 + n + L, 200, L);  // 5 MiB a rank: slow under sanitizers
+  const int M = n / L;
+  const size_t len = 600001;  // 2 pieces a shard at L=2 (float64), 1 elsewhere
+  job.Run([&](int r, Runtime& rt) {
+    const int m = r / L;
+    for (int k = 0; k < 4; ++k) {
+      const bool in_place = k % 2 == 1, f32 = k >= 2;
+      Hier h;
+      h.name = "large." + std::to_string(k);
+      h.dtype = f32 ? SHOAL_FLOAT32 : SHOAL_FLOAT64;
+      h.x = Data(r, k, len);
+      h.recv = h.send = MachineRing(m, M);
+      h.uniform = false;
+      h.self_w = 0.5;
+      h.recv_w.assign(h.recv.size(), 0.5 / h.recv.size());
+      std::vector<float> x32(h.x.begin(), h.x.end());
+      std::vector<int64_t> shape{static_cast<int64_t>(len)};
+      shoal_op_desc d{};
+      d.op = h.op;
+      d.name = h.name.c_str();
+      d.input = {f32 ? static_cast<void*>(x32.data()) : h.x.data(), h.dtype, 1, shape.data(), SHOAL_DEVICE_CPU, 0,
+                 nullptr, nullptr};
+      h.out.assign(len, -1.0);
+      std::vector<float> out32(len, -1.0f);
+      d.output = d.input;
+      if (!in_place) d.output.data = f32 ? static_cast<void*>(out32.data()) : h.out.data();
+      d.self_weight = h.self_w;
+      d.uniform = false;
+      d.n_recv = d.n_send = static_cast<int32_t>(h.recv.size());
+      d.recv_ranks = h.recv.data();
+      d.recv_weights = h.recv_w.data();
+      d.send_ranks = h.send.data();
+      h.handle = rt.Enqueue(d);
+      Status st = h.Wait(rt);
+      CHECK(st.ok(), "rank %d op %d: %s", r, k, st.message.c_str());
+      if (!st.ok()) continue;
+      std::vector<std::vector<double>> sums;
+      for (int src : h.recv) sums.push_back(MachineSum(src, L, k, len));
+      const auto mine = MachineSum(m, L, k, len);
+      size_t wrong = 0;
+      for (size_t i = 0; i < len; ++i) {
+        double want = 0.5 * mine[i];
+        for (size_t j = 0; j < sums.size(); ++j) want += h.recv_w[j] * sums[j][i];
+        want /= L;
+        const double got = f32 ? (in_place ? x32[i] : out32[i]) : (in_place ? h.x[i] : h.out[i]);
+        // float32: the same operations in float32 (values below 2^24: exact)
+        wrong += got != want;
+      }
+      CHECK(wrong == 0, "rank %d op %d: %zu elements not the hierarchical average", r, k, wrong);
+    }
+  });
+}
+
+// Past a name's negotiated first step, machine 0's ranks hold one element more: every rank
+// of machine 0 and of its neighbor machines fails naming both shapes; the others complete.
+void TestShapes(int n, int L) {
+  g_case = "hierarchical shapes n=" + std::to_string(n) + " L=" + std::to_string(L);
+  Job job(n, TestConfig(8 << 20), 31 + n + L, 200, L);
+  const int M = n / L;
+  job.Run([&](int r, Runtime& rt) {
+    const int m = r / L;
+    for (int step = 0; step < 2; ++step) {
+      Hier h;
+      h.name = "large.shapes";
+      h.x = Data(r, 9, 1001 + (step == 1 && m == 0 ? 1 : 0));
+      h.recv = h.send = MachineRing(m, M);
+      h.Enqueue(rt);
+      Status st = h.Wait(rt);
+      const auto ring = MachineRing(m, M);
+      const bool involved = m == 0 || std::find(ring.begin(), ring.end(), 0) != ring.end();
+      if (step == 0 || !involved) {
+        CHECK(st.ok(), "rank %d step %d: %s", r, step, st.message.c_str());
+        continue;
+      }
+      CHECK(!st.ok() && st.message.find("float64[1002]") != std::string::npos &&
+                st.message.find("float64[1001]") != std::string::npos,
+            "rank %d: %s", r, st.ok() ? "completed with different shapes" : st.message.c_str());
+    }
+  });
+}
+
 }  // namespace
 
 int main() {
@@ -221,6 +310,8 @@ int main() {
     TestRefused(n, L);
     TestDeadRank(n, L);
     TestFreshNames(n, L);
+    TestShapes(n, L);
+    if (n == 4) TestLarge(n, L);  // 5 MiB a rank: once
   }
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;

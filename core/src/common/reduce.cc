@@ -220,6 +220,7 @@ void Rescale(const void* src, void* dst, int dtype, size_t n, int divisor, doubl
 
 void Combine(const void* self, const std::vector<const void*>& srcs, void* out, int dtype,
              size_t n, bool uniform, double self_weight, const std::vector<double>& weights) {
+  if (srcs.empty() && out == self && (uniform || self_weight == 1.0)) return;  // nothing changes
   DispatchFloating(dtype, [&](auto t) {
     using T = decltype(t);
     using S = typename T::Store;

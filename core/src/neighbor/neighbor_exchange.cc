@@ -55,7 +55,9 @@ void NeighborExchange::Start(const std::vector<EntryPtr>& ready) {
 }
 
 // The end of the message that starts at items[i]: as many entries as fit under the
-// fusion threshold (at least one); *payload gets their bytes.
+// fusion threshold (at least one); *payload gets their bytes. A large entry travels alone
+// (from its own memory when unscaled): fusing it would only add a copy, and each one
+// sent apart is taken by its receiver as soon as it arrives.
 size_t NeighborExchange::MessageEnd(const std::vector<std::pair<EntryPtr, double>>& items, size_t i,
                                     size_t* payload) const {
   size_t j = i;
@@ -63,7 +65,7 @@ size_t NeighborExchange::MessageEnd(const std::vector<std::pair<EntryPtr, double
   do {
     *payload += items[j].first->nbytes();
     ++j;
-  } while (j < items.size() && threshold_ > 0 &&
+  } while (j < items.size() && threshold_ > 0 && items[i].first->nbytes() < kDirectBytes && items[j].first->nbytes() < kDirectBytes &&
            static_cast<int64_t>(*payload + items[j].first->nbytes()) <= threshold_);
   return j;
 }

@@ -2,7 +2,9 @@
 // semantics, docs/reference/bluefog-semantics.md §1.6). Its stages are ops of their own, named
 // after it ("<name>.machine_sum", ".exchange", ".share"), so ranks match, negotiate, fuse
 // and cache them like any op; each is queued when the one before completes, and the op's
-// one handle completes after the last, with the division by local_size().
+// one handle completes after the last. On host memory the exchange moves all the data,
+// sharded over the machine (neighbor/sharded_exchange.h); on CUDA tensors each stage moves
+// it, and the result is divided by local_size() at the end.
 #include "ops/stages.h"
 
 #include "common/reduce.h"
@@ -34,9 +36,19 @@ EntryPtr HierarchicalStages::Start(const EntryPtr& e) const {
   sum.gpu = std::move(e->gpu);  // the producer's point on the caller's stream, taken at the call
   Entry& exchange = *stages->rest[1];
   exchange.topo_check = e->topo_check;
-  if (w.local_rank == 0) {  // machine m's local rank 0 is rank m * local_size()
-    for (int m : e->recv_ranks) exchange.recv_ranks.push_back(m * w.local_size);
-    for (int m : e->send_ranks) exchange.send_ranks.push_back(m * w.local_size);
+  // Host memory: the exchange does the op (neighbor/sharded_exchange.h), local rank l with
+  // local rank l of each neighbor machine; the machine's stages only negotiate (their
+  // signatures keep the shape, so the machine's ranks still agree on it). CUDA tensors:
+  // the machine's sum (NCCL or MPI), the exchange between local ranks 0, the broadcast.
+  const bool sharded = e->sig.device_type != SHOAL_DEVICE_CUDA;
+  if (sharded) {
+    sum.span = stages->rest[2]->span = 0;
+    exchange.input = e->input;
+  }
+  if (sharded || w.local_rank == 0) {  // machine m's local rank l is rank m * local_size() + l
+    const int l = sharded ? w.local_rank : 0;
+    for (int m : e->recv_ranks) exchange.recv_ranks.push_back(m * w.local_size + l);
+    for (int m : e->send_ranks) exchange.send_ranks.push_back(m * w.local_size + l);
     exchange.recv_weights = e->recv_weights;
     exchange.send_weights = e->send_weights;
     exchange.self_weight = e->self_weight;
@@ -85,7 +97,9 @@ void HierarchicalStages::Next(const EntryPtr& s, const Status& st_in) {
     failed = Status::Error(SHOAL_ABORTED, OpError(op->sig.op, op->name, "an earlier stage failed on rank " +
                                                                             std::to_string(world_.rank) + ": " + st.message));
   host_->AfterStage(s, nullptr, failed, stages->rest);
-  host_->Finish(op, st.ok() ? DivideResult(*op, world_.local_size) : st);
+  // The sharded exchange divided each piece as it went.
+  const bool divided = op->sig.device_type != SHOAL_DEVICE_CUDA;
+  host_->Finish(op, st.ok() && !divided ? DivideResult(*op, world_.local_size) : st);
 }
 
 Status HierarchicalStages::DivideResult(const Entry& e, int divisor) {

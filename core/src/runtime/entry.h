@@ -13,6 +13,7 @@ namespace shoal {
 
 struct GpuOp;       // gpu/staging.h
 struct Stages;      // ops/stages.cc
+struct ShardedRun;  // neighbor/sharded_exchange.h
 struct ProcessSet;  // process_sets/process_sets.h
 
 using Clock = std::chrono::steady_clock;
@@ -51,6 +52,14 @@ struct Entry {
   std::shared_ptr<GpuOp> gpu;  // CUDA tensors: device pointers and staging state
   // A stage of a multi-stage op (hierarchical): the op and its stages still to run.
   std::shared_ptr<Stages> stages;
+  // Elements this entry moves when they are not its signature's (-1: the signature's): a
+  // part of a sharded exchange (its slice of the op's tensor, whose shape the signature
+  // keeps for the peers' checks), or 0 for a stage that only negotiates.
+  int64_t span = -1;
+  // A part of a sharded exchange (neighbor/sharded_exchange.h): the run it belongs to and
+  // its index there.
+  std::shared_ptr<ShardedRun> sharded;
+  int part = -1;
   // alltoall: rows of dim 0 this rank sends to each rank; once run, the rows it received.
   std::vector<int64_t> splits, recv_splits;
   // A member of a grouped op (ops/groups.cc): the group's name, step and size, and
@@ -82,8 +91,8 @@ struct Entry {
 
   ~Entry() { std::free(result); }
 
-  size_t nbytes() const { return sig.nbytes(); }
-  int64_t count() const { return NumElements(sig.shape); }
+  size_t nbytes() const { return span < 0 ? sig.nbytes() : static_cast<size_t>(span) * DtypeSize(sig.dtype); }
+  int64_t count() const { return span < 0 ? NumElements(sig.shape) : span; }
 };
 
 using EntryPtr = std::shared_ptr<Entry>;

@@ -129,6 +129,7 @@ void Scheduler::Apply(const Response& r) {
       for (auto& user_name : r.names) {
         if (r.set == 0) {
           for (auto& e : neighbors_.TakeNamed(user_name, r.step)) batch.push_back(e);
+          if (EntryPtr stage = sharded_.Take(user_name, r.step)) batch.push_back(stage);
           for (auto it = neighbor_ready_.begin(); it != neighbor_ready_.end();) {  // routed this cycle
             const bool hit = (*it)->name == user_name && (*it)->step == r.step;
             if (hit) batch.push_back(*it);

@@ -71,8 +71,7 @@ bool Scheduler::Cycle(const std::vector<EntryPtr>& fresh, bool start_only) {
   if (!start_only) progressed |= negotiation_.Answer();  // of the coordinators this rank runs
 
   if (!neighbor_ready_.empty()) {
-    neighbors_.Start(neighbor_ready_);
-    neighbor_ready_.clear();
+    StartNeighbors(neighbor_ready_);
     progressed = true;
   }
   if (start_only) return progressed;
@@ -90,7 +89,57 @@ bool Scheduler::Busy() {
   return negotiation_.Waiting() || !neighbors_.Idle() || backend_->num_in_flight() > 0 || devices_.Busy();
 }
 
+void Scheduler::StartNeighbors(std::vector<EntryPtr>& ready) {
+  std::vector<EntryPtr> parts, stages_done;
+  auto plain = std::remove_if(ready.begin(), ready.end(), [&](const EntryPtr& e) {
+    if (!ShardedExchange::Applies(*e)) return false;
+    if (!sharded_.Start(e, &parts)) stages_done.push_back(e);
+    return true;
+  });
+  ready.erase(plain, ready.end());
+  if (!ready.empty()) neighbors_.Start(ready);
+  ready.clear();
+  StartParts(std::move(parts));
+  for (auto& e : stages_done) Finish(e, Status::Ok());
+}
+
+void Scheduler::StartParts(std::vector<EntryPtr> parts) {
+  if (parts.empty()) return;
+  std::vector<EntryPtr> unreachable;
+  if (departures_.Any()) {
+    // As FailIfUnreachable does for a neighbor op: sends to a rank that left are skipped,
+    // a piece it never sent fails the part.
+    auto gone = std::remove_if(parts.begin(), parts.end(), [&](const EntryPtr& p) {
+      for (size_t k = p->send_ranks.size(); k-- > 0;) {
+        if (!departures_.Left(p->send_ranks[k])) continue;
+        p->send_ranks.erase(p->send_ranks.begin() + k);
+        if (k < p->send_weights.size()) p->send_weights.erase(p->send_weights.begin() + k);
+      }
+      for (int r : p->recv_ranks)
+        if (departures_.Left(r) && !neighbors_.HasPiece(r, p->name)) return true;
+      return false;
+    });
+    unreachable.assign(gone, parts.end());
+    parts.erase(gone, parts.end());
+  }
+  if (!parts.empty()) neighbors_.Start(parts);
+  for (auto& p : unreachable) {
+    std::vector<int> left;
+    for (int r : p->recv_ranks) if (departures_.Left(r)) left.push_back(r);
+    Finish(p, Status::Error(SHOAL_ABORTED, OpError(p->sig.op, p->name, Departures::Describe(left))));
+  }
+}
+
 void Scheduler::Finish(const EntryPtr& e, const Status& st_in) {
+  if (e->sharded) {  // a part of a sharded exchange: its run goes on, or its stage ends
+    if (!st_in.ok()) neighbors_.Failed(e->name, e->step);
+    std::vector<EntryPtr> next;
+    Status stage_st;
+    EntryPtr stage = sharded_.Done(e, st_in, &next, &stage_st);
+    StartParts(std::move(next));
+    if (stage) Finish(stage, stage_st);
+    return;
+  }
   Status st = e->gpu ? devices_.Complete(*e, st_in) : st_in;
   // A failure while the job lost a rank is the loss's, whatever failed first (a send to the
   // dead rank, a peer's leave notice): one error on every survivor (docs/design.md §16).
@@ -146,6 +195,7 @@ void Scheduler::Abandon() {
   grouped_.Clear();
   neighbor_ready_.clear();
   neighbors_.TakeAll();
+  sharded_.Clear();
 }
 
 bool Scheduler::Submitted() {

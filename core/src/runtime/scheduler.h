@@ -20,6 +20,7 @@
 #include "negotiation/stall_inspector.h"
 #include "neighbor/checked_patterns.h"
 #include "neighbor/neighbor_exchange.h"
+#include "neighbor/sharded_exchange.h"
 #include "ops/collectives.h"
 #include "ops/groups.h"
 #include "ops/join.h"
@@ -87,6 +88,11 @@ class Scheduler final : private Finisher, private Negotiation::Host, private Res
   // Stalls and departures.
   void CheckStalls();
   void OnLeave(int rank);
+  // Starts the neighbor entries of `ready` (a sharded exchange's stage: its first parts).
+  void StartNeighbors(std::vector<EntryPtr>& ready);
+  // Starts the parts of sharded exchanges in `parts` (a part that needs a rank that left
+  // fails instead).
+  void StartParts(std::vector<EntryPtr> parts);
   bool Submitted() override;  // Join::Host
 
   Host* host_;
@@ -98,6 +104,7 @@ class Scheduler final : private Finisher, private Negotiation::Host, private Res
   const uint64_t generation_;
   DevicePath devices_;  // CUDA tensors: staging, the device data plane, NCCL
   NeighborExchange neighbors_;
+  ShardedExchange sharded_{backend_->world(), &neighbors_};  // hierarchical ops' exchange on host memory
   CheckedPatterns neighbor_patterns_;  // neighbor ops that skip the coordinator
   std::vector<EntryPtr> neighbor_ready_;
   Departures departures_;
