@@ -2,6 +2,7 @@
 lines, writes its history and plot, and with --timeline-filename a timeline of the
 optimizer's exchanges and of the model's own activity."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +21,8 @@ ARGS = [["--optimizer", "awc"],
         ["--optimizer", "atc", "--topology", "base-k", "--base-k", "2"],
         ["--optimizer", "gradient-allreduce", "--partition", "dirichlet"],
         ["--topology", "ring", "--consensus-target", "0.05"],
-        ["--optimizer", "awc", "--compression", "int8"]]
+        ["--optimizer", "awc", "--compression", "int8"],
+        ["--topology", "hierarchical"]]  # 2 machines of 2 ranks (SHOAL_RANKS_PER_MACHINE)
 _runs = {}  # first arguments -> (completed run, its output directory, its timeline prefix)
 
 
@@ -35,7 +37,8 @@ def run(tmp_path_factory, args):
         prefix = str(tmp_path_factory.mktemp("trace") / "trace") if args == ARGS[0] else None
         if prefix:
             cmd[cmd.index("-np"):cmd.index("-np")] = ["--timeline-filename", prefix]
-        _runs[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=300), out_dir, prefix
+        env = dict(os.environ, SHOAL_RANKS_PER_MACHINE="2") if "hierarchical" in args else None
+        _runs[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env), out_dir, prefix
     return _runs[key]
 
 
@@ -47,6 +50,12 @@ def test_digits_trains(tmp_path_factory, args):
     assert len(acc) == 4 and acc[-1] > 60, out.stdout
     hist = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert len(hist["consensus_distance"]) == 4
+    # The time to --target-accuracy (95%): the first epoch's time that reached it.
+    seconds = hist["seconds_at"]
+    assert len(seconds) == 4 and seconds == sorted(seconds) and seconds[-1] <= hist["seconds"]
+    reached = [t for t, a in zip(seconds, hist["test_accuracy"]) if 100 * a >= 95.0]
+    want = f"{reached[0]:.1f} s" if reached else "not reached"
+    assert f"time to 95.00% test accuracy: {want}" in out.stdout, out.stdout
     if "--consensus-target" in args:
         assert "extra gossip rounds" in out.stdout
     assert (tmp_path / "digits.png").stat().st_size > 10_000
@@ -135,6 +144,7 @@ def test_int8_gossip_sends_under_a_third_of_the_bytes(tmp_path_factory):
         assert out.returncode == 0, out.stdout + out.stderr
         m = re.search(r"^summary: .* test_accuracy=([\d.]+)% .* bytes_sent=(\d+)$", out.stdout, re.M)
         return int(m.group(2)), float(m.group(1))
-    (plain, plain_acc), (int8, int8_acc) = sent_and_accuracy(ARGS[0]), sent_and_accuracy(ARGS[-1])
+    int8_args = next(a for a in ARGS if "int8" in a)
+    (plain, plain_acc), (int8, int8_acc) = sent_and_accuracy(ARGS[0]), sent_and_accuracy(int8_args)
     assert int8 <= 0.3 * plain, (int8, plain)
     assert int8_acc > plain_acc - 5, (int8_acc, plain_acc)  # 4 epochs: the 15-epoch figures are in the README
