@@ -7,9 +7,11 @@
 // a dead rank failing the others instead of hanging.
 // tests/test_core_cpp.py also runs them under ThreadSanitizer. Exit status 0 = all passed.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "testing/runtime_harness.h"
@@ -274,7 +276,8 @@ void TestLarge(int n, int L) {
 }
 
 // Past a name's negotiated first step, machine 0's ranks hold one element more: every rank
-// of machine 0 and of its neighbor machines fails naming both shapes; the others complete.
+// of machine 0 and of its neighbor machines fails naming both shapes; the others complete,
+// or fail with that error (the step's refusal reached them first).
 void TestShapes(int n, int L) {
   g_case = "hierarchical shapes n=" + std::to_string(n) + " L=" + std::to_string(L);
   Job job(n, TestConfig(8 << 20), 31 + n + L, 200, L);
@@ -290,13 +293,56 @@ void TestShapes(int n, int L) {
       Status st = h.Wait(rt);
       const auto ring = MachineRing(m, M);
       const bool involved = m == 0 || std::find(ring.begin(), ring.end(), 0) != ring.end();
-      if (step == 0 || !involved) {
+      if (step == 0 || (!involved && st.ok())) {
         CHECK(st.ok(), "rank %d step %d: %s", r, step, st.message.c_str());
         continue;
       }
       CHECK(!st.ok() && st.message.find("float64[1002]") != std::string::npos &&
                 st.message.find("float64[1001]") != std::string::npos,
             "rank %d: %s", r, st.ok() ? "completed with different shapes" : st.message.c_str());
+    }
+  });
+}
+
+// A call refused on the last rank at step 2, where the exchange no longer asks the
+// coordinator (its parts already run on the other ranks, and the refusing rank goes on to
+// step 3 at once): the ranks of its machine and of their neighbor machines fail that step
+// (the others may complete it, exactly), and the name's later steps are exact on every rank
+// (no piece of step 2 or 3 is taken for the other). Also machines of one rank.
+void TestRefusedLater(int n, int L, size_t len) {
+  g_case = "hierarchical refused later n=" + std::to_string(n) + " L=" + std::to_string(L) + " len=" +
+           std::to_string(len);
+  Job job(n, NoStallConfig(8 << 20), 5 + n + L, 100, L);
+  const int M = n / L, bad = n - 1;
+  job.Run([&](int r, Runtime& rt) {
+    const int m = r / L;
+    for (int step = 0; step < 6; ++step) {
+      Hier h;
+      h.name = "hier.later";
+      h.x = Data(r, step, len);
+      h.recv = h.send = MachineRing(m, M);
+      if (step == 2 && r == bad) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the others' parts start first
+        h.recv = {static_cast<int32_t>(M + 3)};
+      }
+      Status st = Called(h, rt);
+      const int bad_m = bad / L;
+      const auto ring = MachineRing(m, M);
+      const bool involved = m == bad_m || std::find(ring.begin(), ring.end(), bad_m) != ring.end();
+      if (step == 2 && (involved || !st.ok())) {
+        CHECK(!st.ok() && st.message.find("is outside [0, ") != std::string::npos, "rank %d: %s", r,
+              st.ok() ? "the refused step completed" : st.message.c_str());
+        continue;
+      }
+      CHECK(st.ok(), "rank %d step %d: %s", r, step, st.message.c_str());
+      if (!st.ok()) continue;
+      std::vector<double> want = MachineSum(m, L, step, len);
+      for (int src : h.recv) {
+        auto o = MachineSum(src, L, step, len);
+        for (size_t i = 0; i < len; ++i) want[i] += o[i];
+      }
+      for (auto& w : want) w = w / static_cast<double>(h.recv.size() + 1) / L;
+      CHECK(h.out == want, "rank %d step %d: not the hierarchical average", r, step);
     }
   });
 }
@@ -311,8 +357,13 @@ int main() {
     TestDeadRank(n, L);
     TestFreshNames(n, L);
     TestShapes(n, L);
-    if (n == 4) TestLarge(n, L);  // 5 MiB a rank: once
+    TestRefusedLater(n, L, 5);
+    if (n == 4) {  // 5 MiB a rank: once
+      TestLarge(n, L);
+      TestRefusedLater(n, L, 200001);
+    }
   }
+  TestRefusedLater(4, 1, 5);  // machines of one rank
   std::printf("%d passed, %d failed\n", g_passed.load(), g_failed.load());
   return g_failed ? 1 : 0;
 }

@@ -221,6 +221,7 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
   std::vector<std::pair<EntryPtr, Status>> done;
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     Entry& e = **it;
+    if (e.sharded) DropStale(e);
     // A piece that does not match this entry (another GPU data path, dtype, shape) fails it
     // at once: its data may never arrive (a device piece for a rank that has no device).
     bool mismatch = false;
@@ -228,6 +229,9 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
       auto s = stash_.find(Key{src, e.name});
       if (s == stash_.end() || s->second.empty()) return false;
       const Piece& p = s->second.front();
+      // A part's piece of a later step: its sender went on past a step that failed (a
+      // refusal on its way here), whose run the refusal ends.
+      if (e.sharded && p.step > e.step) return false;
       if (p.Arrived() && e.sends_pending == 0) return true;  // the common case: no signature compare here
       if (!p.sig.CompatibleForNeighbors(e.sig)) mismatch = true;
       return p.Arrived() || mismatch;
@@ -255,6 +259,21 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
     empty_keys_ = 0;
   }
   return done;
+}
+
+void NeighborExchange::DropStale(const Entry& e) {
+  // A part's step is its op's, counted by every rank's calls, refused ones included: a
+  // piece of an earlier step is one of a step that failed here before it ran (a peer's
+  // refusal reached this rank in an earlier stage), not a rank off its schedule.
+  for (int src : e.recv_ranks) {
+    auto s = stash_.find(Key{src, e.name});
+    if (s == stash_.end()) continue;
+    auto& q = s->second;
+    auto stale = std::find_if(q.begin(), q.end(), [&](const Piece& p) { return p.step >= e.step; });
+    if (stale == q.begin()) continue;
+    q.erase(q.begin(), stale);  // a receive still posted keeps its own buffer
+    if (q.empty()) ++empty_keys_;
+  }
 }
 
 Status NeighborExchange::Finish(const EntryPtr& ep, std::vector<Piece>& got, bool* deferred) {
@@ -407,6 +426,18 @@ void NeighborExchange::Failed(const std::string& name, int64_t step) {
               return p.step <= step && !(p.arrival && !p.msg);  // not a device piece
             }), q.end());
     if (q.empty()) ++empty_keys_;
+  }
+}
+
+void NeighborExchange::Forget(const std::string& name) {
+  auto of = [&](std::string_view n) {
+    return n.substr(0, name.size()) == name && (n.size() == name.size() || n[name.size()] == '/');
+  };
+  for (auto it = failed_.begin(); it != failed_.end();) it = of(it->first) ? failed_.erase(it) : std::next(it);
+  for (auto& [key, q] : stash_) {
+    if (q.empty() || !of(key.second)) continue;
+    q.clear();  // a receive still posted keeps its own buffer
+    ++empty_keys_;
   }
 }
 

@@ -60,6 +60,9 @@ class NeighborExchange {
   // dropped, so the name's next step takes that step's data (docs/design.md §18). Pieces
   // in device memory stay (their transfers are the device plane's).
   void Failed(const std::string& name, int64_t step);
+  // Name `name` retired (its steps start again at 0): forget its failed steps and its
+  // stashed pieces, and those of its parts ("<name>/...", a sharded exchange's).
+  void Forget(const std::string& name);
   // Takes the waiting entries of `name` at `step` (-1: any step).
   std::vector<EntryPtr> TakeNamed(const std::string& name, int64_t step);
   // The message a leaving rank sends each peer on kTag: after all its neighbor data, so a
@@ -98,6 +101,7 @@ class NeighborExchange {
     bool disputed = false;
   };
   Status Finish(const EntryPtr& e, std::vector<Piece>& got, bool* deferred);
+  void DropStale(const Entry& e);  // a sharded exchange's part: pieces of its earlier steps
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);
   void FlushDevice(int dst, int path, std::vector<std::pair<EntryPtr, double>>& items);
   size_t MessageEnd(const std::vector<std::pair<EntryPtr, double>>& items, size_t i, size_t* payload) const;

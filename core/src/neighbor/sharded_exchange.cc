@@ -13,12 +13,11 @@ struct ShardedRun {
     EntryPtr e;
     Role role;
     int next = -1;  // the part that starts when this one ends
-    bool ended = false;
+    bool started = false, ended = false;
   };
   EntryPtr stage;
   std::vector<Slot> parts;
   int left = 0;  // parts not ended
-  Status failed;
 };
 
 EntryPtr ShardedExchange::Part(const std::shared_ptr<ShardedRun>& run, const std::string& suffix, int64_t offset,
@@ -110,15 +109,22 @@ bool ShardedExchange::Start(const EntryPtr& e, std::vector<EntryPtr>* start) {
 
 void ShardedExchange::Launch(ShardedRun& run, int part, std::vector<EntryPtr>* start) {
   ShardedRun::Slot& slot = run.parts[part];
-  Entry& p = *slot.e;
-  if (!run.failed.ok() && !p.recv_ranks.empty()) {  // sends only: its peers' data is not wanted
-    neighbors_->Failed(p.name, p.step);
-    p.recv_ranks.clear();
-    p.recv_weights.clear();
-  }
+  slot.started = true;
   // Received into zeros with weight 1: the result, exactly.
-  if (slot.role == ShardedRun::kGatherReceive) std::memset(p.output.data, 0, p.nbytes());
+  if (slot.role == ShardedRun::kGatherReceive) std::memset(slot.e->output.data, 0, slot.e->nbytes());
   start->push_back(slot.e);
+}
+
+EntryPtr ShardedExchange::Stop(std::shared_ptr<ShardedRun> run) {  // a copy: runs_ holds the original
+  for (auto& slot : run->parts) {
+    if (slot.started && !slot.ended) neighbors_->Drop(slot.e);
+    // Pieces peers sent or still send for this step are not data for the name's next step.
+    if (!slot.e->recv_ranks.empty()) neighbors_->Failed(slot.e->name, slot.e->step);
+  }
+  EntryPtr stage = run->stage;
+  runs_.erase({stage->name, stage->step});
+  run->parts.clear();  // the parts held the run
+  return stage;
 }
 
 EntryPtr ShardedExchange::Done(const EntryPtr& p, const Status& st, std::vector<EntryPtr>* start, Status* stage_st) {
@@ -128,36 +134,29 @@ EntryPtr ShardedExchange::Done(const EntryPtr& p, const Status& st, std::vector<
   if (slot.ended) return nullptr;
   slot.ended = true;
   --run->left;
-  if (!st.ok() && run->failed.ok()) run->failed = st;
-  if (slot.role == ShardedRun::kExchange && run->failed.ok() && world_.local_size > 1)  // BlueFog's average over the machine
-    Divide(p->output.data, p->output.data, p->sig.dtype, p->count(), world_.local_size);
-  if (slot.next >= 0) {
-    ShardedRun::Slot& next = run->parts[slot.next];
-    if (!run->failed.ok() && next.role == ShardedRun::kGatherReceive) {  // nothing to receive
-      next.ended = true;
-      --run->left;
-    } else {
-      Launch(*run, slot.next, start);
-    }
+  if (!st.ok()) {  // the run stops here; the scheduler tells every rank of this step
+    *stage_st = st;
+    return Stop(run);
   }
+  if (slot.role == ShardedRun::kExchange && world_.local_size > 1)  // BlueFog's average over the machine
+    Divide(p->output.data, p->output.data, p->sig.dtype, p->count(), world_.local_size);
+  if (slot.next >= 0) Launch(*run, slot.next, start);
   if (run->left > 0) return nullptr;
-  EntryPtr stage = run->stage;
-  stage->t_peers_ready = Clock::now();
-  *stage_st = run->failed;
-  runs_.erase({stage->name, stage->step});
-  run->parts.clear();  // the parts held the run
-  return stage;
+  run->stage->t_peers_ready = Clock::now();
+  *stage_st = Status::Ok();
+  return Stop(run);
+}
+
+const Entry* ShardedExchange::StageOf(const std::string& part, int64_t step) const {
+  const size_t slash = part.rfind('/');
+  if (slash == std::string::npos) return nullptr;
+  auto it = runs_.find({part.substr(0, slash), step});
+  return it == runs_.end() ? nullptr : it->second->stage.get();
 }
 
 EntryPtr ShardedExchange::Take(const std::string& name, int64_t step) {
   auto it = runs_.find({name, step});
-  if (it == runs_.end()) return nullptr;
-  std::shared_ptr<ShardedRun> run = it->second;
-  runs_.erase(it);
-  for (auto& slot : run->parts)
-    if (!slot.ended) neighbors_->Drop(slot.e);
-  run->parts.clear();
-  return run->stage;
+  return it == runs_.end() ? nullptr : Stop(it->second);
 }
 
 void ShardedExchange::Clear() {

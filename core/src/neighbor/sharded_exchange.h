@@ -36,14 +36,18 @@ class ShardedExchange {
   // Starts stage `e`: its first parts go to `start`. False when it has nothing to move
   // (an empty tensor): the stage is then done.
   bool Start(const EntryPtr& e, std::vector<EntryPtr>* start);
-  // Part `p` ended with `st`; the parts that waited for it go to `start`. Once every part
-  // of its run has ended, returns the stage with the run's first failure in *stage_st;
-  // else null. After a failure the rest of the run still sends (so no peer waits for it)
-  // but receives nothing.
+  // Part `p` ended with `st`; the parts that waited for it go to `start`. Returns the
+  // stage, with *stage_st, once every part has ended, or at once when `st` is a failure:
+  // the run stops there (its other parts leave the neighbor exchange, its peers' pieces of
+  // that step are dropped as they come) and the caller refuses the stage's step for
+  // every rank, so no peer waits for a piece that never comes and none uses one that is
+  // not the op's. Else null.
   EntryPtr Done(const EntryPtr& p, const Status& st, std::vector<EntryPtr>* start, Status* stage_st);
-  // Stops the run of stage `name` at `step` (refused elsewhere): its waiting parts leave
-  // the neighbor exchange. Returns its stage (null if none runs).
+  // Stops the run of stage `name` at `step` (refused elsewhere), as a failure does.
+  // Returns its stage (null if none runs).
   EntryPtr Take(const std::string& name, int64_t step);
+  // The stage whose running part is named `part` at `step` (null if none).
+  const Entry* StageOf(const std::string& part, int64_t step) const;
   void Clear();  // forgets every run (the runtime abandoned its ops)
 
  private:
@@ -54,6 +58,7 @@ class ShardedExchange {
   };
   EntryPtr Part(const std::shared_ptr<ShardedRun>& run, const std::string& suffix, int64_t offset, int64_t count);
   void Launch(ShardedRun& run, int part, std::vector<EntryPtr>* start);
+  EntryPtr Stop(std::shared_ptr<ShardedRun> run);  // ends `run`: its stage
 
   const WorldInfo& world_;
   NeighborExchange* neighbors_;

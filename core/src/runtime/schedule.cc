@@ -171,6 +171,10 @@ void Scheduler::CheckStalls() {
   // A send a neighbor did not expect: every rank waiting in that step fails with its error
   // (a refusal through the coordinator, as a refusal at the call travels).
   for (auto& d : neighbors_.Disputes(now)) {
+    if (const Entry* stage = sharded_.StageOf(d.name, d.step)) {  // a part's: its stage is what ranks submitted
+      d.name = stage->name;
+      d.sig = stage->sig;
+    }
     Request req{d.name, d.sig, d.step, d.error, SHOAL_NEIGHBOR_MISMATCH, false, {}, {}};
     negotiation_.SendLater(std::move(req));
   }

@@ -132,12 +132,16 @@ void Scheduler::StartParts(std::vector<EntryPtr> parts) {
 
 void Scheduler::Finish(const EntryPtr& e, const Status& st_in) {
   if (e->sharded) {  // a part of a sharded exchange: its run goes on, or its stage ends
-    if (!st_in.ok()) neighbors_.Failed(e->name, e->step);
     std::vector<EntryPtr> next;
     Status stage_st;
     EntryPtr stage = sharded_.Done(e, st_in, &next, &stage_st);
     StartParts(std::move(next));
-    if (stage) Finish(stage, stage_st);
+    if (!stage) return;
+    // A failure here is the step's on every rank: its peers' runs wait for this one's
+    // pieces, or would use them (a refusal, as a dispute travels: docs/design.md §24).
+    if (!stage_st.ok())
+      negotiation_.SendLater(Request{stage->name, stage->sig, stage->step, stage_st.message, stage_st.code, false, {}, {}});
+    Finish(stage, stage_st);
     return;
   }
   Status st = e->gpu ? devices_.Complete(*e, st_in) : st_in;
@@ -226,6 +230,7 @@ void Scheduler::Thaw(int set, const std::set<std::string>& gone) {
   for (auto& key : out.retired) {
     neighbor_patterns_.Forget(key);
     stalls_.Forget(key);
+    neighbors_.Forget(key);
   }
   stats_->names_retired += out.ops_retired;
   stats_->held_calls += static_cast<int64_t>(out.calls.size());
