@@ -221,17 +221,14 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
   std::vector<std::pair<EntryPtr, Status>> done;
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     Entry& e = **it;
-    if (e.sharded) DropStale(e);
     // A piece that does not match this entry (another GPU data path, dtype, shape) fails it
     // at once: its data may never arrive (a device piece for a rank that has no device).
     bool mismatch = false;
     bool all = std::all_of(e.recv_ranks.begin(), e.recv_ranks.end(), [&](int src) {
       auto s = stash_.find(Key{src, e.name});
       if (s == stash_.end() || s->second.empty()) return false;
+      if (e.sharded && s->second.front().step != e.step && !OwnStep(e, s->second)) return false;
       const Piece& p = s->second.front();
-      // A part's piece of a later step: its sender went on past a step that failed (a
-      // refusal on its way here), whose run the refusal ends.
-      if (e.sharded && p.step > e.step) return false;
       if (p.Arrived() && e.sends_pending == 0) return true;  // the common case: no signature compare here
       if (!p.sig.CompatibleForNeighbors(e.sig)) mismatch = true;
       return p.Arrived() || mismatch;
@@ -261,19 +258,15 @@ std::vector<std::pair<EntryPtr, Status>> NeighborExchange::Complete() {
   return done;
 }
 
-void NeighborExchange::DropStale(const Entry& e) {
+bool NeighborExchange::OwnStep(const Entry& e, std::vector<Piece>& q) {
   // A part's step is its op's, counted by every rank's calls, refused ones included: a
   // piece of an earlier step is one of a step that failed here before it ran (a peer's
-  // refusal reached this rank in an earlier stage), not a rank off its schedule.
-  for (int src : e.recv_ranks) {
-    auto s = stash_.find(Key{src, e.name});
-    if (s == stash_.end()) continue;
-    auto& q = s->second;
-    auto stale = std::find_if(q.begin(), q.end(), [&](const Piece& p) { return p.step >= e.step; });
-    if (stale == q.begin()) continue;
-    q.erase(q.begin(), stale);  // a receive still posted keeps its own buffer
-    if (q.empty()) ++empty_keys_;
-  }
+  // refusal reached this rank in an earlier stage), not a rank off its schedule. One of a
+  // later step: its sender went on past a step that failed, whose run the refusal ends.
+  auto mine = std::find_if(q.begin(), q.end(), [&](const Piece& p) { return p.step >= e.step; });
+  q.erase(q.begin(), mine);  // a receive still posted keeps its own buffer
+  if (q.empty()) ++empty_keys_;
+  return !q.empty() && q.front().step == e.step;
 }
 
 Status NeighborExchange::Finish(const EntryPtr& ep, std::vector<Piece>& got, bool* deferred) {

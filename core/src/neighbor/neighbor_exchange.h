@@ -101,7 +101,9 @@ class NeighborExchange {
     bool disputed = false;
   };
   Status Finish(const EntryPtr& e, std::vector<Piece>& got, bool* deferred);
-  void DropStale(const Entry& e);  // a sharded exchange's part: pieces of its earlier steps
+  // A sharded exchange's part `e` and its queue `q` from one source, whose first piece is
+  // of another step: drops those of earlier steps; true if one of e's step is first now.
+  bool OwnStep(const Entry& e, std::vector<Piece>& q);
   void Flush(int dst, std::vector<std::pair<EntryPtr, double>>& items);
   void FlushDevice(int dst, int path, std::vector<std::pair<EntryPtr, double>>& items);
   size_t MessageEnd(const std::vector<std::pair<EntryPtr, double>>& items, size_t i, size_t* payload) const;
