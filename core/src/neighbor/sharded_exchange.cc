@@ -115,11 +115,13 @@ void ShardedExchange::Launch(ShardedRun& run, int part, std::vector<EntryPtr>* s
   start->push_back(slot.e);
 }
 
-EntryPtr ShardedExchange::Stop(std::shared_ptr<ShardedRun> run) {  // a copy: runs_ holds the original
-  for (auto& slot : run->parts) {
+EntryPtr ShardedExchange::Stop(std::shared_ptr<ShardedRun> run, int failed) {  // a copy: runs_ holds the original
+  for (size_t i = 0; i < run->parts.size() && (run->left > 0 || failed >= 0); ++i) {  // else every part took its pieces
+    const ShardedRun::Slot& slot = run->parts[i];
     if (slot.started && !slot.ended) neighbors_->Drop(slot.e);
     // Pieces peers sent or still send for this step are not data for the name's next step.
-    if (!slot.e->recv_ranks.empty()) neighbors_->Failed(slot.e->name, slot.e->step);
+    if ((!slot.ended || static_cast<int>(i) == failed) && !slot.e->recv_ranks.empty())
+      neighbors_->Failed(slot.e->name, slot.e->step);
   }
   EntryPtr stage = run->stage;
   runs_.erase({stage->name, stage->step});
@@ -136,7 +138,7 @@ EntryPtr ShardedExchange::Done(const EntryPtr& p, const Status& st, std::vector<
   --run->left;
   if (!st.ok()) {  // the run stops here; the scheduler tells every rank of this step
     *stage_st = st;
-    return Stop(run);
+    return Stop(run, p->part);
   }
   if (slot.role == ShardedRun::kExchange && world_.local_size > 1)  // BlueFog's average over the machine
     Divide(p->output.data, p->output.data, p->sig.dtype, p->count(), world_.local_size);

@@ -58,7 +58,8 @@ class ShardedExchange {
   };
   EntryPtr Part(const std::shared_ptr<ShardedRun>& run, const std::string& suffix, int64_t offset, int64_t count);
   void Launch(ShardedRun& run, int part, std::vector<EntryPtr>* start);
-  EntryPtr Stop(std::shared_ptr<ShardedRun> run);  // ends `run`: its stage
+  // Ends `run` (`failed`: the part whose failure ends it, or -1): its stage.
+  EntryPtr Stop(std::shared_ptr<ShardedRun> run, int failed = -1);
 
   const WorldInfo& world_;
   NeighborExchange* neighbors_;
