@@ -38,6 +38,7 @@ thread per rank), interleaved over --rounds rounds of --steps steps after --warm
                   the launch of the next exchange run in backward hooks, the exchange in
                   flight until the same point of the next backward (delayed mixing too)
   comm only       AWC one-peer's exchange alone (same weights, same buckets), no compute
+  comm only pairs the same over Decent-DP's pairs: AWC delayed pairs' exchange alone
   compute only    the same SGD step without communication: the floor
 
 A configuration whose exchange is still in flight after a round's last step (AWC delayed,
@@ -47,9 +48,9 @@ synchronize(), which installs the exchange in flight; the round's next step then
 updates and starts the next exchange (docs/design.md §22), so a round of S steps makes S
 exchanges; Decent-DP's drain waits on its pending ops. Its first step only traces the
 backward order and its second takes the first update with a blocking exchange, so it runs
-at least 2 warm-up steps. After the table, a line compares delayed mixing with its bound
-max(compute only, comm only) and with Decent-DP and AWC one-peer (s/step ratios of the same
-run).
+at least 2 warm-up steps. After the table, a line per delayed configuration compares it with
+its bound max(compute only, its exchange alone: comm only or comm only pairs) and with
+Decent-DP and AWC one-peer (s/step ratios of the same run).
 
 Rate = batch x timed steps of all ranks / summed round times, each round timed on the slowest
 rank. A synchronous configuration's round is --steps steps on every rank; an asynchronous
@@ -72,8 +73,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ASYNCHRONOUS = {"push-sum"}  # no rank waits for another: timed over a duration, not a step count
 CONFIGS = ["AWC one-peer", "AWC delayed", "AWC delayed pairs", "AWC int8", "AWC int8 delayed", "AWC exp2",
            "hierarchical", "hier. one-peer", "hier. delayed", "ATC one-peer", "push-sum", "grad allreduce",
-           "DDP gloo", "DDP torchrun", "Decent-DP", "comm only", "compute only"]
-BASELINES = {"grad allreduce", "DDP gloo", "DDP torchrun", "Decent-DP", "comm only", "compute only"}  # not Shoal's
+           "DDP gloo", "DDP torchrun", "Decent-DP", "comm only", "comm only pairs", "compute only"]
+BASELINES = {"grad allreduce", "DDP gloo", "DDP torchrun", "Decent-DP", "comm only", "comm only pairs",
+             "compute only"}  # not Shoal's
 
 
 def eth0_sent():
@@ -109,7 +111,7 @@ def predicted_models_per_machine(config, size, per_machine):
         return 2 * (machines - 1) / machines
     if config in ("DDP gloo", "DDP torchrun"):  # gloo's ring over ranks in blocks: one crossing edge per machine
         return 2 * (size - 1) / size if machines > 1 else 0.0
-    if config in ("Decent-DP", "AWC delayed pairs"):
+    if config in ("Decent-DP", "AWC delayed pairs", "comm only pairs"):
         # one-peer-exp round k pairs j with j + 2^k, greedily from rank 0; each pair's gloo
         # allreduce (reduce-scatter, then allgather: half a model each) sends one model per rank.
         rounds = max(1, round(math.log2(size)))
@@ -329,9 +331,9 @@ def run_in_job(args):
         elif name == "Decent-DP":
             gloo()
             step, drain = decent_dp(m, data, target, args.lr)
-        elif name == "comm only":
-            exchange = ParameterExchange(m, "comm_only")
-            step = one_peer(exchange, then=exchange)
+        elif name in ("comm only", "comm only pairs"):
+            exchange = ParameterExchange(m, name.replace(" ", "_"))
+            step = one_peer(exchange, then=exchange, pairs=name.endswith("pairs"))
         elif name == "compute only":
             step = train_step(m, sgd(m), data, target)
         else:
@@ -469,21 +471,21 @@ def print_table(result, title=""):
 
 
 def delayed_line(s_per_step):
-    """Delayed mixing against its bound max(compute only, comm only) and against Decent-DP
-    and AWC one-peer: ratios of s/step from one run (None without "AWC delayed")."""
-    delayed = s_per_step.get("AWC delayed")
-    if delayed is None:
-        return None
-    parts = []
-    if "compute only" in s_per_step and "comm only" in s_per_step:
-        bound = max(s_per_step["compute only"], s_per_step["comm only"])
-        parts.append(f"{delayed / bound:.2f}x its bound max(compute only, comm only) = {bound:.3f} s/step")
-    parts += [f"{delayed / s_per_step[c]:.2f}x {c}'s s/step" for c in ("Decent-DP", "AWC one-peer") if c in s_per_step]
-    line = f"AWC delayed: {delayed:.3f} s/step" + ("; " if parts else "") + "; ".join(parts)
-    if "AWC delayed pairs" in s_per_step and "Decent-DP" in s_per_step:  # the same pairs, the same bytes
-        line += (f"; over Decent-DP's pairs {s_per_step['AWC delayed pairs']:.3f} s/step, "
-                 f"{s_per_step['AWC delayed pairs'] / s_per_step['Decent-DP']:.2f}x Decent-DP's")
-    return line
+    """Delayed mixing against its bound max(compute only, its exchange alone) and against
+    Decent-DP and AWC one-peer: ratios of s/step from one run (None without "AWC delayed");
+    over Decent-DP's pairs the same against "comm only pairs" and Decent-DP."""
+    lines = []
+    for delayed, comm in (("AWC delayed", "comm only"), ("AWC delayed pairs", "comm only pairs")):
+        if delayed not in s_per_step:
+            continue
+        t = s_per_step[delayed]
+        parts = []
+        if "compute only" in s_per_step and comm in s_per_step:
+            bound = max(s_per_step["compute only"], s_per_step[comm])
+            parts.append(f"{t / bound:.2f}x its bound max(compute only, {comm}) = {bound:.3f} s/step")
+        parts += [f"{t / s_per_step[c]:.2f}x {c}'s s/step" for c in ("Decent-DP", "AWC one-peer") if c in s_per_step]
+        lines.append(f"{delayed}: {t:.3f} s/step" + ("; " if parts else "") + "; ".join(parts))
+    return "\n".join(lines) or None
 
 
 def drive(args):

@@ -37,6 +37,7 @@ def test_predictions_at_8_ranks_on_4_machines():
     assert bench.predicted_models_per_machine("comm only", 8, 2) == pytest.approx(5 / 3)
     assert bench.predicted_models_per_machine("Decent-DP", 8, 2) == pytest.approx(4 / 3)
     assert bench.predicted_models_per_machine("AWC delayed pairs", 8, 2) == pytest.approx(4 / 3)  # Decent-DP's pairs
+    assert bench.predicted_models_per_machine("comm only pairs", 8, 2) == pytest.approx(4 / 3)
     # int8 gossip: 260 bytes per 256 float32 values (1,024 bytes) of one-peer's traffic
     assert bench.predicted_models_per_machine("AWC int8", 8, 2) == pytest.approx(5 / 3 * 260 / 1024)
     # AWC delayed: the exchange started at the end of step t has step t's weights: the same
@@ -50,6 +51,11 @@ def test_delayed_line():
     assert line == ("AWC delayed: 0.600 s/step; 1.20x its bound max(compute only, "
                     "comm only) = 0.500 s/step; 0.80x Decent-DP's s/step; 0.75x AWC one-peer's s/step")
     assert bench.delayed_line({"AWC delayed": 0.6}) == "AWC delayed: 0.600 s/step"
+    # over Decent-DP's pairs: its own exchange alone is its bound
+    line = bench.delayed_line({"AWC delayed": 0.6, "AWC delayed pairs": 0.45, "compute only": 0.25, "comm only": 0.5,
+                               "comm only pairs": 0.4, "Decent-DP": 0.5})
+    assert line.splitlines()[1] == ("AWC delayed pairs: 0.450 s/step; 1.12x its bound max(compute only, "
+                                    "comm only pairs) = 0.400 s/step; 0.90x Decent-DP's s/step")
     assert bench.delayed_line({"compute only": 0.25}) is None
 
 
@@ -79,7 +85,8 @@ def test_delayed_configurations_on_2_machines(tmp_path):
     the table's rows and predictions are the configurations' own, and the summary line is
     computed from the rows' s/step."""
     pytest.importorskip("decent_dp", reason="decent-dp not installed (pip install decent-dp)")
-    configs = ["AWC one-peer", "AWC delayed", "AWC delayed pairs", "Decent-DP", "comm only", "compute only"]
+    configs = ["AWC one-peer", "AWC delayed", "AWC delayed pairs", "Decent-DP", "comm only", "comm only pairs",
+               "compute only"]
     out_json = tmp_path / "out.json"
     cmd = shoalrun_cmd(4, sys.executable, str(SCRIPT), "--model", "tiny160", "--configs", ",".join(configs),
                        "--steps", "2", "--rounds", "1", "--json", str(out_json),
@@ -90,11 +97,11 @@ def test_delayed_configurations_on_2_machines(tmp_path):
     rows = {r["config"]: r for r in result["rows"]}
     assert list(rows) == configs
     # one-peer exp2 at 4 ranks on 2 machines: hop 1 crosses for 2 ranks, hop 2 for all 4
-    assert [rows[c]["predicted_models_per_step"] for c in configs] == [1.5, 1.5, 1.0, 1.0, 1.5, 0.0]
+    assert [rows[c]["predicted_models_per_step"] for c in configs] == [1.5, 1.5, 1.0, 1.0, 1.5, 1.0, 0.0]
     assert all(len(r["rounds"]) == 1 and r["s_per_step"] > 0 for r in rows.values())
-    line = re.search(r"^AWC delayed: .*$", run.stdout, re.M)
-    assert line, run.stdout[-3000:]
-    assert line.group(0) == bench.delayed_line({c: r["s_per_step"] for c, r in rows.items()})
+    lines = re.search(r"^AWC delayed: .*\nAWC delayed pairs: .*$", run.stdout, re.M)
+    assert lines, run.stdout[-3000:]
+    assert lines.group(0) == bench.delayed_line({c: r["s_per_step"] for c, r in rows.items()})
 
 
 @pytest.mark.mpich_only("--machines drives MPICH's Hydra launcher")
