@@ -17,8 +17,10 @@ median of the slowest rank). "cpu us" is this process's CPU time per op (time.pr
 the cost a training step pays on its cores. The last line divides each "torch compiled" time
 by the "torch eager" time of the same op in the same run, also less torch.compile's own
 per-call cost (row "x * 2 (no op)": a compiled `x * 2` less the eager one, whose "mpi4py"
-column is the eager `x * 2`). The 160-tensor optimizer step against DDP-gloo is
-`benchmarks/torch_training.py --model tiny160`.
+column is the eager `x * 2`), and against the floor of a compiled call on these cores: the
+compiled `x * 2` followed by the eager allreduce (row "compiled no-op, eager op"; on shared
+cores a rank busy in torch.compile's call delays the ranks waiting for it). The 160-tensor
+optimizer step against DDP-gloo is `benchmarks/torch_training.py --model tiny160`.
 """
 import argparse
 import os
@@ -109,6 +111,10 @@ def main():
     # against the eager one, timed the same way.
     compiled_mul = torch.compile(lambda x: x * 2, dynamic=False)
     cases.append(("x * 2 (no op)", "torch compiled", lambda: compiled_mul(x_t), lambda: x_t * 2))
+    # The floor of a compiled allreduce on these cores: torch.compile's call with nothing of
+    # Shoal's in it, then the eager op (busy ranks delay the ones they share cores with).
+    cases.append(("allreduce", "compiled no-op, eager op",
+                  lambda: (compiled_mul(x_t), bf.allreduce(x_t, name="small.ar")), ar_ref))
     rows = []
     for op, entry, mine, ref in cases:
         for fn in (mine, ref):  # warm-up: negotiation, compilation, every peer
@@ -133,6 +139,11 @@ def main():
             f"{op} {a / eager[op]:.2f}× ({(a - floor) / eager[op]:.2f}× less torch.compile's own "
             f"{floor * 1e6:.0f} us per call)"
             for op, entry, a, _, _ in rows if op in eager and entry == "torch compiled"))
+        compiled = {op: a for op, entry, a, _, _ in rows if entry == "torch compiled"}
+        noop = next(a for op, entry, a, _, _ in rows if entry == "compiled no-op, eager op")
+        print(f"compiled no-op then eager allreduce: {noop / eager['allreduce']:.2f}× the eager allreduce "
+              f"(the floor of any compiled call here); the compiled allreduce is "
+              f"{compiled['allreduce'] / noop:.2f}× that floor")
     bf.shutdown()
 
 

@@ -236,6 +236,8 @@ def main():
     torch.set_num_threads(1)
     if args.topology == "ring":
         bf.set_topology(topology.ring_graph(n))
+    if args.topology == "hierarchical" and bf.machine_size() > 1:  # consensus control's extra rounds use it
+        bf.set_machine_topology(topology.exponential_two_graph(bf.machine_size()))
     images, labels, mine, test_idx = split(r, n, args.partition, args.alpha, args.seed)
     x, y = torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels)
     x_train, y_train, x_test, y_test = x[mine], y[mine], x[test_idx], y[test_idx]

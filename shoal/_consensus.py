@@ -18,9 +18,10 @@ class ConsensusControl:
         check_every: measure Ξ every k communication steps (each check costs one
             allreduce of the model).
         max_extra_rounds: extra gossip rounds allowed per check before falling back.
-        method: "gossip" (extra neighbor-averaging rounds until Ξ ≤ target, then exact
-            averaging if still above after max_extra_rounds) or "allreduce" (exact
-            averaging whenever Ξ > target).
+        method: "gossip" (extra neighbor-averaging rounds over the static topology until
+            Ξ ≤ target, then exact averaging if still above after max_extra_rounds; for
+            hierarchical AWC/ATC with a machine topology set, a round is the hierarchical op
+            over it) or "allreduce" (exact averaging whenever Ξ > target).
     The controlled optimizer reports `extra_rounds` (gossip rounds added),
     `exact_averages` (allreduce fallbacks) and `last_consensus_distance`.
     """

@@ -368,4 +368,28 @@ def consensus_control_keeps_distance_below_target():
     assert bf.consensus_distance(model) <= 0.05 + 1e-12
 
 
+@check
+def hierarchical_consensus_control_rounds_run_over_the_machine_topology():
+    """Hierarchical AWC's extra rounds are the hierarchical op over the machine topology (a
+    ring of 2 machines here): one round averages every rank exactly, so each check adds one
+    round and never falls back to allreduce; plain neighbor averaging over the ranks' static
+    graph (exponential-2 at 4 ranks: 2 of the 3 others) would leave the ranks apart."""
+    if bf.machine_size() != 2 or bf.local_size() != 2:
+        raise Skip("needs 2 machines of 2 ranks (SHOAL_RANKS_PER_MACHINE=2 at 4 ranks)")
+    torch.manual_seed(R)
+    model = torch.nn.Linear(5, 1, bias=False)
+    cc = bf.ConsensusControl(target=1e-6, check_every=1, max_extra_rounds=1)
+    opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model,
+                                                  communication_type=CT.hierarchical_neighbor_allreduce,
+                                                  consensus_control=cc)
+    for step in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(X), Y).backward()
+        opt.step()  # different data per rank: the update moves the ranks apart again
+        assert (opt.extra_rounds, opt.exact_averages) == (step + 1, 0), (opt.extra_rounds, opt.exact_averages)
+        assert opt.last_consensus_distance <= 1e-6, opt.last_consensus_distance  # (the mean's rounding)
+    every = bf.allgather(model.weight.detach().reshape(1, -1), name="cc.hier.check")
+    assert torch.equal(every, every[:1].expand_as(every)), every
+
+
 sys.exit(1 if run_all(R) else 0)
