@@ -13,6 +13,8 @@ SETTINGS = [(2, "fusion"), (4, "fusion")]
 
 def job(ranks, fusion):
     env = {"SHOAL_STALL_CHECK_TIME": "2", "SHOAL_STALL_SHUTDOWN_TIME": "4"}
+    if ranks == 4:  # two machines of two ranks: the hierarchical op's check
+        env["SHOAL_RANKS_PER_MACHINE"] = "2"
     if fusion == "nofusion":
         env["SHOAL_FUSION_THRESHOLD"] = "0"
     return Job(ranks, "join.py", env=env, timeout=400)
