@@ -34,6 +34,37 @@ def buffers(name, x):
 
 
 @check
+def the_core_refuses_a_window_whose_neighbour_lists_are_wrong_on_every_rank():
+    """The core's own check (the C ABI's lists come unchecked; Python's come from the
+    topology): a rank that lists itself, a rank outside the job or a rank twice makes
+    win_create fail on every rank with one error (not only on that rank, leaving the
+    others waiting in it), and no window is left."""
+    if N < 2:
+        raise Skip("needs 2 ranks")
+    from shoal import _win
+    from shoal._loader import _core
+    shoal.win_free()
+    x = data(R)
+    ok_recv, ok_send = [(R - 1) % N], [(R + 1) % N]
+    for bad, where, what in (([R], "recv", "win_create('bad.lists'): rank 0 receives from itself"),
+                             ([N], "send", f"win_create('bad.lists'): rank 0 sends to rank {N}, outside"),
+                             (ok_send * 2, "send", f"win_create('bad.lists'): rank 0 sends to rank {1 % N} twice"),
+                             ([N], "recv", f"window op: rank {N} is outside [0, {N})")):
+        recv, send = (bad, ok_send) if where == "recv" and R == 0 else (ok_recv, bad if R == 0 else ok_send)
+        h = _core.win_enqueue(_win.CREATE, "bad.lists", with_p=False, ranks=recv, send_ranks=send, zero_init=False,
+                              data=x.ctypes.data, dtype=shoal._ops.DTYPE_CODES["float64"], shape=list(x.shape))
+        try:
+            _core.win_wait(h)
+        except ValueError as e:  # an argument error, on every rank
+            assert what in str(e), str(e)
+        else:
+            raise AssertionError("no error")
+        finally:
+            _core.win_release(h)
+        assert shoal.get_current_created_window_names() == [], shoal.get_current_created_window_names()
+
+
+@check
 def buffers_start_with_local_value_or_zeros():
     for dt in DTYPES:
         for zero in (False, True):

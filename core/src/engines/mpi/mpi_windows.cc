@@ -88,6 +88,21 @@ Status MpiWindows::Create(const WinArgs& a) {
       recv[r] = ParseRanks(all[r][4]);
       send[r] = ParseRanks(all[r][5]);
     }
+    // Lists from the C ABI come unchecked (Python's come from the topology): each rank's
+    // neighbours are other ranks, once each; every rank sees every list, so all raise alike.
+    for (int r = 0; r < size_; ++r)
+      for (const auto* list : {&recv[r], &send[r]})
+        for (size_t i = 0; i < list->size(); ++i) {
+          const int q = (*list)[i];
+          std::string bad = q == r ? "itself" : q < 0 || q >= size_ ? "rank " + std::to_string(q) + ", outside [0, " +
+                                                                           std::to_string(size_) + ")"
+                            : std::find(list->begin(), list->begin() + i, q) != list->begin() + i
+                                ? "rank " + std::to_string(q) + " twice"
+                                : "";
+          if (!bad.empty())
+            return Status::Error(SHOAL_INVALID_ARGUMENT, "win_create('" + a.name + "'): rank " + std::to_string(r) +
+                                 (list == &recv[r] ? " receives from " : " sends to ") + bad);
+        }
     for (int r = 0; r < size_; ++r)
       for (int d : send[r])
         if (std::find(recv[d].begin(), recv[d].end(), r) == recv[d].end())
