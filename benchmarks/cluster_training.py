@@ -260,7 +260,7 @@ def run_in_job(args):
 
     def one_peer(opt, push=False, then=None, pairs=False):
         if pairs and size & (size - 1):  # a rank without a partner would halve its model
-            raise SystemExit("'AWC delayed pairs' needs a power-of-two number of ranks")
+            raise SystemExit("the configurations over Decent-DP's pairs need a power-of-two number of ranks")
         schedule = (bf.topology.one_peer_hypercube_schedule if pairs  # Decent-DP's pairs
                     else bf.topology.one_peer_exponential_schedule)(size, rank)
 
@@ -472,8 +472,9 @@ def print_table(result, title=""):
 
 def delayed_line(s_per_step):
     """Delayed mixing against its bound max(compute only, its exchange alone) and against
-    Decent-DP and AWC one-peer: ratios of s/step from one run (None without "AWC delayed");
-    over Decent-DP's pairs the same against "comm only pairs" and Decent-DP."""
+    Decent-DP and AWC one-peer: ratios of s/step from one run, a line for each of "AWC
+    delayed" (bound: "comm only") and "AWC delayed pairs" (bound: "comm only pairs") that
+    ran; None without either."""
     lines = []
     for delayed, comm in (("AWC delayed", "comm only"), ("AWC delayed pairs", "comm only pairs")):
         if delayed not in s_per_step:
@@ -551,11 +552,12 @@ def plot(results):
         rates = {r["config"]: r["samples_per_s"] for r in res["rows"]}
         bars = ax.bar([k + i * width for k in range(len(configs))], [rates.get(c, 0) for c in configs], width,
                       label=f"{link}" + (f", straggler {straggler}" if straggler else ""))
-        if all(c in rates for c in ("AWC delayed", "compute only", "comm only")):
-            # delayed mixing's bound: the slower of compute and communication, fully overlapped
-            k = configs.index("AWC delayed")
-            ax.plot(k + i * width, min(rates["compute only"], rates["comm only"]), "v", color=bars[0].get_facecolor(),
-                    markeredgecolor="black", label="bound max(compute, comm)" if i == 0 else None)
+        for delayed, comm in (("AWC delayed", "comm only"), ("AWC delayed pairs", "comm only pairs")):
+            if all(c in rates for c in (delayed, "compute only", comm)):
+                # delayed mixing's bound: the slower of compute and communication, fully overlapped
+                ax.plot(configs.index(delayed) + i * width, min(rates["compute only"], rates[comm]), "v",
+                        color=bars[0].get_facecolor(), markeredgecolor="black",
+                        label="bound max(compute, comm)" if i == 0 and delayed == "AWC delayed" else None)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(configs))], configs, rotation=30, ha="right")
     ax.set_ylabel(f"samples/s ({results[0][2]['ranks']} ranks)")
     ax.set_title(f"{results[0][2]['model']} on {results[0][2]['machines']} emulated machines")

@@ -130,9 +130,9 @@ def main():
         rows.append((op, entry, t_mine, t_ref, cpu))
     if r == 0:
         print(f"{n} ranks, {args.bytes} bytes, median seconds per op (max over ranks)")
-        print(f"{'op':<19} {'entry':<15} {'shoal':>10} {'mpi4py':>10} {'ratio':>6} {'cpu us':>7}")
+        print(f"{'op':<19} {'entry':<24} {'shoal':>10} {'mpi4py':>10} {'ratio':>6} {'cpu us':>7}")
         for op, entry, a, b, cpu in rows:
-            print(f"{op:<19} {entry:<15} {a:10.3e} {b:10.3e} {a / b:6.2f} {cpu * 1e6:7.1f}")
+            print(f"{op:<19} {entry:<24} {a:10.3e} {b:10.3e} {a / b:6.2f} {cpu * 1e6:7.1f}")
         eager = {op: a for op, entry, a, _, _ in rows if entry == "torch eager"}
         floor = next(a - b for op, _, a, b, _ in rows if op.startswith("x * 2"))
         print("torch.compile entry vs eager (same run): " + ", ".join(

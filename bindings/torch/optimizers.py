@@ -163,7 +163,9 @@ class _ParameterMixing(_Distributed):
     def _gossip_round(self, p):
         """Start one extra consensus-control round of `p`: neighbor averaging over the static
         topology, or, for hierarchical AWC/ATC with a machine topology set, the hierarchical
-        op over it (machines average inside at once, and fewer bytes cross the links)."""
+        op over it (machines average inside at once, and fewer bytes cross the links). After a
+        lost rank the machine topology is unset (fault tolerance rebuilds only the rank
+        graph), so the rounds go back to the ranks' graph."""
         name = f"{self._prefix}.cc.{self._names[p]}"
         if (self.communication_type is CommunicationType.hierarchical_neighbor_allreduce
                 and basics.load_machine_topology() is not None):

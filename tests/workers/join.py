@@ -140,20 +140,19 @@ def neighbor_ops_with_a_joined_peer_fail_naming_it():
 def a_hierarchical_op_with_a_joined_peer_machine_fails_naming_it():
     """A hierarchical_neighbor_allreduce large enough to travel in pieces (the sharded
     exchange's parts, docs/design.md §24) whose peer machine's ranks joined fails naming
-    them at once, not at the stall timeout (4 s here), and the job goes on."""
+    them, not at the stall timeout, and the job goes on."""
     if shoal.machine_size() != 2 or shoal.local_size() != 2:
         raise Skip("needs 2 machines of 2 ranks (SHOAL_RANKS_PER_MACHINE=2 at 4 ranks)")
     half, name = N // 2, "a_hierarchical_op_with_a_joined_peer_machine_fails_naming_it"
     if R >= half:
         return joined_last_among(half, name)
-    t0 = time.monotonic()
     try:
         shoal.hierarchical_neighbor_allreduce(np.full(1 << 20, float(R)), self_weight=0.5,  # 8 MiB
                                               src_machine_weights={1: 0.5}, dst_machine_weights=[1], name="jh")
     except shoal.ShoalError as e:
         # local rank l's shard travels to local rank l of the peer machine: rank R + half
+        # (a stall would be another error: SHOAL_STALL_SHUTDOWN_TIME=4 here)
         assert "joined (join())" in str(e) and f"rank {R + half} " in str(e), str(e)
-        assert time.monotonic() - t0 < 3, time.monotonic() - t0
     else:
         raise AssertionError("no error")
     joined_last_among(half, name)

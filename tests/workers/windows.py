@@ -49,7 +49,7 @@ def the_core_refuses_a_window_whose_neighbour_lists_are_wrong_on_every_rank():
     for bad, where, what in (([R], "recv", "win_create('bad.lists'): rank 0 receives from itself"),
                              ([N], "send", f"win_create('bad.lists'): rank 0 sends to rank {N}, outside"),
                              (ok_send * 2, "send", f"win_create('bad.lists'): rank 0 sends to rank {1 % N} twice"),
-                             ([N], "recv", f"window op: rank {N} is outside [0, {N})")):
+                             ([N], "recv", f"win_create('bad.lists'): rank 0 receives from rank {N}, outside")):
         recv, send = (bad, ok_send) if where == "recv" and R == 0 else (ok_recv, bad if R == 0 else ok_send)
         h = _core.win_enqueue(_win.CREATE, "bad.lists", with_p=False, ranks=recv, send_ranks=send, zero_init=False,
                               data=x.ctypes.data, dtype=shoal._ops.DTYPE_CODES["float64"], shape=list(x.shape))

@@ -25,14 +25,12 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
   a.dtype = d->tensor.dtype;
   a.shape.assign(d->tensor.shape, d->tensor.shape + std::max(d->tensor.ndim, 0));
   const int size = rt->world().size;
-  std::string outside;
   for (int i = 0; i < d->n; ++i) {
-    if (d->ranks[i] < 0 || d->ranks[i] >= size) {
-      outside = "window op: rank " + std::to_string(d->ranks[i]) + " is outside [0, " + std::to_string(size) + ")";
-      // win_create is collective: refused below, so the peers waiting in it hear of it.
-      if (d->op != SHOAL_WIN_CREATE) return Report(Status::Error(SHOAL_INVALID_ARGUMENT, outside), err, len);
-      continue;
-    }
+    // win_create is collective: it checks its lists on every rank (the peers waiting in it
+    // must hear of a bad one); the other ops are this rank's own.
+    if ((d->ranks[i] < 0 || d->ranks[i] >= size) && d->op != SHOAL_WIN_CREATE)
+      return Report(Status::Error(SHOAL_INVALID_ARGUMENT, "window op: rank " + std::to_string(d->ranks[i]) +
+                                  " is outside [0, " + std::to_string(size) + ")"), err, len);
     a.ranks.push_back(d->ranks[i]);
     a.weights.push_back(d->weights ? d->weights[i] : 1.0);
   }
@@ -48,9 +46,6 @@ int shoal_win_enqueue(const shoal_win_desc* d, int64_t* handle, char* err, size_
   if (d->refused) {
     a.refused = d->refused;
     a.refused_code = d->refused_code == SHOAL_INVALID_TYPE ? SHOAL_INVALID_TYPE : SHOAL_INVALID_ARGUMENT;
-  } else if (!outside.empty()) {
-    a.refused = outside;
-    a.refused_code = SHOAL_INVALID_ARGUMENT;
   }
   static const char* kDtypes = "float16, bfloat16, float32, float64, int32, int64";
   if (d->op != SHOAL_WIN_FREE && d->op != SHOAL_WIN_LOCK && d->op != SHOAL_WIN_UNLOCK && d->op != SHOAL_WIN_GET &&
