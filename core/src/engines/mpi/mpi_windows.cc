@@ -90,15 +90,18 @@ Status MpiWindows::Create(const WinArgs& a) {
     }
     // Lists from the C ABI come unchecked (Python's come from the topology): each rank's
     // neighbours are other ranks, once each; every rank sees every list, so all raise alike.
+    auto wrong = [&](int r, const std::vector<int>& list, size_t i) -> std::string {
+      const int q = list[i];
+      if (q == r) return "itself";
+      if (q < 0 || q >= size_) return "rank " + std::to_string(q) + ", outside [0, " + std::to_string(size_) + ")";
+      if (std::find(list.begin(), list.begin() + i, q) != list.begin() + i)
+        return "rank " + std::to_string(q) + " twice";
+      return "";
+    };
     for (int r = 0; r < size_; ++r)
       for (const auto* list : {&recv[r], &send[r]})
         for (size_t i = 0; i < list->size(); ++i) {
-          const int q = (*list)[i];
-          std::string bad = q == r ? "itself" : q < 0 || q >= size_ ? "rank " + std::to_string(q) + ", outside [0, " +
-                                                                           std::to_string(size_) + ")"
-                            : std::find(list->begin(), list->begin() + i, q) != list->begin() + i
-                                ? "rank " + std::to_string(q) + " twice"
-                                : "";
+          const std::string bad = wrong(r, *list, i);
           if (!bad.empty())
             return Status::Error(SHOAL_INVALID_ARGUMENT, "win_create('" + a.name + "'): rank " + std::to_string(r) +
                                  (list == &recv[r] ? " receives from " : " sends to ") + bad);
