@@ -395,9 +395,10 @@ def main(argv):
     exited_r, exited_w = os.pipe()
 
     def wait_child():
-        child.wait()
+        record_end(status_dir, rank, child.wait())
         os.write(exited_w, b"x")
-    threading.Thread(target=wait_child, daemon=True).start()
+    waiter = threading.Thread(target=wait_child, daemon=True)
+    waiter.start()
     # Through shoalrun's collector (output.py) when it can be reached: records of any size
     # arrive whole there; else through the MPI launcher's pipes, PIPE_BUF at a time.
     collector = collector_write(os.environ.get(COLLECTOR_ENV, ""))
@@ -411,13 +412,22 @@ def main(argv):
                                                      write=writes["stderr"], limit=limit,
                                                      watch=abort_watcher(status_dir, rank)))]
     pump(streams, exited_r)
-    status = child.wait()
+    waiter.join()
+    status = child.returncode
+    return 128 - status if status < 0 else status
+
+
+def record_end(status_dir, rank, status):
+    """The wrapper's record of a child that ended non-zero, unless the rank wrote its own.
+    Written the moment the child ends, before its output is drained: a peer of a killed rank
+    can crash inside MPI within milliseconds (UCX over TCP: SIGSEGV in MPI_Isend), and the
+    MPI launcher may kill this wrapper once that peer's wrapper exits, so a later record
+    would name the crash as the first failure, or be lost."""
     if status != 0 and not os.path.exists(status_path(status_dir, rank)):
         try:
             write_status(status_dir, rank, status, describe(status))
         except OSError:
             pass
-    return 128 - status if status < 0 else status
 
 
 if __name__ == "__main__":
