@@ -3,6 +3,7 @@
 survivors shrink, renumber, rebuild the topology and go on with exact results. Real
 processes, each job bounded by a timeout (a hang fails). Under MPICH the mode is a clear
 error at the launcher and at init()."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +17,9 @@ from conftest import _run, installed_mpi, needs_netns
 
 openmpi_only = pytest.mark.skipif(installed_mpi() != "openmpi", reason=(
     "fault tolerance needs Open MPI's ULFM; CI runs these in its Open MPI stage (SHOAL_MPI=openmpi)"))
+
+needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                              reason="needs TensorFlow (CI's Open MPI stage installs tensorflow-cpu)")
 
 
 def run_lost(tmp_path, np_, scenario, kills, timeout=120, env=None, launch=()):
@@ -146,6 +150,47 @@ def test_horovod_elastic_scripts_restore_the_commit_and_go_on(tmp_path):
     for r in results.values():
         assert r["calls"] == [4, 3] and r["resets"] == [3] and r["epoch"] == 4, r
         assert r["identical"] and r["error"] < 0.01, r
+
+
+@openmpi_only
+@needs_tf
+def test_tensorflow_ops_raise_rank_lost_after_the_recovery(tmp_path):
+    """shoal.tensorflow's eager ops: one RankLostError per survivor, raised after the same
+    recovery as numpy's, then exact results over the survivors."""
+    rc, results, out, died = run_lost(tmp_path, 4, "tf_ops", "1@10:kill", timeout=240)
+    check_survivors(rc, results, out, 4, [1])
+    for r in results.values():
+        assert [loss["lost"] for loss in r["losses"]] == [[1]] and r["losses"][0]["iter"] in (9, 10), r
+        assert 0 < r["first_after"][0] - died[1] <= 5.0, (r, died)
+
+
+@openmpi_only
+@needs_tf
+@pytest.mark.parametrize("optimizer", ["keras_awc", "keras_atc"])
+def test_keras_decentralized_optimizers_train_on_through_a_loss(tmp_path, optimizer):
+    """As the torch optimizers: model.fit goes on; the round of the loss (and those a
+    neighbor's neighbor got further) take no mixing, then the survivors mix again."""
+    rc, results, out, died = run_lost(tmp_path, 4, optimizer, "2@20:kill", timeout=240)
+    check_survivors(rc, results, out, 4, [2])
+    for r in results.values():
+        assert r["losses"] == 1 and r["lost"][0][1] == [2], r
+        assert 21 <= r["quiet_until"] <= 24 and r["communications"] >= 80 - 24, r
+        assert r["error"] < 0.01 and r["spread"] < 1e-3, r
+        assert 0 < r["first_after"][0] - died[2] <= 5.0, (r, died)
+
+
+@openmpi_only
+@needs_tf
+@pytest.mark.parametrize("scenario", ["keras_elastic", "keras_elastic+awc"])
+def test_keras_elastic_scripts_go_on_when_the_loss_surfaces_in_model_fit(tmp_path, scenario):
+    """The same with Keras: the loss surfaces in fit's traced step as a TensorFlow error
+    (from a kernel, or from the AWC exchange's host function); every survivor recovers,
+    restores the commit and fits on; the replicas end identical (allreduce) or close (AWC)."""
+    rc, results, out, _ = run_lost(tmp_path, 4, scenario, "2@33:kill", timeout=240)
+    check_survivors(rc, results, out, 4, [2])
+    for r in results.values():
+        assert r["calls"] == [4, 3] and r["resets"] == [3] and r["epoch"] == 4, r
+        assert r["error"] < 0.01 and (r["spread"] < 1e-3 if scenario.endswith("awc") else r["identical"]), r
 
 
 @openmpi_only

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import shoal
-from shoal import _gradients, _hierarchical, _metrics, _ops, _sparse, process_sets
+from shoal import _fault, _gradients, _hierarchical, _metrics, _ops, _sparse, process_sets
 from shoal._gradients import grad_name
 from shoal._horovod import factor, scaling
 from shoal._process import STATE
@@ -48,21 +48,38 @@ def _no_xla(op):
 
 def _run(op, fn):
     """Run a kernel; eagerly, turn the runtime's Aborted error into ShoalError (a
-    NeighborPatternError, also a ValueError, for send and receive ranks that disagree)."""
+    NeighborPatternError, also a ValueError, for send and receive ranks that disagree; a
+    RankLostError after the recovery, fault-tolerant mode)."""
     _no_xla(op)
     try:
         return fn()
     except tf.errors.AbortedError as e:
-        if tf.executing_eagerly() and "ShoalError" in e.message:
-            msg = e.message.split("ShoalError: ", 1)[-1]
-            if msg.startswith("NeighborPatternError: "):
-                raise shoal.NeighborPatternError(msg[len("NeighborPatternError: "):]) from None
-            raise shoal.ShoalError(msg) from None
+        if tf.executing_eagerly() and "ShoalError: " in e.message:
+            raise shoal_error(e) from None
         raise
     except tf.errors.InvalidArgumentError as e:
         if tf.executing_eagerly():
             raise ValueError(e.message) from None
         raise
+
+
+def shoal_error(error):
+    """The ShoalError that a kernel's `tf.errors.AbortedError` "ShoalError: ..." reports, or
+    None for another error. From a traced function too (model.fit): there the error comes
+    out of the whole step. A lost rank (fault-tolerant mode, docs/design.md §16) gives the
+    RankLostError that the core's other ops raise, after the same recovery: collective
+    over the survivors, each of which reaches it through its own failed op."""
+    if not isinstance(error, tf.errors.AbortedError) or "ShoalError: " not in error.message:
+        return None
+    # Less what TensorFlow appends: an eager op's " [Op:...] name: ...", a graph's node list.
+    msg = error.message.split("ShoalError: ", 1)[1].split("\n\t [[", 1)[0].split(" [Op:", 1)[0]
+    for kind in (shoal.NeighborPatternError, shoal.RankLostError):
+        if msg.startswith(kind.__name__ + ": "):
+            msg = msg[len(kind.__name__) + 2:]
+            if kind is shoal.RankLostError:
+                return _fault.on_rank_lost(msg, shoal.basics.set_topology)
+            return kind(msg)
+    return shoal.ShoalError(msg)
 
 
 def scaling_attrs(tensors, prescale_factor, postscale_factor):

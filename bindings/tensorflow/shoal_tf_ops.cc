@@ -37,6 +37,7 @@ Status FromShoal(int status, const char* message) {
   if (status == SHOAL_INVALID_ARGUMENT || status == SHOAL_DUPLICATE_NAME || status == SHOAL_INVALID_TYPE)
     return errors::InvalidArgument(message);
   if (status == SHOAL_NEIGHBOR_MISMATCH) return errors::Aborted("ShoalError: NeighborPatternError: ", message);
+  if (status == SHOAL_RANK_LOST) return errors::Aborted("ShoalError: RankLostError: ", message);
   if (status != SHOAL_OK) return errors::Aborted("ShoalError: ", message);
   return OkStatus();
 }

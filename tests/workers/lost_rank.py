@@ -7,6 +7,7 @@ machine, its network namespace; MPI's daemon there stays)). Scenarios:
   ops        a loop of allreduce, neighbor_allreduce, broadcast and allgather (numpy);
              after each loss the survivors realign the loop (allreduce max) and check
              exact results over the survivors
+  tf_ops     the same through shoal.tensorflow's eager ops
   inflight   the victim dies while the survivors wait on nonblocking ops that involve it
   usergraph  a user graph (not one of Shoal's families): rebuilt with Metropolis-Hastings
   stopped    no rank dies: launch rank 2 is stopped (SIGSTOP) for 8 s mid-loop by rank 0,
@@ -16,6 +17,10 @@ machine, its network namespace; MPI's daemon there stays)). Scenarios:
   window     window puts to the neighbors and an exact win_update each round when a rank
              dies; the survivors go on in the recreated window
   elastic    a Horovod elastic script (hvd.elastic.run, TorchState, commit every 5 batches)
+  keras_awc | keras_atc   a Keras decentralized optimizer in model.fit trains least squares
+             through the loss (no elastic)
+  keras_elastic  the elastic script with Keras: model.fit in hvd.elastic.run, KerasState, Horovod's callbacks
+             (+awc: with the AWC optimizer instead of DistributedOptimizer)
   psets      process sets [0, 1], [1, 2, 3] and [2] (launch ranks); launch rank 2 dies
   awc | atc | gradient | delayed | pushsum | winput   a torch optimizer trains least
              squares through the losses
@@ -89,7 +94,23 @@ def check_ops(x_rank):
     assert np.array_equal(g[:, 0], np.arange(n, dtype=float))
 
 
-def run_ops(directory, plan, iters=30, inflight=False):
+def check_tf_ops(x_rank):
+    """check_ops through shoal.tensorflow's eager ops (TensorFlow's kernels)."""
+    import tensorflow as tf
+    import shoal.tensorflow as st
+    n, r = shoal.size(), shoal.rank()
+    total = st.allreduce(tf.fill([3], float(x_rank)), op=st.Sum, name="sum").numpy()
+    assert np.array_equal(total, np.full(3, float(n * (n - 1) // 2))), (total, n)
+    got = st.neighbor_allreduce(tf.fill([3], float(x_rank)), name="nar").numpy()
+    self_w, src = topology.recv_weights(topology.exponential_two_graph(n), r)
+    assert np.allclose(got, self_w * r + sum(w * j for j, w in src.items()), atol=1e-6), got
+    b = st.broadcast(tf.fill([2], float(r)), root_rank=n - 1, name="bcast").numpy()
+    assert np.array_equal(b, np.full(2, float(n - 1)))
+    g = st.allgather(tf.fill([1, 2], float(r)), name="gather").numpy()
+    assert np.array_equal(g[:, 0], np.arange(n, dtype=np.float32))
+
+
+def run_ops(directory, plan, iters=30, inflight=False, check=check_ops):
     losses, first_after = [], []
     it = 0
     while it < iters:
@@ -105,7 +126,7 @@ def run_ops(directory, plan, iters=30, inflight=False):
                 shoal.barrier()
                 for h in hs:
                     shoal.synchronize(h)
-            check_ops(shoal.rank())
+            check(shoal.rank())
             if len(first_after) < len(losses):
                 first_after.append(time.time())
             it += 1
@@ -247,6 +268,81 @@ def run_elastic(directory, plan, epochs=4, batches=20):
             "calls": calls, "resets": resets, "epoch": state.epoch}
 
 
+def run_keras_elastic(directory, plan, awc=False, epochs=4, batches=20):
+    """A Keras elastic script: model.fit (a traced step) in hvd.elastic.run, Horovod's
+    three callbacks, commit every 5 batches; the victim dies at its PLAN-th batch.
+    `awc`: the AWC optimizer (its exchange runs on the host) instead of DistributedOptimizer."""
+    import keras
+    import tensorflow as tf
+    import shoal.keras as hvd
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    wrap = hvd.DistributedAdaptWithCombineOptimizer if awc else hvd.DistributedOptimizer
+    model.compile(optimizer=wrap(keras.optimizers.SGD(0.05)), loss="mse")
+    w = (np.arange(8.0)[:, None] / 8).astype(np.float32)
+    x = np.random.default_rng(LAUNCH).standard_normal((16 * batches, 8)).astype(np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, x @ w)).batch(16).repeat()
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+    resets, calls, begun = [], [], [0]
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+    class Victim(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if LAUNCH in plan and plan[LAUNCH][0] == begun[0]:
+                die(directory, plan[LAUNCH][1])
+            begun[0] += 1
+
+    @hvd.elastic.run
+    def train(state):
+        calls.append(hvd.size())
+        model.fit(data, steps_per_epoch=batches, epochs=epochs - state.epoch, verbose=0,
+                  callbacks=[Victim(), hvd.elastic.UpdateBatchStateCallback(state),
+                             hvd.elastic.UpdateEpochStateCallback(state),
+                             hvd.elastic.CommitStateCallback(state, batches_per_commit=5)])
+
+    train(state)
+    weights = np.concatenate([v.ravel() for v in model.get_weights()])
+    gathered = hvd.allgather(tf.constant(weights[None]), name="replicas").numpy()
+    return {"error": float(np.linalg.norm(model.get_weights()[0] - w)), "calls": calls, "resets": resets,
+            "epoch": state.epoch, "identical": bool((gathered == gathered[0]).all()),
+            "spread": float(np.abs(gathered - gathered.mean(0)).max())}
+
+
+def run_keras_optimizer(kind, directory, plan, steps=80):
+    """A Keras decentralized optimizer (AWC or ATC, static topology) in model.fit, no
+    elastic: the survivors' fit goes on through the loss."""
+    import keras
+    import shoal.keras as hvd
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    wrap = hvd.DistributedAdaptWithCombineOptimizer if kind == "awc" else hvd.DistributedAdaptThenCombineOptimizer
+    opt = wrap(keras.optimizers.SGD(0.05))
+    model.compile(optimizer=opt, loss="mse")
+    w = (np.arange(8.0)[:, None] / 8).astype(np.float32)
+    x = np.random.default_rng(LAUNCH).standard_normal((32 * steps, 8)).astype(np.float32)
+    seen = {"size": hvd.size(), "losses": 0, "first_after": []}
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if LAUNCH in plan and plan[LAUNCH][0] == batch:
+                die(directory, plan[LAUNCH][1])
+
+        def on_train_batch_end(self, batch, logs=None):
+            if hvd.size() < seen["size"]:  # a loss was recovered in this batch
+                seen["size"], seen["losses"] = hvd.size(), seen["losses"] + 1
+                seen["first_after"].append(None)
+            elif seen["first_after"] and seen["first_after"][-1] is None:
+                seen["first_after"][-1] = time.time()
+
+    model.fit(x, x @ w, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[Watch()])
+    weight = model.get_weights()[0]
+    mean = shoal.allreduce(weight.astype(np.float64), name="mean")
+    spread = float(shoal.allreduce(np.array([np.linalg.norm(weight - mean)]), op=shoal.Max, name="spread")[0])
+    return {"error": float(np.linalg.norm(weight - w)), "spread": spread, "losses": seen["losses"],
+            "first_after": seen["first_after"], "quiet_until": opt._shoal_mixer._quiet_until,
+            "lost": shoal.losses(), "communications": opt.communications}
+
+
 def run_psets(directory, plan, iters=12):
     sets = [shoal.add_process_set(r) for r in ([0, 1], [1, 2, 3], [2])]
     losses, it = [], 0
@@ -337,6 +433,8 @@ if __name__ == "__main__":
     LAUNCH = shoal.rank()
     if scenario in ("ops", "inflight"):
         result = run_ops(directory, plan, inflight=scenario == "inflight")
+    elif scenario == "tf_ops":
+        result = run_ops(directory, plan, check=check_tf_ops)
     elif scenario == "usergraph":
         result = run_usergraph(directory, plan)
     elif scenario == "stopped":
@@ -347,6 +445,10 @@ if __name__ == "__main__":
         result = run_window(directory, plan)
     elif scenario == "elastic":
         result = run_elastic(directory, plan)
+    elif scenario in ("keras_elastic", "keras_elastic+awc"):
+        result = run_keras_elastic(directory, plan, awc=scenario.endswith("awc"))
+    elif scenario in ("keras_awc", "keras_atc"):
+        result = run_keras_optimizer(scenario[len("keras_"):], directory, plan)
     elif scenario == "psets":
         result = run_psets(directory, plan)
     else:

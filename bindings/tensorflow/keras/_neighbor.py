@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 import shoal
-from shoal import _consensus, _metrics, compressed_gossip, topology
+from shoal import _consensus, _fault, _metrics, compressed_gossip, topology
 from shoal._process import STATE
 
 from ._optimizer import applied_variables
@@ -54,18 +54,37 @@ class Mixer:
         if consensus_control is not None and not isinstance(consensus_control, _consensus.ConsensusControl):
             raise TypeError("consensus_control must be a shoal.keras.ConsensusControl")
         self.schedule, self.prefix, self.consensus_control = schedule_of(schedule), prefix, consensus_control
+        self._schedule_given = schedule
         self.compression = None if compression is None else compressed_gossip.by_name(compression)
         self.compression_step = compressed_gossip.default_step(self.compression, compression_step)
         self._gossip = {}  # (array index, shape, dtype) -> CompressedGossip (its edges' public copies)
         self.rounds = self.steps = self.communications = self.extra_rounds = self.exact_averages = 0
         self.last_consensus_distance = None
+        # Fault-tolerant mode (shoal._fault): rounds begun, the round whose exchange started
+        # last, and the first round that mixes after a loss (shoal.torch's optimizers' rule).
+        self._calls, self._sent_for, self._quiet_until = 0, -1, 0
+        _fault.register(self)
 
     def combine(self, arrays):
         """One round: each array's weighted average with its in-neighbors (fused), or its
-        compressed gossip step."""
+        compressed gossip step. Fault-tolerant mode: a round that a lost rank cut, and those
+        every survivor then agreed to skip, leave the arrays as they are (a skipped gossip
+        round); inside `shoal.keras.elastic.run` the RankLostError propagates instead."""
+        call, self._calls = self._calls, self._calls + 1
+        if call < self._quiet_until:
+            return arrays
+        self._sent_for = call
+        try:
+            return self._mix(arrays, call)
+        except _fault.RankLostError:
+            if STATE.elastic_depth:
+                raise
+            return arrays
+
+    def _mix(self, arrays, call):
         kw = {}
         if self.schedule is not None:
-            sw, src, dst = self.schedule(self.rounds)
+            sw, src, dst = self.schedule(call)
             kw = dict(self_weight=sw, src_weights=src, dst_weights=dst)
         arrays = [np.ascontiguousarray(a) for a in arrays]
         if self.compression is not None:
@@ -79,6 +98,24 @@ class Mixer:
         self.communications += 1
         return out
 
+    def fault_position(self):
+        """The first round that can mix again if the job shrank now (shoal._fault)."""
+        return max(self._calls, self._sent_for + 1)
+
+    def fault_align(self, step):
+        self._quiet_until = max(self._quiet_until, step)
+
+    def fault_resync(self):
+        """Over the survivors: the one-peer schedule made again for the new size, and the
+        compressed gossip's public copies started afresh (their edges changed)."""
+        if self._schedule_given == "one-peer-exp":
+            self.schedule = schedule_of("one-peer-exp")
+        self._gossip = {}
+
+    def fault_restart(self):
+        """hvd.elastic.run restored the last commit on every survivor: mix from the next round."""
+        self._quiet_until = self._calls
+
     def _gossip_of(self, i, a):
         key = (i, a.shape, a.dtype)  # a changed variable starts new copies
         g = self._gossip.get(key)
@@ -89,8 +126,16 @@ class Mixer:
 
     def control(self, arrays):
         """Count an optimizer step and run consensus control on `arrays` (updated in the
-        list); returns the list."""
+        list); returns the list. A lost rank (fault-tolerant mode) ends this step's control."""
         self.steps += 1
+        try:
+            return self._control(arrays)
+        except _fault.RankLostError:
+            if STATE.elastic_depth:
+                raise
+            return arrays
+
+    def _control(self, arrays):
 
         def mix(op):
             handles = [op(np.ascontiguousarray(a), i) for i, a in enumerate(arrays)]

@@ -3,9 +3,12 @@ for a Shoal job, whose set of ranks is fixed: Horovod elastic scripts run unchan
 behave as Horovod's do when no rank joins or leaves.
 
 * `run(func)`: `func(state, ...)` after `state.sync()` (rank 0's model, optimizer and
-  attributes on every rank). Differences from Horovod: a failed or leaving rank ends the
-  job (the ShoalError propagates) instead of a restore and reset, since Shoal has no
-  elastic driver; so reset callbacks are kept but never called.
+  attributes on every rank). In fault-tolerant mode (shoalrun --fault-tolerant) a lost
+  rank is Horovod's HorovodInternalError, also when it surfaces in a traced step
+  (`model.fit`: a `tf.errors.AbortedError` naming it): every survivor recovers, restores
+  the last commit, runs the reset callbacks, syncs and calls `func` again on the shrunk
+  job (shoal/_elastic.py). Otherwise a failed or leaving rank ends the job (the error
+  propagates): Shoal has no elastic driver, so no rank ever joins.
 * `KerasState(model, optimizer=None, **kwargs)`: `save()`/`restore()` (in-memory copies
   of the model's and optimizer's variables and of the attributes given as kwargs, e.g.
   epoch=0, batch=0), `commit()` (= save, Horovod's; no host updates to check), `sync()`
@@ -14,13 +17,37 @@ behave as Horovod's do when no rank joins or leaves.
   `UpdateBatchStateCallback(state)`, `UpdateEpochStateCallback(state)`.
 """
 import copy
+import functools
 
 import keras
+import tensorflow as tf
 
-from shoal._elastic import State, run
+import shoal
+from shoal import _elastic, _fault
+from shoal._elastic import State
 from shoal.tensorflow import ops as _tf_ops
 
 __all__ = ["KerasState", "run", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
+
+
+def run(func):
+    """Horovod's `hvd.elastic.run` (module docstring): `func(state, *args, **kwargs)`, called
+    again on the survivors after a lost rank, also one reported by a traced step."""
+    @functools.wraps(func)
+    def call(state, *args, **kwargs):
+        before = len(_fault.losses())
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.OpError as e:
+            # A kernel's report (recovered here), or a RankLostError that a host function
+            # of the step raised (the neighbor optimizers' exchange: recovered already).
+            lost = _tf_ops.shoal_error(e)
+            if isinstance(lost, _fault.RankLostError):
+                raise lost from e
+            if len(_fault.losses()) > before:
+                raise _fault.on_rank_lost(e.message.split("\n", 1)[0], shoal.basics.set_topology) from e
+            raise
+    return _elastic.run(call)
 
 
 class KerasState(State):
