@@ -72,7 +72,7 @@ def write_pids(status_dir, rank, child_pid):
     os.replace(tmp, pid_path(status_dir, int(rank)))
 
 
-def write_status(status_dir, rank, status, description):
+def write_status(status_dir, rank, status, description, when=None):
     """Record how a rank ended, for `shoalrun`'s "first failure: rank R <description>".
 
     Writes STATUS_DIR/rank{rank}.status as the single line
@@ -80,11 +80,14 @@ def write_status(status_dir, rank, status, description):
     -signal), description free text (whitespace, newlines included, collapses to single
     spaces) — atomically: a temporary file in the same directory, then os.replace, so a
     reader never sees a partial record. An existing record is replaced (the wrapper checks
-    for one first). Returns the path; raises OSError if the directory cannot be written.
+    for one first). `when`: the record's time (default now). One writer per process at a
+    time (the temporary file is named by pid). Returns the path; raises OSError if the
+    directory cannot be written.
     """
     path = status_path(status_dir, int(rank))
     tmp = os.path.join(status_dir, f".rank{int(rank)}.status.{os.getpid()}.tmp")
-    line = f"{time.time():.6f} {int(rank)} {int(status)} {' '.join(str(description).split())}\n"
+    when = time.time() if when is None else when
+    line = f"{when:.6f} {int(rank)} {int(status)} {' '.join(str(description).split())}\n"
     try:
         with open(tmp, "w") as f:
             f.write(line)
@@ -267,18 +270,43 @@ class LineForwarder:
 _ABORT = re.compile(rb"MPI_Abort\(\w+, (-?\d+)\)|MPI_ABORT was invoked on rank \d+ in communicator \S+\s+with errorcode (-?\d+)")
 
 
-def abort_watcher(status_dir, rank):
-    """A LineForwarder watch that records a rank calling MPI_Abort: the launcher then kills
-    every wrapper at once, before this one could see its child end."""
-    def watch(data):
+class EndRecord:
+    """This wrapper's failure record for its rank, written by two threads one at a time: the
+    moment the child ends non-zero (`ended`, from the thread that waits for it: a peer of a
+    killed rank can crash inside MPI within milliseconds, UCX over TCP: SIGSEGV in
+    MPI_Isend, and the MPI launcher may kill this wrapper once that peer's wrapper exits, so
+    a later record would name the crash, or be lost), and MPICH's or Open MPI's MPI_Abort
+    line in its output (`watch`, a LineForwarder watch: the launcher then kills every
+    wrapper at once, maybe before the child's end is seen). An abort names the cause even
+    when seen after the end, at the end's time. A record the rank wrote itself is kept."""
+
+    def __init__(self, status_dir, rank):
+        import threading
+        self.status_dir, self.rank, self.lock = status_dir, rank, threading.Lock()
+        self.written = None  # (time, description) of this wrapper's record
+
+    def _write(self, status, description, when):
+        if self.written is None and os.path.exists(status_path(self.status_dir, self.rank)):
+            return  # the rank's own record
+        try:
+            write_status(self.status_dir, self.rank, status, description, when)
+            self.written = (when, description)
+        except OSError:
+            pass
+
+    def ended(self, status):
+        with self.lock:
+            if status != 0 and self.written is None:
+                self._write(status, describe(status), time.time())
+
+    def watch(self, data):
         m = _ABORT.search(data)
-        if m and not os.path.exists(status_path(status_dir, rank)):
-            code = (m.group(1) or m.group(2)).decode()
-            try:
-                write_status(status_dir, rank, 1, f"called MPI_Abort (error code {code})")
-            except OSError:
-                pass
-    return watch
+        if m:
+            with self.lock:
+                if self.written is None or not self.written[1].startswith("called MPI_Abort"):
+                    code = (m.group(1) or m.group(2)).decode()
+                    self._write(1, f"called MPI_Abort (error code {code})",
+                                time.time() if self.written is None else self.written[0])
 
 
 def pump(streams, child_exited_fd, grace=EXIT_GRACE):
@@ -394,9 +422,13 @@ def main(argv):
         pass
     exited_r, exited_w = os.pipe()
 
+    record = EndRecord(status_dir, rank)
+
     def wait_child():
-        record_end(status_dir, rank, child.wait())
-        os.write(exited_w, b"x")
+        try:
+            record.ended(child.wait())
+        finally:
+            os.write(exited_w, b"x")
     waiter = threading.Thread(target=wait_child, daemon=True)
     waiter.start()
     # Through shoalrun's collector (output.py) when it can be reached: records of any size
@@ -410,24 +442,16 @@ def main(argv):
                                                      write=writes["stdout"], limit=limit)),
                (child.stderr.fileno(), LineForwarder(2, f"[{rank}]<stderr>:".encode() if tag else b"",
                                                      write=writes["stderr"], limit=limit,
-                                                     watch=abort_watcher(status_dir, rank)))]
+                                                     watch=record.watch))]
     pump(streams, exited_r)
     waiter.join()
     status = child.returncode
+    if status != 0 and os.environ.get("SHOAL_FAULT_TOLERANT") == "1":
+        # PRRTE 3.0 (Open MPI 5.0) counts a rank's non-zero exit twice toward the job's end
+        # (fixed upstream later), so a job that had lost half its ranks was torn down under
+        # its survivors; a death by signal counts once. The record keeps the real status.
+        os.kill(os.getpid(), signal.SIGKILL)
     return 128 - status if status < 0 else status
-
-
-def record_end(status_dir, rank, status):
-    """The wrapper's record of a child that ended non-zero, unless the rank wrote its own.
-    Written the moment the child ends, before its output is drained: a peer of a killed rank
-    can crash inside MPI within milliseconds (UCX over TCP: SIGSEGV in MPI_Isend), and the
-    MPI launcher may kill this wrapper once that peer's wrapper exits, so a later record
-    would name the crash as the first failure, or be lost."""
-    if status != 0 and not os.path.exists(status_path(status_dir, rank)):
-        try:
-            write_status(status_dir, rank, status, describe(status))
-        except OSError:
-            pass
 
 
 if __name__ == "__main__":

@@ -630,7 +630,7 @@ def report_losses(args, status_dir, rc):
               file=sys.stderr, flush=True)
         if not dropped and not finished and kept is None:
             kept = f"rank {rank} {what}"
-    return (rc if kept else 0), kept
+    return ((rc or 1) if kept else 0), kept  # MPI's launcher may end 0 after tearing the job down
 
 
 def run_launcher(args, cmd, env, status_dir, collector, end=None, flavor="mpich"):

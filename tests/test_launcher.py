@@ -315,6 +315,27 @@ def test_status_records_are_atomic_lines_and_the_earliest_is_named(tmp_path):
     assert first_failure(str(tmp_path)) == "rank 5 exited with status 3"
 
 
+def test_the_wrapper_records_the_end_at_once_and_an_abort_seen_later_names_the_cause(tmp_path):
+    """EndRecord: the child's end is recorded when it happens; MPI_Abort's line, drained
+    from its output afterwards, names the cause at the end's time; a record the rank wrote
+    itself is never replaced; a child that ends 0 leaves none."""
+    d = str(tmp_path)
+    rec = rank_wrapper.EndRecord(d, 1)
+    rec.ended(3)
+    t, _, status, what = Path(rank_wrapper.status_path(d, 1)).read_text().split(" ", 3)
+    assert (status, what) == ("3", "exited with status 3\n")
+    rec.watch(b"Abort(1) on node 1: application called MPI_Abort(MPI_COMM_WORLD, 7) - process 1\n")
+    t2, _, status, what = Path(rank_wrapper.status_path(d, 1)).read_text().split(" ", 3)
+    assert (t2, status, what) == (t, "1", "called MPI_Abort (error code 7)\n")
+    rank_wrapper.write_status(d, 2, 1, "raised ValueError: mine")  # the rank's own record
+    own = rank_wrapper.EndRecord(d, 2)
+    own.ended(1)
+    own.watch(b"application called MPI_Abort(MPI_COMM_WORLD, 1)\n")
+    assert Path(rank_wrapper.status_path(d, 2)).read_text().endswith(" 2 1 raised ValueError: mine\n")
+    rank_wrapper.EndRecord(d, 3).ended(0)
+    assert not os.path.exists(rank_wrapper.status_path(d, 3))
+
+
 def test_the_record_a_rank_writes_itself_is_what_shoalrun_names():
     # What Shoal's runtime does before it aborts: write the record, then die. The wrapper sees
     # exit status 5 and must not replace the record with "exited with status 5"; rank 0 fails

@@ -366,7 +366,7 @@ def broadcast_(variables, root_rank, name=None, process_set=_horovod.global_proc
 def consensus_distance(variables, name="consensus_distance"):
     """Ξ = sqrt((1/n) Σ_i ‖x_i − x̄‖²) over the given variables, in float64, as a float
     (eager; collective). See `shoal.torch.consensus_distance`."""
-    return _metrics.consensus_distance(_metrics.flat_float64(v.numpy() for v in variables), name)
+    return _metrics.consensus_distance(_metrics.host_flat(v.numpy() for v in variables), name)
 
 
 def reduce_gradients(grads, variables, prefix, compression=_horovod.Compression.none, op=Average,

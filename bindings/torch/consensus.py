@@ -11,7 +11,6 @@ import torch
 from shoal import _metrics
 from shoal._consensus import ConsensusControl  # noqa: F401  (shoal.torch.ConsensusControl)
 
-from ._adapter import ADAPTER
 
 
 def _flat_params(model_or_tensors):
@@ -23,15 +22,22 @@ def _flat_params(model_or_tensors):
         tensors = list(model_or_tensors)
     if not tensors:
         raise ValueError("consensus_distance: no tensors given")
-    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    if dtype not in (torch.float16, torch.float32, torch.float64):
+        dtype = torch.float64 if dtype.itemsize > 4 else torch.float32  # bfloat16 (numpy has none), ints
+    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=dtype) for t in tensors]).numpy()
 
 
 def consensus_distance(model_or_tensors, name="consensus_distance"):
     """Ξ = sqrt((1/n) Σ_i ‖x_i − x̄‖²) over all ranks, as a Python float.
 
     Args: a module (its parameters), a tensor, or a list of tensors; every rank passes
-        the same shapes. Computed in float64: x̄ with one allreduce of the flattened
-        parameters, then one scalar allreduce of ‖x_i − x̄‖² (exact up to float64
-        rounding, no cancellation). Collective.
+        the same shapes and dtypes. They travel in host memory in their common dtype
+        (bfloat16 as float32), one shard to each rank; each rank's part of the sum is
+        taken in float64 (exact up to float64 rounding, no cancellation;
+        `shoal/_metrics.py`). Collective. ValueError on every rank when the ranks'
+        parameter counts differ.
     """
-    return _metrics.consensus_distance(_flat_params(model_or_tensors), name, ADAPTER)
+    return _metrics.consensus_distance(_flat_params(model_or_tensors), name)

@@ -18,7 +18,7 @@ machine, its network namespace; MPI's daemon there stays)). Scenarios:
              dies; the survivors go on in the recreated window
   elastic    a Horovod elastic script (hvd.elastic.run, TorchState, commit every 5 batches)
   keras_awc | keras_atc   a Keras decentralized optimizer in model.fit trains least squares
-             through the loss (no elastic)
+             through the loss (no elastic); keras_awc+cc with consensus control
   keras_elastic  the elastic script with Keras: model.fit in hvd.elastic.run, KerasState, Horovod's callbacks
              (+awc: with the AWC optimizer instead of DistributedOptimizer)
   psets      process sets [0, 1], [1, 2, 3] and [2] (launch ranks); launch rank 2 dies
@@ -26,6 +26,7 @@ machine, its network namespace; MPI's daemon there stays)). Scenarios:
              squares through the losses
              (+metric: with a user allreduce after every step)
 Every survivor prints one "RESULT {json}" line; the victim records when it died in DIR.
+LOST_RANK_NAP=S: ops and tf_ops sleep S seconds after each round (survivors that outlive a loss).
 """
 import json
 import os
@@ -38,6 +39,9 @@ import numpy as np
 
 import shoal
 from shoal import topology
+
+
+NAP = float(os.environ.get("LOST_RANK_NAP", "0"))
 
 
 def kills(spec):
@@ -127,6 +131,7 @@ def run_ops(directory, plan, iters=30, inflight=False, check=check_ops):
                 for h in hs:
                     shoal.synchronize(h)
             check(shoal.rank())
+            time.sleep(NAP)
             if len(first_after) < len(losses):
                 first_after.append(time.time())
             it += 1
@@ -315,8 +320,12 @@ def run_keras_optimizer(kind, directory, plan, steps=80):
     import shoal.keras as hvd
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    kind, _, variant = kind.partition("+")
     wrap = hvd.DistributedAdaptWithCombineOptimizer if kind == "awc" else hvd.DistributedAdaptThenCombineOptimizer
-    opt = wrap(keras.optimizers.SGD(0.05))
+    # +cc: consensus control after every step (its Ξ allreduce is where a rank that is no
+    # neighbor of the lost one meets the loss)
+    cc = hvd.ConsensusControl(target=1e-4, check_every=1, max_extra_rounds=1) if variant == "cc" else None
+    opt = wrap(keras.optimizers.SGD(0.05), consensus_control=cc)
     model.compile(optimizer=opt, loss="mse")
     w = (np.arange(8.0)[:, None] / 8).astype(np.float32)
     x = np.random.default_rng(LAUNCH).standard_normal((32 * steps, 8)).astype(np.float32)
@@ -447,7 +456,7 @@ if __name__ == "__main__":
         result = run_elastic(directory, plan)
     elif scenario in ("keras_elastic", "keras_elastic+awc"):
         result = run_keras_elastic(directory, plan, awc=scenario.endswith("awc"))
-    elif scenario in ("keras_awc", "keras_atc"):
+    elif scenario in ("keras_awc", "keras_atc", "keras_awc+cc"):
         result = run_keras_optimizer(scenario[len("keras_"):], directory, plan)
     elif scenario == "psets":
         result = run_psets(directory, plan)

@@ -349,6 +349,25 @@ def consensus_distance_matches_numpy():
 
 
 @check
+def consensus_distance_by_shards_in_the_parameters_dtype():
+    """float32, bfloat16 and mixed parameters travel in their common dtype, one shard per
+    rank (23 elements: uneven shards; 1 element: empty ones): the value is the float64
+    reference's; lengths that differ raise ValueError on every rank."""
+    torch.manual_seed(11 + R)
+    cases = [[torch.randn(7, 3), torch.randn(2)], [torch.randn(5).to(torch.bfloat16)],
+             [torch.randn(3, dtype=torch.float64), torch.randn(4).half()], [torch.tensor([float(R)])]]
+    for k, ts in enumerate(cases):
+        xi = bf.consensus_distance(ts, name=f"xi.case{k}")
+        flat = np.concatenate([t.to(torch.float64).numpy().ravel() for t in ts])
+        every = bf.allgather(torch.from_numpy(flat).reshape(1, -1), name=f"xi.ref{k}").numpy()
+        ref = np.sqrt(np.mean(np.sum((every - every.mean(axis=0)) ** 2, axis=1)))
+        assert abs(xi - ref) <= 1e-10 * max(ref, 1e-300), (k, xi, ref)
+    if N > 1:
+        raises(ValueError, bf.consensus_distance, [torch.zeros(5 + (R == N - 1))], name="xi.bad")
+        assert bf.consensus_distance([torch.zeros(3)], name="xi.after") == 0.0  # the job goes on
+
+
+@check
 def consensus_control_keeps_distance_below_target():
     if N == 1:
         raise Skip("needs 2 or more ranks (one rank is always in consensus)")

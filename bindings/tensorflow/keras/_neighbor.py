@@ -62,7 +62,7 @@ class Mixer:
         self.last_consensus_distance = None
         # Fault-tolerant mode (shoal._fault): rounds begun, the round whose exchange started
         # last, and the first round that mixes after a loss (shoal.torch's optimizers' rule).
-        self._calls, self._sent_for, self._quiet_until = 0, -1, 0
+        self._calls, self._sent_for, self._quiet_until, self._mixed = 0, -1, 0, True
         _fault.register(self)
 
     def combine(self, arrays):
@@ -71,15 +71,18 @@ class Mixer:
         every survivor then agreed to skip, leave the arrays as they are (a skipped gossip
         round); inside `shoal.keras.elastic.run` the RankLostError propagates instead."""
         call, self._calls = self._calls, self._calls + 1
+        self._mixed = False  # this step's consensus control runs only after a round that mixed
         if call < self._quiet_until:
             return arrays
         self._sent_for = call
         try:
-            return self._mix(arrays, call)
+            out = self._mix(arrays, call)
         except _fault.RankLostError:
             if STATE.elastic_depth:
                 raise
             return arrays
+        self._mixed = True
+        return out
 
     def _mix(self, arrays, call):
         kw = {}
@@ -126,8 +129,14 @@ class Mixer:
 
     def control(self, arrays):
         """Count an optimizer step and run consensus control on `arrays` (updated in the
-        list); returns the list. A lost rank (fault-tolerant mode) ends this step's control."""
+        list); returns the list. Fault-tolerant mode: a step whose round a lost rank cut or
+        the survivors skipped runs no control (as in shoal.torch, where such a step is a
+        local one), and a loss during the control ends it: after a loss every survivor's
+        next op is the same, the next round's exchange."""
         self.steps += 1
+        if not self._mixed:
+            self._mixed = True
+            return arrays
         try:
             return self._control(arrays)
         except _fault.RankLostError:
@@ -141,9 +150,11 @@ class Mixer:
             handles = [op(np.ascontiguousarray(a), i) for i, a in enumerate(arrays)]
             arrays[:] = [shoal.synchronize(h) for h in handles]
 
+        # The round index (rounds begun, skipped ones too) is the communication step: after
+        # a loss it is the same on every survivor, where the count of rounds that mixed is not.
         checked = _consensus.control(
-            self.consensus_control, self.steps, self.communications,
-            lambda: _metrics.consensus_distance(_metrics.flat_float64(arrays), f"{self.prefix}.xi"),
+            self.consensus_control, self.steps, self._calls,
+            lambda: _metrics.consensus_distance(_metrics.host_flat(arrays), f"{self.prefix}.xi"),
             lambda: mix(lambda a, i: shoal.neighbor_allreduce_nonblocking(a, name=f"{self.prefix}.cc.{i}")),
             lambda: mix(lambda a, i: shoal.allreduce_nonblocking(a, name=f"{self.prefix}.avg.{i}")))
         if checked is not None:

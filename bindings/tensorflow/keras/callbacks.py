@@ -35,7 +35,7 @@ def _arrays(variables):
 
 def consensus_distance(variables, name="keras.consensus_distance"):
     """Ξ = sqrt((1/n) Σ_i ‖x_i − x̄‖²) of the given variables over all ranks (float64)."""
-    return _metrics.consensus_distance(_metrics.flat_float64(_arrays(variables)), name)
+    return _metrics.consensus_distance(_metrics.host_flat(_arrays(variables)), name)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

@@ -35,18 +35,16 @@ def run(func):
     again on the survivors after a lost rank, also one reported by a traced step."""
     @functools.wraps(func)
     def call(state, *args, **kwargs):
-        before = len(_fault.losses())
         try:
             return func(state, *args, **kwargs)
         except tf.errors.OpError as e:
-            # A kernel's report (recovered here), or a RankLostError that a host function
-            # of the step raised (the neighbor optimizers' exchange: recovered already).
-            lost = _tf_ops.shoal_error(e)
-            if isinstance(lost, _fault.RankLostError):
-                raise lost from e
-            if len(_fault.losses()) > before:
-                raise _fault.on_rank_lost(e.message.split("\n", 1)[0], shoal.basics.set_topology) from e
-            raise
+            # A kernel's report ("ShoalError: RankLostError: ..."), or a RankLostError that a
+            # host function of the step raised (the neighbor optimizers' exchange, which has
+            # recovered already: on_rank_lost then only names the loss).
+            if "RankLostError: " not in e.message:
+                raise
+            what = e.message.split("RankLostError: ", 1)[1].split("\n", 1)[0].split(" [Op:", 1)[0]
+            raise _fault.on_rank_lost(what, shoal.basics.set_topology) from e
     return _elastic.run(call)
 
 
