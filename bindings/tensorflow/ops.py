@@ -63,22 +63,35 @@ def _run(op, fn):
         raise
 
 
+def _reported(message, marker):
+    """The text after `marker` in a TensorFlow error's message, less what TensorFlow
+    appends: an eager op's " [Op:...] name: ...", a graph's node list."""
+    return message.split(marker, 1)[1].split("\n\t [[", 1)[0].split(" [Op:", 1)[0]
+
+
+def rank_lost(error):
+    """The RankLostError of a TensorFlow error that reports a lost rank (fault-tolerant mode,
+    docs/design.md §16): a kernel's "ShoalError: RankLostError: ...", or the RankLostError a
+    host function of a traced step raised. Runs the recovery first (collective over the
+    survivors, each of which reaches it through its own failed op; nothing when the numpy
+    path recovered already). None for any other error."""
+    if not isinstance(error, tf.errors.OpError) or "RankLostError: " not in error.message:
+        return None
+    return _fault.on_rank_lost(_reported(error.message, "RankLostError: ").split("\n", 1)[0],
+                               shoal.basics.set_topology)
+
+
 def shoal_error(error):
     """The ShoalError that a kernel's `tf.errors.AbortedError` "ShoalError: ..." reports, or
-    None for another error. From a traced function too (model.fit): there the error comes
-    out of the whole step. A lost rank (fault-tolerant mode, docs/design.md §16) gives the
-    RankLostError that the core's other ops raise, after the same recovery: collective
-    over the survivors, each of which reaches it through its own failed op."""
+    None for another error; a lost rank gives `rank_lost`'s RankLostError."""
     if not isinstance(error, tf.errors.AbortedError) or "ShoalError: " not in error.message:
         return None
-    # Less what TensorFlow appends: an eager op's " [Op:...] name: ...", a graph's node list.
-    msg = error.message.split("ShoalError: ", 1)[1].split("\n\t [[", 1)[0].split(" [Op:", 1)[0]
-    for kind in (shoal.NeighborPatternError, shoal.RankLostError):
-        if msg.startswith(kind.__name__ + ": "):
-            msg = msg[len(kind.__name__) + 2:]
-            if kind is shoal.RankLostError:
-                return _fault.on_rank_lost(msg, shoal.basics.set_topology)
-            return kind(msg)
+    lost = rank_lost(error)
+    if lost is not None:
+        return lost
+    msg = _reported(error.message, "ShoalError: ")
+    if msg.startswith("NeighborPatternError: "):
+        return shoal.NeighborPatternError(msg[len("NeighborPatternError: "):])
     return shoal.ShoalError(msg)
 
 

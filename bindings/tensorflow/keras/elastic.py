@@ -22,8 +22,7 @@ import functools
 import keras
 import tensorflow as tf
 
-import shoal
-from shoal import _elastic, _fault
+from shoal import _elastic
 from shoal._elastic import State
 from shoal.tensorflow import ops as _tf_ops
 
@@ -38,13 +37,10 @@ def run(func):
         try:
             return func(state, *args, **kwargs)
         except tf.errors.OpError as e:
-            # A kernel's report ("ShoalError: RankLostError: ..."), or a RankLostError that a
-            # host function of the step raised (the neighbor optimizers' exchange, which has
-            # recovered already: on_rank_lost then only names the loss).
-            if "RankLostError: " not in e.message:
+            lost = _tf_ops.rank_lost(e)
+            if lost is None:
                 raise
-            what = e.message.split("RankLostError: ", 1)[1].split("\n", 1)[0].split(" [Op:", 1)[0]
-            raise _fault.on_rank_lost(what, shoal.basics.set_topology) from e
+            raise lost from e
     return _elastic.run(call)
 
 
