@@ -52,7 +52,9 @@ std::vector<std::pair<EntryPtr, Status>> StallInspector::Check(NeighborExchange&
   std::vector<std::pair<EntryPtr, Status>> failed;
   for (auto& wt : n.Waiting()) {
     const EntryPtr& e = wt.first;
-    const double waited = std::chrono::duration<double>(now - e->enqueued).count();
+    // From its start here: a long negotiation or vote before it is the coordinator's to
+    // judge, and peers negotiated alike start within a cycle of each other.
+    const double waited = std::chrono::duration<double>(now - e->t_comm_start).count();
     const std::string what = std::string(OpName(e->sig.op)) + " '" + e->name + "' waited " +
                              std::to_string(static_cast<int>(waited)) +
                              (wt.second.empty() ? " s for ranks " + RankList(e->send_ranks) + " to take its data"

@@ -27,7 +27,8 @@ class StallInspector {
   // The responses that fail `c`'s stalled names on every rank of `set` (null: every rank);
   // `now`: seconds on the coordinator's clock.
   std::vector<Response> Check(Coordinator& c, const ProcessSet* set, double now);
-  // Neighbor ops of `n` that stalled past the shutdown time: dropped from `n`, with their errors.
+  // Neighbor ops of `n` that waited for peers past the shutdown time since they started
+  // there: dropped from `n`, with their errors.
   std::vector<std::pair<EntryPtr, Status>> Check(NeighborExchange& n, Clock::time_point now);
   // A name answered or retired: a later stall of it is reported again.
   void Forget(const std::string& key) { warned_.erase(key); }
