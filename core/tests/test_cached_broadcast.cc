@@ -168,7 +168,7 @@ static void TestChanged(int n) {
 // the name runs again, exact), a rank that leaves (an error naming it).
 static void TestFailures(int n) {
   g_case = "cached broadcast failures n=" + std::to_string(n);
-  Job job(n, TestConfig(8 << 20), 31 + n, 50);
+  Job job(n, StallConfig(8 << 20), 31 + n, 50);
   const int last = n - 1;
   Warm(job, "cbf.stall");
   job.Run([&](int r, Runtime& rt) {

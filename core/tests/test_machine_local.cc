@@ -181,7 +181,7 @@ void TestBroadcastAndGroup(int n, int L) {
 // (rank L+1 never submits) is an error naming it on machine 1's other ranks.
 void TestErrors(int n, int L) {
   g_case = "errors n=" + std::to_string(n) + " L=" + std::to_string(L);
-  Job job(n, TestConfig(8 << 20), 11 + n, 150, L);
+  Job job(n, StallConfig(8 << 20), 11 + n, 150, L);
   const int odd = L + 1;
   std::vector<std::string> mismatch(n), refusal(n);
   job.Run([&](int r, Runtime& rt) {
@@ -230,7 +230,7 @@ void TestErrors(int n, int L) {
 // it) instead of waiting; every other machine's op completes exactly.
 void TestDeadRank(int n, int L) {
   g_case = "dead rank n=" + std::to_string(n) + " L=" + std::to_string(L);
-  Job job(n, TestConfig(8 << 20), 13 + n, 150, L);
+  Job job(n, StallConfig(8 << 20), 13 + n, 150, L);
   const int dead = n - 1, M = n / L;
   job.Run([&](int r, Runtime& rt) {
     const int m = r / L;

@@ -339,7 +339,7 @@ static void TestRefusedCalls() {
 static void TestLeaverAndDeath() {
   g_case = "leaver";
   {
-    Job job(4, TestConfig(8 << 20), 33);
+    Job job(4, StallConfig(8 << 20), 33);
     job.Run([&](int r, Runtime& rt) {
       const int32_t even = Add(rt, {0, 2}), odd = Add(rt, {1, 3}), led = Add(rt, {2, 3});
       if (r == 2) return rt.Leave();
@@ -383,7 +383,7 @@ static void TestLeaverAndDeath() {
     });
   }
   g_case = "dead member";
-  Job job(4, TestConfig(8 << 20), 35);
+  Job job(4, StallConfig(8 << 20), 35);
   job.Run([&](int r, Runtime& rt) {
     const int32_t even = Add(rt, {0, 2}), odd = Add(rt, {1, 3});
     if (r == 3) {

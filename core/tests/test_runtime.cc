@@ -99,7 +99,7 @@ static void TestMismatch(int n) {
 // error that names it (SHOAL_STALL_SHUTDOWN_TIME), not a hang.
 static void TestStall(int n) {
   g_case = "stall n=" + std::to_string(n);
-  Job job(n, TestConfig(8 << 20), 5, 50);
+  Job job(n, StallConfig(8 << 20), 5, 50);
   const int last = n - 1;
   job.Run([&](int r, Runtime& rt) {
     Op warm;  // negotiate the neighbor name while everyone takes part
@@ -140,7 +140,7 @@ static void TestStall(int n) {
 static void TestDeadPeer(int n, int delay_us) {
   g_case = "dead peer n=" + std::to_string(n);
   Op left;  // the dead rank's op: its memory stays until its runtime stops (after the job)
-  Job job(n, TestConfig(8 << 20), 11, delay_us);
+  Job job(n, StallConfig(8 << 20), 11, delay_us);
   const int dead = n - 1;
   for (int round = 0; round < 2; ++round) {
     job.Run([&](int r, Runtime& rt) {
@@ -303,7 +303,7 @@ static void TestCachedAllreduce(int n, int64_t fusion) {
 // leaves instead (an error naming it).
 static void TestCachedFailures(int n) {
   g_case = "cached failures n=" + std::to_string(n);
-  Job job(n, TestConfig(8 << 20), 19, 50);
+  Job job(n, StallConfig(8 << 20), 19, 50);
   const int last = n - 1;
   auto warm = [&](const std::string& name) {
     for (int round = 0; round < 3; ++round)

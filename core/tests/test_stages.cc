@@ -156,7 +156,7 @@ void TestRefused(int n, int L) {
 void TestDeadRank(int n, int L) {
   g_case = "hierarchical dead rank n=" + std::to_string(n) + " L=" + std::to_string(L);
   Hier left;  // the dead rank's op: its memory stays until its runtime stops
-  Job job(n, TestConfig(8 << 20), 23 + n, 200, L);
+  Job job(n, StallConfig(8 << 20), 23 + n, 200, L);
   const int M = n / L, dead = n - 1;
   job.Run([&](int r, Runtime& rt) {
     Hier mine;
