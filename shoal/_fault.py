@@ -15,7 +15,8 @@ job's control communicator, so each survivor's next op fails too):
    weights would bias the average);
 3. the optimizers that registered (`register`) agree on the step from which every
    survivor communicates again: one allreduce (max) of each one's `fault_position()`,
-   then `fault_align(step)` (and `fault_resync()`, e.g. a broadcast of the model).
+   then `fault_align(step)`, and `fault_resync()` (which may be collective, e.g. a
+   broadcast of the model) of those that every survivor still has.
 
 4. process sets are added again over their surviving members (renumbered; a set with none
    left gets process_set_id None);
@@ -152,14 +153,15 @@ def _recovered(lost, set_topology):
             warnings.warn(f"window {name!r} existed on only some survivors of the loss (a win_create or win_free "
                           "it cut short): not created again; create it again on every rank", RuntimeWarning,
                           stacklevel=2)
-    agreed = {}
+    agreed, holders = {}, collections.Counter(k for k, _ in every if k >= 0)
     for k, position in every:
         if k >= 0:
             agreed[k] = max(agreed.get(k, position), position)
     for k, p in live:
         p.fault_align(agreed[k])
-    for _, p in live:
-        p.fault_resync()
+    for k, p in live:
+        if holders[k] == _core.size():  # resyncs may be collective: one gone elsewhere takes none
+            p.fault_resync()
 
 
 def _name_hash(name):

@@ -226,9 +226,9 @@ def test_a_user_graph_gets_metropolis_hastings_weights_over_the_survivors(tmp_pa
 
 @openmpi_only
 @pytest.mark.parametrize("optimizer", ["awc", "atc", "delayed", "gradient", "delayed+metric", "gradient+metric",
-                                       "awc+gc"])
+                                       "awc+gc", "awc+cc", "delayed+cc"])
 def test_optimizers_train_on_through_a_loss(tmp_path, optimizer):
-    rc, results, out, died = run_lost(tmp_path, 4, optimizer, "2@20:kill")
+    rc, results, out, died = run_lost(tmp_path, 4, optimizer, "2@20:kill", timeout=240)
     check_survivors(rc, results, out, 4, [2])
     for r in results.values():
         assert r["losses"] == 1 and r["lost"][0][1] == [2], r
@@ -240,6 +240,8 @@ def test_optimizers_train_on_through_a_loss(tmp_path, optimizer):
             assert r["identical"], r  # the replicas agree again: the new rank 0's model
         else:
             assert r["spread"] < 1e-3, r
+    if optimizer.endswith("+cc"):  # consensus control checks at the same steps on every survivor
+        assert len({r["communications"] for r in results.values()}) == 1, results
 
 
 @openmpi_only

@@ -106,8 +106,13 @@ class _ParameterMixing(_Distributed):
 
     def fault_resync(self):
         """After a loss (shoal._fault): compressed gossip's public copies belonged to the
-        old graph's edges; every survivor starts them again."""
+        old graph's edges; every survivor starts them again. `communications` (consensus
+        control's step count) becomes the survivors' largest: a survivor whose exchange the
+        loss cut counted one fewer, and would check Ξ at other steps than the others."""
         self._gossip.clear()
+        counts = torch.tensor([self.communications], dtype=torch.int64)
+        self.communications = int(_ops.synchronize(_ops.allreduce(
+            ADAPTER, counts, name=f"{self._prefix}.communications", op=_ops.Max))[0])
 
     def _plan(self, params):
         """The buckets of `params` (shoal.torch._buckets), made once per parameter list and
@@ -173,6 +178,9 @@ class _ParameterMixing(_Distributed):
         return _ops.neighbor_allreduce(ADAPTER, p.data, name=name)
 
     def _control(self):
+        if not self._communicating():  # a loss cut this step's exchange: no check (every survivor skips it)
+            return
+
         def mix(start):
             handles = [(p, start(p)) for p in self._params()]
             with torch.no_grad():

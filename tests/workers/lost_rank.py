@@ -372,7 +372,10 @@ def run_psets(directory, plan, iters=12):
 
 
 def run_optimizer(kind, directory, plan, steps=80):
-    """`kind` + "+metric": a user allreduce after every step too (a loss may surface there)."""
+    """`kind` + "+metric": a user allreduce after every step too (a loss may surface there);
+    "+cc": consensus control every second communication step (its Ξ collectives are where a
+    rank that is no neighbor of the lost one meets the loss, and the survivors must agree on
+    which steps check)."""
     import torch
     import shoal.torch as bf
     kind, variant = kind.partition("+")[::2]
@@ -398,7 +401,8 @@ def run_optimizer(kind, directory, plan, steps=80):
         opt = bf.DistributedWinPutOptimizer(base, model)
     else:
         overlap = "delayed" if kind == "delayed" else "backward"
-        opt = bf.DistributedAdaptWithCombineOptimizer(base, model, overlap=overlap)
+        cc = bf.ConsensusControl(target=1e-4, check_every=2, max_extra_rounds=1) if variant == "cc" else None
+        opt = bf.DistributedAdaptWithCombineOptimizer(base, model, overlap=overlap, consensus_control=cc)
     g = torch.Generator().manual_seed(LAUNCH)
     w = torch.arange(8.0)[:, None] / 8
     size_before, first_after, losses = bf.size(), [], 0
